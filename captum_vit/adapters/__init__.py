@@ -1,0 +1,60 @@
+"""The adapter layer: the only code that knows a model's internals (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from captum_vit.adapters.base import (
+    BlockParts,
+    BlockRecord,
+    HeadParts,
+    Layout,
+    NormParts,
+    Ops,
+    Trace,
+    ViTAdapter,
+)
+from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
+
+SUPPORTED = (
+    "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
+    "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size)"
+)
+
+
+def adapt(model: nn.Module) -> ViTAdapter:
+    """Pick the adapter for ``model``.
+
+    Args:
+        model (nn.Module): a supported Vision Transformer classifier.
+
+    Returns:
+        ViTAdapter: the canonical view of ``model`` (the model itself is not modified).
+
+    Raises:
+        TypeError: if ``model`` is not a supported ViT; the message lists what is supported.
+
+    Examples::
+
+        >>> import timm
+        >>> from captum_vit.adapters import adapt
+        >>> model = timm.create_model("vit_tiny_patch16_224", num_classes=10).eval()
+        >>> adapt(model).num_blocks
+        12
+    """
+    if isinstance(model, ViTAdapter):
+        return model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_timm_vit(model):
+        return TimmViTAdapter(model)
+    raise TypeError(
+        f"captum_vit cannot explain a {type(model).__name__}: supported models are the "
+        f"{SUPPORTED}"
+    )
+
+
+__all__ = [
+    "BlockParts", "BlockRecord", "HeadParts", "Layout", "NormParts", "Ops", "Trace",
+    "TimmViTAdapter", "ViTAdapter", "adapt", "SUPPORTED",
+]

@@ -1,0 +1,166 @@
+"""Adapter for timm's ``VisionTransformer`` family (ViT, DeiT, distilled DeiT, registers,
+avg-pool, LayerScale, qk-norm, dynamic image size).
+
+Only this file knows timm's attribute names. It reads (never changes) the model's
+modules and parameters and runs the embedding through the model's own code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import BlockParts, HeadParts, Layout, NormParts, ViTAdapter
+
+
+def _norm_parts(m: nn.Module, what: str) -> NormParts:
+    if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
+        raise TypeError(f"{what} is {type(m).__name__}; captum_vit supports LayerNorm here")
+    return NormParts(m.weight, m.bias, m.eps)
+
+
+def _optional_norm(m: nn.Module, what: str) -> NormParts | None:
+    return None if isinstance(m, nn.Identity) else _norm_parts(m, what)
+
+
+def _layer_scale(m: nn.Module) -> Tensor | None:
+    return None if isinstance(m, nn.Identity) else m.gamma
+
+
+def _has_active_dropout(model: nn.Module) -> bool:
+    from timm.layers import DropPath, PatchDropout
+
+    for m in model.modules():
+        if m.training and ((isinstance(m, nn.Dropout) and m.p > 0)
+                           or (isinstance(m, DropPath) and m.drop_prob > 0)
+                           or (isinstance(m, PatchDropout) and m.prob > 0)):
+            return True
+    return False
+
+
+class TimmViTAdapter(ViTAdapter):
+    """Canonical view of a timm ``VisionTransformer`` (or ``VisionTransformerDistilled``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        from timm.layers import Attention, Mlp
+        from timm.models.vision_transformer import Block
+
+        self.model = model
+        name = type(model).__name__
+        blocks = []
+        for i, blk in enumerate(model.blocks):
+            where = f"{name}.blocks[{i}]"
+            if type(blk) is not Block:
+                raise TypeError(f"{where} is {type(blk).__name__}; captum_vit supports timm's "
+                                "pre-LN `Block` (not ResPostBlock, parallel or custom blocks)")
+            attn, mlp = blk.attn, blk.mlp
+            if type(attn) is not Attention or getattr(attn, "gate", None) is not None \
+                    or not isinstance(attn.norm, nn.Identity):
+                raise TypeError(f"{where}.attn is not timm's plain `Attention` (no gate, no "
+                                "scale_norm); this attention variant is not supported")
+            if type(mlp) is not Mlp or not isinstance(mlp.norm, nn.Identity) \
+                    or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
+                raise TypeError(f"{where}.mlp must be timm's `Mlp` with a GELU activation and "
+                                "no hidden norm (GLU/SwiGLU MLPs are not supported)")
+            blocks.append(BlockParts(
+                norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
+                qkv_weight=attn.qkv.weight, qkv_bias=attn.qkv.bias,
+                num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
+                q_norm=attn.q_norm, k_norm=attn.k_norm,
+                proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
+                ls1=_layer_scale(blk.ls1),
+                norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
+                fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
+                ls2=_layer_scale(blk.ls2),
+            ))
+        if not blocks:
+            raise TypeError(f"{name} has no transformer blocks")
+        self.blocks = blocks
+        self.num_prefix = int(model.num_prefix_tokens)
+        self.in_chans = int(model.patch_embed.proj.in_channels)
+
+        if not isinstance(model.head, nn.Linear):
+            raise TypeError(f"{name}.head is {type(model.head).__name__}; captum_vit needs a "
+                            "linear classifier head (build the model with num_classes > 0)")
+        if getattr(model, "attn_pool", None) is not None:
+            raise TypeError("global_pool='map' (attention pooling) is not supported; use "
+                            "'token' or 'avg'")
+        head_norm = _optional_norm(model.norm, f"{name}.norm")
+        fc_norm = _optional_norm(model.fc_norm, f"{name}.fc_norm")
+        if hasattr(model, "head_dist"):  # timm.models.deit.VisionTransformerDistilled
+            self.readout = "distilled"
+            heads = ((0, model.head.weight, model.head.bias),
+                     (1, model.head_dist.weight, model.head_dist.bias))
+        elif model.global_pool == "token":
+            self.readout = "token"
+            heads = ((0, model.head.weight, model.head.bias),)
+        elif model.global_pool == "avg" and not getattr(model, "pool_include_prefix", False):
+            self.readout = "avg"
+            heads = (("avg", model.head.weight, model.head.bias),)
+        else:
+            raise TypeError(f"global_pool={model.global_pool!r} is not supported; captum_vit "
+                            "supports 'token' (class token) and 'avg' (mean of patch tokens)")
+        self.head = HeadParts(head_norm, fc_norm, heads)
+
+    # ------------------------------------------------------------------------------------
+    def _grid(self, h: int, w: int) -> tuple[int, int]:
+        pe = self.model.patch_embed
+        if getattr(self.model, "dynamic_img_size", False):
+            return tuple(pe.dynamic_feat_size((h, w)))
+        return tuple(pe.grid_size)
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        pe = self.model.patch_embed
+        _, c, h, w = inputs.shape
+        if c != self.in_chans:
+            raise ValueError(f"inputs have {c} channels but the model expects {self.in_chans}")
+        ph, pw = pe.patch_size
+        if getattr(self.model, "dynamic_img_size", False):
+            if not getattr(pe, "dynamic_img_pad", False) and (h % ph or w % pw):
+                raise ValueError(
+                    f"inputs size {(h, w)} is not divisible by the patch size {(ph, pw)}; "
+                    "resize or crop the images to a multiple of the patch size")
+        elif (h, w) != tuple(pe.img_size):
+            raise ValueError(
+                f"inputs size {(h, w)} does not match the model's fixed img_size "
+                f"{tuple(pe.img_size)}; resize the images or build the model with "
+                "dynamic_img_size=True")
+        if torch.is_floating_point(inputs) and _has_active_dropout(self.model):
+            raise ValueError("the model is in training mode with active dropout/drop-path, "
+                             "so its output is random; call model.eval() before explaining")
+
+    def layout(self, inputs: Tensor) -> Layout:
+        h, w = inputs.shape[-2:]
+        return Layout(
+            num_prefix=self.num_prefix,
+            grid=self._grid(h, w),
+            patch_size=tuple(self.model.patch_embed.patch_size),
+            readout=self.readout,
+            num_blocks=self.num_blocks,
+            num_heads=self.blocks[0].num_heads,
+            image_size=(int(h), int(w)),
+        )
+
+    def embed(self, inputs: Tensor) -> Tensor:
+        m = self.model
+        x = m.patch_embed(inputs)
+        x = m._pos_embed(x)
+        x = m.patch_drop(x)
+        return m.norm_pre(x)
+
+
+def _timm_gelus() -> tuple[type, ...]:
+    from timm.layers import activations
+
+    names = ("GELU", "GELUTanh", "QuickGELU")
+    return tuple(getattr(activations, n) for n in names if hasattr(activations, n))
+
+
+def is_timm_vit(model: nn.Module) -> bool:
+    try:
+        from timm.models.vision_transformer import VisionTransformer
+    except ImportError:  # pragma: no cover - timm is a dependency
+        return False
+    return isinstance(model, VisionTransformer)

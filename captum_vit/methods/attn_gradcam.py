@@ -1,0 +1,67 @@
+"""Grad-CAM on the last attention map (Chefer et al.'s "Grad-CAM" baseline). SPEC §1.5."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    gradients,
+    readout,
+    resolve_target,
+    target_scores,
+)
+
+
+class AttnGradCAM(ViTGradientAttribution):
+    r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
+    \nabla A^h[r, j]` of the last block, map
+    :math:`m = \mathrm{ReLU}(\mathrm{mean}_h\, w_h A^h[r, :])`.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+    """
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image; ``None`` explains the
+                predicted class.
+            score (str, optional): ``"logit"`` (default) or ``"probability"``.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import AttnGradCAM
+            >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attn = tr.blocks[-1].attn
+        (grad,) = gradients(target_scores(tr.logits, t, score), [attn])
+        dt = accumulation_dtype(attn)
+        k = tr.layout.num_prefix
+        with torch.no_grad():
+            g_r = readout(tr.layout, grad.to(dt))  # [B, H, N]
+            a_r = readout(tr.layout, attn.detach().to(dt))
+            w = g_r[..., k:].mean(-1, keepdim=True)
+            return (w * a_r).mean(1).clamp(min=0)

@@ -1,0 +1,82 @@
+"""Generic Attention-model Explainability (Chefer, Gur & Wolf, ICCV 2021). SPEC §1.3."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    gradients,
+    resolve_target,
+    target_scores,
+)
+
+
+class GAE(ViTGradientAttribution):
+    r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
+
+    With :math:`R = I` and, for every block :math:`l = 0 .. L-1`,
+    :math:`\bar A_l = \mathrm{mean}_h\,\mathrm{ReLU}(\nabla A_l^h \odot A_l^h)` (ReLU per
+    head, then the head mean; Eq. 5 of the paper) and :math:`R \leftarrow R + \bar A_l R`
+    (Eq. 6), the map is the readout row of :math:`R`. No row normalisation.
+
+    Gradients of all blocks come from one backward pass of the target score. Heads are
+    averaged per image (the authors' notebook reshapes batch and heads together, which
+    mixes images in a batch; this implementation does not). The readout row is carried
+    as a vector from the last block down, :math:`r^\top (I+\bar A_{L-1})\cdots(I+\bar
+    A_0)`, which equals the matrix recursion.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+    """
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): ``"logit"`` (default, as the paper) or
+                ``"probability"``.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import GAE
+            >>> from captum.attr import NoiseTunnel
+            >>> attr = GAE(model).attribute(images, target=labels)
+            >>> smooth = NoiseTunnel(GAE(model)).attribute(
+            ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attns = [rec.attn for rec in tr.blocks]
+        grads = gradients(target_scores(tr.logits, t, score), attns)
+        dt = accumulation_dtype(attns[0])
+        n = attns[0].shape[-1]
+        r = tr.layout.readout_weights(n, dtype=dt, device=inputs.device)
+        r = r.expand(inputs.shape[0], -1)
+        with torch.no_grad():
+            for a, g in zip(reversed(attns), reversed(grads), strict=True):
+                abar = (g.to(dt) * a.to(dt)).clamp(min=0).mean(1)
+                r = r + torch.einsum("bn,bnm->bm", r, abar)
+        return r
