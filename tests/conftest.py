@@ -1,0 +1,16 @@
+import pytest
+import torch
+
+from tests.helpers import load_parity
+
+
+@pytest.fixture(scope="session")
+def parity():
+    """(model, x, targets, logits, maps, meta) of the parity fixture (float64)."""
+    return load_parity()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

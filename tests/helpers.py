@@ -1,0 +1,152 @@
+"""Shared test helpers: small random timm ViTs of every supported family, the parity
+fixture, a reference attention capture through timm's own forward, and a snapshot of
+everything an attribution call must leave unchanged."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# name -> (class, kwargs, input size (H, W))
+FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
+    "vit": (VisionTransformer, {}, (32, 32)),
+    "distilled": (VisionTransformerDistilled, {}, (32, 32)),
+    "registers": (VisionTransformer, {"reg_tokens": 2}, (32, 32)),
+    "avgpool": (VisionTransformer, {"class_token": False, "global_pool": "avg"}, (32, 32)),
+    "layerscale": (VisionTransformer,
+                   {"init_values": 0.5, "qk_norm": True, "no_embed_class": True}, (32, 32)),
+    "nonsquare": (VisionTransformer, {"dynamic_img_size": True}, (24, 40)),
+}
+
+
+def randomize_(model: nn.Module, seed: int) -> nn.Module:
+    """Re-initialise weights so attention is far from uniform (like the parity fixture)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                fan_in = math.prod(p.shape[1:])
+                std = 1.5 / math.sqrt(fan_in) if "qkv" in name else 1.0 / math.sqrt(fan_in)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif name.endswith("gamma"):
+                p.copy_(0.5 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        for name in ("cls_token", "reg_token", "dist_token", "pos_embed"):
+            t = getattr(model, name, None)
+            if isinstance(t, nn.Parameter):
+                t.copy_(0.5 * torch.randn(t.shape, generator=g))
+    return model
+
+
+def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
+               dtype: torch.dtype = torch.float64, num_classes: int = 5) -> nn.Module:
+    """A small random timm ViT of ``family`` (see FAMILIES), eval mode."""
+    cls, extra, size = FAMILIES[family]
+    kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
+                  num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
+    kwargs.update(extra)
+    torch.manual_seed(seed)
+    model = cls(**kwargs)
+    return randomize_(model, seed).to(dtype).eval()
+
+
+def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
+                dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    h, w = FAMILIES[family][2]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, h, w, generator=g).to(dtype)
+
+
+def load_parity():
+    """The parity fixture (config A): model (float64, eval), x, targets, logits, maps, meta."""
+    meta = json.loads((FIXTURES / "meta.json").read_text())
+    model = VisionTransformer(**meta["model"]["kwargs"])
+    model.load_state_dict(load_file(str(FIXTURES / "model.safetensors")), strict=True)
+    model = model.double().eval()
+    inp = load_file(str(FIXTURES / "inputs.safetensors"))
+    maps = load_file(str(FIXTURES / "maps.safetensors"))
+    return model, inp["x"], inp["targets"], inp["logits"], maps, meta
+
+
+def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor,
+                              rel: float = 1e-8) -> None:
+    """``max|actual - reference| <= rel * max|reference|`` (fixture tolerance style)."""
+    assert actual.shape == reference.shape, (actual.shape, reference.shape)
+    scale = reference.abs().max().item()
+    err = (actual - reference).abs().max().item()
+    assert err <= rel * max(scale, 1e-300), f"max abs error {err:.3g} vs scale {scale:.3g}"
+
+
+class ReferenceCapture:
+    """Attention probabilities [B, H, N, N] and their gradients captured through timm's
+    OWN forward (on a deep copy with fused attention switched off), independent of the
+    adapter. Use ``refs = ReferenceCapture(model)``; ``logits = refs(x)``; ``refs.attn``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = copy.deepcopy(model)
+        self.attn: list[torch.Tensor] = []
+        self.block_inputs: list[torch.Tensor] = []
+        for blk in self.model.blocks:
+            blk.attn.fused_attn = False
+            blk.attn.attn_drop.register_forward_hook(self._grab_attn)
+            blk.register_forward_pre_hook(self._grab_input)
+
+    def _grab_attn(self, module, args, out):
+        out.retain_grad()
+        self.attn.append(out)
+
+    def _grab_input(self, module, args):
+        args[0].retain_grad()
+        self.block_inputs.append(args[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.attn.clear()
+        self.block_inputs.clear()
+        return self.model(x)
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Everything an attribution call must leave unchanged."""
+    state = {}
+    for name, p in model.named_parameters():
+        state[f"param:{name}"] = (p.detach().clone(), p.requires_grad,
+                                  None if p.grad is None else p.grad.clone())
+    for name, b in model.named_buffers():
+        state[f"buffer:{name}"] = b.clone()
+    for name, m in model.named_modules():
+        hooks = tuple(len(getattr(m, h, {})) for h in (
+            "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+            "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks"))
+        flags = {k: v for k, v in vars(m).items() if isinstance(v, bool | int | float | str)}
+        state[f"module:{name}"] = (type(m), m.training, hooks, flags)
+    return state
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert before.keys() == after.keys()
+    for key, old in before.items():
+        new = after[key]
+        if key.startswith("param:"):
+            assert torch.equal(old[0], new[0]), f"{key} value changed"
+            assert old[1] == new[1], f"{key} requires_grad changed"
+            assert (old[2] is None) == (new[2] is None), f"{key} .grad changed"
+            if old[2] is not None:
+                assert torch.equal(old[2], new[2]), f"{key} .grad changed"
+        elif key.startswith("buffer:"):
+            assert torch.equal(old, new), f"{key} changed"
+        else:
+            assert old == new, f"{key} changed: {old} -> {new}"
