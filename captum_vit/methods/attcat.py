@@ -1,0 +1,56 @@
+"""AttCAT: Attentive Class Activation Tokens (Qiang et al., NeurIPS 2022). SPEC §1.4."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from captum.log import log_usage
+from torch import Tensor
+
+from captum_vit._base import SCORES, TargetLike, ViTGradientAttribution, check_choice
+from captum_vit.methods.ixg import layer_gradients
+
+
+class AttCAT(ViTGradientAttribution):
+    r"""Attentive Class Activation Tokens.
+
+    For every block input :math:`x_l` the class activation token
+    :math:`\mathrm{cat}_l[j] = \sum_d x_l[j, d]\, \partial s_c / \partial x_l[j, d]`
+    (token Input x Gradient) is weighted by the attention token :math:`j` receives,
+    :math:`\alpha_l[j] = \mathrm{mean}_h \mathrm{mean}_i A_l^h[i, j]` (averaged over the
+    heads and ALL query rows), and the blocks are summed:
+    :math:`m = \sum_{l=0}^{L-1} \alpha_l \odot \mathrm{cat}_l`. Signed (no ReLU);
+    every block's gradient comes from one backward pass. In SkipPLUS terms this is
+    ``PLUS(AttIxG)``; :class:`~captum_vit.methods.ixg.AttIxG` gives one term.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+    """
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): ``"logit"`` (default, as the paper) or
+                ``"probability"``.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the signed attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import AttCAT
+            >>> attr = AttCAT(model).attribute(images, target=labels, output="grid")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        return layer_gradients(self.adapter, inputs, target, score=score).att_ixg().sum(0)

@@ -1,0 +1,186 @@
+"""Token Transformation Matters (Wu et al., CVPR 2024). SPEC §2.
+
+Eq. numbers are the paper's. A sublayer turns original tokens ``E`` into transformed
+tokens ``Ẽ``; its *transformation weights* (Eq. 12-13) are
+
+    NECC_i = exp(cos(E_i, Ẽ_i)) / sum_k exp(cos(E_k, Ẽ_k))          (Eq. 12)
+    W      = diag( L(Ẽ_i) / L(E_i) * NECC_i ),   L(z) = ||z||_2         (Eq. 13)
+
+and the token-level contributions are aggregated over the blocks (Eq. 14-19):
+
+    U_attn = I + mean_h [ ReLU(∇A^h) ⊙ (A^h W^h) ]                     (Eq. 14-15)
+    U_ffn  = I + W_ffn                                                 (Eq. 16-17)
+    C_0    = diag( L(x_0,i) ),   C <- U_ffn U_attn C  for l = 0..L-1     (Eq. 18-19)
+    m      = readout row of C                                          (Eq. 20)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    gradients,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import Trace
+
+VARIANTS = ("paper", "residual")
+DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
+EPS = 1e-8
+
+
+def transformation_weights(e: Tensor, e_t: Tensor, eps: float = EPS) -> Tensor:
+    """Diagonal of ``W`` (Eq. 12-13) for original tokens ``e`` and transformed ``e_t``.
+
+    Args:
+        e (Tensor): original tokens [..., N, D].
+        e_t (Tensor): transformed tokens [..., N, D].
+        eps (float): added to ``L(E_i)`` and used as the norm floor of the cosine
+            (the convention of :func:`torch.nn.functional.cosine_similarity`).
+
+    Returns:
+        Tensor: ``L(Ẽ_i) / (L(E_i) + eps) * NECC_i`` [..., N]; NECC sums to 1 over N.
+    """
+    le, lt = e.norm(dim=-1), e_t.norm(dim=-1)
+    return weights_from_norms(le, lt, (e * e_t).sum(-1), eps)
+
+
+def weights_from_norms(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) -> Tensor:
+    """Eq. 12-13 from the lengths ``L(E_i)``, ``L(Ẽ_i)`` and the dot products ``E_i·Ẽ_i``."""
+    cos = dot / (le.clamp(min=eps) * lt.clamp(min=eps))
+    necc = cos.softmax(dim=-1)  # Eq. 12: softmax over the tokens of one image
+    return lt / (le + eps) * necc  # Eq. 13
+
+
+def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
+                 num_heads: int, eps: float = EPS) -> Tensor:
+    """Per-head weights ``W^h`` of the attention sublayer (Eq. 13 with Eq. 5), [B, H, N].
+
+    ``E = x`` and ``Ẽ^h = u W_V^h W_O^h``. The [B, H, N, D] tensor ``Ẽ`` is never formed:
+    with ``v^h = u W_V^h`` [N, d] and ``W_O^h`` the head's [d, D] slice,
+    ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``.
+    """
+    b, n, _ = x.shape
+    v = torch.nn.functional.linear(u, v_weight).reshape(b, n, num_heads, -1)  # [B, N, H, d]
+    xo = (x @ proj_weight).reshape(b, n, num_heads, -1)  # x_i W_O^hᵀ, [B, N, H, d]
+    wo = proj_weight.reshape(-1, num_heads, v.shape[-1])  # [D, H, d]
+    gram = torch.einsum("Dhe,Dhf->hef", wo, wo)  # W_O^h W_O^hᵀ, [H, d, d]
+    sq = torch.einsum("bnhe,hef,bnhf->bhn", v, gram, v)
+    lt = sq.clamp(min=0).sqrt()
+    dot = torch.einsum("bnhe,bnhe->bhn", v, xo)
+    return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
+
+
+class TokenTM(ViTGradientAttribution):
+    r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).
+
+    **variant="paper"** (default, SPEC §2, Eq. 9-20): for block :math:`l` the attention
+    sublayer has original tokens :math:`E = x_l` and per-head transformed tokens
+    :math:`\tilde E^h = \mathrm{LN_1}(x_l) W_V^h W_O^h` (Eq. 5, biases excluded), giving
+    :math:`W^h` (Eq. 12-13) and
+    :math:`U_{attn} = I + \mathrm{mean}_h[\mathrm{ReLU}(\nabla A^h) \odot (A^h W^h)]`
+    (Eq. 14-15; :math:`A^h W^h` scales column :math:`j` by :math:`W^h_j`). The FFN
+    sublayer has :math:`E = x_{mid,l}`, :math:`\tilde E = \mathrm{ls_2}(\mathrm{MLP}(
+    \mathrm{LN_2}(x_{mid,l})))` and :math:`U_{ffn} = I + W_{ffn}` (Eq. 16-17). With
+    :math:`C_0 = \mathrm{diag}(L(x_{0,i}))` (Eq. 18) and :math:`C \leftarrow U_{ffn}
+    U_{attn} C` (Eq. 19) the map is the readout row of :math:`C` (Eq. 20). The gradient
+    is of the target probability (the paper differentiates :math:`p(c)`).
+
+    **variant="residual"**: the re-implementation of the LibraGrad authors, for
+    comparison: one weight set per block from residual states,
+    :math:`W_{attn}` from :math:`(x_l, x_{mid,l})`,
+    :math:`U_{attn} = I + (\bar A_l W_{attn}) \odot \mathrm{mean}_h \mathrm{ReLU}(\nabla
+    A_l^h)`, :math:`W_{ffn}` from :math:`(x_{mid,l}, x_{l+1})`; gradient of the logit.
+
+    :math:`\varepsilon = 10^{-8}` is added to every length in a denominator (the cosine
+    floors each length at :math:`\varepsilon`, as ``torch.nn.functional.cosine_similarity``).
+    The gradients of every block's attention come from one backward pass. Since
+    :math:`C \leftarrow U C` is linear, only the readout row is propagated,
+    :math:`m = r^\top U_{ffn,L-1} U_{attn,L-1} \cdots U_{attn,0}\, C_0`, which costs
+    :math:`O(H N^2)` per block and equals the matrix recursion. Maps are accumulated in
+    float32 for half-precision inputs (magnitudes grow with depth).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        variant (str, optional): ``"paper"`` (default) or ``"residual"``.
+    """
+
+    def __init__(self, model: nn.Module, variant: str = "paper") -> None:
+        check_choice("variant", variant, VARIANTS)
+        super().__init__(model)
+        self.variant = variant
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str | None = None,
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): ``"probability"`` or ``"logit"``. Default ``None`` =
+                the variant's own: ``"probability"`` for ``"paper"``, ``"logit"`` for
+                ``"residual"``.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the (non-negative) attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import TokenTM
+            >>> from captum.attr import NoiseTunnel
+            >>> attr = TokenTM(model).attribute(images, target=labels)
+            >>> resid = TokenTM(model, variant="residual").attribute(images, target=labels)
+            >>> smooth = NoiseTunnel(TokenTM(model)).attribute(
+            ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
+        """
+        score = DEFAULT_SCORE[self.variant] if score is None else score
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attns = [rec.attn for rec in tr.blocks]
+        grads = gradients(target_scores(tr.logits, t, score), attns)  # ∇A_l^h, one backward
+        with torch.no_grad():
+            return self._propagate(tr, grads)
+
+    def _propagate(self, tr: Trace, grads: list[Tensor]) -> Tensor:
+        """``r^T U_ffn,L-1 U_attn,L-1 ... U_attn,0 C_0`` (Eq. 18-20), [B, N]."""
+        dt = accumulation_dtype(tr.x0)
+        n = tr.x0.shape[1]
+        r = tr.layout.readout_weights(n, dtype=dt, device=tr.x0.device)
+        r = r.expand(tr.x0.shape[0], -1)
+        for l in reversed(range(len(tr.blocks))):
+            rec, p = tr.blocks[l], self.adapter.blocks[l]
+            x, mid, a, g = (z.detach().to(dt) for z in (rec.x, rec.mid, rec.attn, grads[l]))
+            if self.variant == "paper":
+                w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
+                r = r * (1 + w_ffn)  # r^T U_ffn, Eq. 17
+                w = head_weights(x, rec.u.detach().to(dt), p.v_weight.detach().to(dt),
+                                 p.proj_weight.detach().to(dt), p.num_heads)  # [B, H, N]
+                # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
+                rh = torch.einsum("bn,bhnm->bhm", r, g.clamp(min=0) * a)
+                r = r + (rh * w).mean(1)
+            else:
+                w_ffn = transformation_weights(mid, rec.out.detach().to(dt))
+                r = r * (1 + w_ffn)
+                w_attn = transformation_weights(x, mid)
+                # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
+                m = a.mean(1) * g.clamp(min=0).mean(1)
+                r = r + torch.einsum("bn,bnm->bm", r, m) * w_attn
+        return r * tr.x0.detach().to(dt).norm(dim=-1)  # C_0 = diag(L(x_0,i)), Eq. 18
