@@ -55,11 +55,19 @@ def transformation_weights(e: Tensor, e_t: Tensor, eps: float = EPS) -> Tensor:
     return weights_from_norms(le, lt, (e * e_t).sum(-1), eps)
 
 
-def weights_from_norms(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) -> Tensor:
-    """Eq. 12-13 from the lengths ``L(E_i)``, ``L(Ẽ_i)`` and the dot products ``E_i·Ẽ_i``."""
+def necc(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) -> Tensor:
+    """NECC (Eq. 12) from ``L(E_i)``, ``L(Ẽ_i)`` and ``E_i·Ẽ_i`` [..., N]; sums to 1 over N.
+
+    The cosine floors each length at ``eps`` (``torch.nn.functional.cosine_similarity``'s
+    convention, which reproduces the authors' numbers; ``dot / (L L + eps)`` does not).
+    """
     cos = dot / (le.clamp(min=eps) * lt.clamp(min=eps))
-    necc = cos.softmax(dim=-1)  # Eq. 12: softmax over the tokens of one image
-    return lt / (le + eps) * necc  # Eq. 13
+    return cos.softmax(dim=-1)  # softmax over the tokens of one image
+
+
+def weights_from_norms(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) -> Tensor:
+    """Eq. 13 from the lengths ``L(E_i)``, ``L(Ẽ_i)`` and the dot products ``E_i·Ẽ_i``."""
+    return lt / (le + eps) * necc(le, lt, dot, eps)
 
 
 def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
@@ -155,7 +163,9 @@ class TokenTM(ViTGradientAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         attns = [rec.attn for rec in tr.blocks]
-        grads = gradients(target_scores(tr.logits, t, score), attns)  # ∇A_l^h, one backward
+        with torch.enable_grad():  # the softmax of score="probability" needs a graph
+            # ∇A_l^h of every block from one backward pass
+            grads = gradients(target_scores(tr.logits, t, score), attns)
         with torch.no_grad():
             return self._propagate(tr, grads)
 

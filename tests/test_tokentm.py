@@ -1,0 +1,294 @@
+"""TokenTM (SPEC §2): fixture parity of the residual variant, a slow reference written
+from the paper's equations (explicit loops over heads and tokens, full N x N matrices,
+attention captured through timm's own forward) on every model family, and the usual
+front-end guarantees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from captum.attr import NoiseTunnel
+from captum.metrics import sensitivity_max
+
+from captum_vit.methods.tokentm import (
+    TokenTM,
+    head_weights,
+    necc,
+    transformation_weights,
+)
+from tests.helpers import (
+    FAMILIES,
+    ReferenceCapture,
+    assert_close_to_reference,
+    assert_unchanged,
+    make_inputs,
+    make_model,
+    snapshot,
+)
+
+EPS = 1e-8
+
+
+# --- fixture parity (authors' decompv transform_TokenTM) ---------------------------------
+
+@pytest.mark.parametrize("key,score", [("tokentm_residual", "logit"),
+                                       ("tokentm_residual_probgrad", "probability")])
+def test_residual_variant_matches_authors_code(parity, key, score):
+    model, x, targets, _, maps, _ = parity
+    out = TokenTM(model, variant="residual").attribute(x, target=targets, score=score,
+                                                       output="tokens")
+    assert out.dtype == torch.float64
+    assert_close_to_reference(out, maps[key], rel=1e-12)
+
+
+def test_residual_variant_defaults_to_logit(parity):
+    model, x, targets, _, maps, _ = parity
+    out = TokenTM(model, variant="residual").attribute(x, target=targets, output="tokens")
+    assert_close_to_reference(out, maps["tokentm_residual"], rel=1e-12)
+
+
+# --- slow reference from SPEC §2 ----------------------------------------------------------
+
+def _readout_row(model, mat):
+    """SPEC §0: row 0 for CLS / distilled models, mean of patch rows for avg-pool."""
+    k = model.num_prefix_tokens
+    if model.global_pool == "avg":
+        return mat[k:].mean(0)
+    return mat[0]
+
+
+def _ref_weight_matrix(e, e_t):
+    """W = diag(L(Ẽ_i) / (L(E_i) + eps) * NECC_i) (Eq. 12-13), one token at a time."""
+    n = e.shape[0]
+    cos = torch.stack([e[i] @ e_t[i] / (max(e[i].norm(), EPS) * max(e_t[i].norm(), EPS))
+                       for i in range(n)])
+    necc_ = torch.exp(cos) / torch.exp(cos).sum()
+    return torch.diag(torch.stack([e_t[i].norm() / (e[i].norm() + EPS) * necc_[i]
+                                   for i in range(n)]))
+
+
+def reference_tokentm(model, x, target, variant="paper", score="probability"):
+    refs = ReferenceCapture(model)
+    mids = []
+    for blk in refs.model.blocks:
+        blk.norm2.register_forward_pre_hook(lambda m, a: mids.append(a[0]))
+    logits = refs(x)
+    s = logits.softmax(-1) if score == "probability" else logits
+    s[torch.arange(len(x)), target].sum().backward()
+    outs = refs.block_inputs[1:] + [None]
+    maps = []
+    with torch.no_grad():
+        for b in range(len(x)):
+            x0 = refs.block_inputs[0][b]
+            n = x0.shape[0]
+            eye = torch.eye(n, dtype=x0.dtype)
+            c = torch.diag(torch.stack([x0[i].norm() for i in range(n)]))  # Eq. 18
+            for l, blk in enumerate(refs.model.blocks):
+                xl, mid = refs.block_inputs[l][b], mids[l][b]
+                a, g = refs.attn[l][b], refs.attn[l].grad[b]
+                heads = a.shape[0]
+                if variant == "paper":
+                    dim = xl.shape[-1]
+                    d = dim // heads
+                    u = blk.norm1(xl)
+                    terms = []
+                    for h in range(heads):
+                        wv = blk.attn.qkv.weight[2 * dim + h * d:2 * dim + (h + 1) * d]
+                        wo = blk.attn.proj.weight[:, h * d:(h + 1) * d]
+                        e_t = u @ wv.T @ wo.T  # Eq. 5, biases excluded
+                        w_h = _ref_weight_matrix(xl, e_t)
+                        terms.append(g[h].clamp(min=0) * (a[h] @ w_h))  # Eq. 14
+                    u_attn = eye + sum(terms) / heads  # Eq. 15
+                    ffn = blk.ls2(blk.mlp(blk.norm2(mid[None])))[0]
+                    u_ffn = eye + _ref_weight_matrix(mid, ffn)  # Eq. 16-17
+                else:
+                    out = outs[l][b] if outs[l] is not None else mid + blk.ls2(
+                        blk.mlp(blk.norm2(mid[None])))[0]
+                    relu_g = sum(g[h].clamp(min=0) for h in range(heads)) / heads
+                    u_attn = eye + (a.mean(0) @ _ref_weight_matrix(xl, mid)) * relu_g
+                    u_ffn = eye + _ref_weight_matrix(mid, out)
+                c = u_ffn @ u_attn @ c  # Eq. 19
+            maps.append(_readout_row(model, c))  # Eq. 20
+    return torch.stack(maps)[:, model.num_prefix_tokens:]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("variant", ["paper", "residual"])
+def test_matches_slow_reference_on_every_family(family, variant):
+    model = make_model(family)
+    x = make_inputs(family, batch=2)
+    target = torch.tensor([1, 3])
+    score = {"paper": "probability", "residual": "logit"}[variant]
+    ref = reference_tokentm(model, x, target, variant=variant, score=score)
+    out = TokenTM(model, variant=variant).attribute(x, target=target, output="tokens")
+    assert_close_to_reference(out, ref, rel=1e-12)
+
+
+def test_paper_variant_with_logit_matches_reference():
+    model, x = make_model("registers"), make_inputs("registers", batch=2)
+    target = torch.tensor([0, 4])
+    ref = reference_tokentm(model, x, target, "paper", score="logit")
+    out = TokenTM(model).attribute(x, target=target, score="logit", output="tokens")
+    assert_close_to_reference(out, ref, rel=1e-12)
+
+
+def test_paper_variant_on_fixture_model_matches_reference(parity):
+    model, x, targets, _, _, _ = parity
+    ref = reference_tokentm(model, x, targets, "paper")
+    out = TokenTM(model).attribute(x, target=targets, output="tokens")
+    assert_close_to_reference(out, ref, rel=1e-12)
+
+
+# --- pieces -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["vit", "layerscale"])
+def test_head_weights_fast_path_equals_materialised_heads(family):
+    model = make_model(family)
+    from captum_vit.adapters import adapt
+
+    adapter = adapt(model)
+    tr = adapter.trace(make_inputs(family, batch=2))
+    for rec, p in zip(tr.blocks, adapter.blocks, strict=True):
+        slow = transformation_weights(rec.x[:, None], p.head_value_outputs(rec.u))
+        fast = head_weights(rec.x, rec.u, p.v_weight, p.proj_weight, p.num_heads)
+        assert fast.shape == slow.shape == rec.attn.shape[:3]
+        assert_close_to_reference(fast, slow, rel=1e-13)
+
+
+def test_necc_sums_to_one_per_image_and_head():
+    model = make_model("vit")
+    from captum_vit.adapters import adapt
+
+    adapter = adapt(model)
+    tr = adapter.trace(make_inputs("vit", batch=3))
+    rec, p = tr.blocks[1], adapter.blocks[1]
+    e_t = p.head_value_outputs(rec.u)  # [B, H, N, D]
+    e = rec.x[:, None]
+    nc = necc(e.norm(dim=-1), e_t.norm(dim=-1), (e * e_t).sum(-1))
+    assert nc.shape == rec.attn.shape[:3]
+    torch.testing.assert_close(nc.sum(-1), torch.ones(3, p.num_heads, dtype=nc.dtype),
+                               rtol=0, atol=1e-14)
+    assert (nc > 0).all()
+
+
+def test_zero_tokens_give_finite_weights():
+    e = torch.zeros(2, 5, 4, dtype=torch.float64)
+    e_t = torch.randn(2, 5, 4, dtype=torch.float64)
+    w = transformation_weights(e, e_t)
+    assert torch.isfinite(w).all()
+
+
+# --- behaviour ------------------------------------------------------------------------------
+
+def test_variants_and_scores_differ():
+    model, x = make_model("vit"), make_inputs("vit", batch=2)
+    t = torch.tensor([1, 2])
+    paper = TokenTM(model).attribute(x, target=t, output="tokens")
+    paper_logit = TokenTM(model).attribute(x, target=t, score="logit", output="tokens")
+    resid = TokenTM(model, variant="residual").attribute(x, target=t, score="probability",
+                                                         output="tokens")
+    assert (paper - resid).abs().max() > 1e-3 * paper.abs().max()
+    assert (paper - paper_logit).abs().max() > 1e-3 * paper.abs().max()
+    other = TokenTM(model).attribute(x, target=torch.tensor([3, 0]), output="tokens")
+    assert (paper - other).abs().max() > 1e-3 * paper.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["paper", "residual"])
+def test_batch_equals_images_one_by_one(variant):
+    model, x = make_model("distilled"), make_inputs("distilled", batch=3)
+    method = TokenTM(model, variant=variant)
+    t = torch.tensor([0, 2, 4])
+    batch = method.attribute(x, target=t, output="tokens")
+    single = torch.cat([method.attribute(x[i:i + 1], target=int(t[i]), output="tokens")
+                        for i in range(3)])
+    assert_close_to_reference(batch, single, rel=1e-13)
+
+
+def test_target_none_is_predicted_class_and_output_formats():
+    model, x = make_model("nonsquare"), make_inputs("nonsquare", batch=2)
+    method = TokenTM(model)
+    pred = model(x).argmax(-1)
+    tokens = method.attribute(x, output="tokens")
+    torch.testing.assert_close(tokens, method.attribute(x, target=pred, output="tokens"))
+    assert tokens.shape == (2, 15)
+    assert (tokens >= 0).all()  # every factor is non-negative
+    grid = method.attribute(x, target=pred, output="grid")
+    assert grid.shape == (2, 1, 3, 5)
+    pix = method.attribute(x, target=pred)
+    assert pix.shape == x.shape
+    torch.testing.assert_close(pix[:, 0, ::8, ::8], grid[:, 0])
+
+
+def test_float32_runs_and_agrees_with_float64():
+    m64, x64 = make_model("vit"), make_inputs("vit", batch=2)
+    m32 = make_model("vit", dtype=torch.float32)
+    t = torch.tensor([1, 2])
+    out32 = TokenTM(m32).attribute(x64.float(), target=t, output="tokens")
+    out64 = TokenTM(m64).attribute(x64, target=t, output="tokens")
+    assert out32.dtype == torch.float32
+    assert_close_to_reference(out32.double(), out64, rel=1e-4)
+
+
+def test_bfloat16_accumulates_in_float32():
+    model = make_model("vit", dtype=torch.bfloat16)
+    x = make_inputs("vit", batch=2, dtype=torch.bfloat16)
+    out = TokenTM(model).attribute(x, target=1, output="tokens")
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("variant", ["paper", "residual"])
+def test_model_unchanged_also_on_error(variant):
+    model, x = make_model("layerscale"), make_inputs("layerscale", batch=2)
+    model.blocks[0].attn.proj.weight.grad = torch.ones_like(model.blocks[0].attn.proj.weight)
+    snap = snapshot(model)
+    method = TokenTM(model, variant=variant)
+    method.attribute(x, target=[1, 2])
+    assert_unchanged(model, snap)
+    with pytest.raises(ValueError, match="target"):
+        method.attribute(x, target=[1, 99])
+    assert_unchanged(model, snap)
+
+
+def test_noise_tunnel_and_sensitivity_max():
+    model, x = make_model("vit"), make_inputs("vit", batch=2)
+    t = torch.tensor([1, 2])
+    nt = NoiseTunnel(TokenTM(model)).attribute(x, nt_type="smoothgrad", nt_samples=2,
+                                               stdevs=0.1, target=t)
+    assert nt.shape == x.shape and torch.isfinite(nt).all()
+    sens = sensitivity_max(TokenTM(model, variant="residual").attribute, x, target=t,
+                           n_perturb_samples=2)
+    assert sens.shape == (2,) and torch.isfinite(sens).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    model, x = make_model("vit"), make_inputs("vit", batch=1)
+    with pytest.raises(ValueError, match="variant"):
+        TokenTM(model, variant="chefer")
+    with pytest.raises(ValueError, match="score"):
+        TokenTM(model).attribute(x, score="prob")
+    with pytest.raises(ValueError, match="output"):
+        TokenTM(model).attribute(x, output="heatmap")
+    with pytest.raises(ValueError, match="inputs"):
+        TokenTM(model).attribute(x[0])
+
+
+def test_magnitude_is_product_of_norms_and_weights():
+    """Sanity of Eq. 18: with all updates = I the map is the patch norms of x_0."""
+    model, x = make_model("vit"), make_inputs("vit", batch=1)
+    method = TokenTM(model)
+    tr = method.adapter.trace(x)
+    norms = tr.x0.norm(dim=-1)
+    grads = [torch.zeros_like(rec.attn) for rec in tr.blocks]
+    with torch.no_grad():
+        r = method._propagate(tr, grads)
+    # Only U_ffn acts on the readout row (no attention term): r_0 = prod_l (1 + w_ffn,l)[0]
+    expected = torch.zeros_like(r)
+    w = torch.ones(1, dtype=r.dtype)
+    for rec in tr.blocks:
+        w = w * (1 + transformation_weights(rec.mid, rec.ffn_out)[:, 0])
+    expected[:, 0] = w * norms[:, 0]
+    torch.testing.assert_close(r, expected, rtol=1e-13, atol=0)
+    assert not math.isnan(r.sum().item())
