@@ -79,13 +79,15 @@ def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
     ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``.
     """
     b, n, _ = x.shape
-    v = torch.nn.functional.linear(u, v_weight).reshape(b, n, num_heads, -1)  # [B, N, H, d]
-    xo = (x @ proj_weight).reshape(b, n, num_heads, -1)  # x_i W_O^hᵀ, [B, N, H, d]
-    wo = proj_weight.reshape(-1, num_heads, v.shape[-1])  # [D, H, d]
-    gram = torch.einsum("Dhe,Dhf->hef", wo, wo)  # W_O^h W_O^hᵀ, [H, d, d]
-    sq = torch.einsum("bnhe,hef,bnhf->bhn", v, gram, v)
-    lt = sq.clamp(min=0).sqrt()
-    dot = torch.einsum("bnhe,bnhe->bhn", v, xo)
+    d = v_weight.shape[0] // num_heads
+    v = torch.nn.functional.linear(u, v_weight).reshape(b * n, num_heads, d)  # v^h_i
+    xo = (x @ proj_weight).reshape(b * n, num_heads, d)  # x_i W_O^hᵀ
+    dot = (v * xo).sum(-1)  # E_i·Ẽ^h_i, [B*N, H]
+    wo = proj_weight.reshape(-1, num_heads, d).transpose(0, 1)  # W_O^hᵀ, [H, D, d]
+    vh = v.transpose(0, 1)  # [H, B*N, d]
+    sq = (torch.bmm(vh, wo.transpose(1, 2) @ wo) * vh).sum(-1)  # L(Ẽ^h_i)², [H, B*N]
+    lt = sq.clamp(min=0).sqrt().reshape(num_heads, b, n).transpose(0, 1)
+    dot = dot.reshape(b, n, num_heads).permute(0, 2, 1)
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
 
 
@@ -184,13 +186,13 @@ class TokenTM(ViTGradientAttribution):
                 w = head_weights(x, rec.u.detach().to(dt), p.v_weight.detach().to(dt),
                                  p.proj_weight.detach().to(dt), p.num_heads)  # [B, H, N]
                 # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
-                rh = torch.einsum("bn,bhnm->bhm", r, g.clamp(min=0) * a)
+                rh = (r[:, None, None, :] @ g.relu().mul_(a)).squeeze(2)  # [B, H, N]
                 r = r + (rh * w).mean(1)
             else:
                 w_ffn = transformation_weights(mid, rec.out.detach().to(dt))
                 r = r * (1 + w_ffn)
                 w_attn = transformation_weights(x, mid)
                 # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
-                m = a.mean(1) * g.clamp(min=0).mean(1)
-                r = r + torch.einsum("bn,bnm->bm", r, m) * w_attn
+                m = a.mean(1) * g.relu().mean(1)
+                r = r + (r[:, None, :] @ m).squeeze(1) * w_attn
         return r * tr.x0.detach().to(dt).norm(dim=-1)  # C_0 = diag(L(x_0,i)), Eq. 18
