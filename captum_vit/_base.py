@@ -148,7 +148,9 @@ class _ViTFront:
         self.adapter.check_inputs(images)
         self.adapter.self_check(images)
         layout = self.adapter.layout(images)
-        maps = self._token_maps(images, t, **kwargs)
+        with torch.enable_grad():  # Captum's NoiseTunnel / sensitivity_max may call under no_grad
+            maps = self._token_maps(images, t, **kwargs).detach()
+        maps = maps.to(accumulation_dtype(images))
         out = format_output(maps[:, layout.num_prefix:], layout, images, output)
         return (out,) if was_tuple else out
 

@@ -3,6 +3,10 @@ import torch
 
 from tests.helpers import load_parity
 
+# The test models are tiny: one thread is faster and immune to OpenMP spin-waits when
+# the machine is shared.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def parity():

@@ -117,7 +117,7 @@ class BlockParts:
         return None if self.qkv_bias is None else self.qkv_bias[2 * a:3 * a]
 
     def attention_probs(self, u: Tensor, *, detach_qk: bool = False) -> tuple[Tensor, Tensor]:
-        """Attention probabilities ``A`` [B, H, N, N] and values ``v`` [B, H, N, d] of LN1 output ``u``."""
+        """Attention probabilities ``A`` [B, H, N, N] and values ``v`` [B, H, N, d] of ``u``."""
         b, n, _ = u.shape
         qkv = F.linear(u, self.qkv_weight, self.qkv_bias)
         qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -329,7 +329,8 @@ class ViTAdapter:
                 raise ValueError("keep mask must keep the same number of patches in every row")
             keep = keep.nonzero()[:, 1].reshape(b, -1)
         if keep.dim() != 2 or keep.shape[0] != b:
-            raise ValueError(f"keep must be [B, n] patch indices with B={b}, got {tuple(keep.shape)}")
+            raise ValueError(f"keep must be [B, n] patch indices with B={b}, "
+                             f"got {tuple(keep.shape)}")
         patches = torch.gather(x[:, k:], 1, keep.to(x.device)[..., None].expand(-1, -1, d))
         return torch.cat([x[:, :k], patches], dim=1)
 

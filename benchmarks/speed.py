@@ -1,0 +1,89 @@
+"""Speed of every method relative to one forward+backward of the same model.
+
+Run::
+
+    MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
+        python benchmarks/speed.py [--batches 1 8] [--repeats 5]
+
+The reference is ``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized
+random timm model (224 px, width 384, 12 blocks, 6 heads) in float32, measured in the same
+run as the methods. Ratios are (time per call) / (reference time per call) at the same
+batch size, so they are per-image ratios too. Timings on a shared VM drift; compare the
+ratios of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from captum_vit import GAE, AttnGradCAM, RawAttention, Rollout
+
+# name -> (factory(model) -> callable(x, target), goal ratio or None)
+CASES: dict[str, tuple[Callable, float | None]] = {
+    "RawAttention": (lambda m: RawAttention(m).attribute, 1.2),
+    "Rollout": (lambda m: Rollout(m).attribute, 1.2),
+    "GAE": (lambda m: GAE(m).attribute, 1.5),
+    "AttnGradCAM": (lambda m: AttnGradCAM(m).attribute, 1.5),
+}
+
+
+def vit_s16() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6,
+                             num_classes=1000).eval()
+
+
+def timeit(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (also the adapter's one-time self-check)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
+    xg = x.detach().requires_grad_()
+    torch.autograd.grad(model(xg)[torch.arange(len(x)), t].sum(), xg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", nargs="*", default=None, help="subset of method names")
+    args = ap.parse_args()
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        print("warning: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ not set (see docstring)")
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = vit_s16()
+    cases = {k: v for k, v in CASES.items() if not args.only or k in args.only}
+    rows = []
+    for b in args.batches:
+        x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        t = torch.arange(b) % 1000
+        ref = timeit(lambda x=x, t=t: forward_backward(model, x, t), args.repeats)
+        rows.append((b, "forward+backward", ref, 1.0, None))
+        for name, (factory, goal) in cases.items():
+            fn = factory(model)
+            sec = timeit(lambda fn=fn, x=x, t=t: fn(x, target=t), args.repeats)
+            rows.append((b, name, sec, sec / ref, goal))
+    print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"ViT-S/16 float32, median of {args.repeats}")
+    print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for b, name, sec, ratio, goal in rows:
+        g = "" if goal is None else f"≤ {goal:g}× {'ok' if ratio <= goal else 'MISSED'}"
+        print(f"| {b} | {name} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} | {ratio:.2f} | {g} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The ``captum-vit`` command line: ``explain`` (and more sub-commands as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from captum_vit.commands import explain
+
+COMMANDS = {"explain": explain}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``captum-vit``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="captum-vit",
+                                     description="Explain Vision Transformers with Captum.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, mod in COMMANDS.items():
+        mod.add_arguments(sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0]))
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"captum-vit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

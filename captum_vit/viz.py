@@ -1,0 +1,99 @@
+"""Plots of attribution maps: overlays on the image and grids of several methods."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _image_to_numpy(image: Tensor) -> np.ndarray:
+    """[C, H, W] -> [H, W, C] or [H, W] in [0, 1] (min-max per image for display)."""
+    img = image.detach().float().cpu()
+    img = (img - img.min()) / (img.max() - img.min()).clamp(min=1e-12)
+    return img[0].numpy() if img.shape[0] == 1 else img.permute(1, 2, 0).numpy()
+
+
+def upsample_map(attr: Tensor, size: tuple[int, int]) -> Tensor:
+    """A map ([P] with a square grid, [gh, gw], [1, gh, gw] or [C, H, W]) -> [H, W], bilinear."""
+    a = attr.detach().float().cpu()
+    if a.dim() == 3:
+        a = a.mean(0) if a.shape[0] > 1 or a.shape[-2:] == size else a[0]
+    if a.dim() == 1:
+        side = int(round(a.numel() ** 0.5))
+        a = a.reshape(side, side)
+    return F.interpolate(a[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
+
+
+def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
+                 cmap: str = "jet", alpha: float = 0.5, colorbar: bool = True):
+    """Draw ``attr`` (any map shape) over ``image`` [C, H, W] on a matplotlib axis.
+
+    Args:
+        ax (matplotlib.axes.Axes): the axis to draw on.
+        image (Tensor): the image [C, H, W].
+        attr (Tensor): the map (tokens, grid or pixels); upsampled bilinearly for display.
+        title (str, optional): axis title.
+        cmap (str, optional): colour map of the map. Default ``"jet"``.
+        alpha (float, optional): opacity of the map. Default 0.5.
+        colorbar (bool, optional): add a colour bar. Default True.
+
+    Returns:
+        The image artist of the map.
+    """
+    h, w = image.shape[-2:]
+    img = _image_to_numpy(image)
+    ax.imshow(img, cmap="gray" if img.ndim == 2 else None)
+    heat = upsample_map(attr, (h, w)).numpy()
+    art = ax.imshow(heat, cmap=cmap, alpha=alpha)
+    if colorbar:
+        ax.figure.colorbar(art, ax=ax, fraction=0.046, pad=0.04)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.axis("off")
+    return art
+
+
+def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
+              row_titles: Sequence[str] | None = None, path: str | None = None):
+    """A figure with one row per image: the input, then every method's map.
+
+    Args:
+        images (Tensor): [B, C, H, W].
+        maps (Mapping[str, Tensor]): method name -> maps for the batch (any map shape).
+        row_titles (Sequence[str], optional): a title for each input image.
+        path (str, optional): save the figure there (PNG).
+
+    Returns:
+        matplotlib.figure.Figure
+
+    Examples::
+
+        >>> from captum_vit import GAE, Rollout
+        >>> from captum_vit.viz import plot_grid
+        >>> fig = plot_grid(images, {"GAE": GAE(model).attribute(images),
+        ...                          "Rollout": Rollout(model).attribute(images)})
+    """
+    import matplotlib.pyplot as plt
+
+    b = images.shape[0]
+    cols = len(maps) + 1
+    fig, axes = plt.subplots(b, cols, figsize=(2.6 * cols, 2.6 * b), squeeze=False)
+    for i in range(b):
+        img = _image_to_numpy(images[i])
+        axes[i, 0].imshow(img, cmap="gray" if img.ndim == 2 else None)
+        axes[i, 0].set_title(row_titles[i] if row_titles else "input", fontsize=9)
+        axes[i, 0].axis("off")
+        for j, (name, m) in enumerate(maps.items(), start=1):
+            plot_overlay(axes[i, j], images[i], m[i], title=name)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+    return fig
+
+
+__all__ = ["plot_grid", "plot_overlay", "upsample_map"]
+
