@@ -3,7 +3,8 @@
 Run (allocator settings keep large buffers mapped between calls):
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \\
-        python benchmarks/bench_tokentm.py [--repeats 5] [--batches 1 8] [--device cpu]
+        python benchmarks/bench_tokentm.py [--repeats 5] [--batches 1 8] [--device cpu] \\
+        [--threads 1]
 
 The baseline is ``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a random
 ViT-S/16-sized timm model (224 px, width 384, 12 blocks, 6 heads), float32, measured in
@@ -82,7 +83,11 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default: torch's own choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = bench(args.batches, args.repeats, device)
     print(f"device={device} threads={torch.get_num_threads()} repeats={args.repeats} "

@@ -79,8 +79,7 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     """
     tr = adapter.trace(inputs, linearize=linearize, grad=True)
     t = resolve_target(target, tr.logits)
-    with torch.enable_grad():  # the softmax of score="probability" needs a graph
-        grads = gradients(target_scores(tr.logits, t, score), tr.states)
+    grads = gradients(target_scores(tr.logits, t, score), tr.states)
     return LayerGradients(tr, t, grads)
 
 

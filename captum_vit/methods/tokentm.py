@@ -165,9 +165,7 @@ class TokenTM(ViTGradientAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         attns = [rec.attn for rec in tr.blocks]
-        with torch.enable_grad():  # the softmax of score="probability" needs a graph
-            # ∇A_l^h of every block from one backward pass
-            grads = gradients(target_scores(tr.logits, t, score), attns)
+        grads = gradients(target_scores(tr.logits, t, score), attns)  # ∇A_l^h, one backward
         with torch.no_grad():
             return self._propagate(tr, grads)
 
