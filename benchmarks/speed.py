@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from captum_vit import GAE, AttnGradCAM, RawAttention, Rollout
+from captum_vit import GAE, AttCAT, AttnGradCAM, RawAttention, Rollout, TokenTM
 
 # name -> (factory(model) -> callable(x, target), goal ratio or None)
 CASES: dict[str, tuple[Callable, float | None]] = {
@@ -31,6 +31,9 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "Rollout": (lambda m: Rollout(m).attribute, 1.2),
     "GAE": (lambda m: GAE(m).attribute, 1.5),
     "AttnGradCAM": (lambda m: AttnGradCAM(m).attribute, 1.5),
+    "TokenTM": (lambda m: TokenTM(m).attribute, 2.0),
+    "TokenTM(residual)": (lambda m: TokenTM(m, variant="residual").attribute, 2.0),
+    "AttCAT": (lambda m: AttCAT(m).attribute, 1.3),
 }
 
 

@@ -1,8 +1,20 @@
 """captum_vit: Vision-Transformer explanation methods as Captum attributions."""
 
 from captum_vit.adapters import adapt
-from captum_vit.methods import GAE, AttnGradCAM, RawAttention, Rollout
+from captum_vit.methods import (
+    GAE,
+    AttCAT,
+    AttIxG,
+    AttnGradCAM,
+    RawAttention,
+    Rollout,
+    TokenIxG,
+    TokenTM,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["GAE", "AttnGradCAM", "RawAttention", "Rollout", "adapt", "__version__"]
+__all__ = [
+    "GAE", "AttCAT", "AttIxG", "AttnGradCAM", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
+    "adapt", "__version__",
+]

@@ -11,14 +11,27 @@ from collections.abc import Callable
 from captum.attr import Attribution
 from torch import nn
 
-from captum_vit.methods import GAE, AttnGradCAM, RawAttention, Rollout, TokenIxG
+from captum_vit.methods import (
+    GAE,
+    AttCAT,
+    AttIxG,
+    AttnGradCAM,
+    RawAttention,
+    Rollout,
+    TokenIxG,
+    TokenTM,
+)
 
 METHODS: dict[str, Callable[[nn.Module], Attribution]] = {
     "raw_attention": RawAttention,
     "rollout": Rollout,
     "gae": GAE,
     "attn_gradcam": AttnGradCAM,
+    "attcat": AttCAT,
+    "tokentm": TokenTM,
+    "tokentm_residual": lambda m: TokenTM(m, variant="residual"),
     "token_ixg": TokenIxG,
+    "att_ixg": AttIxG,
 }
 
 

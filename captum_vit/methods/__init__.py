@@ -1,9 +1,14 @@
 """Attribution methods: one file per method, each readable beside its paper."""
 
+from captum_vit.methods.attcat import AttCAT
 from captum_vit.methods.attn_gradcam import AttnGradCAM
 from captum_vit.methods.gae import GAE
 from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
 from captum_vit.methods.raw_attention import RawAttention
 from captum_vit.methods.rollout import Rollout
+from captum_vit.methods.tokentm import TokenTM
 
-__all__ = ["AttIxG", "AttnGradCAM", "GAE", "RawAttention", "Rollout", "TokenIxG", "layer_gradients"]
+__all__ = [
+    "AttCAT", "AttIxG", "AttnGradCAM", "GAE", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
+    "layer_gradients",
+]
