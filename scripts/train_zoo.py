@@ -1,0 +1,155 @@
+"""Train a bundled model of ``captum_vit.zoo`` on FashionMNIST-Loc (CPU, deterministic).
+
+Example (the commands that produced the shipped weights are in each model card)::
+
+    python scripts/train_zoo.py --name vit_fmnist_loc --embed-dim 64 --depth 6 --epochs 6
+
+Writes ``captum_vit/zoo/<name>.safetensors`` (float32 state dict, no pickle) and
+``captum_vit/zoo/<name>.json`` (model card: timm kwargs, normalisation, accuracies,
+learning curve, command, seed, duration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from captum_vit.data import center_on_canvas, load_fashion_mnist, make_batch  # noqa: E402
+from captum_vit.data.loc import build_arrays  # noqa: E402
+
+MEAN, STD = 0.1, 0.25  # FashionMNIST-Loc pixel statistics, rounded
+
+
+def build_model(kwargs: dict) -> torch.nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(**kwargs)
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int = 500) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), bs):
+        xb = (x[i:i + bs].float() / 255 - MEAN) / STD
+        correct += (model(xb[:, None]).argmax(-1) == y[i:i + bs]).sum().item()
+    return correct / len(x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--embed-dim", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--mlp-ratio", type=float, default=2.0)
+    ap.add_argument("--reg-tokens", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.05)
+    ap.add_argument("--warmup-steps", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-n", type=int, default=60000, help="training examples per epoch")
+    ap.add_argument("--out-dir", default=str(ROOT / "captum_vit" / "zoo"))
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    kwargs = dict(img_size=56, patch_size=7, in_chans=1, num_classes=10,
+                  embed_dim=args.embed_dim, depth=args.depth, num_heads=args.heads,
+                  mlp_ratio=args.mlp_ratio, reg_tokens=args.reg_tokens, qkv_bias=True)
+    model = build_model(kwargs)
+    tr_img, tr_lab = load_fashion_mnist("train")
+    te_img, te_lab = load_fashion_mnist("test")
+    test = build_arrays(te_img, te_lab, split="test", seed=0)  # FashionMNIST-Loc test split
+    plain = center_on_canvas(te_img, 56)
+    val_x, val_y = test["images"][:2000], test["labels"][:2000]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    steps_per_epoch = args.train_n // args.batch_size
+    total = steps_per_epoch * args.epochs
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup_steps:
+            return args.lr * (step + 1) / args.warmup_steps
+        p = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+        return args.lr * 0.5 * (1 + math.cos(math.pi * p))
+
+    curve = []
+    step = 0
+    gen = torch.Generator().manual_seed(args.seed)
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(tr_img), generator=gen)[:args.train_n]
+        xs, ys = make_batch(tr_img, tr_lab, order.tolist(), split="train", seed=args.seed,
+                            epoch=epoch)
+        xs = (xs - MEAN) / STD
+        model.train()
+        run_loss = 0.0
+        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch + 1}/{args.epochs}",
+                   file=sys.stderr, mininterval=10)
+        for i in bar:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            xb = xs[i * args.batch_size:(i + 1) * args.batch_size]
+            yb = ys[i * args.batch_size:(i + 1) * args.batch_size]
+            loss = F.cross_entropy(model(xb), yb, label_smoothing=0.1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            run_loss = 0.98 * run_loss + 0.02 * loss.item() if i else loss.item()
+            bar.set_postfix(loss=f"{run_loss:.3f}")
+        val = accuracy(model, val_x, val_y)
+        curve.append({"epoch": epoch + 1, "train_loss": round(run_loss, 4),
+                      "val_acc_first2000_test": round(val, 4),
+                      "minutes": round((time.time() - t_start) / 60, 1)})
+        print(json.dumps(curve[-1]), flush=True)
+
+    model.eval()
+    acc_loc = accuracy(model, test["images"], test["labels"])
+    acc_plain = accuracy(model, plain, te_lab)
+    minutes = (time.time() - t_start) / 60
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / f"{args.name}.safetensors"))
+    card = {
+        "name": args.name,
+        "architecture": "timm.models.vision_transformer.VisionTransformer",
+        "timm_kwargs": kwargs,
+        "normalization": {"mean": [MEAN], "std": [STD]},
+        "input": "grayscale 56x56 in [0, 1], then (x - mean) / std",
+        "dataset": "FashionMNIST-Loc (captum_vit.data), seed 0 test split; train split "
+                   "re-placed every epoch (epoch in the random key)",
+        "accuracy": {"fashionmnist_loc_test_10000": round(acc_loc, 4),
+                     "fashion_mnist_test_plain_centered_10000": round(acc_plain, 4)},
+        "learning_curve": curve,
+        "command": "python scripts/train_zoo.py " + " ".join(sys.argv[1:]),
+        "seed": args.seed,
+        "duration_minutes": round(minutes, 1),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (out / f"{args.name}.json").write_text(json.dumps(card, indent=1) + "\n")
+    print(json.dumps(card["accuracy"]), f"{minutes:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()
