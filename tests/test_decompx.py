@@ -182,8 +182,9 @@ def test_max_memory_chunking_gives_the_same_numbers():
     x0 = ad.embed(x)
     assert sources_per_chunk(ad, x0, None) == 18
     assert sources_per_chunk(ad, x0, 1) == 1
+    assert sources_per_chunk(ad, x0, 2 * 3 * 17 * 8 * (2 * 64 + 4 * 32) * 5) == 5
     whole = DecompX(model, route="explicit", max_memory=None).decompose(x, TARGETS)
-    for mem in (1, 3 * 17 * 8 * (2 * 64 + 4 * 32) * 5):  # 1 and 5 sources per pass
+    for mem in (1, 2 * 3 * 17 * 8 * (2 * 64 + 4 * 32) * 5):  # 1 and 5 sources per pass
         part = DecompX(model, route="explicit", max_memory=mem).decompose(x, TARGETS)
         torch.testing.assert_close(part.tokens, whole.tokens, rtol=0, atol=1e-14)
         torch.testing.assert_close(part.bias, whole.bias, rtol=0, atol=1e-14)

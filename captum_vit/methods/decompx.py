@@ -145,9 +145,10 @@ class DecompXResult:
 def sources_per_chunk(adapter: ViTAdapter, x: Tensor, max_memory: int | None) -> int:
     """How many sources (of ``N + 1``) one explicit pass may carry within ``max_memory``.
 
-    The estimate counts the largest live set, inside the MLP: two ``[B, S, N, W]``
-    tensors at the MLP width ``W`` and four ``[B, S, N, D]`` residual-width tensors.
-    At least one source is always carried.
+    The estimate is deliberately generous: the largest live set is inside the MLP (two
+    ``[B, S, N, W]`` tensors at the MLP width ``W`` and about four ``[B, S, N, D]``
+    residual-width tensors); allocator overhead and temporaries are covered by
+    doubling it. At least one source is always carried.
     """
     b, n, d = x.shape
     total = n + 1
@@ -155,7 +156,7 @@ def sources_per_chunk(adapter: ViTAdapter, x: Tensor, max_memory: int | None) ->
         return total
     width = max(p.fc1_weight.shape[0] for p in adapter.blocks)
     itemsize = torch.finfo(accumulation_dtype(x)).bits // 8
-    per_source = b * n * itemsize * (2 * width + 4 * d)
+    per_source = 2 * b * n * itemsize * (2 * width + 4 * d)
     return max(1, min(total, max_memory // per_source))
 
 

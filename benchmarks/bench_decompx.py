@@ -1,0 +1,144 @@
+"""Speed of DecompX and the PLUS / SkipPLUS / FullGrad+ combinators.
+
+Times are medians over ``--repeat`` runs after one warm-up, reported as a ratio to one
+forward + backward of the same model in the same run
+(``torch.autograd.grad(model(x)[range(B), t].sum(), x)``). Model: a ViT-S/16-sized
+random timm ``VisionTransformer`` (224 px, width 384, 12 blocks, 6 heads), float32.
+
+The explicit DecompX route carries ``N + 1`` components of every hidden state, so it
+is timed on the same architecture at a smaller image size (``--explicit-img``, default
+96 px = 37 tokens) and batch 1, once per start block, against the gradient route on
+that model; its peak memory is the growth of the process's peak RSS during the call,
+measured in a fresh child process per case.
+
+Run with ``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296``:
+
+    python benchmarks/bench_decompx.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import time
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
+from captum_vit.methods.decompx import DecompX
+
+
+def vit_s(img_size: int = 224) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=img_size, patch_size=16, embed_dim=384, depth=12,
+                             num_heads=6).eval()
+
+
+def median_time(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fwd_bwd(model, x, t):
+    def run():
+        xi = x.detach().requires_grad_()
+        torch.autograd.grad(model(xi)[torch.arange(len(t)), t].sum(), xi)
+    return run
+
+
+def speed_table(batches: list[int], repeat: int) -> None:
+    model = vit_s()
+    print("\n## Fast paths, ViT-S/16 224 px float32 (ratio to one forward+backward)\n")
+    print("| method | batch | time (s) | ratio |")
+    print("|---|---|---|---|")
+    for b in batches:
+        x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(b))
+        t = torch.arange(b) % 1000
+        base = median_time(fwd_bwd(model, x, t), repeat)
+        print(f"| forward+backward | {b} | {base:.3f} | 1.00 |")
+        cases = {
+            "DecompX (gradient route, s=0)": DecompX(model),
+            "DecompX o SkipPLUS (fast)": SkipPLUS(model, "decompx"),
+            "DecompX o PLUS (fast)": PLUS(model, "decompx"),
+            "IxG o PLUS (fast)": PLUS(model, "ixg"),
+            "AttIxG o PLUS (fast, = AttCAT)": PLUS(model, "att_ixg"),
+            "FullGrad+ (skip)": FullGradPlus(model, skip=True),
+        }
+        for name, method in cases.items():
+            sec = median_time(
+                lambda m=method, x=x, t=t: m.attribute(x, t, output="tokens"), repeat)
+            print(f"| {name} | {b} | {sec:.3f} | {sec / base:.2f} |")
+
+
+def _explicit_child(img: int, start: int, route: str, max_memory, queue) -> None:
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    model = vit_s(img)
+    x = torch.randn(1, 3, img, img, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([3])
+    dx = DecompX(model, start_layer=start, route=route, max_memory=max_memory)
+    dx.adapter.self_check(x)  # the adapter's one-off check (a plain forward)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    dx.decompose(x, t)  # first call: peak memory (and warm-up)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
+    sec = median_time(lambda: dx.decompose(x, t), repeat=3)
+    queue.put((sec, peak / 1024))
+
+
+def explicit(img: int, start: int, route: str, max_memory=None) -> tuple[float, float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_explicit_child, args=(img, start, route, max_memory, q))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
+def explicit_table(img: int, starts: list[int]) -> None:
+    n = (img // 16) ** 2 + 1
+    print(f"\n## Explicit vs gradient route, ViT-S/16 at {img} px ({n} tokens), batch 1\n")
+    print("| route | start block | max_memory | time (s) | peak RSS growth (MiB) |")
+    print("|---|---|---|---|---|")
+    total = 0.0
+    for s in starts:
+        sec, mib = explicit(img, s, "explicit")
+        total += sec
+        print(f"| explicit | {s} | None | {sec:.3f} | {mib:.0f} |")
+    for mem in (64 << 20, 16 << 20):
+        sec, mib = explicit(img, 0, "explicit", mem)
+        print(f"| explicit | 0 | {mem >> 20} MiB | {sec:.3f} | {mib:.0f} |")
+    grad, mib = explicit(img, 0, "gradient")
+    print(f"| gradient (all start blocks at once) | 0..11 | - | {grad:.3f} | {mib:.0f} |")
+    if len(starts) == 12:
+        print(f"\nexplicit route over every start block: {total:.2f} s; gradient route: "
+              f"{grad:.3f} s; speed-up {total / grad:.0f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--explicit-img", type=int, default=96)
+    ap.add_argument("--starts", type=int, nargs="+", default=list(range(12)))
+    ap.add_argument("--skip-speed", action="store_true")
+    args = ap.parse_args()
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        print("note: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ are not set")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    with torch.inference_mode(False):
+        if not args.skip_speed:
+            speed_table(args.batches, args.repeat)
+        explicit_table(args.explicit_img, args.starts)
+
+
+if __name__ == "__main__":
+    main()
