@@ -307,7 +307,9 @@ class FullGradPlus(ViTGradientAttribution):
     :math:`\beta` of norm1 and norm2, each counted once. All gradients come from one
     backward pass. ``skip=True`` sums blocks :math:`\lceil L/2 \rceil .. L-1` (SkipPLUS).
 
-    Biases after the last block are not part of any :math:`f_l` input block; with
+    The patch-embedding bias is already inside :math:`x_0` (covered by IxG at block 0)
+    and the shifts of qk-norm LayerNorms act inside the attention logits; neither is
+    counted. Biases after the last block belong to no block; with
     ``head_biases=True`` the final LayerNorm's :math:`\beta` (which has a token axis)
     is added too. The ``fc_norm`` shift and the classifier bias act after pooling, have
     no token position and never count.

@@ -3,17 +3,18 @@ SkipPLUS paper, Mehri et al. 2024). SPEC §3.
 
 Every hidden state from block ``s`` on is written as a sum of one vector per source
 token of ``x_s`` plus one bias source, ``x = sum_j x^(j) + x^(bias)``, and the
-decomposition is pushed exactly through the rest of the network (Eq. 5-11 of DecompX):
+decomposition is pushed exactly through the rest of the network. The rules below are
+numbered D1-D6 (SPEC §3 lists them in this order) and the code cites them:
 
-- LayerNorm (Eq. 8): statistics ``mu_i``, ``sigma_i^2`` frozen from the real token;
+- D1 LayerNorm: statistics ``mu_i``, ``sigma_i^2`` frozen from the real token;
   each component is centred by its own channel mean, divided by
   ``sqrt(sigma_i^2 + eps)`` and scaled by ``gamma``; ``beta`` goes to the bias source.
-- Linear (Eq. 6, 10): ``W`` on every component, the bias to the bias source.
-- Attention (Eq. 5): the probabilities from the real q, k are constants that mix the
+- D2 Linear: ``W`` on every component, the bias to the bias source.
+- D3 Attention: the probabilities from the real q, k are constants that mix the
   value components of each head; the value bias goes to the bias source.
-- GELU (Eq. 9): zero-origin slope, every component times ``GELU(z)/z`` (= Phi(z)).
-- Residual / LayerScale (Eq. 7): component-wise.
-- Pooling and head: the readout row, then the classifier (Eq. 11).
+- D4 GELU: zero-origin slope, every component times ``GELU(z)/z`` (= Phi(z)).
+- D5 Residual / LayerScale: component-wise.
+- D6 Pooling and head: the readout row (SPEC §0), then the classifier (D2).
 
 Two routes give the same numbers: ``"explicit"`` carries the components through the
 adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token
@@ -80,7 +81,7 @@ class DecompositionOps(Ops):
     def __init__(self) -> None:
         super().__init__(linearize=False)
 
-    def norm(self, x: Decomposed, p: NormParts) -> Decomposed:  # Eq. 8
+    def norm(self, x: Decomposed, p: NormParts) -> Decomposed:  # D1
         real = super().norm(x.real, p)
         var = x.real.var(-1, unbiased=False, keepdim=True)
         inv_std = torch.rsqrt(var + p.eps).to(x.parts.dtype).unsqueeze(1)
@@ -90,22 +91,22 @@ class DecompositionOps(Ops):
         return Decomposed(real, x.with_bias(parts, p.bias), x.has_bias)
 
     def linear(self, x: Decomposed, weight: Tensor, bias: Tensor | None) -> Decomposed:
-        parts = F.linear(x.parts, weight.to(x.parts.dtype))  # Eq. 6, 10
+        parts = F.linear(x.parts, weight.to(x.parts.dtype))  # D2
         return Decomposed(super().linear(x.real, weight, bias), x.with_bias(parts, bias),
                           x.has_bias)
 
-    def act(self, z: Decomposed, act: Callable[[Tensor], Tensor]) -> Decomposed:  # Eq. 9
+    def act(self, z: Decomposed, act: Callable[[Tensor], Tensor]) -> Decomposed:  # D4
         real = act(z.real)
         gate = activation_gate(z.real, real).to(z.parts.dtype)
         return Decomposed(real, z.parts * gate.unsqueeze(1), z.has_bias)
 
-    def scale(self, x: Decomposed, gamma: Tensor) -> Decomposed:
+    def scale(self, x: Decomposed, gamma: Tensor) -> Decomposed:  # D5
         return Decomposed(x.real * gamma, x.parts * gamma.to(x.parts.dtype), x.has_bias)
 
-    def add(self, x: Decomposed, y: Decomposed) -> Decomposed:  # Eq. 7
+    def add(self, x: Decomposed, y: Decomposed) -> Decomposed:  # D5
         return Decomposed(x.real + y.real, x.parts + y.parts, x.has_bias)
 
-    def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # Eq. 5
+    def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3
         real, attn = super().attention(u.real, p)
         b, s, n, _ = u.parts.shape
         v = F.linear(u.parts, p.v_weight.to(u.parts.dtype))
@@ -113,7 +114,7 @@ class DecompositionOps(Ops):
         mixed = torch.einsum("bhij,bsjhe->bsihe", attn.to(v.dtype), v)
         return Decomposed(real, mixed.reshape(b, s, n, p.inner_dim), u.has_bias), attn
 
-    def pool(self, x: Decomposed, row: int | str, num_prefix: int) -> Decomposed:
+    def pool(self, x: Decomposed, row: int | str, num_prefix: int) -> Decomposed:  # D6
         parts = x.parts[:, :, num_prefix:].mean(2) if row == "avg" else x.parts[:, :, row]
         return Decomposed(super().pool(x.real, row, num_prefix), parts, x.has_bias)
 
@@ -202,9 +203,9 @@ class DecompX(ViTGradientAttribution):
 
     Writing every hidden state as :math:`x = \sum_j x^{(j)} + x^{(\beta)}` over the
     source tokens :math:`j` of :math:`x_s` and propagating the components exactly
-    (LayerNorm with frozen statistics, Eq. 8; linear maps, Eq. 6/10; attention with
-    constant probabilities, Eq. 5; GELU zero-origin slope :math:`\Phi(z)`, Eq. 9;
-    residuals, Eq. 7; readout and classifier, Eq. 11), the map is
+    (LayerNorm with frozen statistics; linear maps; attention with constant
+    probabilities; GELU zero-origin slope :math:`\Phi(z)`; residuals; readout and
+    classifier), the map is
     :math:`m_j = y_c^{(j)}` and completeness holds:
     :math:`\sum_j m_j + y_c^{(\beta)} = y_c`.
 
@@ -214,6 +215,10 @@ class DecompX(ViTGradientAttribution):
     backward for any ``s``. ``route="explicit"`` propagates the decomposition itself,
     ``N (N+1) W`` floats per image at MLP width ``W``; ``max_memory`` chunks the sources
     to bound it. The score is always the logit (the decomposition is of ``y_c``).
+
+    The GELU slope is the exact ratio ``GELU(z)/z`` (its limit 0.5 at ``z = 0``); the
+    authors' code divides by ``z + 1e-12``, so on the parity fixture the two differ by
+    up to ~2e-10 while completeness here holds to float precision.
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
