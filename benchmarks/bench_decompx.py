@@ -8,8 +8,9 @@ random timm ``VisionTransformer`` (224 px, width 384, 12 blocks, 6 heads), float
 The explicit DecompX route carries ``N + 1`` components of every hidden state, so it
 is timed on the same architecture at a smaller image size (``--explicit-img``, default
 96 px = 37 tokens) and batch 1, once per start block, against the gradient route on
-that model; its peak memory is the growth of the process's peak RSS during the call,
-measured in a fresh child process per case.
+that model; its peak memory is the peak growth of the resident set during one call,
+sampled in a fresh child process per case (run with glibc's default malloc thresholds
+so that freed tensors leave the resident set).
 
 Run with ``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296``:
 
@@ -21,15 +22,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import resource
 import statistics
+import threading
 import time
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
-from captum_vit.methods.decompx import DecompX
+from captum_vit.methods.decompx import DecompX, sources_per_chunk
+
+MALLOC_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def vit_s(img_size: int = 224) -> torch.nn.Module:
@@ -79,25 +82,53 @@ def speed_table(batches: list[int], repeat: int) -> None:
             print(f"| {name} | {b} | {sec:.3f} | {sec / base:.2f} |")
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_growth(fn) -> float:
+    """Peak growth of the resident set (MiB) while ``fn()`` runs, sampled every 0.5 ms."""
+    base, peak, done = _rss_mib(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mib())
+            time.sleep(5e-4)
+
+    th = threading.Thread(target=sample)
+    th.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        th.join()
+    return max(peak[0], _rss_mib()) - base
+
+
 def _explicit_child(img: int, start: int, route: str, max_memory, queue) -> None:
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     model = vit_s(img)
     x = torch.randn(1, 3, img, img, generator=torch.Generator().manual_seed(0))
     t = torch.tensor([3])
     dx = DecompX(model, start_layer=start, route=route, max_memory=max_memory)
-    dx.adapter.self_check(x)  # the adapter's one-off check (a plain forward)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    dx.decompose(x, t)  # first call: peak memory (and warm-up)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
-    sec = median_time(lambda: dx.decompose(x, t), repeat=3)
-    queue.put((sec, peak / 1024))
+    growth = peak_rss_growth(lambda: dx.decompose(x, t))  # also the warm-up
+    t0 = time.perf_counter()
+    dx.decompose(x, t)
+    queue.put((time.perf_counter() - t0, growth))
 
 
 def explicit(img: int, start: int, route: str, max_memory=None) -> tuple[float, float]:
+    """Time and peak memory in a fresh process. The child runs with glibc's default
+    malloc thresholds, so freed tensors leave the resident set and RSS follows the live
+    tensors (with the benchmark's large thresholds freed memory stays resident)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_explicit_child, args=(img, start, route, max_memory, q))
-    p.start()
+    saved = {k: os.environ.pop(k) for k in MALLOC_VARS if k in os.environ}
+    try:
+        p = ctx.Process(target=_explicit_child, args=(img, start, route, max_memory, q))
+        p.start()
+    finally:
+        os.environ.update(saved)
     out = q.get()
     p.join()
     return out
@@ -118,6 +149,11 @@ def explicit_table(img: int, starts: list[int]) -> None:
         print(f"| explicit | 0 | {mem >> 20} MiB | {sec:.3f} | {mib:.0f} |")
     grad, mib = explicit(img, 0, "gradient")
     print(f"| gradient (all start blocks at once) | 0..11 | - | {grad:.3f} | {mib:.0f} |")
+    ad = DecompX(vit_s(img)).adapter
+    x0 = torch.zeros(1, n, 384)
+    for mem in (None, 64 << 20, 16 << 20):
+        print(f"sources per pass with max_memory={mem}: {sources_per_chunk(ad, x0, mem)} "
+              f"of {n + 1}")
     if len(starts) == 12:
         print(f"\nexplicit route over every start block: {total:.2f} s; gradient route: "
               f"{grad:.3f} s; speed-up {total / grad:.0f}x")
