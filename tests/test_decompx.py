@@ -76,6 +76,31 @@ def test_gelu_gate_is_detached():
     torch.testing.assert_close(gz[nz][None], g_ref, rtol=0, atol=1e-15)
 
 
+def test_attention_qk_are_detached():
+    model = make_model("layerscale")  # with qk-norm
+    p, at = adapt(model).blocks[0], model.blocks[0].attn
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randn(2, 17, 32, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 4, 17, 8, generator=gen, dtype=torch.float64)
+
+    def ours(t, detach):
+        attn, v = p.attention_probs(t, detach_qk=detach)
+        return attn @ v
+
+    def by_hand(t):
+        q, k, v = at.qkv(t).reshape(2, 17, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k = at.q_norm(q).detach(), at.k_norm(k).detach()
+        return (q * at.scale @ k.transpose(-2, -1)).softmax(-1) @ v
+
+    y, gu = _grad(lambda t: ours(t, True), u, g)
+    y_ref, g_ref = _grad(by_hand, u, g)
+    _, g_full = _grad(lambda t: ours(t, False), u, g)
+    assert torch.equal(y, ours(u, False))
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-13)
+    torch.testing.assert_close(gu, g_ref, rtol=0, atol=1e-13)
+    assert (gu - g_full).abs().max() > 1e-3
+
+
 def _handwritten_linearized_logits(model, x0):
     """Pre-LN ViT (token readout) written from SPEC §0 with the §3 detaches, on timm's
     own modules."""
