@@ -1,8 +1,10 @@
 """Speed of DecompX and the PLUS / SkipPLUS / FullGrad+ combinators.
 
-Times are medians over ``--repeat`` runs after one warm-up, reported as a ratio to one
-forward + backward of the same model in the same run
-(``torch.autograd.grad(model(x)[range(B), t].sum(), x)``). Model: a ViT-S/16-sized
+Each case alternates with one forward + backward of the same model
+``--repeat`` times after one warm-up of both; the table gives the median times and
+the median of the per-pair ratios (alternating keeps drifting load on a shared machine
+from biasing the ratio). The reference is
+``torch.autograd.grad(model(x)[range(B), t].sum(), x)``. Model: a ViT-S/16-sized
 random timm ``VisionTransformer`` (224 px, width 384, 12 blocks, 6 heads), float32.
 
 The explicit DecompX route carries ``N + 1`` components of every hidden state, so it
@@ -58,16 +60,32 @@ def fwd_bwd(model, x, t):
     return run
 
 
+def paired(ref, fn, repeat: int) -> tuple[float, float, float]:
+    """Median times of ``ref`` and ``fn`` and the median of their per-pair ratios; the
+    two alternate so that load drifting on a shared machine hits both alike."""
+    ref(), fn()
+    rt, ft, ratios = [], [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        ref()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        rt.append(t1 - t0)
+        ft.append(t2 - t1)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(rt), statistics.median(ft), statistics.median(ratios)
+
+
 def speed_table(batches: list[int], repeat: int) -> None:
     model = vit_s()
-    print("\n## Fast paths, ViT-S/16 224 px float32 (ratio to one forward+backward)\n")
-    print("| method | batch | time (s) | ratio |")
-    print("|---|---|---|---|")
+    print("\n## Fast paths, ViT-S/16 224 px float32 (ratio to one forward+backward, "
+          f"median of {repeat} alternating pairs)\n")
+    print("| method | batch | time (s) | fwd+bwd (s) | ratio |")
+    print("|---|---|---|---|---|")
     for b in batches:
         x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(b))
         t = torch.arange(b) % 1000
-        base = median_time(fwd_bwd(model, x, t), repeat)
-        print(f"| forward+backward | {b} | {base:.3f} | 1.00 |")
         cases = {
             "DecompX (gradient route, s=0)": DecompX(model),
             "DecompX o SkipPLUS (fast)": SkipPLUS(model, "decompx"),
@@ -77,9 +95,10 @@ def speed_table(batches: list[int], repeat: int) -> None:
             "FullGrad+ (skip)": FullGradPlus(model, skip=True),
         }
         for name, method in cases.items():
-            sec = median_time(
+            ref, sec, ratio = paired(
+                fwd_bwd(model, x, t),
                 lambda m=method, x=x, t=t: m.attribute(x, t, output="tokens"), repeat)
-            print(f"| {name} | {b} | {sec:.3f} | {sec / base:.2f} |")
+            print(f"| {name} | {b} | {sec:.3f} | {ref:.3f} | {ratio:.2f} |", flush=True)
 
 
 def _rss_mib() -> float:
@@ -167,6 +186,7 @@ def main() -> None:
     ap.add_argument("--explicit-img", type=int, default=96)
     ap.add_argument("--starts", type=int, nargs="+", default=list(range(12)))
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-explicit", action="store_true")
     args = ap.parse_args()
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         print("note: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ are not set")
@@ -174,7 +194,8 @@ def main() -> None:
     with torch.inference_mode(False):
         if not args.skip_speed:
             speed_table(args.batches, args.repeat)
-        explicit_table(args.explicit_img, args.starts)
+        if not args.skip_explicit:
+            explicit_table(args.explicit_img, args.starts)
 
 
 if __name__ == "__main__":
