@@ -77,9 +77,10 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     Returns:
         LayerGradients
     """
-    tr = adapter.trace(inputs, linearize=linearize, grad=True)
-    t = resolve_target(target, tr.logits)
-    grads = gradients(target_scores(tr.logits, t, score), tr.states)
+    with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
+        tr = adapter.trace(inputs, linearize=linearize, grad=True)
+        t = resolve_target(target, tr.logits)
+        grads = gradients(target_scores(tr.logits, t, score), tr.states)
     return LayerGradients(tr, t, grads)
 
 

@@ -1,0 +1,304 @@
+"""DecompX for Vision Transformers (Modarressi et al., ACL 2023; ViT form of the
+SkipPLUS paper, Mehri et al. 2024). SPEC §3.
+
+Every hidden state from block ``s`` on is written as a sum of one vector per source
+token of ``x_s`` plus one bias source, ``x = sum_j x^(j) + x^(bias)``, and the
+decomposition is pushed exactly through the rest of the network. The rules below are
+numbered D1-D6 (SPEC §3 lists them in this order) and the code cites them:
+
+- D1 LayerNorm: statistics ``mu_i``, ``sigma_i^2`` frozen from the real token;
+  each component is centred by its own channel mean, divided by
+  ``sqrt(sigma_i^2 + eps)`` and scaled by ``gamma``; ``beta`` goes to the bias source.
+- D2 Linear: ``W`` on every component, the bias to the bias source.
+- D3 Attention: the probabilities from the real q, k are constants that mix the
+  value components of each head; the value bias goes to the bias source.
+- D4 GELU: zero-origin slope, every component times ``GELU(z)/z`` (= Phi(z)).
+- D5 Residual / LayerScale: component-wise.
+- D6 Pooling and head: the readout row (SPEC §0), then the classifier (D2).
+
+Two routes give the same numbers: ``"explicit"`` carries the components through the
+adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token
+Input x Gradient with a linearised backward (LayerNorm variance, q/k and the GELU gate
+detached), which gives every start block from one forward and one backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_images,
+    check_layer,
+    check_target,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import BlockParts, NormParts, Ops, ViTAdapter
+from captum_vit.adapters._linearize import activation_gate
+from captum_vit.methods.ixg import layer_gradients
+
+ROUTES = ("gradient", "explicit")
+DEFAULT_MAX_MEMORY = 1 << 30  # bytes of decomposed activations per chunk of sources
+
+
+@dataclass
+class Decomposed:
+    """A hidden state and its decomposition.
+
+    Attributes:
+        real (Tensor): the real value ``[B, N, D]`` (``[B, D]`` after pooling), computed
+            exactly as in the model's forward.
+        parts (Tensor): ``[B, S, N, D]`` (``[B, S, D]``): one component per source of
+            this chunk; when ``has_bias`` the last one is the bias source.
+        has_bias (bool): whether the last component is the bias source.
+    """
+
+    real: Tensor
+    parts: Tensor
+    has_bias: bool
+
+    def with_bias(self, parts: Tensor, bias: Tensor | None) -> Tensor:
+        """Add ``bias`` to the bias-source component of freshly computed ``parts``."""
+        if self.has_bias and bias is not None:
+            parts[:, -1] += bias.to(parts.dtype)
+        return parts
+
+
+class DecompositionOps(Ops):
+    """The canonical forward's primitives on :class:`Decomposed` values (SPEC §3 rules)."""
+
+    def __init__(self) -> None:
+        super().__init__(linearize=False)
+
+    def norm(self, x: Decomposed, p: NormParts) -> Decomposed:  # D1
+        real = super().norm(x.real, p)
+        var = x.real.var(-1, unbiased=False, keepdim=True)
+        inv_std = torch.rsqrt(var + p.eps).to(x.parts.dtype).unsqueeze(1)
+        parts = (x.parts - x.parts.mean(-1, keepdim=True)) * inv_std
+        if p.weight is not None:
+            parts = parts * p.weight.to(parts.dtype)
+        return Decomposed(real, x.with_bias(parts, p.bias), x.has_bias)
+
+    def linear(self, x: Decomposed, weight: Tensor, bias: Tensor | None) -> Decomposed:
+        parts = F.linear(x.parts, weight.to(x.parts.dtype))  # D2
+        return Decomposed(super().linear(x.real, weight, bias), x.with_bias(parts, bias),
+                          x.has_bias)
+
+    def act(self, z: Decomposed, act: Callable[[Tensor], Tensor]) -> Decomposed:  # D4
+        real = act(z.real)
+        gate = activation_gate(z.real, real).to(z.parts.dtype)
+        return Decomposed(real, z.parts * gate.unsqueeze(1), z.has_bias)
+
+    def scale(self, x: Decomposed, gamma: Tensor) -> Decomposed:  # D5
+        return Decomposed(x.real * gamma, x.parts * gamma.to(x.parts.dtype), x.has_bias)
+
+    def add(self, x: Decomposed, y: Decomposed) -> Decomposed:  # D5
+        return Decomposed(x.real + y.real, x.parts + y.parts, x.has_bias)
+
+    def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3
+        real, attn = super().attention(u.real, p)
+        b, s, n, _ = u.parts.shape
+        v = F.linear(u.parts, p.v_weight.to(u.parts.dtype))
+        v = u.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
+        mixed = torch.einsum("bhij,bsjhe->bsihe", attn.to(v.dtype), v)
+        return Decomposed(real, mixed.reshape(b, s, n, p.inner_dim), u.has_bias), attn
+
+    def pool(self, x: Decomposed, row: int | str, num_prefix: int) -> Decomposed:  # D6
+        parts = x.parts[:, :, num_prefix:].mean(2) if row == "avg" else x.parts[:, :, row]
+        return Decomposed(super().pool(x.real, row, num_prefix), parts, x.has_bias)
+
+    def mean(self, xs: Sequence[Decomposed]) -> Decomposed:
+        return Decomposed(super().mean([x.real for x in xs]),
+                          super().mean([x.parts for x in xs]), xs[0].has_bias)
+
+    def value(self, x: Decomposed) -> Tensor:
+        return x.real
+
+
+@dataclass
+class DecompXResult:
+    """Signed logit contributions of DecompX started at block ``start_layer``.
+
+    Attributes:
+        tokens (Tensor): ``[B, N]`` contribution of every token of ``x_s`` (prefix first).
+        bias (Tensor): ``[B]`` contribution of the bias source.
+        logit (Tensor): ``[B]`` target logit; ``tokens.sum(-1) + bias == logit``.
+        target (Tensor): ``[B]`` explained class.
+    """
+
+    tokens: Tensor
+    bias: Tensor
+    logit: Tensor
+    target: Tensor
+
+
+def sources_per_chunk(adapter: ViTAdapter, x: Tensor, max_memory: int | None) -> int:
+    """How many sources (of ``N + 1``) one explicit pass may carry within ``max_memory``.
+
+    The estimate is deliberately generous: the largest live set is inside the MLP (two
+    ``[B, S, N, W]`` tensors at the MLP width ``W`` and about four ``[B, S, N, D]``
+    residual-width tensors); allocator overhead and temporaries are covered by
+    doubling it. At least one source is always carried.
+    """
+    b, n, d = x.shape
+    total = n + 1
+    if max_memory is None:
+        return total
+    width = max(p.fc1_weight.shape[0] for p in adapter.blocks)
+    itemsize = torch.finfo(accumulation_dtype(x)).bits // 8
+    per_source = 2 * b * n * itemsize * (2 * width + 4 * d)
+    return max(1, min(total, max_memory // per_source))
+
+
+@torch.no_grad()
+def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tensor,
+                       max_memory: int | None = DEFAULT_MAX_MEMORY) -> tuple[Tensor, Tensor]:
+    """Explicit DecompX from block ``start`` on token states ``x = x_start`` [B, N, D].
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        x (Tensor): the real block-``start`` input.
+        start (int): first block of the decomposition.
+        target (Tensor): class per image [B].
+        max_memory (int or None): bytes of decomposed activations per pass; the
+            ``N + 1`` sources are split into chunks to stay below it (None: one pass).
+
+    Returns:
+        (tokens [B, N], bias [B]) signed contributions to the target logit.
+    """
+    b, n, d = x.shape
+    dt = accumulation_dtype(x)
+    ops = DecompositionOps()
+    chunk = sources_per_chunk(adapter, x, max_memory)
+    idx = target.to(x.device)[:, None, None]
+    out = []
+    for j0 in range(0, n + 1, chunk):
+        j1 = min(j0 + chunk, n + 1)  # sources j0..j1-1; source n is the bias source
+        tok = torch.arange(j0, min(j1, n), device=x.device)
+        parts = x.new_zeros((b, j1 - j0, n, d), dtype=dt)
+        parts[:, tok - j0, tok] = x[:, tok].to(dt)  # source j starts as x_s[j] at token j
+        h = Decomposed(x, parts, has_bias=j1 == n + 1)
+        for l in range(start, adapter.num_blocks):
+            h = adapter.block(h, l, ops)
+        logits = adapter.logits(h, ops).parts  # [B, S, classes]
+        out.append(logits.gather(-1, idx.expand(-1, j1 - j0, 1)).squeeze(-1))
+    contrib = torch.cat(out, dim=1)
+    return contrib[:, :n], contrib[:, n]
+
+
+class DecompX(ViTGradientAttribution):
+    r"""DecompX started at block ``s`` (SPEC §3): the signed contribution of every token
+    of ``x_s`` to the target logit :math:`y_c`, without the bias source.
+
+    Writing every hidden state as :math:`x = \sum_j x^{(j)} + x^{(\beta)}` over the
+    source tokens :math:`j` of :math:`x_s` and propagating the components exactly
+    (LayerNorm with frozen statistics; linear maps; attention with constant
+    probabilities; GELU zero-origin slope :math:`\Phi(z)`; residuals; readout and
+    classifier), the map is
+    :math:`m_j = y_c^{(j)}` and completeness holds:
+    :math:`\sum_j m_j + y_c^{(\beta)} = y_c`.
+
+    ``route="gradient"`` (default) computes the same numbers as
+    :math:`m_j = \sum_d x_s[j,d]\,\partial y_c/\partial x_s[j,d]` with a linearised
+    backward (LayerNorm variance, q, k and the GELU gate detached): one forward and one
+    backward for any ``s``. ``route="explicit"`` propagates the decomposition itself,
+    ``N (N+1) W`` floats per image at MLP width ``W``; ``max_memory`` chunks the sources
+    to bound it. The score is always the logit (the decomposition is of ``y_c``).
+
+    The GELU slope is the exact ratio ``GELU(z)/z`` (its limit 0.5 at ``z = 0``); the
+    authors' code divides by ``z + 1e-12``, so on the parity fixture the two differ by
+    up to ~2e-10 while completeness here holds to float precision.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        start_layer (int, optional): block ``s`` in ``[0, L-1]`` whose input tokens are
+            the sources. Default 0 (the embedding output).
+        route (str, optional): ``"gradient"`` (default) or ``"explicit"``.
+        max_memory (int or None, optional): explicit route only: bytes of decomposed
+            activations per pass (default 1 GiB); ``None`` = all sources in one pass.
+    """
+
+    def __init__(self, model: nn.Module, start_layer: int = 0, route: str = "gradient",
+                 max_memory: int | None = DEFAULT_MAX_MEMORY) -> None:
+        super().__init__(model)
+        self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
+        self.route = check_choice("route", route, ROUTES)
+        if max_memory is not None and (isinstance(max_memory, bool)
+                                       or not isinstance(max_memory, int)):
+            raise TypeError(f"max_memory must be an int (bytes) or None, got "
+                            f"{type(max_memory).__name__}")
+        if max_memory is not None and max_memory <= 0:
+            raise ValueError(f"max_memory must be a positive number of bytes (or None for "
+                             f"no chunking), got {max_memory}")
+        self.max_memory = max_memory
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: signed per-patch logit contributions (bias source excluded) in the
+            requested ``output`` format. Use :meth:`decompose` for the prefix tokens,
+            the bias source and the logit.
+
+        Examples::
+
+            >>> from captum_vit import DecompX
+            >>> attr = DecompX(model, start_layer=0).attribute(images, target=labels)
+            >>> res = DecompX(model, route="explicit").decompose(images, target=labels)
+            >>> torch.allclose(res.tokens.sum(-1) + res.bias, res.logit)
+            True
+        """
+        return self._attribute(inputs, target, output)
+
+    def decompose(self, inputs: Tensor, target: TargetLike = None) -> DecompXResult:
+        """All token contributions (prefix included), the bias source and the logit.
+
+        Args:
+            inputs (Tensor): images [B, C, H, W].
+            target (int, list, Tensor, optional): class per image; ``None`` = predicted.
+
+        Returns:
+            DecompXResult: ``tokens`` [B, N], ``bias`` [B], ``logit`` [B], ``target`` [B].
+        """
+        images, _ = check_images(inputs)
+        t = check_target(target, images.shape[0], self.num_classes)
+        self.adapter.check_inputs(images)
+        self.adapter.self_check(images)
+        return self._decompose(images, t)
+
+    def _decompose(self, images: Tensor, target: Tensor | None) -> DecompXResult:
+        s = self.start_layer
+        if self.route == "gradient":
+            lg = layer_gradients(self.adapter, images, target, score="logit", linearize=True)
+            tokens = lg.ixg()[s]
+            logit = target_scores(lg.trace.logits.detach(), lg.target).to(tokens.dtype)
+            return DecompXResult(tokens, logit - tokens.sum(-1), logit, lg.target)
+        with torch.no_grad():
+            x = self.adapter.embed(images)
+            x_s = self.adapter.run(x, 0, s)
+            logits = self.adapter.run(x_s, s)
+        t = resolve_target(target, logits)
+        tokens, bias = decompose_explicit(self.adapter, x_s, s, t, self.max_memory)
+        return DecompXResult(tokens, bias, target_scores(logits, t).to(tokens.dtype), t)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
+        return self._decompose(inputs, target).tokens
