@@ -23,7 +23,18 @@ from collections.abc import Callable
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from captum_vit import GAE, AttCAT, AttnGradCAM, RawAttention, Rollout, TokenTM
+from captum_vit import (
+    GAE,
+    PLUS,
+    AttCAT,
+    AttnGradCAM,
+    DecompX,
+    FullGradPlus,
+    RawAttention,
+    Rollout,
+    SkipPLUS,
+    TokenTM,
+)
 
 # name -> (factory(model) -> callable(x, target), goal ratio or None)
 CASES: dict[str, tuple[Callable, float | None]] = {
@@ -34,6 +45,10 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "TokenTM": (lambda m: TokenTM(m).attribute, 2.0),
     "TokenTM(residual)": (lambda m: TokenTM(m, variant="residual").attribute, 2.0),
     "AttCAT": (lambda m: AttCAT(m).attribute, 1.3),
+    "DecompX": (lambda m: DecompX(m).attribute, 2.0),
+    "DecompX∘SkipPLUS": (lambda m: SkipPLUS(m, "decompx").attribute, 2.0),
+    "IxG∘PLUS": (lambda m: PLUS(m, "ixg").attribute, 2.0),
+    "FullGrad+": (lambda m: FullGradPlus(m).attribute, 2.0),
 }
 
 

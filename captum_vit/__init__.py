@@ -1,11 +1,13 @@
 """captum_vit: Vision-Transformer explanation methods as Captum attributions."""
 
 from captum_vit.adapters import adapt
+from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
 from captum_vit.methods import (
     GAE,
     AttCAT,
     AttIxG,
     AttnGradCAM,
+    DecompX,
     RawAttention,
     Rollout,
     TokenIxG,
@@ -16,5 +18,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GAE", "AttCAT", "AttIxG", "AttnGradCAM", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
-    "adapt", "__version__",
+    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "adapt", "__version__",
 ]

@@ -11,11 +11,13 @@ from collections.abc import Callable
 from captum.attr import Attribution
 from torch import nn
 
+from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
 from captum_vit.methods import (
     GAE,
     AttCAT,
     AttIxG,
     AttnGradCAM,
+    DecompX,
     RawAttention,
     Rollout,
     TokenIxG,
@@ -32,7 +34,11 @@ METHODS: dict[str, Callable[[nn.Module], Attribution]] = {
     "tokentm_residual": lambda m: TokenTM(m, variant="residual"),
     "token_ixg": TokenIxG,
     "att_ixg": AttIxG,
+    "decompx": DecompX,
+    "fullgrad_plus": FullGradPlus,
+    "skip_fullgrad_plus": lambda m: FullGradPlus(m, skip=True),
 }
+COMBINATORS = {"plus:": PLUS, "skipplus:": SkipPLUS}
 
 
 def available_methods() -> list[str]:
@@ -71,7 +77,15 @@ def build_method(name: str, model: nn.Module) -> Attribution:
             raise ValueError(f"unknown Captum attribution class in {name!r}; use a class name "
                              "from captum.attr such as 'captum:IntegratedGradients'")
         return cls(model)
+    for prefix, combinator in COMBINATORS.items():
+        if name.startswith(prefix):
+            base = name[len(prefix):]
+            if base.startswith("captum:"):
+                import captum.attr
+
+                base = getattr(captum.attr, base.split(":", 1)[1], None)
+            return combinator(model, base)
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)} "
-                         "or 'captum:<ClassName>'")
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}, "
+                         "'plus:<name>', 'skipplus:<name>' or 'captum:<ClassName>'")
     return METHODS[name](model)

@@ -2,6 +2,7 @@
 
 from captum_vit.methods.attcat import AttCAT
 from captum_vit.methods.attn_gradcam import AttnGradCAM
+from captum_vit.methods.decompx import DecompX, DecompXResult
 from captum_vit.methods.gae import GAE
 from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
 from captum_vit.methods.raw_attention import RawAttention
@@ -9,6 +10,7 @@ from captum_vit.methods.rollout import Rollout
 from captum_vit.methods.tokentm import TokenTM
 
 __all__ = [
-    "AttCAT", "AttIxG", "AttnGradCAM", "GAE", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
+    "AttCAT", "AttIxG", "AttnGradCAM", "DecompX", "DecompXResult", "GAE", "RawAttention",
+    "Rollout", "TokenIxG", "TokenTM",
     "layer_gradients",
 ]
