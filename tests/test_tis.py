@@ -121,7 +121,9 @@ def test_kmeans_path_matches_reference_on_every_family(family):
     ref_masks = torch.stack([reference_masks(model, x[b:b + 1], n_masks, ratios, seed)
                              for b in range(2)])
     adapter = adapt(model)
-    ours = kmeans_masks(layer_features(adapter.trace(x)), n_masks, ratios, seed)
+    features, logits = layer_features(adapter, adapter.embed(x))
+    torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-12)
+    ours = kmeans_masks(features, n_masks, ratios, seed)
     assert torch.equal(ours, ref_masks)
     ref_map, _ = reference_tis(model, x, target, ref_masks)
     out = TIS(model).attribute(x, target=target, n_masks=n_masks, random_state=seed,

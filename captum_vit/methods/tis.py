@@ -39,7 +39,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Trace, ViTAdapter
+from captum_vit.adapters import Ops, ViTAdapter
 
 DEFAULT_RANDOM_STATE = 0
 """Seed used when ``random_state=None``: TIS maps are repeatable unless asked otherwise."""
@@ -98,10 +98,25 @@ def check_masks(masks: Any, batch: int, num_patches: int) -> Tensor:
 
 
 # -- steps 1-3: masks from clustered features ------------------------------------------------
-def layer_features(trace: Trace) -> Tensor:
-    """Step 1: every block's output at the patch tokens, stacked along features [B, P, L*D]."""
-    k = trace.layout.num_prefix
-    return torch.cat([rec.out[:, k:] for rec in trace.blocks], dim=-1)
+def layer_features(adapter: ViTAdapter, x0: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 1: every block's output at the patch tokens, stacked along features.
+
+    Runs the blocks one at a time (no attention matrices are kept).
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        x0 (Tensor): embedding output [B, N, D].
+
+    Returns:
+        (A [B, P, L*D], logits [B, classes]) of the full sequence.
+    """
+    k, h, columns, ops = adapter.num_prefix, x0, [], Ops()
+    with torch.no_grad():
+        for l in range(adapter.num_blocks):
+            h = adapter.block(h, l, ops)  # x_{l+1}
+            columns.append(h[:, k:])
+        logits = adapter.logits(h, ops)  # final norm, pooling and head
+    return torch.cat(columns, dim=-1), logits
 
 
 def kmeans_masks(features: Tensor, n_masks: int, ratios: Sequence[float],
@@ -298,11 +313,16 @@ class TIS(ViTPerturbationAttribution):
         ratios = check_ratios(ratio, p)
         if masks is not None:
             masks = check_masks(masks, b, p)
-        tr = self.adapter.trace(inputs)
-        t = resolve_target(target, tr.logits)
-        if masks is None:
-            masks = kmeans_masks(layer_features(tr), n_masks, ratios, random_state)
-        w = mask_scores(self.adapter, tr.x0, t, masks, score=score,
+        with torch.no_grad():
+            x0 = self.adapter.embed(inputs)  # tokens after the positional embedding
+            if masks is None:
+                features, logits = layer_features(self.adapter, x0)
+                masks = kmeans_masks(features, n_masks, ratios, random_state)
+            else:  # the full forward is only needed for target=None
+                masks = masks.to(inputs.device)
+                logits = self.adapter.run(x0) if target is None else None
+        t = target.to(inputs.device) if logits is None else resolve_target(target, logits)
+        w = mask_scores(self.adapter, x0, t, masks, score=score,
                         internal_batch_size=internal_batch_size, show_progress=show_progress)
         sal = masks_to_map(w, masks)
         full = sal.new_zeros(b, layout.num_tokens)  # prefix tokens are never scored
