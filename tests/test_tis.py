@@ -12,8 +12,14 @@ from captum.attr import NoiseTunnel
 from captum.metrics import sensitivity_max
 from sklearn.cluster import KMeans
 
-from captum_vit.adapters import adapt
-from captum_vit.methods.tis import TIS, kmeans_masks, layer_features, mask_scores
+from captum_vit.adapters import Ops, adapt
+from captum_vit.methods.tis import (
+    TIS,
+    FusedAttentionOps,
+    kmeans_masks,
+    layer_features,
+    mask_scores,
+)
 from tests.helpers import (
     FAMILIES,
     assert_close_to_reference,
@@ -110,6 +116,16 @@ def reference_tis(model, images, target, masks, score="probability"):
             maps.append(torch.stack(sal))
             all_scores.append(torch.stack(scores))
     return torch.stack(maps), torch.stack(all_scores)
+
+
+@pytest.mark.parametrize("family", ["vit", "layerscale"])
+def test_fused_attention_ops_equal_the_generic_forward(family):
+    model, x = make_model(family), make_inputs(family, batch=2)
+    adapter = adapt(model)
+    x0 = adapter.embed(x)
+    keep = torch.tensor([[0, 3, 5, 9], [1, 2, 8, 15]])
+    fused = adapter.run(x0, keep=keep, ops=FusedAttentionOps())
+    torch.testing.assert_close(fused, adapter.run(x0, keep=keep, ops=Ops()), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor
 
@@ -39,7 +40,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Ops, ViTAdapter
+from captum_vit.adapters import BlockParts, Ops, ViTAdapter
 
 DEFAULT_RANDOM_STATE = 0
 """Seed used when ``random_state=None``: TIS maps are repeatable unless asked otherwise."""
@@ -97,11 +98,26 @@ def check_masks(masks: Any, batch: int, num_patches: int) -> Tensor:
     return masks
 
 
+class FusedAttentionOps(Ops):
+    """The plain forward with fused attention (``scaled_dot_product_attention``).
+
+    Scoring never needs the attention probabilities, so they are not materialised;
+    the numbers equal the model's own fused forward.
+    """
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
+        b, n, _ = u.shape
+        qkv = F.linear(u, p.qkv_weight, p.qkv_bias)
+        q, k, v = qkv.reshape(b, n, 3, p.num_heads, p.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        mix = F.scaled_dot_product_attention(p.q_norm(q), p.k_norm(k), v, scale=p.scale)
+        return mix.transpose(1, 2).reshape(b, n, p.inner_dim), None
+
+
 # -- steps 1-3: masks from clustered features ------------------------------------------------
 def layer_features(adapter: ViTAdapter, x0: Tensor) -> tuple[Tensor, Tensor]:
     """Step 1: every block's output at the patch tokens, stacked along features.
 
-    Runs the blocks one at a time (no attention matrices are kept).
+    Runs the blocks with fused attention (no attention matrices are kept).
 
     Args:
         adapter (ViTAdapter): the model's adapter.
@@ -110,7 +126,7 @@ def layer_features(adapter: ViTAdapter, x0: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         (A [B, P, L*D], logits [B, classes]) of the full sequence.
     """
-    k, h, columns, ops = adapter.num_prefix, x0, [], Ops()
+    k, h, columns, ops = adapter.num_prefix, x0, [], FusedAttentionOps()
     with torch.no_grad():
         for l in range(adapter.num_blocks):
             h = adapter.block(h, l, ops)  # x_{l+1}
@@ -189,6 +205,7 @@ def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, 
     counts = masks.sum(-1)
     out = torch.empty(b, m, dtype=accumulation_dtype(x0), device=x0.device)
     chunk = b * m if internal_batch_size is None else internal_batch_size
+    ops = FusedAttentionOps()
     with torch.no_grad(), tqdm(total=b * m, desc="TIS", unit="seq",
                                disable=not show_progress) as bar:
         for n in counts.unique().tolist():
@@ -196,7 +213,7 @@ def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, 
             for rows in pairs.split(chunk):
                 bi, mj = rows[:, 0], rows[:, 1]
                 keep = masks[bi, mj].nonzero()[:, 1].reshape(-1, n)  # kept patch indices
-                logits = adapter.run(x0[bi], keep=keep).to(out.dtype)
+                logits = adapter.run(x0[bi], keep=keep, ops=ops).to(out.dtype)
                 out[bi, mj] = target_scores(logits, target[bi], score)
                 bar.update(len(rows))
     return out
@@ -320,7 +337,7 @@ class TIS(ViTPerturbationAttribution):
                 masks = kmeans_masks(features, n_masks, ratios, random_state)
             else:  # the full forward is only needed for target=None
                 masks = masks.to(inputs.device)
-                logits = self.adapter.run(x0) if target is None else None
+                logits = self.adapter.run(x0, ops=FusedAttentionOps()) if target is None else None
         t = target.to(inputs.device) if logits is None else resolve_target(target, logits)
         w = mask_scores(self.adapter, x0, t, masks, score=score,
                         internal_batch_size=internal_batch_size, show_progress=show_progress)
