@@ -46,10 +46,11 @@ DEFAULT_RANDOM_STATE = 0
 """Seed used when ``random_state=None``: TIS maps are repeatable unless asked otherwise."""
 
 KMEANS_THREADS = 2
-"""OpenMP threads for scikit-learn's KMeans. Its Lloyd step adds the per-thread partial
-centroid sums in whatever order the threads finish; with at most two threads that
-order cannot change the floating-point result (a + b == b + a), so seeded runs are
-bit-for-bit repeatable."""
+"""Most OpenMP threads for scikit-learn's KMeans (never more than already allowed). Its
+Lloyd step adds the per-thread partial centroid sums in whatever order the threads
+finish; with at most two threads that order cannot change the floating-point result
+(0 + a + b == 0 + b + a), so seeded runs are bit-for-bit repeatable for a given
+thread count."""
 
 
 # -- argument checks ---------------------------------------------------------------------
@@ -152,7 +153,7 @@ def kmeans_masks(features: Tensor, n_masks: int, ratios: Sequence[float],
         Tensor: bool masks [B, len(ratios) * n_masks, P] on the device of ``features``.
     """
     from sklearn.cluster import KMeans
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import ThreadpoolController
 
     b, p, f = features.shape
     if n_masks > f:
@@ -161,10 +162,12 @@ def kmeans_masks(features: Tensor, n_masks: int, ratios: Sequence[float],
         n_masks = f
     seed = DEFAULT_RANDOM_STATE if random_state is None else random_state
     dt = torch.float64 if features.dtype == torch.float64 else torch.float32
+    openmp = ThreadpoolController().select(user_api="openmp")
+    threads = min([KMEANS_THREADS] + [lib.num_threads for lib in openmp.lib_controllers])
     masks = []
     for a in features.detach().to("cpu", dt):
         km = KMeans(n_clusters=n_masks, n_init=1, random_state=seed)
-        with threadpool_limits(limits=KMEANS_THREADS, user_api="openmp"):
+        with openmp.limit(limits=threads):
             km.fit(a.T.numpy())  # samples = the L*D columns of A, each a map over P patches
         centroids = torch.from_numpy(km.cluster_centers_)  # K^T, [n_masks, P]
         per_ratio = []
