@@ -7,13 +7,18 @@ token sequences gathered beforehand, in chunks of ``internal_batch_size``; KMean
 timed separately. Everything is also expressed in units of one forward+backward
 ``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` of the same model in the same run.
 
-Run::
+Columns: ``TIS`` = ``TIS.attribute`` (features, KMeans, scoring); ``KMeans`` = the
+clustering alone; ``given`` = ``TIS.attribute(masks=...)`` with those masks (everything
+but KMeans); ``bound`` = the unavoidable shortened-sequence forwards; ``img/s`` = B / TIS.
+
+Run from the repository root (package installed, or ``PYTHONPATH=.``)::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \\
-        python benchmarks/bench_tis.py --n-masks 32
+        python benchmarks/bench_tis.py --n-masks 128 [--batches 1 8] [--repeat 3]
 
 ViT-S/16 at 224 with the paper's n_masks=1024 is 1024 forwards of 99 tokens per image;
-on a small CPU use a smaller ``--n-masks`` (the table header says which).
+on a small CPU use a smaller ``--n-masks`` (the table header says which). On a CPU shared
+with other jobs, ``OMP_NUM_THREADS=1`` gives steadier numbers (no OpenMP spinning).
 """
 
 from __future__ import annotations
