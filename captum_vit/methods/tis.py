@@ -291,7 +291,8 @@ class TIS(ViTPerturbationAttribution):
             score (str, optional): ``"probability"`` (default, softmax of the target as
                 the paper) or ``"logit"``.
             masks (Tensor, optional): bool masks (True = patch kept), [n_masks, P] for
-                every image or [B, n_masks, P] per image; skips the clustering, and
+                every image or [B, n_masks, P] per image (then ``inputs`` must hold
+                exactly B images, so not under NoiseTunnel); skips the clustering, and
                 ``n_masks``, ``ratio`` and ``random_state`` are then unused.
             random_state (int, optional): KMeans seed; ``None`` = 0 (repeatable).
             internal_batch_size (int, optional): shortened sequences per forward
