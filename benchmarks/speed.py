@@ -15,6 +15,7 @@ ratios of one run only.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -26,6 +27,7 @@ from timm.models.vision_transformer import VisionTransformer
 from captum_vit import (
     GAE,
     PLUS,
+    TIS,
     AttCAT,
     AttnGradCAM,
     DecompX,
@@ -49,6 +51,7 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "DecompX∘SkipPLUS": (lambda m: SkipPLUS(m, "decompx").attribute, 2.0),
     "IxG∘PLUS": (lambda m: PLUS(m, "ixg").attribute, 2.0),
     "FullGrad+": (lambda m: FullGradPlus(m).attribute, 2.0),
+    "TIS (n_masks=32)": (lambda m: functools.partial(TIS(m).attribute, n_masks=32), None),
 }
 
 

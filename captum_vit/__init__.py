@@ -4,6 +4,7 @@ from captum_vit.adapters import adapt
 from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
 from captum_vit.methods import (
     GAE,
+    TIS,
     AttCAT,
     AttIxG,
     AttnGradCAM,
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GAE", "AttCAT", "AttIxG", "AttnGradCAM", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
-    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "adapt", "__version__",
+    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "TIS", "adapt", "__version__",
 ]

@@ -14,6 +14,7 @@ from torch import nn
 from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
 from captum_vit.methods import (
     GAE,
+    TIS,
     AttCAT,
     AttIxG,
     AttnGradCAM,
@@ -35,6 +36,7 @@ METHODS: dict[str, Callable[[nn.Module], Attribution]] = {
     "token_ixg": TokenIxG,
     "att_ixg": AttIxG,
     "decompx": DecompX,
+    "tis": TIS,
     "fullgrad_plus": FullGradPlus,
     "skip_fullgrad_plus": lambda m: FullGradPlus(m, skip=True),
 }

@@ -7,10 +7,11 @@ from captum_vit.methods.gae import GAE
 from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
 from captum_vit.methods.raw_attention import RawAttention
 from captum_vit.methods.rollout import Rollout
+from captum_vit.methods.tis import TIS
 from captum_vit.methods.tokentm import TokenTM
 
 __all__ = [
     "AttCAT", "AttIxG", "AttnGradCAM", "DecompX", "DecompXResult", "GAE", "RawAttention",
-    "Rollout", "TokenIxG", "TokenTM",
+    "Rollout", "TIS", "TokenIxG", "TokenTM",
     "layer_gradients",
 ]
