@@ -297,22 +297,26 @@ class RemovalEngine:
                       seeds: Sequence[int]) -> Tensor:
         b, s, p = removed.shape
         fill = baseline_images(inputs, self.removal, seeds)
-        (gh, gw), (ph, pw) = layout.grid, layout.patch_size
-        h, w = inputs.shape[-2:]
         jobs = [(i, j) for i in range(b) for j in range(s)]
         out: Tensor | None = None
         for lo in range(0, len(jobs), self.batch_size):
             chunk = jobs[lo:lo + self.batch_size]
             ii = torch.tensor([i for i, _ in chunk], device=inputs.device)
             jj = torch.tensor([j for _, j in chunk], device=inputs.device)
-            m = removed[ii, jj].reshape(-1, 1, gh, gw)
-            m = m.repeat_interleave(ph, 2).repeat_interleave(pw, 3)[..., :h, :w]
-            logits = self.model(torch.where(m, fill[ii], inputs[ii]))
+            logits = self.model(remove_pixels(inputs[ii], fill[ii], removed[ii, jj], layout))
             if out is None:
                 out = logits.new_zeros(b, s, logits.shape[-1])
             out[ii, jj] = logits
         assert out is not None
         return out
+
+
+def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
+    """Images [B, C, H, W] whose removed patches ([B, P] bool) take the ``fill`` pixels."""
+    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
+    h, w = inputs.shape[-2:]
+    m = removed.reshape(-1, 1, gh, gw).repeat_interleave(ph, 2).repeat_interleave(pw, 3)
+    return torch.where(m[..., :h, :w], fill, inputs)
 
 
 # -- chance level -------------------------------------------------------------------------
