@@ -1,0 +1,1 @@
+"""Sub-commands of the ``captum-vit`` command line."""
