@@ -15,7 +15,8 @@ class = sub-folder index, no masks) or ``synthetic`` (images and rectangle masks
 from ``--seed`` and the example index, no download). Images are resized (bilinear) and
 masks (nearest) to the model's input size; channels are repeated/averaged to match.
 
-Under ``torchrun --nproc_per_node=K`` (``WORLD_SIZE`` > 1) every rank evaluates the
+Under ``torchrun --nproc_per_node=K -m captum_vit.cli evaluate --num-examples N ...``
+(``WORLD_SIZE`` > 1; spell ``--n`` as ``--num-examples`` there) every rank evaluates the
 batches ``i ≡ rank (mod K)`` (gloo on CPU, nccl on CUDA) and rank 0 gathers and writes the
 files; every random choice is seeded by ``--seed`` and the example index, so the files
 equal those of a single process.
@@ -65,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "captum:<Class>; 'all')")
     p.add_argument("--metrics", nargs="+", default=["all"],
                    help=f"{', '.join(METRICS)} or 'all'")
-    p.add_argument("--n", type=int, default=100, help="number of examples")
+    p.add_argument("--n", "--num-examples", dest="n", type=int, default=100,
+                   help="number of examples (write --num-examples under torchrun, whose own "
+                        "parser mistakes --n for an abbreviation of its options)")
     p.add_argument("--batch-size", type=int, default=16, help="images per batch")
     p.add_argument("--seed", type=int, default=0, help="seed of data, baselines and noise")
     p.add_argument("--removal", default="token", help=f"patch removal: {', '.join(REMOVALS)}")
