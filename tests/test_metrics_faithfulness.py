@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from captum_vit.methods import GAE, TokenIxG
 from captum_vit.metrics import (
     RandomMap,
     RemovalEngine,
@@ -20,7 +21,6 @@ from captum_vit.metrics import (
     trapezoid_auc,
 )
 from captum_vit.metrics.removal import baseline_images, gaussian_blur, remove_pixels
-from captum_vit.methods import GAE, TokenIxG
 from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
 from tests.metrics_toys import linear_toy, one_thread, toy_contributions, toy_inputs
 

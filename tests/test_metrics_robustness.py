@@ -8,6 +8,7 @@ import pytest
 import torch
 from captum.attr import IntegratedGradients, NoiseTunnel, Saliency
 
+from captum_vit.methods import GAE
 from captum_vit.metrics import (
     MetricResult,
     RandomMap,
@@ -21,7 +22,6 @@ from captum_vit.metrics import (
     spearman,
 )
 from captum_vit.metrics.removal import RemovalEngine
-from captum_vit.methods import GAE
 from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
 from tests.metrics_toys import one_thread
 
