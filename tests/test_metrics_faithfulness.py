@@ -107,7 +107,8 @@ def test_true_weights_beat_random_and_are_the_best_ordering():
 
 
 def test_token_removal_equals_hand_built_shorter_sequence():
-    for family in ("vit", "distilled", "registers"):
+    # batch_size=3 mixes sequence lengths in a chunk: the padded, key-masked path
+    for family in ("vit", "distilled", "registers", "avgpool", "layerscale"):
         model, x = make_model(family), make_inputs(family, 2)
         p = 16
         order = torch.stack([torch.randperm(p, generator=torch.Generator().manual_seed(i))
@@ -120,6 +121,9 @@ def test_token_removal_equals_hand_built_shorter_sequence():
                 for s, c in enumerate(counts):
                     kept = order[i, c:] if mode == "delete" else order[i, :c]
                     kept = kept.sort().values
+                    if kept.numel() == 0 and model.num_prefix_tokens == 0:
+                        assert (got[i, s] == 0).all()  # no tokens at all: logits 0
+                        continue
                     with torch.no_grad():  # timm's own modules, not the adapter
                         t = model._pos_embed(model.patch_embed(x[i:i + 1]))
                         k = model.num_prefix_tokens
@@ -127,6 +131,7 @@ def test_token_removal_equals_hand_built_shorter_sequence():
                         for blk in model.blocks:
                             t = blk(t)
                         ref = model.forward_head(model.norm(t))
+                    assert torch.isfinite(got[i, s]).all()
                     torch.testing.assert_close(got[i, s], ref[0], rtol=1e-11, atol=1e-11)
 
 

@@ -14,8 +14,10 @@ Removal always works on the model's patch grid (SPEC §6.3):
   ``[min, max]`` of the image, seeded per example id), and the model runs on the images.
 
 Every (image, step) pair is one job; jobs are evaluated in batched forwards over images
-AND steps (jobs of equal sequence length share a forward with token masking), chunked
-by ``batch_size``.
+AND steps, chunked by ``batch_size``. With token masking, jobs are sorted by the number
+of kept tokens and the shorter sequences of a chunk are padded, the padding masked out
+of attention (as keys) and pooling (:class:`PaddedOps`), which gives the same logits as
+running each shortened sequence alone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, ViTPerturbationAttribution, check_choice
-from captum_vit.adapters import Layout, ViTAdapter, adapt
+from captum_vit.adapters import BlockParts, Layout, Ops, ViTAdapter, adapt
 
 REMOVALS = ("token", "black", "mean", "blur", "random")
 PIXEL_REDUCES = ("abs", "sum")
@@ -193,6 +195,32 @@ def baseline_images(inputs: Tensor, removal: str, seeds: Sequence[int]) -> Tenso
 
 
 # -- engine -------------------------------------------------------------------------------
+class PaddedOps(Ops):
+    """The plain forward on padded token sets: ``valid`` [B, N] marks real tokens.
+
+    Padded tokens get zero attention weight as keys and are left out of average pooling,
+    so every real token's state equals that of the unpadded shorter sequence.
+    """
+
+    def __init__(self, valid: Tensor) -> None:
+        super().__init__()
+        self.valid = valid
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Tensor]:
+        b, n, _ = u.shape
+        qkv = F.linear(u, p.qkv_weight, p.qkv_bias)
+        q, k, v = qkv.reshape(b, n, 3, p.num_heads, p.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (p.q_norm(q) * p.scale) @ p.k_norm(k).transpose(-2, -1)
+        attn = scores.masked_fill(~self.valid[:, None, None, :], -torch.inf).softmax(-1)
+        return (attn @ v).transpose(1, 2).reshape(b, n, p.inner_dim), attn
+
+    def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
+        if row != "avg":
+            return x[:, row]
+        w = self.valid[:, num_prefix:].to(x.dtype)[..., None]
+        return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
+
+
 class RemovalEngine:
     """Evaluate a model on images with some patches removed.
 
@@ -264,33 +292,36 @@ class RemovalEngine:
             return self._pixel_logits(inputs, removed, layout, seeds)
 
     def _token_logits(self, inputs: Tensor, removed: Tensor) -> Tensor:
+        """Jobs sorted by kept length and chunked; shorter sequences of a chunk are padded
+        and their padding masked out as attention keys (and from average pooling), which
+        equals running every job on its own shortened sequence."""
         b, s, p = removed.shape
+        k = self.adapter.num_prefix
         x0 = self.adapter.embed(inputs)
-        kept = (~removed).sum(-1)  # [B, S]
+        keep = ~removed
+        counts = keep.sum(-1).tolist()  # [B][S]
+        jobs = sorted((counts[i][j], i, j) for i in range(b) for j in range(s))
+        runnable = [t for t in jobs if t[0] + k > 0]  # no tokens at all: logits 0 (docstring)
         out: Tensor | None = None
-        jobs = [(i, j) for j in range(s) for i in range(b)]
-        by_len: dict[int, list[tuple[int, int]]] = {}
-        for i, j in jobs:
-            by_len.setdefault(int(kept[i, j]), []).append((i, j))
-        for n, group in by_len.items():
-            for lo in range(0, len(group), self.batch_size):
-                chunk = group[lo:lo + self.batch_size]
-                ii = torch.tensor([i for i, _ in chunk], device=inputs.device)
-                jj = torch.tensor([j for _, j in chunk], device=inputs.device)
-                keep = (~removed[ii, jj]).nonzero()[:, 1].reshape(len(chunk), n)
-                if n == 0 and self.adapter.num_prefix == 0:
-                    logits = None
-                else:
-                    logits = self.adapter.run(x0[ii], keep=keep)
-                if out is None:
-                    if logits is None:  # classes from one full forward
-                        c = self.adapter.run(x0[:1]).shape[-1]
-                        out = x0.new_zeros(b, s, c)
-                    else:
-                        out = logits.new_zeros(b, s, logits.shape[-1])
-                if logits is not None:
-                    out[ii, jj] = logits
-        assert out is not None
+        for lo in range(0, len(runnable), self.batch_size):
+            chunk = runnable[lo:lo + self.batch_size]
+            n = torch.tensor([c for c, _, _ in chunk], device=inputs.device)
+            ii = torch.tensor([i for _, i, _ in chunk], device=inputs.device)
+            jj = torch.tensor([j for _, _, j in chunk], device=inputs.device)
+            n_max = int(n.max())
+            # kept patch indices in increasing order first, then (padding) the others
+            idx = torch.argsort((~keep[ii, jj]).to(torch.int8), dim=1, stable=True)[:, :n_max]
+            valid = torch.arange(n_max, device=inputs.device) < n[:, None]
+            if valid.all():
+                logits = self.adapter.run(x0[ii], keep=idx)
+            else:
+                valid = torch.cat([valid.new_ones(len(chunk), k), valid], 1)
+                logits = self.adapter.run(x0[ii], keep=idx, ops=PaddedOps(valid))
+            if out is None:
+                out = logits.new_zeros(b, s, logits.shape[-1])
+            out[ii, jj] = logits
+        if out is None:  # every job empty: only the number of classes is needed
+            out = x0.new_zeros(b, s, self.adapter.run(x0[:1]).shape[-1])
         return out
 
     def _pixel_logits(self, inputs: Tensor, removed: Tensor, layout: Layout,
