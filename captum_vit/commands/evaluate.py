@@ -104,7 +104,7 @@ def resolve_methods(values: Sequence[str]) -> list[str]:
 
     names = _names(values)
     if "all" in names:
-        return available_methods() + ["random"]
+        return list(dict.fromkeys(available_methods() + ["random"]))
     known = set(available_methods()) | {"random"}
     for n in names:
         if n not in known and not n.startswith("captum:"):
@@ -278,10 +278,9 @@ def make_batch(data: Any, indices: Sequence[int], model: nn.Module,
 
 # -- evaluation -----------------------------------------------------------------------------
 def evaluate_batch(model: nn.Module, x: Tensor, labels: Tensor, masks: Tensor | None,
-                   method: str, metrics: Sequence[str], args: argparse.Namespace,
+                   method: str, attr: Any, metrics: Sequence[str], args: argparse.Namespace,
                    ids: Sequence[int]) -> dict[str, MetricResult]:
-    """Every requested metric of one method on one batch (column name -> result)."""
-    attr = build_method(method, model, args.seed)
+    """Every requested metric of one method (``attr``, named ``method``) on one batch."""
     with torch.no_grad():
         logits = model(x)
     target = logits.argmax(-1) if args.target == "predicted" else labels
@@ -369,12 +368,13 @@ def run(args: argparse.Namespace) -> int:
         batches = [list(range(i, min(i + args.batch_size, n)))
                    for i in range(0, n, args.batch_size)]
         mine = list(range(rank, len(batches), world))
+        attrs = {meth: build_method(meth, model, args.seed) for meth in methods}
         local: dict[int, dict[str, dict[str, MetricResult]]] = {}
         for b in tqdm(mine, desc=f"evaluate (rank {rank})" if distributed else "evaluate",
                       disable=rank != 0, file=sys.stderr):
             x, labels, masks = make_batch(data, batches[b], model, pre, device, dtype)
-            local[b] = {meth: evaluate_batch(model, x, labels, masks, meth, metrics, args,
-                                             batches[b]) for meth in methods}
+            local[b] = {meth: evaluate_batch(model, x, labels, masks, meth, attrs[meth], metrics,
+                                             args, batches[b]) for meth in methods}
         parts: list[Any] = [local]
         if distributed:
             parts = [None] * world

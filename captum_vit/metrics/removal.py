@@ -288,6 +288,7 @@ class RemovalEngine:
         removed = affected if mode == "delete" else ~affected
         with torch.no_grad():
             if self.removal == "token":
+                self.adapter.self_check(inputs)  # the token path runs the adapter's forward
                 return self._token_logits(inputs, removed)
             return self._pixel_logits(inputs, removed, layout, seeds)
 
