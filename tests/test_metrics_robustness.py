@@ -130,3 +130,18 @@ def test_results_cat_dict_and_plot(tmp_path):
         plot_curves({"a": a})
     with pytest.raises(ValueError):
         MetricResult.cat([])
+
+
+def test_random_map_captum_interop():
+    from captum.metrics import sensitivity_max
+
+    model, x = make_model("vit"), make_inputs("vit", 2)
+    before = snapshot(model)
+    nt = NoiseTunnel(RandomMap(model)).attribute(x, nt_type="smoothgrad", nt_samples=2,
+                                                 stdevs=0.1, target=[0, 1])
+    assert nt.shape == x.shape
+    sens = sensitivity_max(RandomMap(model).attribute, x, target=[0, 1], n_perturb_samples=2)
+    assert sens.shape == (2,)
+    with pytest.raises(ValueError, match="channels"):
+        RandomMap(model).attribute(x[:, :1])
+    assert_unchanged(model, before)
