@@ -315,10 +315,13 @@ def evaluate_batch(model: nn.Module, x: Tensor, labels: Tensor, masks: Tensor | 
         elif m == "randomization":
             out[m] = randomization(model, x, method if method != "random" else attr,
                                    target=target, seed=args.seed)
-    if "deletion" in out and "insertion" in out:
-        out["insertion_minus_deletion"] = fa.insertion_minus_deletion(out["insertion"],
-                                                                     out["deletion"])
-    return {k: v.to("cpu") for k, v in out.items()}
+    cols: dict[str, MetricResult] = {}
+    for k, v in out.items():
+        cols[k] = v.to("cpu")
+        if k == "insertion" and "deletion" in out:  # the column right after insertion
+            cols["insertion_minus_deletion"] = fa.insertion_minus_deletion(
+                out["insertion"], out["deletion"]).to("cpu")
+    return cols
 
 
 def _dist() -> tuple[int, int, bool]:
