@@ -146,9 +146,8 @@ def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str)
     if maps.dim() == 3 and shape[1:] == (gh, gw):
         return maps.reshape(b, p)
     if maps.dim() in (3, 4) and shape[-2:] == (h, w):
-        pix = maps if maps.dim() == 3 else (maps.abs() if pixel_reduce == "abs" else maps).sum(1)
-        if maps.dim() == 3 and pixel_reduce == "abs":
-            pix = pix.abs()
+        pix = maps.abs() if pixel_reduce == "abs" else maps
+        pix = pix.sum(1) if pix.dim() == 4 else pix  # channels
         ph, pw = layout.patch_size
         pix = F.pad(pix, (0, gw * pw - w, 0, gh * ph - h))
         return pix.reshape(b, gh, ph, gw, pw).sum((2, 4)).reshape(b, p)

@@ -118,11 +118,11 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     kw = dict(pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
     if isinstance(method, Attribution):
         base = method
+        attr, rmodel, factory = _build(method, model)  # deep copy of method and model
     else:
         base = _build(method, model)[0]
+        attr, rmodel, factory = _build(method, copy.deepcopy(model))
     ref = patch_maps(base, inputs, t, layout, **kw)
-    work = copy.deepcopy(model) if not isinstance(method, Attribution) else None
-    attr, rmodel, factory = _build(method, work) if work is not None else _build(method, model)
     g = torch.Generator().manual_seed(seed)
     curves = []
     with torch.no_grad():
