@@ -107,3 +107,21 @@ def test_torchrun_two_processes_equals_one(tmp_path):
         raise
     assert proc.returncode == 0, err[-3000:]
     assert _read(tmp_path / "two") == _read(tmp_path / "one")
+
+
+def test_file_model_spec(tmp_path):
+    from safetensors.torch import save_file
+    from timm.models.vision_transformer import VisionTransformer
+
+    kwargs = dict(img_size=16, patch_size=8, in_chans=1, embed_dim=16, depth=1, num_heads=2,
+                  num_classes=3)
+    torch.manual_seed(0)
+    model = VisionTransformer(**kwargs)
+    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    (tmp_path / "m.json").write_text(json.dumps({"kwargs": kwargs}))
+    out = tmp_path / "o"
+    assert main(["evaluate", "--model", f"file:{tmp_path / 'm.safetensors'}", "--data",
+                 "synthetic", "--n", "2", "--methods", "rollout", "--metrics",
+                 "deletion,sparseness", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]["rollout"]
+    assert res["deletion"]["n"] == 2 and res["sparseness"]["n"] == 2
