@@ -195,27 +195,30 @@ def baseline_images(inputs: Tensor, removal: str, seeds: Sequence[int]) -> Tenso
 
 # -- engine -------------------------------------------------------------------------------
 class PaddedOps(Ops):
-    """The plain forward on padded token sets: ``valid`` [B, N] marks real tokens.
+    """The plain forward for token removal, optionally on padded token sets.
 
-    Padded tokens get zero attention weight as keys and are left out of average pooling,
-    so every real token's state equals that of the unpadded shorter sequence.
+    ``valid`` [B, N] marks real tokens (None: all real). Padded tokens take no part in
+    attention as keys and are left out of average pooling, so every real token's state
+    equals that of the unpadded shorter sequence. Attention runs through
+    ``F.scaled_dot_product_attention`` (fused; the probabilities are not materialised).
     """
 
-    def __init__(self, valid: Tensor) -> None:
+    def __init__(self, valid: Tensor | None = None) -> None:
         super().__init__()
         self.valid = valid
 
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Tensor]:
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
         b, n, _ = u.shape
         qkv = F.linear(u, p.qkv_weight, p.qkv_bias)
         q, k, v = qkv.reshape(b, n, 3, p.num_heads, p.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        scores = (p.q_norm(q) * p.scale) @ p.k_norm(k).transpose(-2, -1)
-        attn = scores.masked_fill(~self.valid[:, None, None, :], -torch.inf).softmax(-1)
-        return (attn @ v).transpose(1, 2).reshape(b, n, p.inner_dim), attn
+        mask = None if self.valid is None else self.valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(p.q_norm(q), p.k_norm(k), v, attn_mask=mask,
+                                             scale=p.scale)
+        return out.transpose(1, 2).reshape(b, n, p.inner_dim), None
 
     def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
-        if row != "avg":
-            return x[:, row]
+        if row != "avg" or self.valid is None:
+            return super().pool(x, row, num_prefix)
         w = self.valid[:, num_prefix:].to(x.dtype)[..., None]
         return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
 
@@ -313,10 +316,10 @@ class RemovalEngine:
             idx = torch.argsort((~keep[ii, jj]).to(torch.int8), dim=1, stable=True)[:, :n_max]
             valid = torch.arange(n_max, device=inputs.device) < n[:, None]
             if valid.all():
-                logits = self.adapter.run(x0[ii], keep=idx)
+                ops = PaddedOps()
             else:
-                valid = torch.cat([valid.new_ones(len(chunk), k), valid], 1)
-                logits = self.adapter.run(x0[ii], keep=idx, ops=PaddedOps(valid))
+                ops = PaddedOps(torch.cat([valid.new_ones(len(chunk), k), valid], 1))
+            logits = self.adapter.run(x0[ii], keep=idx, ops=ops)
             if out is None:
                 out = logits.new_zeros(b, s, logits.shape[-1])
             out[ii, jj] = logits
