@@ -1,5 +1,6 @@
 """captum_vit: Vision-Transformer explanation methods as Captum attributions."""
 
+from captum_vit import metrics
 from captum_vit.adapters import adapt
 from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
 from captum_vit.methods import (
@@ -14,10 +15,11 @@ from captum_vit.methods import (
     TokenIxG,
     TokenTM,
 )
+from captum_vit.metrics import RandomMap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GAE", "AttCAT", "AttIxG", "AttnGradCAM", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
-    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "TIS", "adapt", "__version__",
+    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "TIS", "RandomMap", "metrics", "adapt", "__version__",
 ]

@@ -1,4 +1,4 @@
-"""``captum-vit explain``: a PNG grid of every method on one image."""
+"""``captum-vit explain``: a PNG grid of the input and every method's map."""
 
 from __future__ import annotations
 
@@ -6,77 +6,95 @@ import argparse
 import sys
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from captum_vit.commands.evaluate import load_model, model_input
 from captum_vit.registry import available_methods, build_method
+
+DEFAULT_MODEL = "zoo:vit_fmnist_loc"
+# quick settings for the demo grid (the methods' defaults are the papers')
+DEMO_KWARGS = {"tis": {"n_masks": 128}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="random:vit",
-                   help="timm:NAME (random weights unless --pretrained) or random:vit "
-                        "(a small random-weight ViT, the default until a bundled model exists)")
-    p.add_argument("--pretrained", action="store_true",
-                   help="with timm:NAME, load weights already in the local cache")
-    p.add_argument("--image", default=None, help="image file (any size); default: a sample")
+    """Options of ``captum-vit explain``."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="zoo:NAME (default: the bundled model) | timm:NAME (pretrained weights "
+                        "must be in the local cache) | file:PATH.safetensors | random:vit_tiny")
+    p.add_argument("--image", default=None,
+                   help="image file of any size (default: a bundled FashionMNIST-Loc sample)")
     p.add_argument("--methods", default="all",
                    help=f"comma-separated names or 'all' ({', '.join(available_methods())})")
     p.add_argument("--target", type=int, default=None, help="class to explain (default: predicted)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random models")
     p.add_argument("--out", default="explain.png", help="output PNG path")
 
 
-def load_model(spec: str, pretrained: bool = False) -> tuple[torch.nn.Module, tuple[int, int], int]:
-    """Build the model named by ``spec``; returns (model, input size, channels)."""
-    if spec == "random:vit":
-        from timm.models.vision_transformer import VisionTransformer
-
-        torch.manual_seed(0)
-        model = VisionTransformer(img_size=64, patch_size=8, embed_dim=96, depth=6, num_heads=4,
-                                  num_classes=10)
-        return model.eval(), (64, 64), 3
-    if spec.startswith("timm:"):
-        import timm
-
-        name = spec.split(":", 1)[1]
-        try:
-            model = timm.create_model(name, pretrained=pretrained)
-        except RuntimeError as e:
-            raise ValueError(f"cannot load {spec!r}: {e}") from e
-        except Exception as e:  # noqa: BLE001 - hub errors have many types
-            hint = " (pretrained weights must already be in the local cache)" if pretrained else ""
-            raise ValueError(f"cannot load {spec!r}{hint}: {e}") from e
-        cfg = model.pretrained_cfg
-        return model.eval(), tuple(cfg["input_size"][1:]), cfg["input_size"][0]
-    raise ValueError(f"unknown model {spec!r}; use timm:NAME or random:vit")
+def _methods(spec: str) -> list[str]:
+    names = available_methods() if spec == "all" else [n for n in spec.split(",") if n]
+    for n in names:
+        if n not in available_methods() and not n.startswith(("captum:", "plus:", "skipplus:")):
+            raise ValueError(f"unknown method {n!r}; choose from {', '.join(available_methods())}, "
+                             "plus:<name>, skipplus:<name>, captum:<Class> or 'all'")
+    if not names:
+        raise ValueError("--methods is empty")
+    return names
 
 
-def _load_image(path: str | None, size: tuple[int, int], chans: int) -> torch.Tensor:
+def _image(path: str | None) -> torch.Tensor:
+    """[C, H, W] in [0, 1]: the file, or the first bundled sample image."""
     if path is None:
-        g = torch.Generator().manual_seed(0)
-        return torch.rand(1, chans, *size, generator=g)
-    from PIL import Image
+        from captum_vit.data import load_sample
 
-    img = Image.open(path).convert("L" if chans == 1 else "RGB").resize(size[::-1])
-    t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).float() / 255
-    return t.reshape(size[0], size[1], chans).permute(2, 0, 1)[None]
+        return load_sample()["images"][0]
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--image {path}: no such file")
+    try:
+        arr = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 255
+    except UnidentifiedImageError as e:
+        raise ValueError(f"--image {path}: not an image PIL can read") from e
+    return torch.from_numpy(arr).permute(2, 0, 1)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Explain one image with every requested method and write the PNG grid."""
     from captum_vit.viz import plot_grid
 
-    model, size, chans = load_model(args.model, args.pretrained)
-    if args.model.startswith("random:"):
-        print("note: explaining a random-weight ViT (no bundled trained model is installed)",
-              file=sys.stderr)
-    names = available_methods() if args.methods == "all" else args.methods.split(",")
-    methods = {n: build_method(n, model) for n in names}
-    x = _load_image(args.image, size, chans)
+    names = _methods(args.methods)
+    model, pre = load_model(args.model, args.seed)
+    class_names = None
+    if args.model.startswith("zoo:"):
+        from captum_vit import zoo
+
+        class_names = zoo.load(args.model.split(":", 1)[1]).class_names
+    elif args.model.startswith("random:"):
+        print("note: explaining a random-weight ViT", file=sys.stderr)
+    chans, size = model_input(model)
+    img = _image(args.image)
+    if img.shape[0] != chans:
+        img = img.mean(0, keepdim=True).expand(chans, -1, -1)
+    if tuple(img.shape[-2:]) != size:
+        img = F.interpolate(img[None], size=size, mode="bilinear", align_corners=False,
+                            antialias=True)[0]
+    x = (pre(img) if pre is not None else img)[None]
     with torch.no_grad():
         probs = model(x).softmax(-1)[0]
+    n_classes = probs.shape[0]
+    if args.target is not None and not 0 <= args.target < n_classes:
+        raise ValueError(f"--target must be in [0, {n_classes}), got {args.target}")
     target = int(probs.argmax()) if args.target is None else args.target
     maps = {}
-    for name, method in tqdm(methods.items(), desc="methods", file=sys.stderr):
-        maps[name] = method.attribute(x, target=target)
-    title = f"class {target}, p={probs[target]:.2f}"
-    plot_grid(x, maps, row_titles=[title], path=args.out)
-    print(f"wrote {args.out}")
+    for name in tqdm(names, desc="methods", file=sys.stderr):
+        maps[name] = build_method(name, model).attribute(x, target=target, output="grid",
+                                                         **DEMO_KWARGS.get(name, {}))
+    label = class_names[target] if class_names else f"class {target}"
+    title = f"{label} (p={probs[target]:.2f})"
+    plot_grid(img[None], maps, row_titles=[title], path=args.out)
+    print(f"wrote {args.out}: {len(maps)} methods, {title}")
     return 0

@@ -1,0 +1,286 @@
+"""Faithfulness: perturbation test, AOPC / LOdds, deletion / insertion, top-ratio protocol.
+
+Every function takes ``(model, inputs, attribution)``: ``attribution`` is precomputed maps
+or any Captum-style attribution (see :func:`captum_vit.metrics.removal.patch_maps`), and
+patches are removed with true token masking by default (``removal``, SPEC §6.3).
+The maps explain ``target`` (``None``: the predicted class of each unperturbed image).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from captum_vit._base import TargetLike, check_choice
+from captum_vit.metrics.removal import (
+    AttributionLike,
+    RemovalEngine,
+    check_batch,
+    example_seeds,
+    patch_maps,
+    predicted,
+    ranking,
+    resolve_labels,
+)
+from captum_vit.metrics.results import MetricResult
+
+PERTURBATION_FRACTIONS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1.0
+RATIOS = tuple(i / 10 for i in range(1, 10))  # 0.1 ... 0.9
+
+
+def trapezoid_auc(curves: Tensor, x: Tensor) -> Tensor:
+    """Area under each curve [B, S] over abscissa ``x`` [S] by the trapezoid rule -> [B]."""
+    x = x.to(curves)
+    return ((curves[:, 1:] + curves[:, :-1]) * (x[1:] - x[:-1])).sum(1) / 2
+
+
+def check_fractions(name: str, values: Sequence[float], *, closed: bool) -> Tensor:
+    """Sorted fractions in [0, 1] (``closed``) or in the open interval (0, 1)."""
+    v = torch.as_tensor([float(f) for f in values], dtype=torch.float64)
+    if v.numel() == 0:
+        raise ValueError(f"{name} must not be empty")
+    ok = ((v >= 0) & (v <= 1)) if closed else ((v > 0) & (v < 1))
+    if not ok.all():
+        rng = "[0, 1]" if closed else "the open interval (0, 1)"
+        raise ValueError(f"{name} must lie in {rng}, got {v.tolist()}")
+    if (v[1:] <= v[:-1]).any():
+        raise ValueError(f"{name} must be strictly increasing, got {v.tolist()}")
+    return v
+
+
+class _Setup:
+    """Shared preparation: logits, labels, patch ranking and the removal engine."""
+
+    def __init__(self, model: nn.Module, inputs: Tensor, attribution: AttributionLike,
+                 target: TargetLike, removal: str, batch_size: int, pixel_reduce: str,
+                 attribute_kwargs: dict | None, example_ids: Any, seed: int) -> None:
+        self.inputs = check_batch(inputs)
+        self.engine = RemovalEngine(model, removal, batch_size)
+        self.layout = self.engine.layout(self.inputs)
+        self.logits = predicted(model, self.inputs)
+        self.pred = self.logits.argmax(-1)
+        self.target = resolve_labels(target, self.logits)
+        self.scores = patch_maps(attribution, self.inputs, self.target, self.layout,
+                                 pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
+        self.order = ranking(self.scores)
+        self.seeds = example_seeds(example_ids, self.inputs.shape[0], seed)
+
+    @property
+    def num_patches(self) -> int:
+        return self.layout.num_patches
+
+    def counts(self, fractions: Tensor) -> list[int]:
+        return [int(round(float(f) * self.num_patches)) for f in fractions]
+
+    def run(self, fractions: Tensor, *, lerf: bool = False, mode: str = "delete") -> Tensor:
+        order = self.order.flip(1) if lerf else self.order
+        return self.engine.logits(self.inputs, order, self.counts(fractions), mode=mode,
+                                  seeds=self.seeds)
+
+
+def _common(kw: dict) -> dict:
+    return dict(removal=kw.pop("removal", "token"), batch_size=kw.pop("batch_size", 64),
+                pixel_reduce=kw.pop("pixel_reduce", "abs"),
+                attribute_kwargs=kw.pop("attribute_kwargs", None),
+                example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", 0))
+
+
+def perturbation_test(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+                      order: str = "positive", labels: TargetLike = None,
+                      target: TargetLike = None,
+                      fractions: Sequence[float] = PERTURBATION_FRACTIONS,
+                      **kwargs: Any) -> MetricResult:
+    r"""Perturbation test (SPEC §6.1; Chefer et al., TokenTM Tables 2–4).
+
+    Removes the fraction ``k`` of patches in MoRF order (``order="positive"``, lower is
+    better) or LeRF order (``"negative"``, higher is better) and records top-1 accuracy;
+    the score is :math:`100 \cdot \int_0^1 \mathrm{acc}(k)\,dk` (trapezoid rule).
+
+    Args:
+        model (nn.Module): a supported ViT classifier.
+        inputs (Tensor): images [B, C, H, W].
+        attribution: maps or an attribution (see :func:`patch_maps`).
+        order (str): ``"positive"`` (MoRF) or ``"negative"`` (LeRF).
+        labels (int, list or Tensor, optional): ground-truth labels; accuracy is measured
+            against them when given, else against the prediction on the clean image.
+        target (optional): class the maps explain (``None``: predicted class).
+        fractions (Sequence[float]): removed fractions (default 0, 0.05, ..., 1).
+        **kwargs: ``removal``, ``batch_size``, ``pixel_reduce``, ``attribute_kwargs``,
+            ``example_ids``, ``seed`` (see :class:`RemovalEngine`).
+
+    Returns:
+        MetricResult: ``per_example`` AUC in percent, ``curves`` 0/1 correctness [B, S].
+
+    Examples::
+
+        >>> res = perturbation_test(model, x, GAE(model), order="positive")
+        >>> res.value, res.mean_curve
+    """
+    check_choice("order", order, ("positive", "negative"))
+    x = check_fractions("fractions", fractions, closed=True)
+    st = _Setup(model, inputs, attribution, target, **_common(kwargs))
+    _no_extra(kwargs)
+    ref = st.pred if labels is None else resolve_labels(labels, st.logits)
+    logits = st.run(x, lerf=order == "negative")
+    correct = (logits.argmax(-1) == ref[:, None]).double()
+    return MetricResult(f"perturbation_{'pos' if order == 'positive' else 'neg'}",
+                        100 * trapezoid_auc(correct, x), order == "negative", x, correct)
+
+
+def _log_prob_curves(st: _Setup, x: Tensor, *, lerf: bool = False, mode: str = "delete"
+                     ) -> tuple[Tensor, Tensor]:
+    """``log p(y|x)`` [B] and ``log p(y|x_k)`` [B, S] for the predicted class y."""
+    y = st.pred
+    lp0 = st.logits.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+    lpk = st.run(x, lerf=lerf, mode=mode).double().log_softmax(-1)
+    return lp0, lpk.gather(2, y[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
+
+
+def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+         fractions: Sequence[float] = RATIOS, mode: str = "remove", **kwargs: Any) -> MetricResult:
+    r"""AOPC (SPEC §6.2, Eq. 1): :math:`\mathrm{mean}_k\,[p(y|x) - p(y|x_k)]`, y predicted.
+
+    ``x_k`` removes (``mode="remove"``, higher is better) or keeps only (``"keep"``,
+    lower is better) the top fraction ``k`` of patches. Default ``k = 0.1, ..., 0.9``.
+
+    Returns:
+        MetricResult: per-example AOPC, curves ``p(y|x) - p(y|x_k)`` [B, S].
+
+    Examples::
+
+        >>> aopc(model, x, TokenIxG(model)).value
+    """
+    check_choice("mode", mode, ("remove", "keep"))
+    x = check_fractions("fractions", fractions, closed=False)
+    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
+    _no_extra(kwargs)
+    lp0, lpk = _log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert")
+    drop = lp0.exp()[:, None] - lpk.exp()
+    return MetricResult("aopc" if mode == "remove" else "aopc_keep", drop.mean(1),
+                        mode == "remove", x, drop)
+
+
+def lodds(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+          fractions: Sequence[float] = RATIOS, mode: str = "remove", **kwargs: Any) -> MetricResult:
+    r"""Log-odds (SPEC §6.2, Eq. 2): :math:`-\mathrm{mean}_k \log(p(y|x) / p(y|x_k))`.
+
+    ``mode="remove"``: lower is better; ``"keep"``: higher is better.
+
+    Returns:
+        MetricResult: per-example LOdds, curves ``log p(y|x_k) - log p(y|x)`` [B, S].
+
+    Examples::
+
+        >>> lodds(model, x, TokenIxG(model)).value
+    """
+    check_choice("mode", mode, ("remove", "keep"))
+    x = check_fractions("fractions", fractions, closed=False)
+    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
+    _no_extra(kwargs)
+    lp0, lpk = _log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert")
+    lo = lpk - lp0[:, None]
+    return MetricResult("lodds" if mode == "remove" else "lodds_keep", lo.mean(1),
+                        mode == "keep", x, lo)
+
+
+def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
+                        attribution: AttributionLike, n_steps: int, target: TargetLike,
+                        kwargs: dict) -> MetricResult:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
+    st = _Setup(model, inputs, attribution, target, **_common(kwargs))
+    _no_extra(kwargs)
+    x = torch.linspace(0, 1, n_steps + 1, dtype=torch.float64)
+    probs = st.run(x, mode=mode).double().softmax(-1)
+    p = probs.gather(2, st.target[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
+    return MetricResult("deletion" if mode == "delete" else "insertion",
+                        trapezoid_auc(p, x), mode == "insert", x, p)
+
+
+def deletion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+             n_steps: int = 20, target: TargetLike = None, **kwargs: Any) -> MetricResult:
+    r"""Deletion curve (SPEC §6.4, RISE): remove the most important patches in ``n_steps``
+    equal steps; score = target probability; AUC by the trapezoid rule over [0, 1]
+    (lower is better).
+
+    Returns:
+        MetricResult: per-example AUC, curves [B, n_steps + 1].
+
+    Examples::
+
+        >>> deletion(model, x, GAE(model), removal="blur").value
+    """
+    return _deletion_insertion("delete", model, inputs, attribution, n_steps, target, kwargs)
+
+
+def insertion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+              n_steps: int = 20, target: TargetLike = None, **kwargs: Any) -> MetricResult:
+    r"""Insertion curve (SPEC §6.4): start from everything removed and restore the most
+    important patches first; AUC of the target probability (higher is better).
+
+    Returns:
+        MetricResult: per-example AUC, curves [B, n_steps + 1].
+
+    Examples::
+
+        >>> insertion(model, x, GAE(model)).value
+    """
+    return _deletion_insertion("insert", model, inputs, attribution, n_steps, target, kwargs)
+
+
+def insertion_minus_deletion(ins: MetricResult, dele: MetricResult) -> MetricResult:
+    """Per-example Insertion − Deletion AUC (higher is better)."""
+    if len(ins) != len(dele):
+        raise ValueError("insertion and deletion results cover different examples")
+    return MetricResult("insertion_minus_deletion", ins.per_example - dele.per_example, True)
+
+
+def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+                ratios: Sequence[float] = RATIOS, **kwargs: Any) -> dict[str, MetricResult]:
+    r"""Keep / remove top-ratio protocol of SkipPLUS (§4.1, A.2).
+
+    For each ratio r: ``keep`` runs the model on the top-r patches only, ``remove`` on
+    all but them. Reported per protocol: top-1 accuracy w.r.t. the clean prediction
+    (AUC in percent by the trapezoid rule over the ratios plus the unmasked endpoint:
+    r = 0 for remove, r = 1 for keep), AOPC and LOdds (means over the ratios).
+
+    Returns:
+        dict[str, MetricResult]: ``token_ratio_{keep,remove}_{accuracy,aopc,lodds}``.
+
+    Examples::
+
+        >>> res = token_ratio(model, x, GAE(model))
+        >>> res["token_ratio_keep_accuracy"].value
+    """
+    x = check_fractions("ratios", ratios, closed=False)
+    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
+    _no_extra(kwargs)
+    lp0 = st.logits.double().log_softmax(-1).gather(1, st.pred[:, None]).squeeze(1)
+    out = {}
+    for proto, mode in (("keep", "insert"), ("remove", "delete")):
+        logits = st.run(x, mode=mode)
+        lpk = logits.double().log_softmax(-1).gather(
+            2, st.pred[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
+        acc = (logits.argmax(-1) == st.pred[:, None]).double()
+        one = torch.ones_like(acc[:, :1])
+        if proto == "keep":
+            xs, acc = torch.cat([x, x.new_ones(1)]), torch.cat([acc, one], 1)
+        else:
+            xs, acc = torch.cat([x.new_zeros(1), x]), torch.cat([one, acc], 1)
+        name = f"token_ratio_{proto}"
+        keep = proto == "keep"
+        drop = lp0.exp()[:, None] - lpk.exp()
+        lo = lpk - lp0[:, None]
+        out[f"{name}_accuracy"] = MetricResult(f"{name}_accuracy", 100 * trapezoid_auc(acc, xs),
+                                               keep, xs, acc)
+        out[f"{name}_aopc"] = MetricResult(f"{name}_aopc", drop.mean(1), not keep, x, drop)
+        out[f"{name}_lodds"] = MetricResult(f"{name}_lodds", lo.mean(1), keep, x, lo)
+    return out
+
+
+def _no_extra(kwargs: dict) -> None:
+    if kwargs:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs))}")

@@ -1,0 +1,161 @@
+"""Localisation against ground-truth masks: pointing game and segmentation (SPEC §6.5–6.6).
+
+Patch maps (from precomputed maps or any attribution, see
+:func:`captum_vit.metrics.removal.patch_maps`) are upsampled bilinearly from the patch
+grid to the image size before they are compared with the masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captum_vit._base import TargetLike
+from captum_vit.adapters import adapt
+from captum_vit.metrics.removal import (
+    AttributionLike,
+    check_batch,
+    patch_maps,
+    predicted,
+    resolve_labels,
+)
+from captum_vit.metrics.results import MetricResult
+
+
+def check_masks(masks: Any, inputs: Tensor) -> Tensor:
+    """Boolean masks [B, H, W] matching the images (a [B, 1, H, W] mask is squeezed)."""
+    if not isinstance(masks, Tensor):
+        raise TypeError(f"masks must be a tensor [B, H, W], got {type(masks).__name__}")
+    if masks.dim() == 4 and masks.shape[1] == 1:
+        masks = masks[:, 0]
+    b, _, h, w = inputs.shape
+    if tuple(masks.shape) != (b, h, w):
+        raise ValueError(f"masks must have shape [B, H, W] = {(b, h, w)} like the images, got "
+                         f"{tuple(masks.shape)}; resize the masks with the images")
+    return masks.to(device=inputs.device).bool()
+
+
+def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
+                   target: TargetLike = None, mode: str = "bilinear", pixel_reduce: str = "abs",
+                   attribute_kwargs: dict | None = None) -> Tensor:
+    """Patch maps upsampled to the image size [B, H, W] (``mode``: bilinear or nearest)."""
+    inputs = check_batch(inputs)
+    adapter = adapt(model)
+    adapter.check_inputs(inputs)
+    layout = adapter.layout(inputs)
+    t = resolve_labels(target, predicted(model, inputs))
+    scores = patch_maps(attribution, inputs, t, layout, pixel_reduce=pixel_reduce,
+                        attribute_kwargs=attribute_kwargs)
+    return upsample(scores, layout.grid, layout.patch_size, inputs.shape[-2:], mode)
+
+
+def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
+             size: tuple[int, int], mode: str = "bilinear") -> Tensor:
+    """Patch scores [B, P] -> [B, H, W] by bilinear (``align_corners=False``) or nearest."""
+    b = scores.shape[0]
+    g = scores.reshape(b, 1, *grid).double()
+    full = (grid[0] * patch_size[0], grid[1] * patch_size[1])
+    if mode == "nearest":
+        up = g.repeat_interleave(patch_size[0], 2).repeat_interleave(patch_size[1], 3)
+    else:
+        up = F.interpolate(g, size=full, mode="bilinear", align_corners=False)
+    return up[:, 0, :size[0], :size[1]]
+
+
+def pointing_game(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
+                  *, target: TargetLike = None, max_region: float = 0.5,
+                  **kwargs: Any) -> MetricResult:
+    """Pointing game (SPEC §6.5; TIS Table 3): a hit when the argmax of the upsampled map
+    lies inside the mask. Examples whose region covers ``>= max_region`` of the image are
+    skipped (NaN per example, left out of the mean).
+
+    Args:
+        model (nn.Module): a supported ViT classifier.
+        inputs (Tensor): images [B, C, H, W].
+        attribution: maps or an attribution (see :func:`patch_maps`).
+        masks (Tensor): ground-truth regions [B, H, W] (bool).
+        target (optional): class the maps explain (``None``: predicted class).
+        max_region (float): skip threshold on the region's area fraction.
+        **kwargs: ``pixel_reduce``, ``attribute_kwargs``.
+
+    Returns:
+        MetricResult: per-example 1 (hit), 0 (miss) or NaN (skipped); value = hit rate.
+
+    Examples::
+
+        >>> pointing_game(model, x, GAE(model), masks).value
+    """
+    m = check_masks(masks, check_batch(inputs))
+    up = upsampled_maps(model, inputs, attribution, target=target, **kwargs)
+    b = up.shape[0]
+    idx = up.reshape(b, -1).argmax(1)
+    hit = m.reshape(b, -1).gather(1, idx[:, None]).squeeze(1).double()
+    skip = m.reshape(b, -1).double().mean(1) >= max_region
+    return MetricResult("pointing_game", torch.where(skip, torch.nan, hit), True,
+                        reduction="nanmean")
+
+
+def _average_precision(mask: Tensor, score: Tensor) -> float:
+    from sklearn.metrics import average_precision_score
+
+    y = mask.flatten().cpu().numpy()
+    if y.all() or not y.any():
+        return float("nan")
+    return float(average_precision_score(y, score.flatten().cpu().double().numpy()))
+
+
+def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
+                 *, target: TargetLike = None, **kwargs: Any) -> dict[str, MetricResult]:
+    """Segmentation test (SPEC §6.6; TokenTM Table 1).
+
+    The map is upsampled bilinearly, min–max normalised per image and thresholded at its
+    mean. Reported: pixel accuracy (per image, averaged), mIoU (mean of the background
+    and foreground IoU, with intersections and unions accumulated over the dataset), mAP
+    (average precision of the normalised continuous map against the mask, per image,
+    averaged) and ``raw_ap``: AP of the raw patch map copied to its pixels (nearest, no
+    interpolation or normalisation, SkipPLUS §4.2). Images whose mask is empty or full
+    have no AP (NaN, left out).
+
+    Returns:
+        dict[str, MetricResult]: ``pixel_accuracy``, ``miou``, ``map``, ``raw_ap``.
+
+    Examples::
+
+        >>> seg = segmentation(model, x, TokenTM(model), masks)
+        >>> seg["miou"].value
+    """
+    inputs = check_batch(inputs)
+    m = check_masks(masks, inputs)
+    adapter = adapt(model)
+    adapter.check_inputs(inputs)
+    layout = adapter.layout(inputs)
+    t = resolve_labels(target, predicted(model, inputs))
+    scores = patch_maps(attribution, inputs, t, layout, **kwargs)
+    size = inputs.shape[-2:]
+    up = upsample(scores, layout.grid, layout.patch_size, size)
+    raw = upsample(scores, layout.grid, layout.patch_size, size, "nearest")
+    b = up.shape[0]
+    flat = up.reshape(b, -1)
+    lo, hi = flat.min(1, keepdim=True).values, flat.max(1, keepdim=True).values
+    norm = ((flat - lo) / (hi - lo).clamp_min(1e-12)).reshape_as(up)
+    pred = norm > norm.mean((1, 2), keepdim=True)
+    acc = (pred == m).double().mean((1, 2))
+    stats = {}
+    for name, p, g in (("fg", pred, m), ("bg", ~pred, ~m)):
+        stats[f"inter_{name}"] = (p & g).double().sum((1, 2))
+        stats[f"union_{name}"] = (p | g).double().sum((1, 2))
+    per_iou = sum(stats[f"inter_{c}"] / stats[f"union_{c}"].clamp_min(1) for c in ("bg", "fg")) / 2
+    ap = torch.tensor([_average_precision(m[i], norm[i]) for i in range(b)], dtype=torch.float64)
+    raw_ap = torch.tensor([_average_precision(m[i], raw[i]) for i in range(b)],
+                          dtype=torch.float64)
+    return {
+        "pixel_accuracy": MetricResult("pixel_accuracy", acc.cpu(), True),
+        "miou": MetricResult("miou", per_iou.cpu(), True, stats={k: v.cpu() for k, v in
+                                                                 stats.items()},
+                             reduction="iou"),
+        "map": MetricResult("map", ap, True, reduction="nanmean"),
+        "raw_ap": MetricResult("raw_ap", raw_ap, True, reduction="nanmean"),
+    }

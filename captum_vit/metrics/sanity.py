@@ -1,0 +1,141 @@
+"""Model-randomisation sanity check (SPEC §6.8; Adebayo et al., 2018).
+
+The maps of the model are compared (Spearman rank correlation over the patches) with the
+maps of copies whose parameters are randomised in cascade from the top: first the head
+(final norm and classifier), then block L-1, L-2, ..., 0. Randomisation replaces every
+parameter tensor of a stage by Gaussian noise with the tensor's own mean and standard
+deviation (seeded); it is applied to a deep copy, never to the user's model. A method
+that explains the model must change: low correlation is better.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from captum.attr import Attribution
+from torch import Tensor, nn
+
+from captum_vit._base import TargetLike
+from captum_vit.adapters import adapt
+from captum_vit.metrics.removal import check_batch, patch_maps, predicted, resolve_labels
+from captum_vit.metrics.results import MetricResult
+
+MethodLike = str | Attribution | Callable[[nn.Module], Attribution]
+
+
+def spearman(a: Tensor, b: Tensor) -> Tensor:
+    """Spearman rank correlation of each row pair [B, n] (average ranks for ties; NaN
+    when a row is constant)."""
+    from scipy.stats import rankdata
+
+    ra = torch.as_tensor(rankdata(a.double().cpu().numpy(), axis=1))
+    rb = torch.as_tensor(rankdata(b.double().cpu().numpy(), axis=1))
+    ra, rb = ra - ra.mean(1, keepdim=True), rb - rb.mean(1, keepdim=True)
+    den = (ra.norm(dim=1) * rb.norm(dim=1))
+    return torch.where(den > 0, (ra * rb).sum(1) / den.clamp_min(1e-300), torch.nan)
+
+
+def _stage_tensors(model: nn.Module) -> list[list[Tensor]]:
+    """Parameter tensors per cascade stage: head first, then blocks from the top."""
+    ad = adapt(model)
+    stages = []
+    h = ad.head
+    head = [t for n in (h.norm, h.fc_norm) if n is not None for t in (n.weight, n.bias)]
+    head += [t for _, w, b in h.heads for t in (w, b)]
+    stages.append(head)
+    for p in reversed(ad.blocks):
+        stages.append([p.norm1.weight, p.norm1.bias, p.qkv_weight, p.qkv_bias, p.proj_weight,
+                       p.proj_bias, p.ls1, p.norm2.weight, p.norm2.bias, p.fc1_weight,
+                       p.fc1_bias, p.fc2_weight, p.fc2_bias, p.ls2])
+    return [[t for t in s if t is not None] for s in stages]
+
+
+def _model_of(attr: Any) -> nn.Module:
+    f = getattr(attr, "forward_func", None)
+    if isinstance(f, nn.Module):
+        return f
+    inner = getattr(attr, "attribution_method", None)
+    if inner is not None:
+        return _model_of(inner)
+    raise TypeError("cannot find the model of this attribution; pass a method name or a "
+                    "factory `model -> Attribution` as method")
+
+
+def _build(method: MethodLike, model: nn.Module) -> tuple[Attribution, nn.Module, Callable]:
+    """An attribution for a deep copy of its model and a way to rebuild it on another copy."""
+    if isinstance(method, str):
+        from captum_vit.registry import build_method
+
+        def factory(m: nn.Module) -> Attribution:
+            return _random_map(m) if method == "random" else build_method(method, m)
+        return factory(model), model, factory
+    if isinstance(method, Attribution):
+        orig = _model_of(method)
+        memo: dict[int, Any] = {}
+        clone = copy.deepcopy(method, memo)
+        return clone, memo.get(id(orig), _model_of(clone)), None
+    if callable(method):
+        return method(model), model, method
+    raise TypeError("method must be a registry name, a Captum Attribution or a callable "
+                    f"model -> Attribution, got {type(method).__name__}")
+
+
+def _random_map(model: nn.Module) -> Attribution:
+    from captum_vit.metrics.removal import RandomMap
+
+    return RandomMap(model)
+
+
+def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
+                  target: TargetLike = None, seed: int = 0, pixel_reduce: str = "abs",
+                  attribute_kwargs: dict | None = None) -> MetricResult:
+    """Cascading model-randomisation check (see the module docstring).
+
+    Args:
+        model (nn.Module): a supported ViT classifier (never modified).
+        inputs (Tensor): images [B, C, H, W].
+        method: a registry name (``"gae"``, ``"captum:Saliency"``, ``"random"``), an
+            attribution instance (deep-copied together with its model), or a factory
+            ``model -> Attribution``.
+        target (optional): explained class (``None``: the original model's prediction,
+            kept fixed for the randomised models).
+        seed (int): seed of the randomisation.
+
+    Returns:
+        MetricResult: per-example mean correlation over the stages; ``curves`` [B, L + 1]
+        correlation after randomising the head (x = 1), the head and the top block (x = 2), ...
+
+    Examples::
+
+        >>> randomization(model, x, "gae").value
+    """
+    inputs = check_batch(inputs)
+    layout = adapt(model).layout(inputs)
+    t = resolve_labels(target, predicted(model, inputs))
+    kw = dict(pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
+    if isinstance(method, Attribution):
+        base = method
+        attr, rmodel, factory = _build(method, model)  # deep copy of method and model
+    else:
+        base = _build(method, model)[0]
+        attr, rmodel, factory = _build(method, copy.deepcopy(model))
+    ref = patch_maps(base, inputs, t, layout, **kw)
+    g = torch.Generator().manual_seed(seed)
+    curves = []
+    with torch.no_grad():
+        stages = _stage_tensors(rmodel)
+    for tensors in stages:
+        with torch.no_grad():
+            for p in tensors:
+                mean, std = p.double().mean(), p.double().std() if p.numel() > 1 else 0.0
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * std + mean
+                p.copy_(noise.to(device=p.device, dtype=p.dtype))
+        if factory is not None:
+            attr = factory(rmodel)  # fresh adapter state for the new weights
+        curves.append(spearman(ref, patch_maps(attr, inputs, t, layout, **kw)))
+    c = torch.stack(curves, 1)
+    x = torch.arange(1, c.shape[1] + 1, dtype=torch.float64)
+    return MetricResult("randomization", c.nanmean(1), False, x, c, reduction="nanmean")

@@ -1,0 +1,75 @@
+"""Pointing game and segmentation on synthetic masks with hand-computed answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from captum_vit.metrics import MetricResult, pointing_game, segmentation
+from tests.helpers import assert_unchanged, snapshot
+from tests.metrics_toys import linear_toy, one_thread, toy_inputs
+
+__all__ = ["one_thread"]
+
+
+def _grid(cells):
+    """A [1, 16] patch map (4×4 grid) with 1 at the given (row, col) cells."""
+    g = torch.zeros(4, 4, dtype=torch.float64)
+    for r, c in cells:
+        g[r, c] = 1.0
+    return g.reshape(1, 16)
+
+
+def test_pointing_game_hit_miss_skip():
+    model, x = linear_toy(), toy_inputs(4)
+    maps = torch.cat([_grid([(0, 0)]) * 2 + 0.1 * torch.rand(1, 16, dtype=torch.float64)
+                      for _ in range(4)])
+    masks = torch.zeros(4, 16, 16, dtype=torch.bool)
+    masks[0, :8, :8] = True          # hit
+    masks[1, 8:, 8:] = True          # miss
+    masks[2, :, :8] = True           # 50% of the image: skipped
+    masks[3, 0:3, 0:3] = True        # hit (peak of the upsampled map is in patch (0, 0))
+    before = snapshot(model)
+    res = pointing_game(model, x, maps, masks)
+    assert_unchanged(model, before)
+    assert res.per_example[[0, 1, 3]].tolist() == [1.0, 0.0, 1.0]
+    assert math.isnan(res.per_example[2].item())
+    assert res.value == pytest.approx(2 / 3)
+
+
+def test_segmentation_known_answers_and_dataset_accumulated_iou():
+    model, x = linear_toy(), toy_inputs(2)
+    left = _grid([(r, c) for r in range(4) for c in range(2)])  # left half of the patches
+    maps = torch.cat([left, left])
+    masks = torch.zeros(2, 16, 16, dtype=torch.bool)
+    masks[0, :, :8] = True   # = the thresholded map (bilinear edge is symmetric about x=8)
+    masks[1, :8, :] = True   # top half: inter 64, union 192 for both classes
+    seg = segmentation(model, x, maps, masks)
+    assert seg["pixel_accuracy"].per_example.tolist() == pytest.approx([1.0, 0.5])
+    assert seg["miou"].per_example.tolist() == pytest.approx([1.0, 1 / 3])
+    # accumulated over the dataset: (128 + 64) / (128 + 192) for each class
+    assert seg["miou"].value == pytest.approx(0.6)
+    assert seg["map"].per_example[0].item() == pytest.approx(1.0)
+    assert seg["raw_ap"].per_example[0].item() == pytest.approx(1.0)
+    # top-half mask vs left-half map: AP of a map constant on each half = 0.5 with nearest
+    assert seg["raw_ap"].per_example[1].item() == pytest.approx(0.5)
+    merged = MetricResult.cat([MetricResult.cat([seg["miou"]]), seg["miou"]])
+    assert merged.value == pytest.approx(0.6)
+
+
+def test_segmentation_accepts_pixel_maps_and_checks_masks():
+    model, x = linear_toy(), toy_inputs(2)
+    pix = torch.zeros(2, 1, 16, 16, dtype=torch.float64)
+    pix[:, :, :, :8] = 1.0
+    masks = torch.zeros(2, 16, 16, dtype=torch.bool)
+    masks[:, :, :8] = True
+    seg = segmentation(model, x, pix, masks[:, None])
+    assert seg["pixel_accuracy"].value == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="masks must have shape"):
+        segmentation(model, x, pix, masks[:, :8])
+    with pytest.raises(ValueError, match="masks must have shape"):
+        pointing_game(model, x, pix, masks[:1])
+    with pytest.raises(TypeError, match="masks"):
+        pointing_game(model, x, pix, masks.numpy())
