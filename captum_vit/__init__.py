@@ -21,5 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GAE", "AttCAT", "AttIxG", "AttnGradCAM", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
-    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "TIS", "RandomMap", "metrics", "adapt", "__version__",
+    "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "TIS", "RandomMap", "metrics", "adapt",
+    "__version__",
 ]
