@@ -57,14 +57,17 @@ def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
 
 
 def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
-              row_titles: Sequence[str] | None = None, path: str | None = None):
-    """A figure with one row per image: the input, then every method's map.
+              row_titles: Sequence[str] | None = None, path: str | None = None,
+              max_cols: int = 5):
+    """The input and every method's map: one row per image, or, for a single image, the
+    panels wrapped into rows of ``max_cols``.
 
     Args:
         images (Tensor): [B, C, H, W].
         maps (Mapping[str, Tensor]): method name -> maps for the batch (any map shape).
         row_titles (Sequence[str], optional): a title for each input image.
         path (str, optional): save the figure there (PNG).
+        max_cols (int, optional): panels per row for a single image. Default 5.
 
     Returns:
         matplotlib.figure.Figure
@@ -79,15 +82,22 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
     import matplotlib.pyplot as plt
 
     b = images.shape[0]
-    cols = len(maps) + 1
-    fig, axes = plt.subplots(b, cols, figsize=(2.6 * cols, 2.6 * b), squeeze=False)
+    panels = len(maps) + 1
+    if b == 1:
+        cols = min(max_cols, panels)
+        rows = -(-panels // cols)
+    else:
+        cols, rows = panels, b
+    fig, axes = plt.subplots(rows, cols, figsize=(2.8 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
     for i in range(b):
+        cells = list(axes.flat) if b == 1 else list(axes[i])
         img = _image_to_numpy(images[i])
-        axes[i, 0].imshow(img, cmap="gray" if img.ndim == 2 else None)
-        axes[i, 0].set_title(row_titles[i] if row_titles else "input", fontsize=9)
-        axes[i, 0].axis("off")
-        for j, (name, m) in enumerate(maps.items(), start=1):
-            plot_overlay(axes[i, j], images[i], m[i], title=name)
+        cells[0].imshow(img, cmap="gray" if img.ndim == 2 else None)
+        cells[0].set_title(row_titles[i] if row_titles else "input", fontsize=9)
+        for ax, (name, m) in zip(cells[1:], maps.items(), strict=False):
+            plot_overlay(ax, images[i], m[i], title=name)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=100)
