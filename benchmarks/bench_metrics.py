@@ -19,40 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
-from timm.models.vision_transformer import VisionTransformer
+from speed import forward, forward_backward, timeit, vit_s16
 
 from captum_vit.metrics import deletion
-
-
-def vit_s16() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return VisionTransformer(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6,
-                             num_classes=1000).eval()
-
-
-def timeit(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (also the adapter's one-time self-check)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def forward(model: torch.nn.Module, x: torch.Tensor) -> None:
-    with torch.no_grad():
-        model(x)
-
-
-def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
-    xg = x.detach().requires_grad_()
-    torch.autograd.grad(model(xg)[torch.arange(len(x)), t].sum(), xg)
 
 
 def main() -> None:

@@ -5,7 +5,9 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--batches 1 8] [--repeats 5]
 
-The reference is ``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized
+Each method is timed alternately with the reference (median of the per-pair ratios, so
+load drifting on a shared machine hits both alike). The reference is
+``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized
 random timm model (224 px, width 384, 12 blocks, 6 heads) in float32, measured in the same
 run as the methods. Ratios are (time per call) / (reference time per call) at the same
 batch size, so they are per-image ratios too. Timings on a shared VM drift; compare the
@@ -55,13 +57,15 @@ CASES: dict[str, tuple[Callable, float | None]] = {
 }
 
 
-def vit_s16() -> torch.nn.Module:
+def vit_s16(img_size: int = 224) -> torch.nn.Module:
+    """The ViT-S/16-sized random timm model every benchmark uses."""
     torch.manual_seed(0)
-    return VisionTransformer(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6,
-                             num_classes=1000).eval()
+    return VisionTransformer(img_size=img_size, patch_size=16, embed_dim=384, depth=12,
+                             num_heads=6, num_classes=1000).eval()
 
 
 def timeit(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` after one warm-up call."""
     fn()  # warm-up (also the adapter's one-time self-check)
     times = []
     for _ in range(repeats):
@@ -71,7 +75,31 @@ def timeit(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired(ref: Callable[[], object], fn: Callable[[], object],
+           repeats: int) -> tuple[float, float, float]:
+    """Median times of ``ref`` and ``fn`` and the median of their per-pair ratios. The two
+    alternate, so load drifting on a shared machine hits both alike."""
+    ref(), fn()  # warm-up
+    rt, ft, ratios = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ref()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        rt.append(t1 - t0)
+        ft.append(t2 - t1)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(rt), statistics.median(ft), statistics.median(ratios)
+
+
+def forward(model: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        model(x)
+
+
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
+    """The reference: one forward and one backward to the input."""
     xg = x.detach().requires_grad_()
     torch.autograd.grad(model(xg)[torch.arange(len(x)), t].sum(), xg)
 
@@ -91,14 +119,16 @@ def main() -> None:
     for b in args.batches:
         x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0))
         t = torch.arange(b) % 1000
-        ref = timeit(lambda x=x, t=t: forward_backward(model, x, t), args.repeats)
-        rows.append((b, "forward+backward", ref, 1.0, None))
+        ref_fn = lambda x=x, t=t: forward_backward(model, x, t)  # noqa: E731
+        rows.append((b, "forward+backward", timeit(ref_fn, args.repeats), 1.0, None))
         for name, (factory, goal) in cases.items():
             fn = factory(model)
-            sec = timeit(lambda fn=fn, x=x, t=t: fn(x, target=t), args.repeats)
-            rows.append((b, name, sec, sec / ref, goal))
+            _, sec, ratio = paired(ref_fn, lambda fn=fn, x=x, t=t: fn(x, target=t),
+                                   args.repeats)
+            rows.append((b, name, sec, ratio, goal))
+            print(f"  batch {b} {name}: {ratio:.2f}x", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"ViT-S/16 float32, median of {args.repeats}")
+          f"ViT-S/16 float32, median of {args.repeats} alternating pairs")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")
     for b, name, sec, ratio, goal in rows:

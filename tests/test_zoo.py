@@ -1,0 +1,67 @@
+"""The bundled models: load, eval mode, preprocessing, accuracy on the shipped sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captum_vit import GAE, zoo
+from captum_vit.adapters import adapt
+from captum_vit.data import load_sample
+
+NAMES = zoo.available()
+
+
+def test_both_bundled_models_are_shipped_small_and_without_pickle():
+    assert {"vit_fmnist_loc", "vit_fmnist_loc_reg"} <= set(NAMES)
+    total = sum((zoo.ZOO_DIR / f"{n}.safetensors").stat().st_size for n in NAMES)
+    assert total < 10 * 2**20
+    assert not list(zoo.ZOO_DIR.glob("*.pt")) and not list(zoo.ZOO_DIR.glob("*.pth"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_model_loads_in_eval_mode_and_matches_its_card_on_the_sample(name):
+    zm = zoo.load(name)
+    assert not zm.model.training and len(zm.class_names) == 10
+    s = load_sample()
+    x = torch.stack([zm.preprocess(im) for im in s["images"]])
+    with torch.no_grad():
+        acc = (zm.model(x).argmax(-1) == s["labels"]).float().mean().item()
+    card_acc = zm.card["accuracy"]["fashionmnist_loc_test_10000"]
+    assert acc > 0.5  # far above chance (0.1): the weights are trained
+    assert abs(acc - card_acc) < 0.1  # the sample is drawn from the split the card reports
+
+
+def test_register_model_has_two_prefix_tokens():
+    zm = zoo.load("vit_fmnist_loc_reg")
+    assert adapt(zm.model).num_prefix == 2
+
+
+def test_preprocess_accepts_pil_arrays_and_tensors_of_any_size():
+    zm = zoo.load("vit_fmnist_loc")
+    img = load_sample()["images"][0]  # [1, 56, 56] in [0, 1]
+    ref = zm.preprocess(img)
+    assert ref.shape == (1, 56, 56)
+    arr = (img[0].numpy() * 255).round().astype(np.uint8)
+    torch.testing.assert_close(zm.preprocess(arr), ref, atol=1e-2, rtol=0)
+    torch.testing.assert_close(zm.preprocess(Image.fromarray(arr)), ref, atol=1e-2, rtol=0)
+    rgb = torch.rand(3, 100, 80)
+    assert zm.preprocess(rgb).shape == (1, 56, 56)
+    assert zm.preprocess(Image.fromarray(arr).resize((120, 120))).shape == (1, 56, 56)
+    with pytest.raises(ValueError, match="channels"):
+        zm.preprocess(torch.rand(2, 56, 56))
+    with pytest.raises(TypeError, match="PIL image"):
+        zm.preprocess("image.png")
+
+
+def test_unknown_name_lists_the_available_models():
+    with pytest.raises(ValueError, match="vit_fmnist_loc"):
+        zoo.load("resnet50")
+
+
+def test_methods_run_on_the_bundled_model():
+    zm = zoo.load("vit_fmnist_loc_reg")
+    x = zm.preprocess(load_sample()["images"][0])[None]
+    assert GAE(zm.model).attribute(x, output="grid").shape == (1, 1, 8, 8)
