@@ -109,10 +109,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads (1 gives steadier ratios on a shared machine)")
     args = ap.parse_args()
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         print("warning: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ not set (see docstring)")
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     model = vit_s16()
     cases = {k: v for k, v in CASES.items() if not args.only or k in args.only}
     rows = []
