@@ -147,6 +147,26 @@ def test_kmeans_path_matches_reference_on_every_family(family):
     assert_close_to_reference(out, ref_map, rel=1e-10)
 
 
+def test_as_many_masks_as_columns_skips_kmeans_and_matches_sklearn():
+    model, x = make_model("vit"), make_inputs("vit", batch=2)  # L*D = 3 * 32 = 96 columns
+    target = torch.tensor([2, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sklearn may warn about near-duplicate points
+        ref_masks = torch.stack([reference_masks(model, x[b:b + 1], 96, [0.5], 1)
+                                 for b in range(2)])
+    adapter = adapt(model)
+    ours = kmeans_masks(layer_features(adapter, adapter.embed(x))[0], 96, [0.5], 1)
+
+    def as_set(m):  # the masks of one image, whatever their order
+        return sorted(tuple(row.tolist()) for row in m)
+
+    for b in range(2):
+        assert as_set(ours[b]) == as_set(ref_masks[b])
+    ref_map, _ = reference_tis(model, x, target, ref_masks)
+    out = TIS(model).attribute(x, target=target, n_masks=96, output="tokens")
+    assert_close_to_reference(out, ref_map, rel=1e-10)
+
+
 def test_several_ratios_concatenate_masks():
     model, x = make_model("vit"), make_inputs("vit", batch=2)
     target = torch.tensor([0, 2])

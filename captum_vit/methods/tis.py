@@ -142,7 +142,9 @@ def kmeans_masks(features: Tensor, n_masks: int, ratios: Sequence[float],
 
     Args:
         features (Tensor): ``A`` per image, [B, P, F] (F = L*D columns).
-        n_masks (int): centroids per image; clamped to F with a ``UserWarning``.
+        n_masks (int): centroids per image; clamped to F with a ``UserWarning``. With
+            ``n_masks == F`` every column is its own centroid (KMeans' exact optimum,
+            no clustering is run).
         ratios (list of float): fraction of patches each mask keeps; one set of
             ``n_masks`` masks per ratio, concatenated in this order.
         random_state (int, optional): KMeans seed (``None`` = ``DEFAULT_RANDOM_STATE``).
@@ -166,10 +168,15 @@ def kmeans_masks(features: Tensor, n_masks: int, ratios: Sequence[float],
     threads = min([KMEANS_THREADS] + [lib.num_threads for lib in openmp.lib_controllers])
     masks = []
     for a in features.detach().to("cpu", dt):
-        km = KMeans(n_clusters=n_masks, n_init=1, random_state=seed)
-        with openmp.limit(limits=threads):
-            km.fit(a.T.numpy())  # samples = the L*D columns of A, each a map over P patches
-        centroids = torch.from_numpy(km.cluster_centers_)  # K^T, [n_masks, P]
+        if n_masks == f:
+            # As many centroids as columns: KMeans' optimum (zero inertia) is every column
+            # its own centroid; step 5 does not depend on the order of the masks.
+            centroids = a.T.contiguous()
+        else:
+            km = KMeans(n_clusters=n_masks, n_init=1, random_state=seed)
+            with openmp.limit(limits=threads):
+                km.fit(a.T.numpy())  # samples = the L*D columns of A, maps over P patches
+            centroids = torch.from_numpy(km.cluster_centers_)  # K^T, [n_masks, P]
         per_ratio = []
         for r in ratios:
             top = centroids.topk(int(r * p), dim=-1).indices  # n_k = floor(ratio * P)
