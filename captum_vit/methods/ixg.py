@@ -84,7 +84,47 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     return LayerGradients(tr, t, grads)
 
 
-class TokenIxG(ViTGradientAttribution):
+class _LayerTerm(ViTGradientAttribution):
+    """One per-block term of :func:`layer_gradients` (``term``) at block ``layer``."""
+
+    term = "ixg"
+    allow_end = True  # whether ``layer = L`` (the last block's output) is allowed
+
+    def __init__(self, model: nn.Module, layer: int = 0) -> None:
+        super().__init__(model)
+        self.layer = check_layer("layer", layer, self.adapter.num_blocks,
+                                 allow_end=self.allow_end)
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image; ``None`` explains the
+                predicted class.
+            score (str, optional): ``"logit"`` (default) or ``"probability"``.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the signed attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import AttIxG, TokenIxG
+            >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
+            >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        grads = layer_gradients(self.adapter, inputs, target, score=score)
+        return getattr(grads, self.term)()[self.layer]
+
+
+class TokenIxG(_LayerTerm):
     r"""Token-level Input x Gradient at the input of block ``layer``:
     :math:`m_j = \sum_d x_l[j, d]\, \partial s_c / \partial x_l[j, d]`.
 
@@ -96,38 +136,10 @@ class TokenIxG(ViTGradientAttribution):
         layer (int, optional): block index ``l`` in ``[0, L]``. Default 0.
     """
 
-    def __init__(self, model: nn.Module, layer: int = 0) -> None:
-        super().__init__(model)
-        self.layer = check_layer("layer", layer, self.adapter.num_blocks, allow_end=True)
-
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import TokenIxG
-            >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return layer_gradients(self.adapter, inputs, target, score=score).ixg()[self.layer]
+    term, allow_end = "ixg", True
 
 
-class AttIxG(ViTGradientAttribution):
+class AttIxG(_LayerTerm):
     r"""Attention-weighted token IxG at the input of block ``layer`` (one AttCAT term):
     :math:`m = \alpha_l \odot \mathrm{cat}_l` with
     :math:`\alpha_l[j] = \mathrm{mean}_h \mathrm{mean}_i A_l^h[i, j]`.
@@ -137,32 +149,4 @@ class AttIxG(ViTGradientAttribution):
         layer (int, optional): block index ``l`` in ``[0, L-1]``. Default 0.
     """
 
-    def __init__(self, model: nn.Module, layer: int = 0) -> None:
-        super().__init__(model)
-        self.layer = check_layer("layer", layer, self.adapter.num_blocks)
-
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttIxG
-            >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return layer_gradients(self.adapter, inputs, target, score=score).att_ixg()[self.layer]
+    term, allow_end = "att_ixg", False
