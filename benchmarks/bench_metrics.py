@@ -32,10 +32,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--removals", nargs="+", default=["token", "black", "blur"])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads (1 gives steadier ratios on a shared machine)")
     args = ap.parse_args()
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         print("warning: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ not set (see docstring)")
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     model = vit_s16()
     rows = []
     for b in args.batches:
