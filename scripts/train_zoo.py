@@ -2,7 +2,7 @@
 
 Example (the commands that produced the shipped weights are in each model card)::
 
-    python scripts/train_zoo.py --name vit_fmnist_loc --embed-dim 64 --depth 6 --epochs 6
+    python scripts/train_zoo.py --name vit_fmnist_loc --embed-dim 96 --depth 4 --epochs 18
 
 Writes ``captum_vit/zoo/<name>.safetensors`` (float32 state dict, no pickle) and
 ``captum_vit/zoo/<name>.json`` (model card: timm kwargs, normalisation, accuracies,

@@ -30,7 +30,8 @@ def test_model_loads_in_eval_mode_and_matches_its_card_on_the_sample(name):
     with torch.no_grad():
         acc = (zm.model(x).argmax(-1) == s["labels"]).float().mean().item()
     card_acc = zm.card["accuracy"]["fashionmnist_loc_test_10000"]
-    assert acc > 0.5  # far above chance (0.1): the weights are trained
+    assert card_acc > 0.8  # the shipped weights are the trained ones (cards: 83.6%, 83.7%)
+    assert acc > 0.7  # 128 sample images: far above chance (0.1)
     assert abs(acc - card_acc) < 0.1  # the sample is drawn from the split the card reports
 
 
