@@ -125,11 +125,14 @@ def plot_curves(results: Mapping[str, MetricResult], path: str | Path | None = N
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     name = None
-    for label, res in results.items():
+    # 20 distinct colours, solid then dashed, so that up to 40 methods stay apart
+    colours = plt.get_cmap("tab20").colors if len(results) > 10 else [None] * 10
+    for i, (label, res) in enumerate(results.items()):
         if res.curves is None or res.x is None:
             raise ValueError(f"result {label!r} ({res.name}) has no curve to plot")
         name = res.name
         ax.plot(res.x.double().cpu().numpy(), res.mean_curve.cpu().numpy(), marker=".",
+                color=colours[i % len(colours)], linestyle="-" if i < 20 else "--",
                 label=f"{label} ({res.value:.3g})")
     ax.set_title(title or name or "")
     ax.set_xlabel(xlabel)
