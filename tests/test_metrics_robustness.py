@@ -145,3 +145,11 @@ def test_random_map_captum_interop():
     with pytest.raises(ValueError, match="channels"):
         RandomMap(model).attribute(x[:, :1])
     assert_unchanged(model, before)
+
+
+def test_plot_curves_keeps_many_methods_apart():
+    x = torch.linspace(0, 1, 3)
+    r = MetricResult("deletion", torch.zeros(2), False, x, torch.rand(2, 3))
+    fig = plot_curves({f"m{i}": r for i in range(14)})
+    styles = {(line.get_color(), line.get_linestyle()) for line in fig.axes[0].lines}
+    assert len(styles) == 14  # matplotlib's default cycle repeats after 10
