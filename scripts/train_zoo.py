@@ -38,6 +38,40 @@ def build_model(kwargs: dict) -> torch.nn.Module:
     return VisionTransformer(**kwargs)
 
 
+def init_from(model: torch.nn.Module, path: str) -> list[str]:
+    """Start ``model`` from the trained weights in ``path`` (safetensors).
+
+    Tensors of equal shape are copied. When ``model`` has more register tokens than the
+    source, each new register token starts as a copy of the trained class token and its
+    position-embedding row as a copy of the class token's row (timm's prefix order is
+    class token, register tokens, patches), so training resumes from a working model.
+    Returns the names of the tensors that were not copied verbatim.
+    """
+    from safetensors.torch import load_file
+
+    src = load_file(path)
+    dst = model.state_dict()
+    changed = []
+    n_old = src["pos_embed"].shape[1] - dst["pos_embed"].shape[1] + model.num_prefix_tokens
+    with torch.no_grad():
+        for name, t in dst.items():
+            if name in src and src[name].shape == t.shape:
+                t.copy_(src[name])
+            elif name == "pos_embed" and n_old >= 1:
+                new = model.num_prefix_tokens - n_old
+                cls_row = src[name][:, :1]
+                t.copy_(torch.cat([src[name][:, :n_old], cls_row.expand(-1, new, -1),
+                                   src[name][:, n_old:]], 1))
+                changed.append(name)
+            elif name == "reg_token" and "cls_token" in src:
+                t.copy_(src["cls_token"].expand_as(t))
+                changed.append(name)
+            else:
+                raise ValueError(f"--init-from {path}: cannot map tensor {name!r} "
+                                 f"{tuple(t.shape)} from the source model.")
+    return changed
+
+
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int = 500) -> float:
     model.eval()
@@ -64,6 +98,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train-n", type=int, default=60000, help="training examples per epoch")
+    ap.add_argument("--init-from", default=None,
+                    help="safetensors of a trained model to start from (e.g. to add register "
+                         "tokens to a trained model and fine-tune it)")
     ap.add_argument("--out-dir", default=str(ROOT / "captum_vit" / "zoo"))
     args = ap.parse_args()
 
@@ -74,6 +111,15 @@ def main() -> None:
                   embed_dim=args.embed_dim, depth=args.depth, num_heads=args.heads,
                   mlp_ratio=args.mlp_ratio, reg_tokens=args.reg_tokens, qkv_bias=True)
     model = build_model(kwargs)
+    init_note = None
+    if args.init_from:
+        changed = init_from(model, args.init_from)
+        src_card = Path(args.init_from).with_suffix(".json")
+        init_note = {"path": Path(args.init_from).name, "adapted_tensors": changed}
+        if src_card.exists():
+            src_meta = json.loads(src_card.read_text())
+            init_note.update(command=src_meta.get("command"),
+                             duration_minutes=src_meta.get("duration_minutes"))
     tr_img, tr_lab = load_fashion_mnist("train")
     te_img, te_lab = load_fashion_mnist("test")
     test = build_arrays(te_img, te_lab, split="test", seed=0)  # FashionMNIST-Loc test split
@@ -114,7 +160,7 @@ def main() -> None:
             opt.step()
             step += 1
             run_loss = 0.98 * run_loss + 0.02 * loss.item() if i else loss.item()
-            bar.set_postfix(loss=f"{run_loss:.3f}")
+            bar.set_postfix(loss=f"{run_loss:.3f}", refresh=False)
         val = accuracy(model, val_x, val_y)
         curve.append({"epoch": epoch + 1, "train_loss": round(run_loss, 4),
                       "val_acc_first2000_test": round(val, 4),
@@ -142,6 +188,7 @@ def main() -> None:
         "learning_curve": curve,
         "command": "python scripts/train_zoo.py " + " ".join(sys.argv[1:]),
         "seed": args.seed,
+        "init_from": init_note,
         "duration_minutes": round(minutes, 1),
         "threads": args.threads,
         "torch": torch.__version__,
