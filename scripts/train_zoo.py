@@ -57,13 +57,15 @@ def init_from(model: torch.nn.Module, path: str) -> list[str]:
         for name, t in dst.items():
             if name in src and src[name].shape == t.shape:
                 t.copy_(src[name])
-            elif name == "pos_embed" and n_old >= 1:
+            elif (name == "pos_embed" and 1 <= n_old < model.num_prefix_tokens
+                  and src[name].shape[2] == t.shape[2]):
                 new = model.num_prefix_tokens - n_old
                 cls_row = src[name][:, :1]
                 t.copy_(torch.cat([src[name][:, :n_old], cls_row.expand(-1, new, -1),
                                    src[name][:, n_old:]], 1))
                 changed.append(name)
-            elif name == "reg_token" and "cls_token" in src:
+            elif (name == "reg_token" and "cls_token" in src
+                  and src["cls_token"].shape[2] == t.shape[2]):
                 t.copy_(src["cls_token"].expand_as(t))
                 changed.append(name)
             else:
