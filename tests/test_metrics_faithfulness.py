@@ -20,7 +20,12 @@ from captum_vit.metrics import (
     token_ratio,
     trapezoid_auc,
 )
-from captum_vit.metrics.removal import baseline_images, gaussian_blur, remove_pixels
+from captum_vit.metrics.removal import (
+    baseline_images,
+    gaussian_blur,
+    length_chunks,
+    remove_pixels,
+)
 from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
 from tests.metrics_toys import linear_toy, one_thread, toy_contributions, toy_inputs
 
@@ -133,6 +138,21 @@ def test_token_removal_equals_hand_built_shorter_sequence():
                         ref = model.forward_head(model.norm(t))
                     assert torch.isfinite(got[i, s]).all()
                     torch.testing.assert_close(got[i, s], ref[0], rtol=1e-11, atol=1e-11)
+
+
+def test_length_chunks_bound_padding_and_keep_every_job_once():
+    # one image's 21 deletion steps on a 196-patch model with a class token
+    jobs = [(196 - round(196 * s / 20), 0, s) for s in range(21)][::-1]  # sorted by length
+    chunks = length_chunks(jobs, 1, batch_size=64)
+    assert [j for c in chunks for j in c] == jobs
+    for c in chunks:
+        real = sum(n + 1 for n, _, _ in c)
+        assert len(c) == 1 or len(c) * (c[-1][0] + 1) <= 1.25 * real
+    padded = sum(len(c) * (c[-1][0] + 1) for c in chunks)
+    assert padded < 0.65 * 21 * 197  # all 21 steps padded to full length: 21 * 197
+    assert all(len(c) <= 3 for c in length_chunks(jobs, 1, batch_size=3))
+    same = [(50, i, 0) for i in range(10)]  # equal lengths: only batch_size splits
+    assert [len(c) for c in length_chunks(same, 1, batch_size=4)] == [4, 4, 2]
 
 
 def test_token_removal_without_prefix_tokens_gives_uniform_when_empty():

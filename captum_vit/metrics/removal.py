@@ -15,9 +15,10 @@ Removal always works on the model's patch grid (SPEC §6.3):
 
 Every (image, step) pair is one job; jobs are evaluated in batched forwards over images
 AND steps, chunked by ``batch_size``. With token masking, jobs are sorted by the number
-of kept tokens and the shorter sequences of a chunk are padded, the padding masked out
-of attention (as keys) and pooling (:class:`PaddedOps`), which gives the same logits as
-running each shortened sequence alone.
+of kept tokens and chunked so that padding stays small (:func:`length_chunks`); the
+shorter sequences of a chunk are padded, the padding masked out of attention (as keys)
+and pooling (:class:`PaddedOps`), which gives the same logits as running each shortened
+sequence alone.
 """
 
 from __future__ import annotations
@@ -306,8 +307,7 @@ class RemovalEngine:
         jobs = sorted((counts[i][j], i, j) for i in range(b) for j in range(s))
         runnable = [t for t in jobs if t[0] + k > 0]  # no tokens at all: logits 0 (docstring)
         out: Tensor | None = None
-        for lo in range(0, len(runnable), self.batch_size):
-            chunk = runnable[lo:lo + self.batch_size]
+        for chunk in length_chunks(runnable, k, self.batch_size):
             n = torch.tensor([c for c, _, _ in chunk], device=inputs.device)
             ii = torch.tensor([i for _, i, _ in chunk], device=inputs.device)
             jj = torch.tensor([j for _, _, j in chunk], device=inputs.device)
@@ -343,6 +343,29 @@ class RemovalEngine:
             out[ii, jj] = logits
         assert out is not None
         return out
+
+
+def length_chunks(jobs: Sequence[tuple], num_prefix: int, batch_size: int,
+                  slack: float = 1.25) -> list[list[tuple]]:
+    """Split jobs ``(kept_patches, ...)`` sorted by length into forward-pass chunks.
+
+    A chunk holds at most ``batch_size`` jobs and is closed before padding to its longest
+    sequence would cost more than ``slack`` times its real tokens, so one image's steps
+    (lengths from 0 to P) are not all padded to the full sequence.
+    """
+    chunks: list[list[tuple]] = []
+    cur: list[tuple] = []
+    real = 0
+    for job in jobs:
+        n = job[0] + num_prefix
+        if cur and (len(cur) == batch_size or (len(cur) + 1) * n > slack * (real + n)):
+            chunks.append(cur)
+            cur, real = [], 0
+        cur.append(job)
+        real += n
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
