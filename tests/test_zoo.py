@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,9 +11,12 @@ from PIL import Image
 
 from captum_vit import GAE, zoo
 from captum_vit.adapters import adapt
-from captum_vit.data import load_sample
+from captum_vit.data import load_fashion_mnist, load_sample
+from captum_vit.data.fashion_mnist import DEFAULT_ROOT
+from captum_vit.data.loc import build_arrays
 
 NAMES = zoo.available()
+HAVE_FMNIST = os.path.isfile(os.path.join(DEFAULT_ROOT, "t10k-labels-idx1-ubyte.gz"))
 
 
 def test_both_bundled_models_are_shipped_small_and_without_pickle():
@@ -30,9 +35,28 @@ def test_model_loads_in_eval_mode_and_matches_its_card_on_the_sample(name):
     with torch.no_grad():
         acc = (zm.model(x).argmax(-1) == s["labels"]).float().mean().item()
     card_acc = zm.card["accuracy"]["fashionmnist_loc_test_10000"]
-    assert card_acc > 0.8  # the shipped weights are the trained ones (cards: 83.6%, 83.7%)
-    assert acc > 0.7  # 128 sample images: far above chance (0.1)
+    assert card_acc >= 0.85  # cards: 86.68% and 86.43% on the 10,000 test images
+    # The sample is the first 128 test images, the hardest block of 128 for these models:
+    # 80.5% and 81.3% (blocks 2-16 of the split give 83-91%). 128 images carry about +-3%
+    # of sampling noise; the full split is checked in the next test.
+    assert acc >= 0.8
     assert abs(acc - card_acc) < 0.1  # the sample is drawn from the split the card reports
+
+
+@pytest.mark.skipif(not HAVE_FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+@pytest.mark.parametrize("name", NAMES)
+def test_model_reaches_its_card_accuracy_on_the_whole_test_split(name):
+    zm = zoo.load(name)
+    te_img, te_lab = load_fashion_mnist("test")
+    test = build_arrays(te_img, te_lab, split="test", seed=0)
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(te_lab), 1000):
+            x = torch.stack([zm.preprocess(im) for im in test["images"][i:i + 1000, None] / 255])
+            correct += (zm.model(x).argmax(-1) == test["labels"][i:i + 1000]).sum().item()
+    acc = correct / len(te_lab)
+    assert acc >= 0.85  # the bar, on all 10,000 FashionMNIST-Loc test images
+    assert acc == pytest.approx(zm.card["accuracy"]["fashionmnist_loc_test_10000"], abs=2e-4)
 
 
 def test_register_model_has_two_prefix_tokens():
