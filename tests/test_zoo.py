@@ -43,12 +43,17 @@ def test_model_loads_in_eval_mode_and_matches_its_card_on_the_sample(name):
     assert abs(acc - card_acc) < 0.1  # the sample is drawn from the split the card reports
 
 
+@pytest.fixture(scope="module")
+def loc_test():
+    te_img, te_lab = load_fashion_mnist("test")
+    return build_arrays(te_img, te_lab, split="test", seed=0)
+
+
 @pytest.mark.skipif(not HAVE_FMNIST, reason="Debian package dataset-fashion-mnist not installed")
 @pytest.mark.parametrize("name", NAMES)
-def test_model_reaches_its_card_accuracy_on_the_whole_test_split(name):
+def test_model_reaches_its_card_accuracy_on_the_whole_test_split(name, loc_test):
     zm = zoo.load(name)
-    te_img, te_lab = load_fashion_mnist("test")
-    test = build_arrays(te_img, te_lab, split="test", seed=0)
+    test, te_lab = loc_test, loc_test["labels"]
     correct = 0
     with torch.no_grad():
         for i in range(0, len(te_lab), 1000):
