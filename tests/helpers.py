@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from timm.models.deit import VisionTransformerDistilled
@@ -16,6 +17,20 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _have_fashion_mnist() -> bool:
+    from captum_vit.data import load_fashion_mnist
+
+    try:
+        load_fashion_mnist("test")  # the loader's own root resolution (root, env, Debian)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_fashion_mnist = pytest.mark.skipif(
+    not _have_fashion_mnist(), reason="Debian package dataset-fashion-mnist not installed")
 
 # name -> (class, kwargs, input size (H, W))
 FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import os
 
 import numpy as np
 import pytest
@@ -17,9 +16,7 @@ from captum_vit.data import (
     mask_to_box,
     read_idx,
 )
-from captum_vit.data.fashion_mnist import DEFAULT_ROOT
-
-HAVE_FMNIST = os.path.isfile(os.path.join(DEFAULT_ROOT, "t10k-labels-idx1-ubyte.gz"))
+from tests.helpers import needs_fashion_mnist
 
 
 def _write_idx(path, arr: np.ndarray, compress: bool) -> None:
@@ -58,7 +55,7 @@ def test_missing_dataset_says_how_to_install(tmp_path):
         load_fashion_mnist("val", root=tmp_path)
 
 
-@pytest.mark.skipif(not HAVE_FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+@needs_fashion_mnist
 def test_real_debian_files():
     x, y = load_fashion_mnist("test")
     assert x.shape == (10000, 28, 28) and x.dtype == torch.uint8
@@ -112,7 +109,7 @@ def test_loc_rejects_bad_parameters():
         build_arrays(imgs, labels, [0], split="val")
 
 
-@pytest.mark.skipif(not HAVE_FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+@needs_fashion_mnist
 def test_dataset_items_and_sample_agree_with_the_builder():
     ds = FashionMNISTLoc("test", seed=0, n=128)
     item = ds[5]

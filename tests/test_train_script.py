@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer
 
-from captum_vit.data import load_fashion_mnist
+from tests.helpers import needs_fashion_mnist
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_zoo.py"
 
@@ -61,15 +61,7 @@ def test_init_from_refuses_a_source_it_cannot_map(train_zoo, tmp_path):
         train_zoo.init_from(train_zoo.build_model(wider), str(path))
 
 
-def _have_fashion_mnist() -> bool:
-    try:
-        load_fashion_mnist("test")
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _have_fashion_mnist(), reason="needs the dataset-fashion-mnist package")
+@needs_fashion_mnist
 def test_a_tiny_run_is_deterministic_and_writes_weights_and_card(tmp_path):
     args = ["--name", "tiny", "--embed-dim", "16", "--depth", "1", "--heads", "2",
             "--epochs", "2", "--train-n", "256", "--batch-size", "64", "--warmup-steps", "2",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -12,11 +10,10 @@ from PIL import Image
 from captum_vit import GAE, zoo
 from captum_vit.adapters import adapt
 from captum_vit.data import load_fashion_mnist, load_sample
-from captum_vit.data.fashion_mnist import DEFAULT_ROOT
 from captum_vit.data.loc import build_arrays
+from tests.helpers import needs_fashion_mnist
 
 NAMES = zoo.available()
-HAVE_FMNIST = os.path.isfile(os.path.join(DEFAULT_ROOT, "t10k-labels-idx1-ubyte.gz"))
 
 
 def test_both_bundled_models_are_shipped_small_and_without_pickle():
@@ -37,7 +34,7 @@ def test_model_loads_in_eval_mode_and_matches_its_card_on_the_sample(name):
     card_acc = zm.card["accuracy"]["fashionmnist_loc_test_10000"]
     assert card_acc >= 0.85  # cards: 86.68% and 86.43% on the 10,000 test images
     # The sample is the first 128 test images, the hardest block of 128 for these models:
-    # 80.5% and 81.3% (blocks 2-16 of the split give 83-91%). 128 images carry about +-3%
+    # 80.5% and 81.3% (the next 15 blocks of 128 give 81-91%). 128 images carry about +-3%
     # of sampling noise; the full split is checked in the next test.
     assert acc >= 0.8
     assert abs(acc - card_acc) < 0.1  # the sample is drawn from the split the card reports
@@ -49,7 +46,7 @@ def loc_test():
     return build_arrays(te_img, te_lab, split="test", seed=0)
 
 
-@pytest.mark.skipif(not HAVE_FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+@needs_fashion_mnist
 @pytest.mark.parametrize("name", NAMES)
 def test_model_reaches_its_card_accuracy_on_the_whole_test_split(name, loc_test):
     zm = zoo.load(name)
