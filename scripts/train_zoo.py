@@ -90,6 +90,8 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int =
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--name", required=True)
+    ap.add_argument("--patch-size", type=int, default=7,
+                    help="patch side in pixels; must divide the 56-pixel canvas")
     ap.add_argument("--embed-dim", type=int, default=64)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--heads", type=int, default=4)
@@ -115,7 +117,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    kwargs = dict(img_size=56, patch_size=7, in_chans=1, num_classes=10,
+    if 56 % args.patch_size:
+        ap.error(f"--patch-size {args.patch_size} does not divide the 56-pixel canvas; "
+                 "use one of 4, 7, 8, 14.")
+    kwargs = dict(img_size=56, patch_size=args.patch_size, in_chans=1, num_classes=10,
                   embed_dim=args.embed_dim, depth=args.depth, num_heads=args.heads,
                   mlp_ratio=args.mlp_ratio, reg_tokens=args.reg_tokens, qkv_bias=True)
     model = build_model(kwargs)

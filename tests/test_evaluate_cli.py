@@ -125,3 +125,37 @@ def test_file_model_spec(tmp_path):
                  "deletion,sparseness", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())["results"]["rollout"]
     assert res["deletion"]["n"] == 2 and res["sparseness"]["n"] == 2
+
+
+def test_each_warning_once_survives_filter_resets():
+    """TIS's n_masks clamp warns on every call once anything resets the warning filters
+    (as third-party code does between batches); the evaluate loop shows it once."""
+    import warnings
+
+    from captum_vit.commands.evaluate import each_warning_once
+    from captum_vit.methods.tis import kmeans_masks
+
+    feats = torch.rand(1, 4, 3)
+
+    def two_batches() -> int:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            for _ in range(2):
+                kmeans_masks(feats, 5, [0.5])
+                with warnings.catch_warnings():  # a filter reset, as in third-party code
+                    warnings.simplefilter("ignore", DeprecationWarning)
+        return sum("n_masks=5" in str(w.message) for w in seen)
+
+    assert two_batches() == 2  # the noise being fixed
+
+    def two_batches_once() -> int:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            with each_warning_once():
+                for _ in range(2):
+                    kmeans_masks(feats, 5, [0.5])
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", DeprecationWarning)
+        return sum("n_masks=5" in str(w.message) for w in seen)
+
+    assert two_batches_once() == 1

@@ -30,7 +30,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -375,11 +377,13 @@ def run(args: argparse.Namespace) -> int:
         mine = list(range(rank, len(batches), world))
         attrs = {meth: build_method(meth, model, args.seed) for meth in methods}
         local: dict[int, dict[str, dict[str, MetricResult]]] = {}
-        for b in tqdm(mine, desc=f"evaluate (rank {rank})" if distributed else "evaluate",
-                      disable=rank != 0, file=sys.stderr):
-            x, labels, masks = make_batch(data, batches[b], model, pre, device, dtype)
-            local[b] = {meth: evaluate_batch(model, x, labels, masks, meth, attrs[meth], metrics,
-                                             args, batches[b]) for meth in methods}
+        with each_warning_once():
+            for b in tqdm(mine, desc=f"evaluate (rank {rank})" if distributed else "evaluate",
+                          disable=rank != 0, file=sys.stderr):
+                x, labels, masks = make_batch(data, batches[b], model, pre, device, dtype)
+                local[b] = {meth: evaluate_batch(model, x, labels, masks, meth, attrs[meth],
+                                                 metrics, args, batches[b])
+                            for meth in methods}
         parts: list[Any] = [local]
         if distributed:
             parts = [None] * world
@@ -395,6 +399,31 @@ def run(args: argparse.Namespace) -> int:
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 0
+
+
+@contextmanager
+def each_warning_once() -> Iterator[None]:
+    """Show each distinct warning (message and category) once while the block runs.
+
+    Python shows a warning once per code location, but every change to the warning filters
+    (``warnings.catch_warnings`` in third-party code, e.g. during Max-Sensitivity) forgets
+    what was shown, including the ``"once"`` registry, so a per-call warning such as TIS's
+    ``n_masks`` clamp came back for every batch of an evaluation. This de-duplicates at
+    ``warnings.showwarning`` instead; the previous hook and filters are restored on exit.
+    """
+    seen: set[tuple[str, type]] = set()
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def show_once(message: Warning | str, category: type[Warning], *args: Any,
+                      **kwargs: Any) -> None:
+            key = (str(message), category)
+            if key not in seen:
+                seen.add(key)
+                show(message, category, *args, **kwargs)
+
+        warnings.showwarning = show_once
+        yield
 
 
 def _cat(parts: Sequence[dict[str, MetricResult]]) -> dict[str, MetricResult]:
