@@ -53,3 +53,66 @@ def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
     test_cmd = next(c for c in commands if "pytest" in c).split("&&")[-1].strip()
     assert test_cmd in (ROOT / ".ci" / "run").read_text()
+
+
+TIMM_NAME = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+
+
+@pytest.fixture
+def empty_caches(tmp_path, monkeypatch):
+    """Point the Hugging Face and torch hub caches at empty folders (nothing is cached)."""
+    import huggingface_hub.constants as hf_constants
+    import torch
+
+    hf = tmp_path / "hf"
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hf))
+    old = torch.hub.get_dir()
+    torch.hub.set_dir(str(tmp_path / "torch_hub"))
+    yield hf
+    torch.hub.set_dir(old)
+
+
+def test_explain_timm_pretrained_without_cached_weights_says_so(tmp_path, empty_caches, capsys):
+    argv = ["explain", "--model", f"timm:{TIMM_NAME}", "--pretrained", "--methods", "rollout",
+            "--out", str(tmp_path / "x.png")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not in the local cache" in err and str(empty_caches) in err and "drop" in err
+    assert main(["explain", "--model", "timm:no_such_vit", "--out", str(tmp_path / "y.png")]) == 2
+    assert "no_such_vit" in capsys.readouterr().err
+    assert main(["explain", "--model", "random:vit_tiny", "--pretrained"]) == 2
+    assert "timm:NAME only" in capsys.readouterr().err
+
+
+def test_explain_timm_pretrained_loads_the_cached_weights(tmp_path, empty_caches, capsys,
+                                                         monkeypatch):
+    """A Hugging Face cache entry (the layout hf_hub_download writes) is found and loaded
+    offline; without --pretrained the same model name gets random weights."""
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    from captum_vit.commands import evaluate
+
+    torch.manual_seed(123)
+    trained = timm.create_model(TIMM_NAME, pretrained=False).eval()
+    repo = empty_caches / f"models--timm--{TIMM_NAME}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()},
+              str(snap / "model.safetensors"))
+
+    model, pre = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0, pretrained=True)
+    for k, v in trained.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+    assert not model.training and pre is not None
+    random_model, _ = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0)
+    assert not torch.equal(random_model.head.weight, trained.head.weight)
+
+    out = tmp_path / "maps.png"
+    assert main(["explain", "--model", f"timm:{TIMM_NAME}", "--pretrained", "--methods",
+                 "rollout", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG
+    assert "random-weight" not in capsys.readouterr().err

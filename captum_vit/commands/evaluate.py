@@ -3,7 +3,9 @@
 Model specs (``--model``):
 
 * ``zoo:NAME`` — a bundled model (:func:`captum_vit.zoo.load`), e.g. ``zoo:vit_fmnist_loc``;
-* ``timm:NAME`` — ``timm.create_model(NAME, pretrained=True)`` (downloads weights);
+* ``timm:NAME`` — ``timm.create_model(NAME)``: random weights seeded by ``--seed``, or with
+  ``--pretrained`` the weights already in the local Hugging Face / torch hub cache (nothing
+  is downloaded; a clear error names the cache when they are missing);
 * ``file:PATH`` — ``PATH`` (``.safetensors``) with ``PATH`` minus suffix + ``.json`` holding
   ``{"kwargs": {...}}`` for timm's ``VisionTransformer``;
 * ``random:vit_tiny`` / ``random:vit_small`` — a random-weight timm ViT built from
@@ -61,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``captum-vit evaluate``."""
     p.add_argument("--model", default="zoo:vit_fmnist_loc",
                    help="zoo:NAME | timm:NAME | file:PATH.safetensors | random:vit_tiny")
+    p.add_argument("--pretrained", action="store_true",
+                   help="with --model timm:NAME: load its pretrained weights from the local "
+                        "cache (never downloads); without it the timm model has random weights")
     p.add_argument("--data", default="fmnist-loc",
                    help="fmnist-loc | sample | folder:PATH | synthetic")
     p.add_argument("--methods", nargs="+", default=["all"],
@@ -124,8 +129,15 @@ def build_method(name: str, model: nn.Module, seed: int) -> Any:
 
 
 # -- models ---------------------------------------------------------------------------------
-def load_model(spec: str, seed: int) -> tuple[nn.Module, Callable[[Tensor], Tensor] | None]:
-    """The model of ``spec`` (eval mode) and an optional tensor preprocessing."""
+def load_model(spec: str, seed: int, pretrained: bool = False
+               ) -> tuple[nn.Module, Callable[[Tensor], Tensor] | None]:
+    """The model of ``spec`` (eval mode) and an optional tensor preprocessing.
+
+    ``pretrained`` applies to ``timm:NAME`` only (cached weights, see
+    :func:`cached_timm_weights`); without it a timm model has random weights from ``seed``.
+    """
+    if pretrained and not spec.startswith("timm:"):
+        raise ValueError(f"--pretrained applies to --model timm:NAME only, not {spec!r}")
     kind, _, name = spec.partition(":")
     if kind == "random":
         from timm.models.vision_transformer import VisionTransformer
@@ -149,11 +161,19 @@ def load_model(spec: str, seed: int) -> tuple[nn.Module, Callable[[Tensor], Tens
     if kind == "timm":
         import timm
 
-        model = timm.create_model(name, pretrained=True).eval()
+        try:
+            torch.manual_seed(seed)
+            model = timm.create_model(name, pretrained=False)
+        except RuntimeError as e:  # timm: "Unknown model (...)"
+            raise ValueError(f"--model timm:{name}: {e}; see timm.list_models()") from e
+        if pretrained:
+            path = cached_timm_weights(model.pretrained_cfg)
+            model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(
+                file=path, custom_load=path.endswith(".npz")))
         cfg = model.pretrained_cfg
         mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5)))[:, None, None]
         std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5)))[:, None, None]
-        return model, lambda x: (x - mean.to(x)) / std.to(x)
+        return model.eval(), lambda x: (x - mean.to(x)) / std.to(x)
     if kind == "zoo":
         from captum_vit import zoo
 
@@ -161,6 +181,42 @@ def load_model(spec: str, seed: int) -> tuple[nn.Module, Callable[[Tensor], Tens
         return zm.model.eval(), getattr(zm, "preprocess", None)
     raise ValueError(f"unknown model {spec!r}; use zoo:NAME, timm:NAME, file:PATH or "
                      f"random:{'|'.join(RANDOM_MODELS)}")
+
+
+def cached_timm_weights(cfg: Any) -> str:
+    """Path of the pretrained weights of a timm config in the local cache; never downloads.
+
+    Looks in the Hugging Face hub cache (``cfg.hf_hub_id``; ``model.safetensors``, then
+    ``pytorch_model.bin``, or ``cfg.hf_hub_filename``) and in torch hub's checkpoint folder
+    (``cfg.url``), the two places ``timm.create_model(NAME, pretrained=True)`` stores them.
+
+    Raises:
+        FileNotFoundError: the weights are in neither cache; the message names both folders.
+    """
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cfg = cfg if isinstance(cfg, dict) else cfg.to_dict()
+    hub_id, url = cfg.get("hf_hub_id"), cfg.get("url")
+    if hub_id:
+        repo, _, rev = hub_id.partition("@")
+        names = [cfg["hf_hub_filename"]] if cfg.get("hf_hub_filename") else [
+            "model.safetensors", "pytorch_model.bin"]
+        for fname in names:
+            hit = try_to_load_from_cache(repo, fname, revision=rev or None)
+            if isinstance(hit, str):
+                return hit
+    ckpt_dir = Path(torch.hub.get_dir()) / "checkpoints"
+    if url and (ckpt_dir / Path(urlparse(url).path).name).is_file():
+        return str(ckpt_dir / Path(urlparse(url).path).name)
+    where = [f"Hugging Face cache {constants.HF_HUB_CACHE} ({hub_id})"] if hub_id else []
+    where += [f"torch hub cache {ckpt_dir} ({Path(urlparse(url).path).name})"] if url else []
+    raise FileNotFoundError(
+        f"--pretrained: the weights of {cfg.get('architecture')} are not in the local cache "
+        f"(looked in {' and '.join(where) or 'no source: the config names none'}); run "
+        "timm.create_model(NAME, pretrained=True) once where the hub can be reached, or drop "
+        "--pretrained for random weights")
 
 
 def model_input(model: nn.Module) -> tuple[int, tuple[int, int]]:
@@ -360,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         dtype = getattr(torch, args.dtype)
-        model, pre = load_model(args.model, args.seed)
+        model, pre = load_model(args.model, args.seed, args.pretrained)
         model = model.to(device=device, dtype=dtype)
         data = load_data(args.data, args.n, args.seed, model)
         n = min(args.n, len(data))

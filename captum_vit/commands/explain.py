@@ -20,8 +20,11 @@ DEMO_KWARGS = {"tis": {"n_masks": 128}}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``captum-vit explain``."""
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="zoo:NAME (default: the bundled model) | timm:NAME (pretrained weights "
-                        "must be in the local cache) | file:PATH.safetensors | random:vit_tiny")
+                   help="zoo:NAME (default: the bundled model) | timm:NAME | "
+                        "file:PATH.safetensors | random:vit_tiny")
+    p.add_argument("--pretrained", action="store_true",
+                   help="with --model timm:NAME: load its pretrained weights from the local "
+                        "cache (never downloads); without it the timm model has random weights")
     p.add_argument("--image", default=None,
                    help="image file of any size (default: a bundled FashionMNIST-Loc sample)")
     p.add_argument("--methods", default="all",
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from captum_vit.viz import plot_grid
 
     names = _methods(args.methods)
-    model, pre = load_model(args.model, args.seed)
+    model, pre = load_model(args.model, args.seed, args.pretrained)
     class_names = None
     if args.model.startswith("zoo:"):
         from captum_vit import zoo
@@ -75,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         class_names = zoo.load(args.model.split(":", 1)[1]).class_names
     elif args.model.startswith("random:"):
         print("note: explaining a random-weight ViT", file=sys.stderr)
+    elif args.model.startswith("timm:") and not args.pretrained:
+        print("note: explaining a random-weight ViT; add --pretrained for the trained weights "
+              "in the local cache", file=sys.stderr)
     chans, size = model_input(model)
     img = _image(args.image)
     if img.shape[0] != chans:
