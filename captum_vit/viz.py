@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch.nn.functional as F
 from torch import Tensor
+
+SIGNS = ("auto", "all", "positive", "negative", "absolute_value")
 
 
 def _image_to_numpy(image: Tensor) -> np.ndarray:
@@ -28,32 +31,61 @@ def upsample_map(attr: Tensor, size: tuple[int, int]) -> Tensor:
 
 
 def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
-                 cmap: str = "jet", alpha: float = 0.5, colorbar: bool = True):
+                 sign: str = "auto", cmap: Any = None, alpha: float = 0.5,
+                 outlier_perc: float = 2, colorbar: bool = True):
     """Draw ``attr`` (any map shape) over ``image`` [C, H, W] on a matplotlib axis.
+
+    The map is upsampled bilinearly to the image size for display and drawn by Captum's
+    ``visualize_image_attr(method="blended_heat_map")``, so values are scaled as in Captum:
+    divided by the value below which ``100 - outlier_perc`` % of the absolute mass lies,
+    then clipped.
 
     Args:
         ax (matplotlib.axes.Axes): the axis to draw on.
         image (Tensor): the image [C, H, W].
-        attr (Tensor): the map (tokens, grid or pixels); upsampled bilinearly for display.
+        attr (Tensor): the map (tokens, grid or pixels).
         title (str, optional): axis title.
-        cmap (str, optional): colour map of the map. Default ``"jet"``.
+        sign (str, optional): Captum's ``"all"``, ``"positive"``, ``"negative"`` or
+            ``"absolute_value"``; ``"auto"`` (default) is ``"all"`` (red-white-green around
+            zero) for a map with negative values, and otherwise ``"positive"`` after
+            subtracting the map's minimum, so that a constant offset (attention rollout's
+            identity share, TIS's mean score) does not tint the whole image.
+        cmap (str or Colormap, optional): colour map; ``None`` = Captum's for the sign.
         alpha (float, optional): opacity of the map. Default 0.5.
+        outlier_perc (float, optional): percentage of the largest values clipped for the
+            colour scale (Captum's). Default 2.
         colorbar (bool, optional): add a colour bar. Default True.
 
     Returns:
-        The image artist of the map.
+        matplotlib.axes.Axes: ``ax``.
+
+    Examples::
+
+        >>> import matplotlib.pyplot as plt
+        >>> from captum_vit import DecompX
+        >>> from captum_vit.viz import plot_overlay
+        >>> fig, ax = plt.subplots()
+        >>> plot_overlay(ax, images[0], DecompX(model).attribute(images, output="grid")[0])
     """
+    from captum.attr import visualization
+
     h, w = image.shape[-2:]
-    img = _image_to_numpy(image)
-    ax.imshow(img, cmap="gray" if img.ndim == 2 else None)
     heat = upsample_map(attr, (h, w)).numpy()
-    art = ax.imshow(heat, cmap=cmap, alpha=alpha)
-    if colorbar:
-        ax.figure.colorbar(art, ax=ax, fraction=0.046, pad=0.04)
+    if sign not in SIGNS:
+        raise ValueError(f"sign must be one of {', '.join(map(repr, SIGNS))}, got {sign!r}")
+    if sign == "auto":
+        sign = "all" if (heat < 0).any() else "positive"
+        if sign == "positive":
+            heat = heat - heat.min()
+    img = _image_to_numpy(image)
+    visualization.visualize_image_attr(
+        heat[..., None], img[..., None] if img.ndim == 2 else img, method="blended_heat_map",
+        sign=sign, plt_fig_axis=(ax.figure, ax), outlier_perc=outlier_perc, cmap=cmap,
+        alpha_overlay=alpha, show_colorbar=colorbar, title=title, use_pyplot=False)
     if title:
         ax.set_title(title, fontsize=9)
     ax.axis("off")
-    return art
+    return ax
 
 
 def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
