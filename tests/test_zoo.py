@@ -32,11 +32,11 @@ def test_model_loads_in_eval_mode_and_matches_its_card_on_the_sample(name):
     with torch.no_grad():
         acc = (zm.model(x).argmax(-1) == s["labels"]).float().mean().item()
     card_acc = zm.card["accuracy"]["fashionmnist_loc_test_10000"]
-    assert card_acc >= 0.85  # cards: 86.68% and 86.43% on the 10,000 test images
-    # The sample is the first 128 test images, the hardest block of 128 for these models:
-    # 80.5% and 81.3% (the next 15 blocks of 128 give 81-91%). 128 images carry about +-3%
-    # of sampling noise; the full split is checked in the next test.
-    assert acc >= 0.8
+    assert card_acc >= 0.85  # cards: 87.49% and 87.52% on the 10,000 test images
+    # On the sample (the first 128 test images): 84.4% (108/128) for vit_fmnist_loc, one
+    # image short of the 85%, and 87.5% for vit_fmnist_loc_reg. 128 images carry
+    # about +-3% of sampling noise; the full split is checked in the next test.
+    assert acc >= {"vit_fmnist_loc": 0.84}.get(name, 0.85)
     assert abs(acc - card_acc) < 0.1  # the sample is drawn from the split the card reports
 
 
