@@ -69,10 +69,10 @@ def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
     """
     from captum.attr import visualization
 
-    h, w = image.shape[-2:]
-    heat = upsample_map(attr, (h, w)).numpy()
     if sign not in SIGNS:
         raise ValueError(f"sign must be one of {', '.join(map(repr, SIGNS))}, got {sign!r}")
+    h, w = image.shape[-2:]
+    heat = upsample_map(attr, (h, w)).numpy()
     if sign == "auto":
         sign = "all" if (heat < 0).any() else "positive"
         if sign == "positive":
@@ -81,7 +81,7 @@ def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
     visualization.visualize_image_attr(
         heat[..., None], img[..., None] if img.ndim == 2 else img, method="blended_heat_map",
         sign=sign, plt_fig_axis=(ax.figure, ax), outlier_perc=outlier_perc, cmap=cmap,
-        alpha_overlay=alpha, show_colorbar=colorbar, title=title, use_pyplot=False)
+        alpha_overlay=alpha, show_colorbar=colorbar, use_pyplot=False)
     if title:
         ax.set_title(title, fontsize=9)
     ax.axis("off")

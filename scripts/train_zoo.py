@@ -118,8 +118,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t_start = time.time()
     if 56 % args.patch_size:
-        ap.error(f"--patch-size {args.patch_size} does not divide the 56-pixel canvas; "
-                 "use one of 4, 7, 8, 14.")
+        ap.error(f"--patch-size {args.patch_size} does not divide the 56-pixel canvas")
     kwargs = dict(img_size=56, patch_size=args.patch_size, in_chans=1, num_classes=10,
                   embed_dim=args.embed_dim, depth=args.depth, num_heads=args.heads,
                   mlp_ratio=args.mlp_ratio, reg_tokens=args.reg_tokens, qkv_bias=True)
