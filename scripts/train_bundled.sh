@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train both bundled models of captum_vit.zoo, one after the other, on CPU.
 # 89.7 minutes on this project's 2-core VM (81.9 + 7.8), at the 90-minute budget; --epochs 32
-# instead of 36 takes 70 min for 86.7% / 86.4%. The VM's speed varies: on another day epoch 1
+# instead of 36 takes 70 min for 86.7% / 86.4%. The VM's speed varies: in a later session epoch 1
 # took 2.9 min instead of 2.1 (same numbers), about two hours for the whole run at that pace.
 # Writes captum_vit/zoo/ (or $1).
 #   1. vit_fmnist_loc: class token, from scratch, 36 epochs with a cosine schedule;
