@@ -38,6 +38,7 @@ def test_explain_any_image_size_on_a_random_model(tmp_path):
     (["--methods", "nope"], "unknown method 'nope'"),
     (["--model", "bogus:thing"], "unknown model"),
     (["--model", "zoo:nope"], "unknown zoo model"),
+    (["--model", "zoo:vit_fmnist_loc", "--pretrained"], "--pretrained applies to --model timm"),
     (["--image", "/does/not/exist.png"], "no such file"),
     (["--target", "99"], "--target must be in"),
 ])
