@@ -105,11 +105,11 @@ def test_explain_timm_pretrained_loads_the_cached_weights(tmp_path, empty_caches
     save_file({k: v.contiguous() for k, v in trained.state_dict().items()},
               str(snap / "model.safetensors"))
 
-    model, pre = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0, pretrained=True)
+    model, pre, _ = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0, pretrained=True)
     for k, v in trained.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
     assert not model.training and pre is not None
-    random_model, _ = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0)
+    random_model, _, _ = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0)
     assert not torch.equal(random_model.head.weight, trained.head.weight)
 
     out = tmp_path / "maps.png"

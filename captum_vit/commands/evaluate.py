@@ -130,8 +130,10 @@ def build_method(name: str, model: nn.Module, seed: int) -> Any:
 
 # -- models ---------------------------------------------------------------------------------
 def load_model(spec: str, seed: int, pretrained: bool = False
-               ) -> tuple[nn.Module, Callable[[Tensor], Tensor] | None]:
-    """The model of ``spec`` (eval mode) and an optional tensor preprocessing.
+               ) -> tuple[nn.Module, Callable[[Tensor], Tensor] | None, tuple[str, ...] | None]:
+    """The model of ``spec`` (eval mode), an optional tensor preprocessing and class names.
+
+    Class names are known for ``zoo:NAME`` only (``None`` otherwise).
 
     ``pretrained`` applies to ``timm:NAME`` only (cached weights, see
     :func:`cached_timm_weights`); without it a timm model has random weights from ``seed``.
@@ -146,7 +148,7 @@ def load_model(spec: str, seed: int, pretrained: bool = False
             raise ValueError(f"unknown random model {name!r}; choose from "
                              f"{', '.join(RANDOM_MODELS)}")
         torch.manual_seed(seed)
-        return VisionTransformer(**RANDOM_MODELS[name]).eval(), None
+        return VisionTransformer(**RANDOM_MODELS[name]).eval(), None, None
     if kind == "file":
         from safetensors.torch import load_file
         from timm.models.vision_transformer import VisionTransformer
@@ -157,7 +159,7 @@ def load_model(spec: str, seed: int, pretrained: bool = False
             raise FileNotFoundError(f"--model file:PATH needs {path} and {meta}")
         model = VisionTransformer(**json.loads(meta.read_text())["kwargs"])
         model.load_state_dict(load_file(str(path)))
-        return model.eval(), None
+        return model.eval(), None, None
     if kind == "timm":
         import timm
 
@@ -173,12 +175,12 @@ def load_model(spec: str, seed: int, pretrained: bool = False
         cfg = model.pretrained_cfg
         mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5)))[:, None, None]
         std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5)))[:, None, None]
-        return model.eval(), lambda x: (x - mean.to(x)) / std.to(x)
+        return model.eval(), lambda x: (x - mean.to(x)) / std.to(x), None
     if kind == "zoo":
         from captum_vit import zoo
 
         zm = zoo.load(name)
-        return zm.model.eval(), getattr(zm, "preprocess", None)
+        return zm.model.eval(), zm.preprocess, zm.class_names
     raise ValueError(f"unknown model {spec!r}; use zoo:NAME, timm:NAME, file:PATH or "
                      f"random:{'|'.join(RANDOM_MODELS)}")
 
@@ -416,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         dtype = getattr(torch, args.dtype)
-        model, pre = load_model(args.model, args.seed, args.pretrained)
+        model, pre, _ = load_model(args.model, args.seed, args.pretrained)
         model = model.to(device=device, dtype=dtype)
         data = load_data(args.data, args.n, args.seed, model)
         n = min(args.n, len(data))

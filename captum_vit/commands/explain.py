@@ -70,14 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from captum_vit.viz import plot_grid
 
     names = _methods(args.methods)
-    class_names = None
-    if args.model.startswith("zoo:") and not args.pretrained:
-        from captum_vit import zoo
-
-        zm = zoo.load(args.model.split(":", 1)[1])  # load once: model, preprocessing, names
-        model, pre, class_names = zm.model, zm.preprocess, zm.class_names
-    else:
-        model, pre = load_model(args.model, args.seed, args.pretrained)
+    model, pre, class_names = load_model(args.model, args.seed, args.pretrained)
     if args.model.startswith("random:"):
         print("note: explaining a random-weight ViT", file=sys.stderr)
     elif args.model.startswith("timm:") and not args.pretrained:
