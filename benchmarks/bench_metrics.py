@@ -8,7 +8,10 @@ Run::
 A 20-step deletion curve evaluates 21 removal levels per image (k = 0, 0.05, ..., 1) plus
 one clean forward for the prediction; maps are precomputed (random patch scores), so only
 the metric is timed. True token masking (``removal="token"``) runs shorter sequences (on
-average about half the tokens); pixel baselines run full images. References measured in
+average about half the tokens) through the adapters' subset engine
+(``captum_vit.adapters.subsets``: jobs grouped by length with a cost model, the level
+k = 0 free when the metric hands its clean logits to ``RemovalEngine.logits(full_logits=)``);
+pixel baselines run full images. References measured in
 the same run on a ViT-S/16-sized random timm model (224 px, width 384, 12 blocks, 6 heads,
 float32): one forward ``model(x)`` under ``no_grad`` and one forward+backward
 ``torch.autograd.grad(model(x)[range(B), t].sum(), x)``, at the same batch size, so the

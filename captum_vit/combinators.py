@@ -33,6 +33,7 @@ from captum_vit._base import (
     ViTPerturbationAttribution,
     accumulation_dtype,
     check_choice,
+    check_layer,
     gradients,
     resolve_target,
     target_scores,
@@ -65,11 +66,7 @@ def check_layers(layers: Iterable[int], num_blocks: int) -> tuple[int, ...]:
         raise ValueError("layers is empty; give at least one block index in "
                          f"[0, {num_blocks - 1}]")
     for l in out:
-        if isinstance(l, bool) or not isinstance(l, int):
-            raise TypeError(f"layers must contain ints, got {type(l).__name__}")
-        if not 0 <= l < num_blocks:
-            raise ValueError(f"layers must be in [0, {num_blocks - 1}] for this "
-                             f"{num_blocks}-block model, got {l}")
+        check_layer("layers", l, num_blocks)
     if len(set(out)) != len(out):
         raise ValueError(f"layers has repeated entries {list(out)}; each block counts once")
     return tuple(sorted(out))
@@ -284,14 +281,19 @@ class _BiasProbeOps(Ops):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return self._probe(super().linear(x, weight, bias), bias)
 
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Tensor]:
-        if not self.active or p.qkv_bias is None:
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Tensor | None]:
+        if not self.active:
             return super().attention(u, p)
         b, n, _ = u.shape
-        probe = torch.zeros((b, n, p.qkv_bias.shape[0]), dtype=u.dtype, device=u.device,
-                            requires_grad=True)  # added to the qkv output via its bias
-        self.probes.append((p.qkv_bias, probe))
-        return super().attention(u, replace(p, qkv_bias=p.qkv_bias + probe))
+        probed = {}
+        for name in ("q_bias", "k_bias", "v_bias"):  # each bias counted once
+            bias = getattr(p, name)
+            if bias is not None:  # the probe enters the q/k/v output via its bias
+                probe = torch.zeros((b, n, bias.shape[0]), dtype=u.dtype, device=u.device,
+                                    requires_grad=True)
+                self.probes.append((bias, probe))
+                probed[name] = bias + probe
+        return super().attention(u, replace(p, **probed))
 
 
 class FullGradPlus(ViTGradientAttribution):

@@ -3,6 +3,9 @@ Captum interop, bad inputs, and the model left untouched by every call."""
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import matplotlib
 import pytest
 import torch
@@ -12,6 +15,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from captum_vit import GAE, AttnGradCAM, RawAttention, Rollout, adapt
+from captum_vit.adapters import ADAPTERS, FusedOps, Ops, TimmViTAdapter
 from captum_vit.methods import AttIxG, TokenIxG
 from tests.helpers import FAMILIES, assert_unchanged, make_inputs, make_model, snapshot
 
@@ -123,36 +127,146 @@ def test_training_mode_with_dropout_is_refused_and_left_alone():
     assert model.training
 
 
+def _attention_inputs(family):
+    """(block parts, LN1 input) of every block (float64) and a key mask [3, N] whose rows
+    keep different numbers of tokens."""
+    adapter = adapt(make_model(family))
+    tr = adapter.trace(make_inputs(family))
+    n = tr.blocks[0].u.shape[1]
+    valid = torch.arange(n)[None] < torch.tensor([n, n - 5, 3])[:, None]
+    return list(zip(adapter.blocks, [rec.u for rec in tr.blocks], strict=True)), valid
+
+
+@pytest.mark.parametrize("family", ["vit", "layerscale", "avgpool"])
+def test_fused_attention_equals_materialised(family):
+    blocks, valid = _attention_inputs(family)
+    for p, u in blocks:
+        for key_mask in (None, valid):
+            fused, none = p.attention(u, materialize=False, key_mask=key_mask)
+            mix, attn = p.attention(u, materialize=True, key_mask=key_mask)
+            assert none is None and attn.shape == (3, 4, u.shape[1], u.shape[1])
+            torch.testing.assert_close(fused, mix, rtol=0, atol=1e-12)
+        positions = torch.arange(u.shape[1]).expand(3, -1)  # accepted, unused for timm ViT
+        assert torch.equal(p.attention(u, materialize=True, positions=positions)[0],
+                           p.attention(u, materialize=True)[0])
+
+
+@pytest.mark.parametrize("family", ["vit", "layerscale"])
+def test_key_mask_padding_equals_the_shortened_sequence_alone(family):
+    blocks, valid = _attention_inputs(family)
+    for (p, u), materialize in itertools.product(blocks, (True, False)):
+        out, attn = p.attention(u, materialize=materialize, key_mask=valid)
+        for i, n in enumerate(valid.sum(1).tolist()):
+            alone, _ = p.attention(u[i:i + 1, :n], materialize=materialize)
+            torch.testing.assert_close(out[i:i + 1, :n], alone, rtol=0, atol=1e-12)
+        if materialize:  # padded keys get exactly zero probability
+            assert (attn.masked_select(~valid[:, None, None, :]) == 0).all()
+
+
+@pytest.mark.parametrize("family", ["vit", "avgpool", "distilled"])
+def test_fused_ops_on_padded_tokens_equal_the_shortened_sequence(family):
+    adapter = adapt(make_model(family))
+    x0 = adapter.embed(make_inputs(family, batch=2))
+    k = adapter.num_prefix
+    valid = torch.ones(2, x0.shape[1], dtype=torch.bool)
+    valid[1, k + 6:] = False  # image 1 keeps patches 0..5 only
+    padded = adapter.run(x0, ops=FusedOps(key_mask=valid))
+    alone = adapter.run(x0[1:], keep=torch.arange(6)[None], ops=Ops())
+    torch.testing.assert_close(padded[1:], alone, rtol=0, atol=1e-12)
+    torch.testing.assert_close(padded[:1], adapter.run(x0[:1]), rtol=0, atol=1e-12)
+
+
+def test_qkv_parts_are_views_of_the_fused_timm_parameter():
+    model = make_model("vit")
+    adapter = adapt(model)
+    p, qkv = adapter.blocks[1], model.blocks[1].attn.qkv
+    a = p.inner_dim
+    for i, (w, b) in enumerate([(p.q_weight, p.q_bias), (p.k_weight, p.k_bias),
+                                (p.v_weight, p.v_bias)]):
+        assert w.untyped_storage().data_ptr() == qkv.weight.untyped_storage().data_ptr()
+        assert torch.equal(w, qkv.weight[i * a:(i + 1) * a])
+        assert torch.equal(b, qkv.bias[i * a:(i + 1) * a])
+    with torch.no_grad():
+        qkv.bias[a] += 1.0  # an in-place change of the model shows through the views
+    assert p.k_bias[0] == qkv.bias[a]
+    model.float()  # replaced parameters: the adapter re-reads its parts
+    x = make_inputs("vit", dtype=torch.float32)
+    torch.testing.assert_close(adapter.run(adapter.embed(x)), model(x), rtol=0, atol=1e-5)
+    assert adapter.blocks[1].q_weight.dtype == torch.float32
+
+
+
+def test_separate_qkv_projections_equal_the_fused_views():
+    """Models with separate q/k/v (Hugging Face) take the per-projection path."""
+    blocks, valid = _attention_inputs("layerscale")
+    p, u = blocks[2]
+    names = ("q_weight", "k_weight", "v_weight", "q_bias", "k_bias", "v_bias")
+    separate = replace(p, **{n: getattr(p, n).clone() for n in names})
+    no_bias = replace(p, q_bias=None, k_bias=None, v_bias=None)
+    for materialize in (True, False):
+        a = p.attention(u, materialize=materialize, key_mask=valid)
+        b = separate.attention(u, materialize=materialize, key_mask=valid)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        c = no_bias.attention(u, materialize=materialize)[0]
+        d = replace(separate, q_bias=None, k_bias=None, v_bias=None).attention(
+            u, materialize=materialize)[0]
+        torch.testing.assert_close(c, d, rtol=0, atol=1e-12)
+
+
+EMBEDDING = ("patch_embed.", "cls_token", "reg_token", "dist_token", "pos_embed", "norm_pre.")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_parameter_stages_cover_every_parameter_once_except_the_embedding(family):
+    model = make_model(family)
+    stages = adapt(model).parameter_stages()
+    assert len(stages) == 1 + len(model.blocks)
+    flat = [p for stage in stages for p in stage]
+    assert all(isinstance(p, nn.Parameter) for p in flat)
+    assert len({id(p) for p in flat}) == len(flat)  # each exactly once
+    named = dict(model.named_parameters())
+    embedding = {n for n in named if n.startswith(EMBEDDING)}
+    assert {"patch_embed.proj.weight", "pos_embed"} <= embedding
+    assert {id(named[n]) for n in named if n not in embedding} == {id(p) for p in flat}
+    head_names = {n for n, p in named.items() if any(p is q for q in stages[0])}
+    assert head_names and all(n.startswith(("norm.", "fc_norm.", "head.", "head_dist."))
+                              for n in head_names)
+    for stage, blk in zip(stages[1:], reversed(model.blocks), strict=True):  # top block first
+        assert [id(p) for p in stage] == [id(p) for p in blk.parameters()]
+
+
+@pytest.mark.parametrize("family,classes,shape", [
+    ("vit", 5, (3, (32, 32))), ("distilled", 5, (3, (32, 32))),
+    ("nonsquare", 5, (3, (24, 40))),
+])
+def test_num_classes_input_shape_and_dtype(family, classes, shape):
+    adapter = adapt(make_model(family))
+    assert adapter.num_classes == classes and adapter.input_shape == shape
+    assert adapter.dtype == torch.float64
+    assert adapt(make_model(family, dtype=torch.float32, num_classes=7)).num_classes == 7
+    assert adapt(make_model(family, dtype=torch.float32)).dtype == torch.float32
+
+
+def test_inputs_of_another_dtype_than_the_model_raise_a_type_error():
+    model = make_model("vit")  # float64
+    x = make_inputs("vit", dtype=torch.float32)
+    msg = (r"inputs are torch\.float32 but the model's parameters are torch\.float64.*"
+           r"inputs\.to\(torch\.float64\).*model\.to\(torch\.float32\)")
+    with pytest.raises(TypeError, match=msg):
+        adapt(model).check_inputs(x)
+    with pytest.raises(TypeError, match=msg):
+        GAE(model).attribute(x)
+
+
+def test_adapt_picks_the_adapter_from_the_table():
+    assert any(cls is TimmViTAdapter for _, cls in ADAPTERS)
+    adapter = adapt(make_model("registers"))
+    assert isinstance(adapter, TimmViTAdapter) and adapt(adapter) is adapter
+
+
 # --- model never changed --------------------------------------------------------------------
 
-@pytest.mark.parametrize("cls", ALL_METHODS)
-def test_model_unchanged_after_call_and_after_error(cls):
-    model = make_model("vit", dtype=torch.float32)  # fused attention flag stays True
-    model.blocks[0].register_forward_hook(lambda *a: None)
-    model.head.weight.grad = torch.ones_like(model.head.weight)
-    model.blocks[1].mlp.fc1.weight.requires_grad_(False)
-    snap = snapshot(model)
-    method = cls(model)
-    method.attribute(make_inputs("vit", dtype=torch.float32), target=[0, 1, 2])
-    assert_unchanged(model, snap)
-    with pytest.raises(ValueError):
-        method.attribute(make_inputs("vit", dtype=torch.float32), target=[0, 1, 99])
-    with pytest.raises(ValueError):
-        method.attribute(torch.full((1, 3, 32, 32), float("nan")))
-    assert_unchanged(model, snap)
-    assert all(blk.attn.fused_attn for blk in model.blocks)
-
-
 # --- Captum interop ---------------------------------------------------------------------------
-
-@pytest.mark.parametrize("cls", ALL_METHODS)
-def test_noise_tunnel_smoothgrad(cls):
-    model = make_model("vit")
-    x = make_inputs("vit", batch=2)
-    out = NoiseTunnel(cls(model)).attribute(x, nt_type="smoothgrad", nt_samples=3, stdevs=0.1,
-                                            target=[1, 2])
-    assert out.shape == x.shape and torch.isfinite(out).all()
-
 
 def test_noise_tunnel_averages_the_method_over_noisy_copies():
     model = make_model("vit")

@@ -12,10 +12,9 @@ from captum.attr import NoiseTunnel
 from captum.metrics import sensitivity_max
 from sklearn.cluster import KMeans
 
-from captum_vit.adapters import Ops, adapt
+from captum_vit.adapters import FusedOps, Ops, adapt
 from captum_vit.methods.tis import (
     TIS,
-    FusedAttentionOps,
     kmeans_masks,
     layer_features,
     mask_scores,
@@ -124,7 +123,7 @@ def test_fused_attention_ops_equal_the_generic_forward(family):
     adapter = adapt(model)
     x0 = adapter.embed(x)
     keep = torch.tensor([[0, 3, 5, 9], [1, 2, 8, 15]])
-    fused = adapter.run(x0, keep=keep, ops=FusedAttentionOps())
+    fused = adapter.run(x0, keep=keep, ops=FusedOps())
     torch.testing.assert_close(fused, adapter.run(x0, keep=keep, ops=Ops()), rtol=0, atol=1e-12)
 
 

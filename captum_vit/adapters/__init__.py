@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from captum_vit.adapters.base import (
     BlockParts,
     BlockRecord,
+    FusedOps,
     HeadParts,
     Layout,
     NormParts,
@@ -14,7 +17,13 @@ from captum_vit.adapters.base import (
     Trace,
     ViTAdapter,
 )
+from captum_vit.adapters.subsets import subset_logits
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
+
+ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
+    (is_timm_vit, TimmViTAdapter),
+)
+"""``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
@@ -23,7 +32,7 @@ SUPPORTED = (
 
 
 def adapt(model: nn.Module) -> ViTAdapter:
-    """Pick the adapter for ``model``.
+    """Pick the adapter for ``model`` from the :data:`ADAPTERS` table.
 
     Args:
         model (nn.Module): a supported Vision Transformer classifier.
@@ -46,8 +55,9 @@ def adapt(model: nn.Module) -> ViTAdapter:
         return model
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if is_timm_vit(model):
-        return TimmViTAdapter(model)
+    for applies, adapter in ADAPTERS:
+        if applies(model):
+            return adapter(model)
     raise TypeError(
         f"captum_vit cannot explain a {type(model).__name__}: supported models are the "
         f"{SUPPORTED}"
@@ -55,6 +65,6 @@ def adapt(model: nn.Module) -> ViTAdapter:
 
 
 __all__ = [
-    "BlockParts", "BlockRecord", "HeadParts", "Layout", "NormParts", "Ops", "Trace",
-    "TimmViTAdapter", "ViTAdapter", "adapt", "SUPPORTED",
+    "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HeadParts", "Layout", "NormParts",
+    "Ops", "Trace", "TimmViTAdapter", "ViTAdapter", "adapt", "subset_logits", "SUPPORTED",
 ]

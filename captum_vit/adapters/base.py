@@ -12,6 +12,7 @@ only change the backward pass.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,10 @@ from captum_vit.adapters._linearize import (
 )
 
 READOUTS = ("token", "avg", "distilled")
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+"""Per model (held weakly, the model is never touched): the (adapter, dtype, device, input
+size) keys :meth:`ViTAdapter.self_check` has passed, shared by every adapter of it."""
 
 
 @dataclass(frozen=True)
@@ -79,13 +84,37 @@ class NormParts:
     eps: float
 
 
+def _consecutive(*parts: Tensor | None) -> Tensor | None:
+    """The tensors as one when they are consecutive row slices of one tensor (timm's fused
+    ``qkv`` parameter), else ``None`` (separate projections, or a part was replaced)."""
+    first = parts[0]
+    if first is None or first.dim() == 0:
+        return None
+    rows = first.shape[0] * first.stride(0)
+    for i, t in enumerate(parts[1:], start=1):
+        if t is None or t.shape != first.shape or t.stride() != first.stride() \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or t.storage_offset() != first.storage_offset() + i * rows:
+            return None
+    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
+
+
 @dataclass(frozen=True)
 class BlockParts:
-    """Canonical parameters of one pre-LN block (SPEC §0)."""
+    """Canonical parameters of one pre-LN block (SPEC §0).
+
+    ``q_weight``, ``k_weight``, ``v_weight`` are ``[H*d, D]`` (rows head-major) and the
+    biases ``[H*d]`` or ``None``. For timm they are views (slices) of the model's fused
+    ``qkv`` parameter; Hugging Face models keep separate q/k/v projections.
+    """
 
     norm1: NormParts
-    qkv_weight: Tensor  # [3*H*d, D], rows ordered q, k, v and head-major within each
-    qkv_bias: Tensor | None
+    q_weight: Tensor
+    k_weight: Tensor
+    v_weight: Tensor
+    q_bias: Tensor | None
+    k_bias: Tensor | None
+    v_bias: Tensor | None
     num_heads: int
     head_dim: int
     scale: float
@@ -106,28 +135,85 @@ class BlockParts:
     def inner_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
-    def v_weight(self) -> Tensor:
-        a = self.inner_dim
-        return self.qkv_weight[2 * a:3 * a]
-
-    @property
-    def v_bias(self) -> Tensor | None:
-        a = self.inner_dim
-        return None if self.qkv_bias is None else self.qkv_bias[2 * a:3 * a]
-
-    def attention_probs(self, u: Tensor, *, detach_qk: bool = False) -> tuple[Tensor, Tensor]:
-        """Attention probabilities ``A`` [B, H, N, N] and values ``v`` [B, H, N, d] of ``u``."""
+    def _heads(self, u: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``u W^T + b`` split into heads, [B, H, N, d]."""
         b, n, _ = u.shape
-        qkv = F.linear(u, self.qkv_weight, self.qkv_bias)
-        qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
+        y = F.linear(u, weight, bias)
+        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _qkv(self, u: Tensor, detach_qk: bool) -> tuple[Tensor, Tensor, Tensor]:
+        weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
+        bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
+        no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
+        if weight is not None and (bias is not None or no_bias):
+            # one fused matmul, exactly as the model computes it (same rounding forward
+            # and backward); the heads then split as in timm's Attention.forward
+            b, n, _ = u.shape
+            qkv = F.linear(u, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            q = self.q_norm(self._heads(u, self.q_weight, self.q_bias))
+            k = self.k_norm(self._heads(u, self.k_weight, self.k_bias))
+            v = self._heads(u, self.v_weight, self.v_bias)
         if detach_qk:
             q, k = q.detach(), k.detach()
-        q = q * self.scale
-        attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
-        return attn, v
+        return q, k, v
+
+    def _probs(self, q: Tensor, k: Tensor, key_mask: Tensor | None) -> Tensor:
+        scores = (q * self.scale) @ k.transpose(-2, -1)
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], -math.inf)
+        return scores.softmax(dim=-1)
+
+    def attention(self, u: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
+                  positions: Tensor | None = None, detach_qk: bool = False
+                  ) -> tuple[Tensor, Tensor | None]:
+        r"""Multi-head self-attention of ``u = LN1(x_l)`` up to the output projection.
+
+        The one attention of the package (modelled on timm's ``Attention.forward``): the
+        explicit path materialises :math:`A^h = \mathrm{softmax}(q k^\top / \sqrt{d})`
+        (the trace and the attention-based methods need it); the fused path calls
+        ``F.scaled_dot_product_attention`` and keeps no probabilities (scoring token
+        subsets). Both give the same mix up to rounding.
+
+        Args:
+            u (Tensor): normed token states [B, N, D].
+            materialize (bool): ``True`` = explicit softmax, probabilities returned;
+                ``False`` = fused kernel, ``None`` returned for them.
+            key_mask (Tensor, optional): bool [B, N], ``True`` = real token. Padded keys
+                (``False``) take no part in any query's attention, so the real tokens'
+                outputs equal those of the shortened sequence alone; the padded rows are
+                meaningless. Every row needs at least one real token.
+            positions (Tensor, optional): [B, N] original token indices of the tokens in
+                ``u`` (prefix tokens ``0..K-1``, patch ``t`` at ``K + t``): the hook for
+                rotary embeddings and relative-position bias. Accepted and unused for
+                timm's ``VisionTransformer``, whose absolute positional embedding is
+                already added by the embedding (a kept token carries its own).
+            detach_qk (bool): detach ``q`` and ``k`` (linearised backward, SPEC §3); the
+                forward values are unchanged.
+
+        Returns:
+            (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
+            :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
+        """
+        del positions  # absolute positions are already in u (see above)
+        b, n, _ = u.shape
+        q, k, v = self._qkv(u, detach_qk)
+        if materialize:
+            attn: Tensor | None = self._probs(q, k, key_mask)
+            mix = attn @ v
+        else:
+            attn = None
+            mask = None if key_mask is None else key_mask[:, None, None, :]
+            mix = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return mix.transpose(1, 2).reshape(b, n, self.inner_dim), attn
+
+    def attention_probs(self, u: Tensor, *, detach_qk: bool = False) -> tuple[Tensor, Tensor]:
+        """The explicit path's pieces: probabilities ``A`` [B, H, N, N] and values ``v``
+        [B, H, N, d] of ``u`` (for inspection and tests; forwards use :meth:`attention`)."""
+        q, k, v = self._qkv(u, detach_qk)
+        return self._probs(q, k, None), v
 
     def head_value_outputs(self, u: Tensor) -> Tensor:
         """Per-head ``u W_V^h W_O^h`` without biases, [B, H, N, D] (TokenTM Eq. 5)."""
@@ -153,12 +239,18 @@ class HeadParts:
 class Ops:
     """The primitive operations of the canonical forward, on plain tensors.
 
-    Subclasses (DecompX) override them to carry decomposed values instead.
-    ``linearize=True`` keeps the forward and linearises the backward (SPEC §3).
+    Subclasses (DecompX, FullGrad+'s bias probes) override them to carry other values;
+    :class:`FusedOps` is the plain forward without attention probabilities.
+
+    Args:
+        linearize (bool): keep the forward and linearise the backward (SPEC §3).
+        positions (Tensor, optional): [B, N] original token indices of the sequence, passed
+            to :meth:`BlockParts.attention` (``None`` = ``0..N-1``).
     """
 
-    def __init__(self, linearize: bool = False) -> None:
+    def __init__(self, linearize: bool = False, *, positions: Tensor | None = None) -> None:
         self.linearize = linearize
+        self.positions = positions
 
     def norm(self, x: Any, p: NormParts) -> Any:
         if self.linearize:
@@ -177,11 +269,10 @@ class Ops:
     def add(self, x: Any, y: Any) -> Any:
         return x + y
 
-    def attention(self, u: Any, p: BlockParts) -> tuple[Any, Tensor]:
+    def attention(self, u: Any, p: BlockParts) -> tuple[Any, Tensor | None]:
         """Attention mix before the output projection, [B, N, H*d], and the probabilities."""
-        attn, v = p.attention_probs(u, detach_qk=self.linearize)
-        b, _, n, _ = attn.shape
-        return (attn @ v).transpose(1, 2).reshape(b, n, p.inner_dim), attn
+        return p.attention(u, materialize=True, positions=self.positions,
+                           detach_qk=self.linearize)
 
     def pool(self, x: Any, row: int | str, num_prefix: int) -> Any:
         return x[:, num_prefix:].mean(1) if row == "avg" else x[:, row]
@@ -192,6 +283,40 @@ class Ops:
     def value(self, x: Any) -> Tensor:
         """The real tensor behind a value of these ops."""
         return x
+
+
+class FusedOps(Ops):
+    """The plain forward with fused attention, optionally on padded token sets.
+
+    Scoring never needs the attention probabilities, so they are not materialised
+    (``F.scaled_dot_product_attention``). With ``key_mask`` ([B, N] bool, ``True`` = real
+    token) the padded tokens take no part in attention as keys and are left out of
+    average pooling, so every real token's state and the logits equal those of the
+    unpadded shorter sequence.
+
+    Args:
+        key_mask (Tensor, optional): real tokens [B, N]; ``None`` = all real.
+        positions (Tensor, optional): [B, N] original token indices (see :class:`Ops`).
+
+    Examples::
+
+        >>> logits = adapter.run(x0, keep=kept_patches, ops=FusedOps())
+    """
+
+    def __init__(self, key_mask: Tensor | None = None, positions: Tensor | None = None) -> None:
+        super().__init__(positions=positions)
+        self.key_mask = key_mask
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
+        mix, _ = p.attention(u, materialize=False, key_mask=self.key_mask,
+                             positions=self.positions)
+        return mix, None
+
+    def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
+        if row != "avg" or self.key_mask is None:
+            return super().pool(x, row, num_prefix)
+        w = self.key_mask[:, num_prefix:].to(x.dtype)[..., None]
+        return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
 
 
 @dataclass
@@ -228,7 +353,8 @@ class ViTAdapter:
 
     Subclasses set ``model``, ``blocks`` (list of :class:`BlockParts`), ``head``
     (:class:`HeadParts`), ``num_prefix``, ``readout``, ``in_chans`` and implement
-    :meth:`layout` and :meth:`embed`.
+    :meth:`layout`, :meth:`embed`, :attr:`input_shape` and :meth:`parameter_stages`
+    (and :meth:`refresh` when the parts hold views of the model's parameters).
     """
 
     model: nn.Module
@@ -238,9 +364,6 @@ class ViTAdapter:
     readout: str
     in_chans: int
 
-    def __init__(self) -> None:
-        self._checked: set[tuple[Any, ...]] = set()
-
     # -- to implement ------------------------------------------------------------------
     def layout(self, inputs: Tensor) -> Layout:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -248,8 +371,54 @@ class ViTAdapter:
     def embed(self, inputs: Tensor) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:  # pragma: no cover - abstract
+        """``(channels, (H, W))``: the model's default input size."""
+        raise NotImplementedError
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:  # pragma: no cover - abstract
+        """The model's own parameters by cascade stage, for the model-randomisation check.
+
+        Returns:
+            list of lists of ``nn.Parameter`` (the model's objects, not views, so an
+            in-place randomisation changes the model): the head stage first (final norm,
+            ``fc_norm``, classifier head(s)), then one stage per block from the top block
+            ``L-1`` down to 0. Every parameter appears exactly once; the embedding's
+            (patch embedding, prefix tokens, positional embedding, pre-norm) appear in
+            none.
+        """
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Re-read the parts if the model's parameters were replaced (e.g. ``model.to``).
+
+        Called at every entry point (:meth:`layout`, :meth:`embed`, :meth:`run`,
+        :meth:`trace`); adapters whose parts are the parameters themselves need nothing.
+        """
+
     def check_inputs(self, inputs: Tensor) -> None:
-        """Raise a clear error for inputs the model cannot take (subclasses extend)."""
+        """Raise a clear error for inputs the model cannot take (subclasses extend).
+
+        The dtype rule (no silent casts): floating-point inputs must have the dtype of
+        the model's parameters, else ``TypeError`` naming both dtypes and the fix.
+        """
+        want = self.dtype
+        if torch.is_floating_point(inputs) and inputs.dtype != want:
+            raise TypeError(
+                f"inputs are {inputs.dtype} but the model's parameters are {want}; convert "
+                f"the inputs with inputs.to({want}) or the model with "
+                f"model.to({inputs.dtype})")
+
+    # -- what the model is -------------------------------------------------------------------
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (rows of the classifier head)."""
+        return int(self.head.heads[0][1].shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's parameters (inputs must have it)."""
+        return self.head.heads[0][1].dtype
 
     # -- canonical forward ----------------------------------------------------------------
     @property
@@ -310,6 +479,7 @@ class ViTAdapter:
         stop = L if stop is None else stop
         if not 0 <= start <= stop <= L:
             raise ValueError(f"need 0 <= start <= stop <= {L}, got start={start}, stop={stop}")
+        self.refresh()
         ops = ops or Ops()
         if keep is not None:
             x = self.select_tokens(x, keep)
@@ -349,6 +519,7 @@ class ViTAdapter:
         Returns:
             :class:`Trace`.
         """
+        self.refresh()
         with torch.set_grad_enabled(grad):
             if x is None:
                 assert inputs is not None
@@ -377,9 +548,11 @@ class ViTAdapter:
 
     # -- safety ---------------------------------------------------------------------------
     def self_check(self, inputs: Tensor) -> None:
-        """Compare the canonical forward with ``model(inputs)`` once per dtype/device/size."""
-        key = (inputs.dtype, inputs.device, tuple(inputs.shape[1:]))
-        if key in self._checked:
+        """Compare the canonical forward with ``model(inputs)`` once per model and
+        dtype/device/input size (remembered across adapters of the same model object)."""
+        key = (type(self), inputs.dtype, inputs.device, tuple(inputs.shape[1:]))
+        checked = _CHECKED.setdefault(self.model, set())
+        if key in checked:
             return
         with torch.no_grad():
             ref = self.model(inputs[:2])
@@ -399,4 +572,4 @@ class ViTAdapter:
                 "has a component the adapter does not know (custom block, attention or "
                 "head). Supported: standard pre-LN ViT blocks as in timm's VisionTransformer."
             )
-        self._checked.add(key)
+        checked.add(key)

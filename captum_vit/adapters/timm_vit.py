@@ -39,7 +39,11 @@ def _has_active_dropout(model: nn.Module) -> bool:
 
 
 class TimmViTAdapter(ViTAdapter):
-    """Canonical view of a timm ``VisionTransformer`` (or ``VisionTransformerDistilled``)."""
+    """Canonical view of a timm ``VisionTransformer`` (or ``VisionTransformerDistilled``).
+
+    The q/k/v parts of every block are views (row slices) of timm's fused ``qkv``
+    parameter; they are re-read when the model's parameters are replaced (``model.to``).
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -48,7 +52,6 @@ class TimmViTAdapter(ViTAdapter):
 
         self.model = model
         name = type(model).__name__
-        blocks = []
         for i, blk in enumerate(model.blocks):
             where = f"{name}.blocks[{i}]"
             if type(blk) is not Block:
@@ -63,21 +66,10 @@ class TimmViTAdapter(ViTAdapter):
                     or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
                 raise TypeError(f"{where}.mlp must be timm's `Mlp` with a GELU activation and "
                                 "no hidden norm (GLU/SwiGLU MLPs are not supported)")
-            blocks.append(BlockParts(
-                norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-                qkv_weight=attn.qkv.weight, qkv_bias=attn.qkv.bias,
-                num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
-                q_norm=attn.q_norm, k_norm=attn.k_norm,
-                proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-                ls1=_layer_scale(blk.ls1),
-                norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
-                fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
-                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
-                ls2=_layer_scale(blk.ls2),
-            ))
-        if not blocks:
+        if len(model.blocks) == 0:
             raise TypeError(f"{name} has no transformer blocks")
-        self.blocks = blocks
+        self.blocks = [_block_parts(blk, f"{name}.blocks[{i}]")
+                       for i, blk in enumerate(model.blocks)]
         self.num_prefix = int(model.num_prefix_tokens)
         self.in_chans = int(model.patch_embed.proj.in_channels)
 
@@ -104,6 +96,24 @@ class TimmViTAdapter(ViTAdapter):
                             "supports 'token' (class token) and 'avg' (mean of patch tokens)")
         self.head = HeadParts(head_norm, fc_norm, heads)
 
+    def refresh(self) -> None:
+        name = type(self.model).__name__
+        for i, (p, blk) in enumerate(zip(self.blocks, self.model.blocks, strict=True)):
+            if p.q_weight.data_ptr() != blk.attn.qkv.weight.data_ptr():  # storage replaced
+                self.blocks[i] = _block_parts(blk, f"{name}.blocks[{i}]")
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        size = self.model.patch_embed.img_size
+        return self.in_chans, (int(size[0]), int(size[1]))
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        m = self.model
+        head = [m.norm, m.fc_norm, m.head, getattr(m, "head_dist", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        stages += [list(blk.parameters()) for blk in reversed(m.blocks)]
+        return stages
+
     # ------------------------------------------------------------------------------------
     def _grid(self, h: int, w: int) -> tuple[int, int]:
         pe = self.model.patch_embed
@@ -112,6 +122,7 @@ class TimmViTAdapter(ViTAdapter):
         return tuple(pe.grid_size)
 
     def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
         pe = self.model.patch_embed
         _, c, h, w = inputs.shape
         if c != self.in_chans:
@@ -132,6 +143,7 @@ class TimmViTAdapter(ViTAdapter):
                              "so its output is random; call model.eval() before explaining")
 
     def layout(self, inputs: Tensor) -> Layout:
+        self.refresh()
         h, w = inputs.shape[-2:]
         return Layout(
             num_prefix=self.num_prefix,
@@ -144,11 +156,39 @@ class TimmViTAdapter(ViTAdapter):
         )
 
     def embed(self, inputs: Tensor) -> Tensor:
+        self.refresh()
         m = self.model
         x = m.patch_embed(inputs)
         x = m._pos_embed(x)
         x = m.patch_drop(x)
         return m.norm_pre(x)
+
+
+def _block_parts(blk: nn.Module, where: str) -> BlockParts:
+    """The canonical parts of a (validated) timm ``Block``.
+
+    q/k/v are row slices of ``qkv``'s parameters taken through ``detach()``: views of the
+    same storage (in-place changes of the model show, ``copy.deepcopy`` keeps them views
+    of the copy), never traced by autograd (no gradient is taken w.r.t. parameters).
+    """
+    attn, mlp = blk.attn, blk.mlp
+    w = attn.qkv.weight.detach()
+    b = None if attn.qkv.bias is None else attn.qkv.bias.detach()
+    a = attn.num_heads * attn.head_dim
+    qw, kw, vw = w[:a], w[a:2 * a], w[2 * a:3 * a]
+    qb, kb, vb = (None, None, None) if b is None else (b[:a], b[a:2 * a], b[2 * a:3 * a])
+    return BlockParts(
+        norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
+        q_weight=qw, k_weight=kw, v_weight=vw, q_bias=qb, k_bias=kb, v_bias=vb,
+        num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
+        q_norm=attn.q_norm, k_norm=attn.k_norm,
+        proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
+        ls1=_layer_scale(blk.ls1),
+        norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
+        fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+        fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
+        ls2=_layer_scale(blk.ls2),
+    )
 
 
 def _timm_gelus() -> tuple[type, ...]:
@@ -159,6 +199,7 @@ def _timm_gelus() -> tuple[type, ...]:
 
 
 def is_timm_vit(model: nn.Module) -> bool:
+    """``True`` for timm's ``VisionTransformer`` and its subclasses (DeiT distilled)."""
     try:
         from timm.models.vision_transformer import VisionTransformer
     except ImportError:  # pragma: no cover - timm is a dependency

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor
 
@@ -37,10 +36,11 @@ from captum_vit._base import (
     ViTPerturbationAttribution,
     accumulation_dtype,
     check_choice,
+    check_scalar,
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockParts, Ops, ViTAdapter
+from captum_vit.adapters import FusedOps, ViTAdapter, subset_logits
 
 DEFAULT_RANDOM_STATE = 0
 """Seed used when ``random_state=None``: TIS maps are repeatable unless asked otherwise."""
@@ -54,25 +54,13 @@ thread count."""
 
 
 # -- argument checks ---------------------------------------------------------------------
-def _check_int(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
-
-
 def check_ratios(ratio: float | Sequence[float], num_patches: int) -> list[float]:
     """``ratio`` as a non-empty list of floats in (0, 1) that each keep >= 1 patch."""
     ratios = list(ratio) if isinstance(ratio, list | tuple) else [ratio]
     if not ratios:
         raise ValueError("ratio must be a float in (0, 1) or a non-empty list of them")
     for r in ratios:
-        if isinstance(r, bool) or not isinstance(r, int | float):
-            raise TypeError(f"ratio must be a float in (0, 1) or a list of floats, got {r!r}")
-        if not 0.0 < r < 1.0:
-            raise ValueError(f"ratio must be in (0, 1) (fraction of patches each mask "
-                             f"keeps), got {r}")
+        check_scalar(r, "ratio", float, min_val=0.0, max_val=1.0, include_boundaries="neither")
         if int(r * num_patches) < 1:
             raise ValueError(f"ratio={r} keeps int({r} * {num_patches}) = 0 of the "
                              f"{num_patches} patches; use ratio >= {1 / num_patches:.3g}")
@@ -99,21 +87,6 @@ def check_masks(masks: Any, batch: int, num_patches: int) -> Tensor:
     return masks
 
 
-class FusedAttentionOps(Ops):
-    """The plain forward with fused attention (``scaled_dot_product_attention``).
-
-    Scoring never needs the attention probabilities, so they are not materialised;
-    the numbers equal the model's own fused forward.
-    """
-
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
-        b, n, _ = u.shape
-        qkv = F.linear(u, p.qkv_weight, p.qkv_bias)
-        q, k, v = qkv.reshape(b, n, 3, p.num_heads, p.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        mix = F.scaled_dot_product_attention(p.q_norm(q), p.k_norm(k), v, scale=p.scale)
-        return mix.transpose(1, 2).reshape(b, n, p.inner_dim), None
-
-
 # -- steps 1-3: masks from clustered features ------------------------------------------------
 def layer_features(adapter: ViTAdapter, x0: Tensor) -> tuple[Tensor, Tensor]:
     """Step 1: every block's output at the patch tokens, stacked along features.
@@ -127,7 +100,7 @@ def layer_features(adapter: ViTAdapter, x0: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         (A [B, P, L*D], logits [B, classes]) of the full sequence.
     """
-    k, h, columns, ops = adapter.num_prefix, x0, [], FusedAttentionOps()
+    k, h, columns, ops = adapter.num_prefix, x0, [], FusedOps()
     with torch.no_grad():
         for l in range(adapter.num_blocks):
             h = adapter.block(h, l, ops)  # x_{l+1}
@@ -188,11 +161,14 @@ def kmeans_masks(features: Tensor, n_masks: int, ratios: Sequence[float],
 # -- step 4: scores of the token subsets -----------------------------------------------------
 def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, *,
                 score: str = "probability", internal_batch_size: int | None = 128,
-                show_progress: bool = False) -> Tensor:
+                show_progress: bool = False, full_logits: Tensor | None = None) -> Tensor:
     """Step 4: the target score with only the prefix and the kept patch tokens.
 
-    Every (image, mask) pair is one shortened sequence; sequences of the same length
-    are batched together, ``internal_batch_size`` per forward, across masks AND images.
+    Every (image, mask) pair is one shortened sequence, scored by the adapters' subset
+    engine (:func:`~captum_vit.adapters.subsets.subset_logits`): sequences are batched
+    across masks AND images, ``internal_batch_size`` per forward, grouped by length
+    (masks keeping different numbers of patches share a forward, padded with key masks,
+    only where that is cheaper).
 
     Args:
         adapter (ViTAdapter): the model's adapter.
@@ -203,30 +179,21 @@ def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, 
         score (str): ``"probability"`` (softmax of the target) or ``"logit"``.
         internal_batch_size (int, optional): sequences per forward; ``None`` = all.
         show_progress (bool): tqdm progress bar over the sequences.
+        full_logits (Tensor, optional): logits [B, classes] of the full sequences; masks
+            keeping every patch reuse them instead of a forward.
 
     Returns:
         Tensor: ``w`` [B, M], in the accumulation dtype of ``x0``.
     """
-    from tqdm.auto import tqdm
+    dt = accumulation_dtype(x0)
+    target = target.to(x0.device)
 
-    b = x0.shape[0]
-    masks = masks.to(x0.device).expand(b, -1, -1)
-    m = masks.shape[1]
-    counts = masks.sum(-1)
-    out = torch.empty(b, m, dtype=accumulation_dtype(x0), device=x0.device)
-    chunk = b * m if internal_batch_size is None else internal_batch_size
-    ops = FusedAttentionOps()
-    with torch.no_grad(), tqdm(total=b * m, desc="TIS", unit="seq",
-                               disable=not show_progress) as bar:
-        for n in counts.unique().tolist():
-            pairs = (counts == n).nonzero()  # (image, mask) pairs keeping n patches
-            for rows in pairs.split(chunk):
-                bi, mj = rows[:, 0], rows[:, 1]
-                keep = masks[bi, mj].nonzero()[:, 1].reshape(-1, n)  # kept patch indices
-                logits = adapter.run(x0[bi], keep=keep, ops=ops).to(out.dtype)
-                out[bi, mj] = target_scores(logits, target[bi], score)
-                bar.update(len(rows))
-    return out
+    def scores(logits: Tensor, images: Tensor) -> Tensor:
+        return target_scores(logits.to(dt), target[images], score)
+
+    return subset_logits(adapter, x0, masks.to(x0.device), batch_size=internal_batch_size,
+                         full_logits=full_logits, reduce=scores, show_progress=show_progress,
+                         desc="TIS")
 
 
 # -- step 5: score average over covering masks ---------------------------------------------
@@ -319,13 +286,13 @@ class TIS(ViTPerturbationAttribution):
             ...                             show_progress=True)
         """
         check_choice("score", score, SCORES)
-        _check_int("n_masks", n_masks)
+        check_scalar(n_masks, "n_masks", int, min_val=1)
         if internal_batch_size is not None:
-            _check_int("internal_batch_size", internal_batch_size)
-        if random_state is not None and _check_int("random_state", random_state, 0) >= 2**32:
+            check_scalar(internal_batch_size, "internal_batch_size", int, min_val=1)
+        if random_state is not None and check_scalar(random_state, "random_state", int,
+                                                     min_val=0) >= 2**32:
             raise ValueError(f"random_state must be < 2**32 (a KMeans seed), got {random_state}")
-        if not isinstance(show_progress, bool):
-            raise TypeError(f"show_progress must be a bool, got {type(show_progress).__name__}")
+        check_scalar(show_progress, "show_progress", bool)
         return self._attribute(inputs, target, output, n_masks=n_masks, ratio=ratio,
                                score=score, masks=masks, random_state=random_state,
                                internal_batch_size=internal_batch_size,
@@ -348,10 +315,11 @@ class TIS(ViTPerturbationAttribution):
                 masks = kmeans_masks(features, n_masks, ratios, random_state)
             else:  # the full forward is only needed for target=None
                 masks = masks.to(inputs.device)
-                logits = self.adapter.run(x0, ops=FusedAttentionOps()) if target is None else None
+                logits = self.adapter.run(x0, ops=FusedOps()) if target is None else None
         t = target.to(inputs.device) if logits is None else resolve_target(target, logits)
         w = mask_scores(self.adapter, x0, t, masks, score=score,
-                        internal_batch_size=internal_batch_size, show_progress=show_progress)
+                        internal_batch_size=internal_batch_size, show_progress=show_progress,
+                        full_logits=logits)
         sal = masks_to_map(w, masks)
         full = sal.new_zeros(b, layout.num_tokens)  # prefix tokens are never scored
         full[:, layout.num_prefix:] = sal

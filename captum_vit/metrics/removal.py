@@ -14,27 +14,26 @@ Removal always works on the model's patch grid (SPEC §6.3):
   ``[min, max]`` of the image, seeded per example id), and the model runs on the images.
 
 Every (image, step) pair is one job; jobs are evaluated in batched forwards over images
-AND steps, chunked by ``batch_size``. With token masking, jobs are sorted by the number
-of kept tokens and chunked so that padding stays small (:func:`length_chunks`); the
-shorter sequences of a chunk are padded, the padding masked out of attention (as keys)
-and pooling (:class:`PaddedOps`), which gives the same logits as running each shortened
-sequence alone.
+AND steps, at most ``batch_size`` a forward. With token masking the adapters' one subset
+engine (:func:`captum_vit.adapters.subsets.subset_logits`) groups jobs by kept length
+with a cost model; a forward mixing lengths pads the shorter sequences and masks the
+padding out of attention (as keys) and pooling, which gives the same logits as running
+each shortened sequence alone. Steps that remove nothing can reuse the clean logits
+(``full_logits``).
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from captum.attr import Attribution
-from captum.log import log_usage
 from torch import Tensor, nn
 
-from captum_vit._base import TargetLike, ViTPerturbationAttribution, check_choice
-from captum_vit.adapters import BlockParts, Layout, Ops, ViTAdapter, adapt
+from captum_vit._base import Prepared, TargetLike, check_choice, check_scalar, prepare
+from captum_vit.adapters import Layout, ViTAdapter, adapt, subset_logits
 
 REMOVALS = ("token", "black", "mean", "blur", "random")
 PIXEL_REDUCES = ("abs", "sum")
@@ -42,19 +41,18 @@ AttributionLike = Tensor | Attribution | Callable[..., Tensor]
 
 
 # -- inputs -------------------------------------------------------------------------------
-def check_batch(inputs: Any) -> Tensor:
-    """Images [B, C, H, W], non-empty (a 1-tuple is accepted, Captum style)."""
-    if isinstance(inputs, tuple) and len(inputs) == 1:
-        inputs = inputs[0]
-    if not isinstance(inputs, Tensor) or not torch.is_floating_point(inputs):
-        raise TypeError(f"inputs must be a floating-point tensor [B, C, H, W], got "
-                        f"{type(inputs).__name__}")
-    if inputs.dim() != 4:
-        raise ValueError(f"inputs must have shape [B, C, H, W], got {tuple(inputs.shape)}")
-    if inputs.shape[0] == 0:
-        raise ValueError("inputs is an empty batch (the dataset has no examples); "
-                         "evaluate at least one image")
-    return inputs
+def prepare_metric(model: nn.Module, inputs: Any, target: TargetLike
+                   ) -> tuple[ViTAdapter, Prepared]:
+    """The metrics' way in: :func:`captum_vit._base.prepare` with the prediction.
+
+    Validates the images and the target exactly as every method does, runs the model
+    once, and resolves ``target=None`` to the predicted class.
+
+    Returns:
+        (adapter, prepared): ``prepared.logits`` holds the clean logits [B, classes].
+    """
+    adapter = adapt(model)
+    return adapter, prepare(adapter, inputs, target, predict=True)
 
 
 def example_seeds(example_ids: Sequence[int] | Tensor | None, batch: int, seed: int) -> list[int]:
@@ -63,25 +61,6 @@ def example_seeds(example_ids: Sequence[int] | Tensor | None, batch: int, seed: 
     if len(ids) != batch:
         raise ValueError(f"example_ids has {len(ids)} entries for a batch of {batch}")
     return [seed * 1_000_003 + i for i in ids]
-
-
-def predicted(model: nn.Module, inputs: Tensor) -> Tensor:
-    """Logits of the unperturbed images [B, C] (no gradient)."""
-    with torch.no_grad():
-        return model(inputs)
-
-
-def resolve_labels(target: TargetLike, logits: Tensor) -> Tensor:
-    """``None`` -> the predicted class; otherwise one class per image [B] on the logits' device."""
-    b = logits.shape[0]
-    if target is None:
-        return logits.argmax(-1)
-    t = torch.as_tensor(target, dtype=torch.long, device=logits.device).reshape(-1)
-    if t.numel() == 1:
-        t = t.expand(b)
-    if t.numel() != b:
-        raise ValueError(f"target/labels has {t.numel()} entries for a batch of {b} images")
-    return t
 
 
 # -- patch maps ---------------------------------------------------------------------------
@@ -195,35 +174,6 @@ def baseline_images(inputs: Tensor, removal: str, seeds: Sequence[int]) -> Tenso
 
 
 # -- engine -------------------------------------------------------------------------------
-class PaddedOps(Ops):
-    """The plain forward for token removal, optionally on padded token sets.
-
-    ``valid`` [B, N] marks real tokens (None: all real). Padded tokens take no part in
-    attention as keys and are left out of average pooling, so every real token's state
-    equals that of the unpadded shorter sequence. Attention runs through
-    ``F.scaled_dot_product_attention`` (fused; the probabilities are not materialised).
-    """
-
-    def __init__(self, valid: Tensor | None = None) -> None:
-        super().__init__()
-        self.valid = valid
-
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
-        b, n, _ = u.shape
-        qkv = F.linear(u, p.qkv_weight, p.qkv_bias)
-        q, k, v = qkv.reshape(b, n, 3, p.num_heads, p.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        mask = None if self.valid is None else self.valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(p.q_norm(q), p.k_norm(k), v, attn_mask=mask,
-                                             scale=p.scale)
-        return out.transpose(1, 2).reshape(b, n, p.inner_dim), None
-
-    def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
-        if row != "avg" or self.valid is None:
-            return super().pool(x, row, num_prefix)
-        w = self.valid[:, num_prefix:].to(x.dtype)[..., None]
-        return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
-
-
 class RemovalEngine:
     """Evaluate a model on images with some patches removed.
 
@@ -244,8 +194,7 @@ class RemovalEngine:
     def __init__(self, model: nn.Module, removal: str = "token", batch_size: int = 64,
                  adapter: ViTAdapter | None = None) -> None:
         check_choice("removal", removal, REMOVALS)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_scalar(batch_size, "batch_size", int, min_val=1)
         self.model = model
         self.adapter = adapter or adapt(model)
         self.removal = removal
@@ -256,7 +205,8 @@ class RemovalEngine:
         return self.adapter.layout(inputs)
 
     def logits(self, inputs: Tensor, order: Tensor, counts: Sequence[int], *,
-               mode: str = "delete", seeds: Sequence[int] | None = None) -> Tensor:
+               mode: str = "delete", seeds: Sequence[int] | None = None,
+               full_logits: Tensor | None = None) -> Tensor:
         """Logits [B, S, classes] with the first ``counts[s]`` patches of ``order`` affected.
 
         Args:
@@ -267,13 +217,16 @@ class RemovalEngine:
             mode (str): ``"delete"`` removes the affected patches; ``"insert"`` keeps only
                 them (starting from everything removed).
             seeds (Sequence[int], optional): per-example seeds (``"random"`` baseline).
+            full_logits (Tensor, optional): logits [B, classes] of the unperturbed images
+                (the metrics' clean forward); steps that remove nothing (``delete`` 0,
+                ``insert`` P) reuse them instead of running the model again.
 
         Returns:
             Tensor: logits [B, S, classes] (no gradient).
         """
         check_choice("mode", mode, ("delete", "insert"))
-        inputs = check_batch(inputs)
-        layout = self.layout(inputs)
+        prep = prepare(self.adapter, inputs, None)
+        inputs, layout = prep.images, prep.layout
         b, p = inputs.shape[0], layout.num_patches
         if order.shape != (b, p):
             raise ValueError(f"order must be [B, P] = {(b, p)}, got {tuple(order.shape)}")
@@ -289,54 +242,35 @@ class RemovalEngine:
         for s, c in enumerate(counts):
             affected[:, s] = rank_of < c
         removed = affected if mode == "delete" else ~affected
+        if full_logits is not None and tuple(full_logits.shape[:1]) != (b,):
+            raise ValueError(f"full_logits must be [B, classes] with B={b}, got "
+                             f"{tuple(full_logits.shape)}")
         with torch.no_grad():
             if self.removal == "token":
-                self.adapter.self_check(inputs)  # the token path runs the adapter's forward
-                return self._token_logits(inputs, removed)
-            return self._pixel_logits(inputs, removed, layout, seeds)
+                return self._token_logits(inputs, removed, full_logits)
+            return self._pixel_logits(inputs, removed, layout, seeds, full_logits)
 
-    def _token_logits(self, inputs: Tensor, removed: Tensor) -> Tensor:
-        """Jobs sorted by kept length and chunked; shorter sequences of a chunk are padded
-        and their padding masked out as attention keys (and from average pooling), which
-        equals running every job on its own shortened sequence."""
-        b, s, p = removed.shape
-        k = self.adapter.num_prefix
+    def _token_logits(self, inputs: Tensor, removed: Tensor,
+                      full_logits: Tensor | None = None) -> Tensor:
+        """True token removal through the adapters' subset engine
+        (:func:`~captum_vit.adapters.subsets.subset_logits`): jobs of every image and step
+        are grouped by kept length; a forward mixing lengths pads the shorter sequences
+        and masks the padding out as attention keys (and from average pooling), which
+        equals running every job on its own shortened sequence. A job with no token at
+        all gets logits 0."""
         x0 = self.adapter.embed(inputs)
-        keep = ~removed
-        counts = keep.sum(-1).tolist()  # [B][S]
-        jobs = sorted((counts[i][j], i, j) for i in range(b) for j in range(s))
-        runnable = [t for t in jobs if t[0] + k > 0]  # no tokens at all: logits 0 (docstring)
-        out: Tensor | None = None
-        for chunk in length_chunks(runnable, k, self.batch_size):
-            n = torch.tensor([c for c, _, _ in chunk], device=inputs.device)
-            ii = torch.tensor([i for _, i, _ in chunk], device=inputs.device)
-            jj = torch.tensor([j for _, _, j in chunk], device=inputs.device)
-            n_max = int(n.max())
-            # kept patch indices in increasing order first, then (padding) the others
-            idx = torch.argsort((~keep[ii, jj]).to(torch.int8), dim=1, stable=True)[:, :n_max]
-            valid = torch.arange(n_max, device=inputs.device) < n[:, None]
-            if valid.all():
-                ops = PaddedOps()
-            else:
-                ops = PaddedOps(torch.cat([valid.new_ones(len(chunk), k), valid], 1))
-            logits = self.adapter.run(x0[ii], keep=idx, ops=ops)
-            if out is None:
-                out = logits.new_zeros(b, s, logits.shape[-1])
-            out[ii, jj] = logits
-        if out is None:  # every job empty: only the number of classes is needed
-            out = x0.new_zeros(b, s, self.adapter.run(x0[:1]).shape[-1])
-        return out
+        return subset_logits(self.adapter, x0, ~removed, batch_size=self.batch_size,
+                             full_logits=full_logits)
 
     def _pixel_logits(self, inputs: Tensor, removed: Tensor, layout: Layout,
-                      seeds: Sequence[int]) -> Tensor:
+                      seeds: Sequence[int], full_logits: Tensor | None = None) -> Tensor:
         b, s, p = removed.shape
         fill = baseline_images(inputs, self.removal, seeds)
-        jobs = [(i, j) for i in range(b) for j in range(s)]
-        out: Tensor | None = None
+        todo = removed.any(-1) if full_logits is not None else removed.new_ones(b, s)
+        jobs = todo.nonzero().tolist()  # (image, step) pairs that need a forward
+        out = None if full_logits is None else full_logits[:, None].repeat(1, s, 1)
         for lo in range(0, len(jobs), self.batch_size):
-            chunk = jobs[lo:lo + self.batch_size]
-            ii = torch.tensor([i for i, _ in chunk], device=inputs.device)
-            jj = torch.tensor([j for _, j in chunk], device=inputs.device)
+            ii, jj = torch.tensor(jobs[lo:lo + self.batch_size], device=inputs.device).unbind(1)
             logits = self.model(remove_pixels(inputs[ii], fill[ii], removed[ii, jj], layout))
             if out is None:
                 out = logits.new_zeros(b, s, logits.shape[-1])
@@ -345,79 +279,9 @@ class RemovalEngine:
         return out
 
 
-def length_chunks(jobs: Sequence[tuple], num_prefix: int, batch_size: int,
-                  slack: float = 1.25) -> list[list[tuple]]:
-    """Split jobs ``(kept_patches, ...)`` sorted by length into forward-pass chunks.
-
-    A chunk holds at most ``batch_size`` jobs and is closed before padding to its longest
-    sequence would cost more than ``slack`` times its real tokens, so one image's steps
-    (lengths from 0 to P) are not all padded to the full sequence.
-    """
-    chunks: list[list[tuple]] = []
-    cur: list[tuple] = []
-    real = 0
-    for job in jobs:
-        n = job[0] + num_prefix
-        if cur and (len(cur) == batch_size or (len(cur) + 1) * n > slack * (real + n)):
-            chunks.append(cur)
-            cur, real = [], 0
-        cur.append(job)
-        real += n
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
     """Images [B, C, H, W] whose removed patches ([B, P] bool) take the ``fill`` pixels."""
     (gh, gw), (ph, pw) = layout.grid, layout.patch_size
     h, w = inputs.shape[-2:]
     m = removed.reshape(-1, 1, gh, gw).repeat_interleave(ph, 2).repeat_interleave(pw, 3)
     return torch.where(m[..., :h, :w], fill, inputs)
-
-
-# -- chance level -------------------------------------------------------------------------
-class RandomMap(ViTPerturbationAttribution):
-    r"""Uniform random patch scores: the chance level of every metric table.
-
-    Each image's map is drawn from a generator seeded by ``seed`` and a checksum of the
-    image's values, so a map depends only on the image (not on the batch it comes in, the
-    process rank or earlier calls) and runs are repeatable.
-
-    Args:
-        model (torch.nn.Module): a supported ViT (used for the patch grid; never modified).
-        seed (int): base seed.
-
-    Examples::
-
-        >>> from captum_vit.metrics import RandomMap
-        >>> RandomMap(model, seed=0).attribute(x, output="tokens").shape
-        torch.Size([2, 196])
-    """
-
-    def __init__(self, model: nn.Module, seed: int = 0) -> None:
-        super().__init__(model)
-        self.seed = int(seed)
-
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W].
-            target (int, list, Tensor, optional): validated and ignored.
-            output (str, optional): ``"pixels"``, ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: random scores in [0, 1) in the requested format.
-        """
-        return self._attribute(inputs, target, output)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
-        layout = self.adapter.layout(inputs)
-        maps = []
-        for img in inputs:
-            crc = zlib.crc32(img.detach().cpu().contiguous().numpy().tobytes())
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + crc)
-            maps.append(torch.rand(layout.num_tokens, generator=g, dtype=torch.float64))
-        return torch.stack(maps).to(device=inputs.device, dtype=inputs.dtype)
