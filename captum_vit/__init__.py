@@ -10,12 +10,12 @@ from captum_vit.methods import (
     AttIxG,
     AttnGradCAM,
     DecompX,
+    RandomMap,
     RawAttention,
     Rollout,
     TokenIxG,
     TokenTM,
 )
-from captum_vit.metrics import RandomMap
 
 __version__ = "0.1.0"
 

@@ -8,8 +8,10 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from captum.attr import GradientAttribution, PerturbationAttribution
 from torch import Tensor, nn
@@ -18,7 +20,7 @@ from captum_vit.adapters import Layout, ViTAdapter, adapt
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
-TargetLike = int | Sequence[int] | Tensor | None
+TargetLike = int | Sequence[int] | Tensor | np.ndarray | np.integer | None
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -26,6 +28,62 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+def check_scalar(x: Any, name: str, target_type: type | tuple[type, ...], *,
+                 min_val: float | None = None, max_val: float | None = None,
+                 include_boundaries: str = "both") -> Any:
+    """Validate a scalar option (the shape of scikit-learn's ``check_scalar``).
+
+    ``bool`` is never accepted as a number, and an ``int`` is accepted where a ``float``
+    is asked for; numpy scalars are turned into Python numbers.
+
+    Args:
+        x: the value.
+        name (str): the argument's name, used in the message.
+        target_type (type or tuple of types): e.g. ``int`` or ``(int, float)``.
+        min_val, max_val (float, optional): bounds.
+        include_boundaries (str, optional): ``"both"`` (default), ``"left"``,
+            ``"right"`` or ``"neither"``: which bounds are allowed values.
+
+    Returns:
+        The value (a Python number for numpy scalars).
+
+    Raises:
+        TypeError: wrong type. ValueError: out of bounds.
+
+    Examples::
+
+        >>> check_scalar(8, "n_masks", int, min_val=1)
+        8
+        >>> check_scalar(0.5, "ratio", float, min_val=0, max_val=1, include_boundaries="neither")
+        0.5
+    """
+    check_choice("include_boundaries", include_boundaries, ("both", "left", "right", "neither"))
+    named = target_type if isinstance(target_type, tuple) else (target_type,)
+    types = (*named, int) if float in named else named
+    if isinstance(x, np.generic):
+        x = x.item()
+    if (isinstance(x, bool) and bool not in named) or not isinstance(x, types):
+        wanted = " or ".join(("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__
+                             for t in named)
+        raise TypeError(f"{name} must be {wanted}, got {type(x).__name__} ({x!r})")
+    low_ok = min_val is None or (x >= min_val if include_boundaries in ("both", "left")
+                                 else x > min_val)
+    high_ok = max_val is None or (x <= max_val if include_boundaries in ("both", "right")
+                                  else x < max_val)
+    if not (low_ok and high_ok):
+        closed_lo, closed_hi = (include_boundaries in ("both", "left"),
+                                include_boundaries in ("both", "right"))
+        if min_val is not None and max_val is not None:
+            where = (f"in {'[' if closed_lo else '('}{min_val}, {max_val}"
+                     f"{']' if closed_hi else ')'}")
+        elif min_val is not None:
+            where = f"{'>=' if closed_lo else '>'} {min_val}"
+        else:
+            where = f"{'<=' if closed_hi else '<'} {max_val}"
+        raise ValueError(f"{name} must be {where}, got {x!r}")
+    return x
 
 
 def check_images(inputs: Any) -> tuple[Tensor, bool]:
@@ -55,11 +113,21 @@ def check_images(inputs: Any) -> tuple[Tensor, bool]:
 
 
 def check_target(target: TargetLike, batch: int, num_classes: int) -> Tensor | None:
-    """Validate Captum's ``target`` and return it as a [B] int64 tensor (None stays None)."""
+    """Validate Captum's ``target`` and return it as a [B] int64 tensor (None stays None).
+
+    Accepts an int, a list/tuple of ints, an integer tensor, a numpy integer or an
+    integer numpy array (0-d or 1-D).
+    """
     if target is None:
         return None
-    if isinstance(target, bool):
+    if isinstance(target, bool | np.bool_):
         raise TypeError("target must be an int, a list of ints or an integer tensor, got bool")
+    if isinstance(target, np.integer):
+        target = int(target)
+    elif isinstance(target, np.ndarray):
+        if not np.issubdtype(target.dtype, np.integer):
+            raise TypeError(f"target array must have an integer dtype, got {target.dtype}")
+        target = torch.from_numpy(np.ascontiguousarray(target))
     if isinstance(target, int):
         t = torch.full((batch,), target, dtype=torch.long)
     elif isinstance(target, Tensor):
@@ -71,19 +139,78 @@ def check_target(target: TargetLike, batch: int, num_classes: int) -> Tensor | N
         if t.numel() == 1:
             t = t.expand(batch)
     elif isinstance(target, list | tuple):
-        if not all(isinstance(c, int) and not isinstance(c, bool) for c in target):
-            raise TypeError("target list must contain Python ints (one class index per "
+        items = [int(c) if isinstance(c, np.integer) else c for c in target]
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in items):
+            raise TypeError("target list must contain ints (one class index per "
                             "example); tuples for multi-dimensional outputs are not supported")
-        t = torch.tensor(list(target), dtype=torch.long)
+        t = torch.tensor(items, dtype=torch.long)
     else:
-        raise TypeError(f"target must be an int, a list of ints, an integer tensor or None, "
-                        f"got {type(target).__name__}")
+        raise TypeError(f"target must be an int, a list of ints, an integer tensor or array, "
+                        f"or None, got {type(target).__name__}")
     if t.numel() != batch:
         raise ValueError(f"target has {t.numel()} entries but the batch has {batch} images; "
                          "give one class per image or a single int")
     if ((t < 0) | (t >= num_classes)).any():
         raise ValueError(f"target values must be in [0, {num_classes}), got {t.tolist()}")
     return t.contiguous()
+
+
+@dataclass
+class Prepared:
+    """Validated inputs of one call (methods and metrics alike).
+
+    Attributes:
+        images (Tensor): images [B, C, H, W] in the model's dtype.
+        target (Tensor or None): [B] int64 class per image; ``None`` = predicted class
+            (resolved to the prediction when ``prepare(..., predict=True)``).
+        layout (Layout): the token layout of ``images``.
+        was_tuple (bool): whether the inputs came as a 1-tuple (Captum style).
+        logits (Tensor or None): the model's logits [B, classes] with ``predict=True``.
+    """
+
+    images: Tensor
+    target: Tensor | None
+    layout: Layout
+    was_tuple: bool
+    logits: Tensor | None = None
+
+
+def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
+            predict: bool = False) -> Prepared:
+    """The one way in for every method and metric: validate images and target.
+
+    Images must be a floating-point [B, C, H, W] tensor (or a 1-tuple holding one) of the
+    model's input size and parameter dtype (the dtype rule: no silent casts; a mismatch
+    raises ``TypeError`` naming both dtypes and the fix). Targets are checked against the
+    model's number of classes. The adapter checks once per dtype, device and size that
+    it reproduces the model's forward.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor or tuple): the images.
+        target (int, list, Tensor, numpy, optional): class per image, ``None`` = predicted.
+        predict (bool, optional): also run the model and resolve ``None`` to the
+            predicted class (metrics). Default False.
+
+    Returns:
+        Prepared
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> p = prepare(adapt(model), images, [0, 3], predict=True)
+        >>> p.target, p.logits.shape
+    """
+    images, was_tuple = check_images(inputs)
+    adapter.check_inputs(images)
+    t = check_target(target, images.shape[0], adapter.num_classes)
+    adapter.self_check(images)
+    prep = Prepared(images, t, adapter.layout(images), was_tuple)
+    if predict:
+        with torch.no_grad():
+            prep.logits = adapter.model(images)
+        prep.target = resolve_target(t, prep.logits)
+    return prep
 
 
 def resolve_target(target: Tensor | None, logits: Tensor) -> Tensor:
@@ -132,27 +259,24 @@ class _ViTFront:
 
     adapter: ViTAdapter
 
-    def _init_adapter(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.adapter = adapt(model)
         self.model = model
+        super().__init__(model)  # the Captum base that follows in the MRO
 
     @property
-    def num_classes(self) -> int:
-        return int(self.adapter.head.heads[0][1].shape[0])
+    def multiplies_by_inputs(self) -> bool:
+        return False
 
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
-        images, was_tuple = check_images(inputs)
         check_choice("output", output, OUTPUTS)
-        t = check_target(target, images.shape[0], self.num_classes)
-        self.adapter.check_inputs(images)
-        self.adapter.self_check(images)
-        layout = self.adapter.layout(images)
+        p = prepare(self.adapter, inputs, target)
         with torch.enable_grad():  # Captum's NoiseTunnel / sensitivity_max may call under no_grad
-            maps = self._token_maps(images, t, **kwargs).detach()
-        maps = maps.to(accumulation_dtype(images))
-        out = format_output(maps[:, layout.num_prefix:], layout, images, output)
-        return (out,) if was_tuple else out
+            maps = self._token_maps(p.images, p.target, **kwargs).detach()
+        maps = maps.to(accumulation_dtype(p.images))
+        out = format_output(maps[:, p.layout.num_prefix:], p.layout, p.images, output)
+        return (out,) if p.was_tuple else out
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
         raise NotImplementedError  # pragma: no cover
@@ -161,25 +285,9 @@ class _ViTFront:
 class ViTGradientAttribution(_ViTFront, GradientAttribution):
     """Base of the gradient- and attention-based ViT methods."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self._init_adapter(model)
-        GradientAttribution.__init__(self, model)
-
-    @property
-    def multiplies_by_inputs(self) -> bool:
-        return False
-
 
 class ViTPerturbationAttribution(_ViTFront, PerturbationAttribution):
     """Base of the perturbation-based ViT methods."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._init_adapter(model)
-        PerturbationAttribution.__init__(self, model)
-
-    @property
-    def multiplies_by_inputs(self) -> bool:
-        return False
 
 
 def readout(layout: Layout, rows: Tensor) -> Tensor:
@@ -194,10 +302,9 @@ def readout(layout: Layout, rows: Tensor) -> Tensor:
 
 def check_layer(name: str, value: Any, num_blocks: int, *, allow_end: bool = False) -> int:
     """Validate a block index in ``[0, L)`` (``[0, L]`` with ``allow_end``)."""
-    hi = num_blocks + 1 if allow_end else num_blocks
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= value < hi:
-        raise ValueError(f"{name} must be in [0, {hi - 1}] for this {num_blocks}-block "
-                         f"model, got {value}")
-    return value
+    hi = num_blocks if allow_end else num_blocks - 1
+    try:
+        return check_scalar(value, name, int, min_val=0, max_val=hi)
+    except ValueError:
+        raise ValueError(f"{name} must be in [0, {hi}] for this {num_blocks}-block "
+                         f"model, got {value}") from None

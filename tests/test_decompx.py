@@ -7,8 +7,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from captum.attr import NoiseTunnel
-from captum.metrics import sensitivity_max
 
 from captum_vit.adapters import adapt
 from captum_vit.adapters._linearize import (
@@ -239,17 +237,6 @@ def test_model_unchanged_also_on_error():
         with pytest.raises(ValueError):
             dx.decompose(x[:, :, :8])
     assert_unchanged(model, snap)
-
-
-def test_captum_interop():
-    model, x = make_model("vit"), make_inputs("vit", 2)
-    t = TARGETS[:2]
-    out = NoiseTunnel(DecompX(model)).attribute(x, nt_type="smoothgrad", nt_samples=2,
-                                                stdevs=0.1, target=t)
-    assert out.shape == x.shape
-    sens = sensitivity_max(DecompX(model, route="explicit").attribute, x, target=t,
-                           n_perturb_samples=2)
-    assert sens.shape == (2,)
 
 
 def test_low_precision_accumulates_in_float32():

@@ -8,10 +8,9 @@ import pytest
 import torch
 from captum.attr import IntegratedGradients, NoiseTunnel, Saliency
 
-from captum_vit.methods import GAE
+from captum_vit.methods import GAE, RandomMap
 from captum_vit.metrics import (
     MetricResult,
-    RandomMap,
     deletion,
     gini,
     max_sensitivity,
@@ -22,6 +21,7 @@ from captum_vit.metrics import (
     spearman,
 )
 from captum_vit.metrics.removal import RemovalEngine
+from captum_vit.registry import method_factory
 from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
 from tests.metrics_toys import one_thread
 
@@ -103,15 +103,17 @@ def test_random_map_is_seeded_and_batch_invariant():
 def test_randomization_check_on_a_copy():
     model, x = make_model("vit"), make_inputs("vit", 2)
     before = snapshot(model)
-    res = randomization(model, x, "gae")
+    res = randomization(model, x, method_factory("gae"))
     assert res.curves.shape == (2, 1 + 3)  # head, then 3 blocks
     assert res.value < 0.9  # GAE depends on the weights
     sal = randomization(model, x, Saliency(model))
     assert sal.curves.shape == (2, 4)
     rnd = randomization(model, x, RandomMap(model))  # a model-independent map fails the check
     assert rnd.per_example.tolist() == pytest.approx([1.0, 1.0])
-    again = randomization(model, x, "gae")
+    again = randomization(model, x, method_factory("GAE"))
     assert torch.equal(res.curves, again.curves)
+    with pytest.raises(TypeError, match="method_factory"):  # names go through the registry
+        randomization(model, x, "gae")
     assert_unchanged(model, before)
 
 

@@ -38,9 +38,9 @@ from captum_vit._base import (
     ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    check_images,
     check_layer,
-    check_target,
+    check_scalar,
+    prepare,
     resolve_target,
     target_scores,
 )
@@ -234,13 +234,8 @@ class DecompX(ViTGradientAttribution):
         super().__init__(model)
         self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
         self.route = check_choice("route", route, ROUTES)
-        if max_memory is not None and (isinstance(max_memory, bool)
-                                       or not isinstance(max_memory, int)):
-            raise TypeError(f"max_memory must be an int (bytes) or None, got "
-                            f"{type(max_memory).__name__}")
-        if max_memory is not None and max_memory <= 0:
-            raise ValueError(f"max_memory must be a positive number of bytes (or None for "
-                             f"no chunking), got {max_memory}")
+        if max_memory is not None:  # bytes; None = no chunking
+            max_memory = check_scalar(max_memory, "max_memory", int, min_val=1)
         self.max_memory = max_memory
 
     @log_usage()
@@ -279,11 +274,8 @@ class DecompX(ViTGradientAttribution):
         Returns:
             DecompXResult: ``tokens`` [B, N], ``bias`` [B], ``logit`` [B], ``target`` [B].
         """
-        images, _ = check_images(inputs)
-        t = check_target(target, images.shape[0], self.num_classes)
-        self.adapter.check_inputs(images)
-        self.adapter.self_check(images)
-        return self._decompose(images, t)
+        p = prepare(self.adapter, inputs, target)
+        return self._decompose(p.images, p.target)
 
     def _decompose(self, images: Tensor, target: Tensor | None) -> DecompXResult:
         s = self.start_layer

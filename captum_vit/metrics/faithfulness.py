@@ -14,16 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from captum_vit._base import TargetLike, check_choice
+from captum_vit._base import TargetLike, check_choice, check_scalar, check_target
 from captum_vit.metrics.removal import (
     AttributionLike,
     RemovalEngine,
-    check_batch,
     example_seeds,
     patch_maps,
-    predicted,
+    prepare_metric,
     ranking,
-    resolve_labels,
 )
 from captum_vit.metrics.results import MetricResult
 
@@ -57,12 +55,11 @@ class _Setup:
     def __init__(self, model: nn.Module, inputs: Tensor, attribution: AttributionLike,
                  target: TargetLike, removal: str, batch_size: int, pixel_reduce: str,
                  attribute_kwargs: dict | None, example_ids: Any, seed: int) -> None:
-        self.inputs = check_batch(inputs)
-        self.engine = RemovalEngine(model, removal, batch_size)
-        self.layout = self.engine.layout(self.inputs)
-        self.logits = predicted(model, self.inputs)
+        adapter, prep = prepare_metric(model, inputs, target)
+        self.inputs, self.layout, self.logits = prep.images, prep.layout, prep.logits
+        self.engine = RemovalEngine(model, removal, batch_size, adapter=adapter)
         self.pred = self.logits.argmax(-1)
-        self.target = resolve_labels(target, self.logits)
+        self.target = prep.target
         self.scores = patch_maps(attribution, self.inputs, self.target, self.layout,
                                  pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
         self.order = ranking(self.scores)
@@ -78,6 +75,7 @@ class _Setup:
     def run(self, fractions: Tensor, *, lerf: bool = False, mode: str = "delete") -> Tensor:
         order = self.order.flip(1) if lerf else self.order
         return self.engine.logits(self.inputs, order, self.counts(fractions), mode=mode,
+                                  full_logits=self.logits,
                                   seeds=self.seeds)
 
 
@@ -123,7 +121,8 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
     x = check_fractions("fractions", fractions, closed=True)
     st = _Setup(model, inputs, attribution, target, **_common(kwargs))
     _no_extra(kwargs)
-    ref = st.pred if labels is None else resolve_labels(labels, st.logits)
+    ref = st.pred if labels is None else check_target(
+        labels, len(st.pred), st.engine.adapter.num_classes).to(st.pred.device)
     logits = st.run(x, lerf=order == "negative")
     correct = (logits.argmax(-1) == ref[:, None]).double()
     return MetricResult(f"perturbation_{'pos' if order == 'positive' else 'neg'}",
@@ -137,6 +136,18 @@ def _log_prob_curves(st: _Setup, x: Tensor, *, lerf: bool = False, mode: str = "
     lp0 = st.logits.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
     lpk = st.run(x, lerf=lerf, mode=mode).double().log_softmax(-1)
     return lp0, lpk.gather(2, y[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
+
+
+def _ratio_log_probs(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
+                     fractions: Sequence[float], mode: str, kwargs: dict
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """Shared part of AOPC and LOdds: the ratios ``x`` [S], ``log p(y|x)`` [B] and
+    ``log p(y|x_k)`` [B, S] with the top ratio removed (``"remove"``) or kept (``"keep"``)."""
+    check_choice("mode", mode, ("remove", "keep"))
+    x = check_fractions("fractions", fractions, closed=False)
+    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
+    _no_extra(kwargs)
+    return (x, *_log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert"))
 
 
 def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
@@ -153,11 +164,7 @@ def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
 
         >>> aopc(model, x, TokenIxG(model)).value
     """
-    check_choice("mode", mode, ("remove", "keep"))
-    x = check_fractions("fractions", fractions, closed=False)
-    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
-    _no_extra(kwargs)
-    lp0, lpk = _log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert")
+    x, lp0, lpk = _ratio_log_probs(model, inputs, attribution, fractions, mode, kwargs)
     drop = lp0.exp()[:, None] - lpk.exp()
     return MetricResult("aopc" if mode == "remove" else "aopc_keep", drop.mean(1),
                         mode == "remove", x, drop)
@@ -176,11 +183,7 @@ def lodds(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
 
         >>> lodds(model, x, TokenIxG(model)).value
     """
-    check_choice("mode", mode, ("remove", "keep"))
-    x = check_fractions("fractions", fractions, closed=False)
-    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
-    _no_extra(kwargs)
-    lp0, lpk = _log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert")
+    x, lp0, lpk = _ratio_log_probs(model, inputs, attribution, fractions, mode, kwargs)
     lo = lpk - lp0[:, None]
     return MetricResult("lodds" if mode == "remove" else "lodds_keep", lo.mean(1),
                         mode == "keep", x, lo)
@@ -189,8 +192,7 @@ def lodds(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
 def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
                         attribution: AttributionLike, n_steps: int, target: TargetLike,
                         kwargs: dict) -> MetricResult:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
+    check_scalar(n_steps, "n_steps", int, min_val=1)
     st = _Setup(model, inputs, attribution, target, **_common(kwargs))
     _no_extra(kwargs)
     x = torch.linspace(0, 1, n_steps + 1, dtype=torch.float64)
@@ -243,41 +245,46 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
     r"""Keep / remove top-ratio protocol of SkipPLUS (§4.1, A.2).
 
     For each ratio r: ``keep`` runs the model on the top-r patches only, ``remove`` on
-    all but them. Reported per protocol: top-1 accuracy w.r.t. the clean prediction
+    all but them. Reported: top-1 accuracy w.r.t. the clean prediction for both protocols
     (AUC in percent by the trapezoid rule over the ratios plus the unmasked endpoint:
-    r = 0 for remove, r = 1 for keep), AOPC and LOdds (means over the ratios).
+    r = 0 for remove, r = 1 for keep), and AOPC and LOdds (means over the ratios) of the
+    keep protocol. The remove protocol's AOPC and LOdds are :func:`aopc` and :func:`lodds`
+    (``mode="remove"``, same ratios): they are not repeated here, so that an evaluation
+    table has each metric once.
 
     Returns:
-        dict[str, MetricResult]: ``token_ratio_{keep,remove}_{accuracy,aopc,lodds}``.
+        dict[str, MetricResult]: ``token_ratio_keep_accuracy``, ``token_ratio_keep_aopc``,
+        ``token_ratio_keep_lodds`` and ``token_ratio_remove_accuracy``.
 
     Examples::
 
         >>> res = token_ratio(model, x, GAE(model))
-        >>> res["token_ratio_keep_accuracy"].value
+        >>> res["token_ratio_keep_accuracy"].value, aopc(model, x, GAE(model)).value
     """
     x = check_fractions("ratios", ratios, closed=False)
     st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
     _no_extra(kwargs)
-    lp0 = st.logits.double().log_softmax(-1).gather(1, st.pred[:, None]).squeeze(1)
     out = {}
     for proto, mode in (("keep", "insert"), ("remove", "delete")):
         logits = st.run(x, mode=mode)
-        lpk = logits.double().log_softmax(-1).gather(
-            2, st.pred[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
         acc = (logits.argmax(-1) == st.pred[:, None]).double()
         one = torch.ones_like(acc[:, :1])
-        if proto == "keep":
+        keep = proto == "keep"
+        if keep:
             xs, acc = torch.cat([x, x.new_ones(1)]), torch.cat([acc, one], 1)
         else:
             xs, acc = torch.cat([x.new_zeros(1), x]), torch.cat([one, acc], 1)
         name = f"token_ratio_{proto}"
-        keep = proto == "keep"
-        drop = lp0.exp()[:, None] - lpk.exp()
-        lo = lpk - lp0[:, None]
         out[f"{name}_accuracy"] = MetricResult(f"{name}_accuracy", 100 * trapezoid_auc(acc, xs),
                                                keep, xs, acc)
-        out[f"{name}_aopc"] = MetricResult(f"{name}_aopc", drop.mean(1), not keep, x, drop)
-        out[f"{name}_lodds"] = MetricResult(f"{name}_lodds", lo.mean(1), keep, x, lo)
+        if keep:
+            lp0 = st.logits.double().log_softmax(-1).gather(1, st.pred[:, None]).squeeze(1)
+            lpk = logits.double().log_softmax(-1).gather(
+                2, st.pred[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
+            drop = lp0.exp()[:, None] - lpk.exp()
+            lo = lpk - lp0[:, None]
+            out[f"{name}_aopc"] = MetricResult(f"{name}_aopc", drop.mean(1), False, x, drop)
+            out[f"{name}_lodds"] = MetricResult(f"{name}_lodds", lo.mean(1), True, x, lo)
     return out
 
 

@@ -14,14 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike
-from captum_vit.adapters import adapt
-from captum_vit.metrics.removal import (
-    AttributionLike,
-    check_batch,
-    patch_maps,
-    predicted,
-    resolve_labels,
-)
+from captum_vit.metrics.removal import AttributionLike, patch_maps, prepare_metric
 from captum_vit.metrics.results import MetricResult
 
 
@@ -42,14 +35,10 @@ def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLik
                    target: TargetLike = None, mode: str = "bilinear", pixel_reduce: str = "abs",
                    attribute_kwargs: dict | None = None) -> Tensor:
     """Patch maps upsampled to the image size [B, H, W] (``mode``: bilinear or nearest)."""
-    inputs = check_batch(inputs)
-    adapter = adapt(model)
-    adapter.check_inputs(inputs)
-    layout = adapter.layout(inputs)
-    t = resolve_labels(target, predicted(model, inputs))
-    scores = patch_maps(attribution, inputs, t, layout, pixel_reduce=pixel_reduce,
+    _, p = prepare_metric(model, inputs, target)
+    scores = patch_maps(attribution, p.images, p.target, p.layout, pixel_reduce=pixel_reduce,
                         attribute_kwargs=attribute_kwargs)
-    return upsample(scores, layout.grid, layout.patch_size, inputs.shape[-2:], mode)
+    return upsample(scores, p.layout.grid, p.layout.patch_size, p.images.shape[-2:], mode)
 
 
 def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
@@ -68,9 +57,16 @@ def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
 def pointing_game(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
                   *, target: TargetLike = None, max_region: float = 0.5,
                   **kwargs: Any) -> MetricResult:
-    """Pointing game (SPEC §6.5; TIS Table 3): a hit when the argmax of the upsampled map
-    lies inside the mask. Examples whose region covers ``>= max_region`` of the image are
-    skipped (NaN per example, left out of the mean).
+    """Pointing game (SPEC §6.5; TIS Table 3), decided on the model's patch grid.
+
+    The rule: the **top patch** is the argmax of the patch scores (the map on the patch
+    grid, never an upsampled map, whose interpolated pixels would tie over a border
+    patch's corner and let the first pixel in reading order decide); the example is a
+    **hit** when the ground-truth mask covers at least one pixel of the top patch. When
+    several patches share the largest score, the example scores the mean hit over them,
+    i.e. the expected hit of a random tie-break (so a constant map scores the fraction of
+    patches the mask touches). Examples whose region covers ``>= max_region`` of the image
+    are skipped (NaN per example, left out of the mean).
 
     Args:
         model (nn.Module): a supported ViT classifier.
@@ -82,19 +78,26 @@ def pointing_game(model: nn.Module, inputs: Tensor, attribution: AttributionLike
         **kwargs: ``pixel_reduce``, ``attribute_kwargs``.
 
     Returns:
-        MetricResult: per-example 1 (hit), 0 (miss) or NaN (skipped); value = hit rate.
+        MetricResult: per-example 1 (hit), 0 (miss), the mean hit over tied top patches,
+        or NaN (skipped); value = hit rate.
 
     Examples::
 
         >>> pointing_game(model, x, GAE(model), masks).value
     """
-    m = check_masks(masks, check_batch(inputs))
-    up = upsampled_maps(model, inputs, attribution, target=target, **kwargs)
-    b = up.shape[0]
-    idx = up.reshape(b, -1).argmax(1)
-    hit = m.reshape(b, -1).gather(1, idx[:, None]).squeeze(1).double()
+    _, p = prepare_metric(model, inputs, target)
+    m = check_masks(masks, p.images)
+    scores = patch_maps(attribution, p.images, p.target, p.layout, **kwargs)
+    (gh, gw), (ph, pw) = p.layout.grid, p.layout.patch_size
+    b, h, w = m.shape
+    # which patches the mask touches [B, P] (pixels beyond the grid belong to no patch)
+    cells = F.pad(m.float(), (0, max(0, gw * pw - w), 0, max(0, gh * ph - h)))
+    cells = cells[:, :gh * ph, :gw * pw].reshape(b, gh, ph, gw, pw)
+    covered = cells.amax(dim=(2, 4)).reshape(b, -1) > 0
+    top = scores == scores.amax(1, keepdim=True)
+    hit = (top & covered.to(top.device)).sum(1).double() / top.sum(1).double()
     skip = m.reshape(b, -1).double().mean(1) >= max_region
-    return MetricResult("pointing_game", torch.where(skip, torch.nan, hit), True,
+    return MetricResult("pointing_game", torch.where(skip.to(hit.device), torch.nan, hit), True,
                         reduction="nanmean")
 
 
@@ -127,13 +130,10 @@ def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
         >>> seg = segmentation(model, x, TokenTM(model), masks)
         >>> seg["miou"].value
     """
-    inputs = check_batch(inputs)
+    _, p = prepare_metric(model, inputs, target)
+    inputs, layout = p.images, p.layout
     m = check_masks(masks, inputs)
-    adapter = adapt(model)
-    adapter.check_inputs(inputs)
-    layout = adapter.layout(inputs)
-    t = resolve_labels(target, predicted(model, inputs))
-    scores = patch_maps(attribution, inputs, t, layout, **kwargs)
+    scores = patch_maps(attribution, inputs, p.target, layout, **kwargs)
     size = inputs.shape[-2:]
     up = upsample(scores, layout.grid, layout.patch_size, size)
     raw = upsample(scores, layout.grid, layout.patch_size, size, "nearest")

@@ -9,14 +9,11 @@ from captum.metrics import sensitivity_max
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike
-from captum_vit.adapters import adapt
 from captum_vit.metrics.removal import (
     AttributionLike,
-    check_batch,
     example_seeds,
     patch_maps,
-    predicted,
-    resolve_labels,
+    prepare_metric,
 )
 from captum_vit.metrics.results import MetricResult
 
@@ -53,11 +50,8 @@ def sparseness(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *
 
         >>> sparseness(model, x, GAE(model)).value
     """
-    inputs = check_batch(inputs)
-    adapter = adapt(model)
-    adapter.check_inputs(inputs)
-    t = resolve_labels(target, predicted(model, inputs))
-    scores = patch_maps(attribution, inputs, t, adapter.layout(inputs),
+    _, p = prepare_metric(model, inputs, target)
+    scores = patch_maps(attribution, p.images, p.target, p.layout,
                         pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
     return MetricResult("sparseness", gini(scores.abs()), True)
 
@@ -91,11 +85,8 @@ def max_sensitivity(model: nn.Module, inputs: Tensor, attribution: AttributionLi
     if isinstance(attribution, Tensor):
         raise TypeError("max_sensitivity needs an attribution to re-run on perturbed inputs, "
                         "not precomputed maps")
-    inputs = check_batch(inputs)
-    adapter = adapt(model)
-    adapter.check_inputs(inputs)
-    layout = adapter.layout(inputs)
-    t = resolve_labels(target, predicted(model, inputs))
+    _, p = prepare_metric(model, inputs, target)
+    inputs, layout, t = p.images, p.layout, p.target
     seeds = example_seeds(example_ids, inputs.shape[0], seed)
 
     def explain(x: Tensor | tuple[Tensor], target: Tensor) -> tuple[Tensor]:

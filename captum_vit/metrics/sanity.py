@@ -20,10 +20,10 @@ from torch import Tensor, nn
 
 from captum_vit._base import TargetLike
 from captum_vit.adapters import adapt
-from captum_vit.metrics.removal import check_batch, patch_maps, predicted, resolve_labels
+from captum_vit.metrics.removal import patch_maps, prepare_metric
 from captum_vit.metrics.results import MetricResult
 
-MethodLike = str | Attribution | Callable[[nn.Module], Attribution]
+MethodLike = Attribution | Callable[[nn.Module], Attribution]
 
 
 def spearman(a: Tensor, b: Tensor) -> Tensor:
@@ -38,21 +38,6 @@ def spearman(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(den > 0, (ra * rb).sum(1) / den.clamp_min(1e-300), torch.nan)
 
 
-def _stage_tensors(model: nn.Module) -> list[list[Tensor]]:
-    """Parameter tensors per cascade stage: head first, then blocks from the top."""
-    ad = adapt(model)
-    stages = []
-    h = ad.head
-    head = [t for n in (h.norm, h.fc_norm) if n is not None for t in (n.weight, n.bias)]
-    head += [t for _, w, b in h.heads for t in (w, b)]
-    stages.append(head)
-    for p in reversed(ad.blocks):
-        stages.append([p.norm1.weight, p.norm1.bias, p.qkv_weight, p.qkv_bias, p.proj_weight,
-                       p.proj_bias, p.ls1, p.norm2.weight, p.norm2.bias, p.fc1_weight,
-                       p.fc1_bias, p.fc2_weight, p.fc2_bias, p.ls2])
-    return [[t for t in s if t is not None] for s in stages]
-
-
 def _model_of(attr: Any) -> nn.Module:
     f = getattr(attr, "forward_func", None)
     if isinstance(f, nn.Module):
@@ -64,29 +49,18 @@ def _model_of(attr: Any) -> nn.Module:
                     "factory `model -> Attribution` as method")
 
 
-def _build(method: MethodLike, model: nn.Module) -> tuple[Attribution, nn.Module, Callable]:
+def _build(method: MethodLike, model: nn.Module) -> tuple[Attribution, nn.Module, Callable | None]:
     """An attribution for a deep copy of its model and a way to rebuild it on another copy."""
-    if isinstance(method, str):
-        from captum_vit.registry import build_method
-
-        def factory(m: nn.Module) -> Attribution:
-            return _random_map(m) if method == "random" else build_method(method, m)
-        return factory(model), model, factory
     if isinstance(method, Attribution):
         orig = _model_of(method)
         memo: dict[int, Any] = {}
         clone = copy.deepcopy(method, memo)
         return clone, memo.get(id(orig), _model_of(clone)), None
-    if callable(method):
-        return method(model), model, method
-    raise TypeError("method must be a registry name, a Captum Attribution or a callable "
-                    f"model -> Attribution, got {type(method).__name__}")
-
-
-def _random_map(model: nn.Module) -> Attribution:
-    from captum_vit.metrics.removal import RandomMap
-
-    return RandomMap(model)
+    if isinstance(method, str) or not callable(method):
+        raise TypeError("method must be a Captum Attribution or a factory model -> Attribution "
+                        f"(got {type(method).__name__}); for a method name use "
+                        "captum_vit.registry.method_factory(name)")
+    return method(model), model, method
 
 
 def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
@@ -97,9 +71,10 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     Args:
         model (nn.Module): a supported ViT classifier (never modified).
         inputs (Tensor): images [B, C, H, W].
-        method: a registry name (``"gae"``, ``"captum:Saliency"``, ``"random"``), an
-            attribution instance (deep-copied together with its model), or a factory
-            ``model -> Attribution``.
+        method: a factory ``model -> Attribution`` (e.g.
+            ``captum_vit.registry.method_factory("gae")`` or ``lambda m: Saliency(m)``),
+            rebuilt on every randomised copy, or an attribution instance (deep-copied
+            together with its model).
         target (optional): explained class (``None``: the original model's prediction,
             kept fixed for the randomised models).
         seed (int): seed of the randomisation.
@@ -110,11 +85,11 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
 
     Examples::
 
-        >>> randomization(model, x, "gae").value
+        >>> from captum_vit.registry import method_factory
+        >>> randomization(model, x, method_factory("gae")).value
     """
-    inputs = check_batch(inputs)
-    layout = adapt(model).layout(inputs)
-    t = resolve_labels(target, predicted(model, inputs))
+    _, p = prepare_metric(model, inputs, target)
+    inputs, layout, t = p.images, p.layout, p.target
     kw = dict(pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
     if isinstance(method, Attribution):
         base = method
@@ -125,9 +100,7 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     ref = patch_maps(base, inputs, t, layout, **kw)
     g = torch.Generator().manual_seed(seed)
     curves = []
-    with torch.no_grad():
-        stages = _stage_tensors(rmodel)
-    for tensors in stages:
+    for tensors in adapt(rmodel).parameter_stages():
         with torch.no_grad():
             for p in tensors:
                 mean, std = p.double().mean(), p.double().std() if p.numel() > 1 else 0.0

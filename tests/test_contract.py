@@ -1,0 +1,169 @@
+"""The API contract every registered method owes users, on every supported model family.
+
+Generated from the registry (``available_methods(compositions=True)``, ``random``
+included) × ``tests.helpers.FAMILIES``: a new method or family is covered by registering
+it, not by copying tests. Per-method files keep only their references and parity checks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from captum.attr import NoiseTunnel
+from captum.metrics import sensitivity_max
+
+from captum_vit.adapters import adapt
+from captum_vit.registry import available_methods, build_method
+from tests.helpers import FAMILIES, assert_unchanged, make_inputs, make_model, snapshot
+
+# every registered method, plus compositions over the other kinds of base the combinators take
+METHODS = available_methods(compositions=True) + [
+    "plus:ixg", "plus:gradient", "plus:captum:InputXGradient", "skipplus:captum:Saliency"]
+CASES = [(m, f) for m in METHODS for f in FAMILIES]
+FAST = {"tis": {"n_masks": 16}}  # TIS: fewer masks than the paper's 1024 (still clustered)
+_MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def model_of(family: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """One model per family and dtype for the whole module (the contract says calls never
+    change it, and every test checks that)."""
+    key = (family, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = make_model(family, dtype=dtype)
+    return _MODELS[key]
+
+
+def attribute(method, x, target=None, **kw):
+    return method.attribute(x, target=target, **{**FAST.get(_name(method), {}), **kw})
+
+
+def _name(method) -> str:
+    return getattr(method, "_contract_name", "")
+
+
+def build(name: str, model):
+    method = build_method(name, model)
+    method._contract_name = name
+    return method
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9 * (1 + b.abs().max().item()))
+
+
+@pytest.mark.parametrize(("name", "family"), CASES)
+def test_outputs_batch_and_targets(name, family):
+    """Three output formats that agree; a batch equals its images one by one; target=None
+    is the predicted class; Captum's 1-tuple inputs give a 1-tuple; numpy targets work."""
+    model = model_of(family)
+    x = make_inputs(family, batch=3)
+    before = snapshot(model)
+    method = build(name, model)
+    lay = adapt(model).layout(x)
+    (gh, gw), (ph, pw) = lay.grid, lay.patch_size
+
+    pred = model(x).argmax(-1)
+    tokens = attribute(method, x, None, output="tokens")
+    assert tokens.shape == (3, lay.num_patches) and torch.isfinite(tokens).all()
+    assert tokens.dtype == torch.float64
+    close(attribute(method, x, pred, output="tokens"), tokens)
+    grid = attribute(method, x, None, output="grid")
+    assert grid.shape == (3, 1, gh, gw)
+    close(grid.reshape(3, -1), tokens)
+    pixels = attribute(method, x, None)
+    assert pixels.shape == x.shape
+    up = grid.repeat_interleave(ph, 2).repeat_interleave(pw, 3)[..., :x.shape[2], :x.shape[3]]
+    close(pixels, up.expand_as(x))
+
+    target = torch.tensor([1, 0, 4])
+    batch = attribute(method, x, target, output="tokens")
+    one_by_one = torch.cat([attribute(method, x[i:i + 1], int(target[i]), output="tokens")
+                            for i in range(3)])
+    close(batch, one_by_one)
+    close(attribute(method, x, np.array([1, 0, 4]), output="tokens"), batch)
+    close(attribute(method, x, [np.int64(1), 0, 4], output="tokens"), batch)
+    close(attribute(method, x[:1], np.int64(1), output="tokens"), batch[:1])
+    out = attribute(method, (x,), target, output="tokens")
+    assert isinstance(out, tuple) and len(out) == 1
+    close(out[0], batch)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize(("name", "family"), CASES)
+def test_captum_noise_tunnel_and_sensitivity(name, family):
+    """Captum's NoiseTunnel wraps the method; captum.metrics.sensitivity_max runs on it
+    (under no_grad, as Captum calls it)."""
+    model = model_of(family)
+    x = make_inputs(family, batch=2)
+    before = snapshot(model)
+    method = build(name, model)
+    kw = FAST.get(name, {})
+    nt = NoiseTunnel(method).attribute(x, nt_type="smoothgrad", nt_samples=2, stdevs=0.05,
+                                       target=[0, 1], **kw)
+    assert nt.shape == x.shape and torch.isfinite(nt).all()
+    sens = sensitivity_max(method.attribute, x, target=[0, 1], n_perturb_samples=2,
+                           perturb_radius=0.01, **kw)
+    assert sens.shape == (2,) and torch.isfinite(sens).all()
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize(("name", "family"), CASES)
+def test_clear_errors_leave_the_model_unchanged(name, family, monkeypatch):
+    """Bad input gets a TypeError/ValueError naming the argument; the dtype rule (no
+    silent casts) names both dtypes; a failure inside the model's forward leaves the model
+    exactly as it was."""
+    model = model_of(family)
+    x = make_inputs(family, batch=2)
+    before = snapshot(model)
+    method = build(name, model)
+    with pytest.raises(TypeError, match=r"torch\.float32.*torch\.float64"):
+        attribute(method, x.float())
+    with pytest.raises(ValueError, match="target"):
+        attribute(method, x, 5)  # the models have 5 classes
+    with pytest.raises(ValueError, match="target"):
+        attribute(method, x, [0, 1, 2])
+    with pytest.raises(TypeError, match="target"):
+        attribute(method, x, True)
+    with pytest.raises(TypeError, match="target"):
+        attribute(method, x, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="output"):
+        attribute(method, x, output="heatmap")
+    with pytest.raises(ValueError, match="inputs"):
+        attribute(method, x[0])
+    assert_unchanged(model, before)
+
+    adapter = adapt(model)
+    calls = {"n": 0}
+    block = type(adapter).block
+
+    def failing_block(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("injected failure")
+        return block(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(adapter), "block", failing_block)
+    try:
+        attribute(method, x, [0, 1])
+    except RuntimeError as e:
+        assert "injected failure" in str(e)
+    monkeypatch.undo()
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_half_precision_model_gives_float32_maps(name):
+    """A bfloat16 model with bfloat16 inputs: maps are accumulated and returned in float32."""
+    model = model_of("vit", torch.bfloat16)
+    x = make_inputs("vit", batch=2, dtype=torch.bfloat16)
+    before = snapshot(model)
+    out = attribute(build(name, model), x, [0, 1], output="tokens")
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert_unchanged(model, before)
+
+
+def test_every_registered_name_is_covered():
+    """The contract runs over the registry itself, so nothing registered escapes it."""
+    assert set(available_methods()) <= set(METHODS)
+    assert {"random", "plus:decompx", "skipplus:decompx"} <= set(METHODS)

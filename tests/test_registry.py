@@ -1,0 +1,109 @@
+"""The registry is the only list of names: every spelling resolves to one method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from captum.attr import IntegratedGradients
+
+from captum_vit import GAE, TIS, DecompX, RandomMap, SkipPLUS, TokenTM
+from captum_vit._base import check_scalar
+from captum_vit.registry import (
+    METHODS,
+    available_methods,
+    build_method,
+    canonical_name,
+    method_factory,
+    parse_methods,
+)
+from tests.helpers import make_inputs, make_model
+
+
+@pytest.mark.parametrize(("spelling", "canonical"), [
+    ("GAE", "gae"), ("gae", "gae"), ("G-A-E", "gae"), ("TokenTM", "tokentm"),
+    ("tokentm_residual", "tokentm_residual"), ("TokenTM_Residual", "tokentm_residual"),
+    ("RawAttention", "raw_attention"), ("raw-attention", "raw_attention"),
+    ("AttnGradCAM", "attn_gradcam"), ("FullGradPlus", "fullgrad_plus"),
+    ("RandomMap", "random"), ("random", "random"), ("TIS", "tis"),
+    ("SkipPLUS(DecompX)", "skipplus:decompx"), ("skipplus:DecompX", "skipplus:decompx"),
+    ("PLUS(IxG)", "plus:ixg"), ("plus:token_ixg", "plus:token_ixg"),
+    ("captum:IntegratedGradients", "captum:IntegratedGradients"),
+    ("SkipPLUS(captum:Saliency)", "skipplus:captum:Saliency"),
+])
+def test_every_spelling_resolves_to_one_canonical_name(spelling, canonical):
+    assert canonical_name(spelling) == canonical
+
+
+def test_class_name_and_snake_case_build_the_same_method():
+    model, x = make_model("vit"), make_inputs("vit", batch=2)
+    for a, b in (("GAE", "gae"), ("SkipPLUS(DecompX)", "skipplus:decompx")):
+        ma, mb = build_method(a, model), build_method(b, model)
+        assert type(ma) is type(mb)
+        torch.testing.assert_close(ma.attribute(x, target=[0, 1]), mb.attribute(x, target=[0, 1]))
+    assert isinstance(build_method("gae", model), GAE)
+    assert isinstance(build_method("tis", model), TIS)
+    assert isinstance(build_method("skipplus:decompx", model), SkipPLUS)
+    assert isinstance(build_method("captum:IntegratedGradients", model), IntegratedGradients)
+    assert build_method("tokentm_residual", model).variant == "residual"
+    assert isinstance(build_method("decompx", model), DecompX)
+    assert isinstance(build_method("TokenTM", model), TokenTM)
+
+
+def test_random_is_registered_and_seeded():
+    model, x = make_model("vit"), make_inputs("vit", batch=2)
+    rnd = build_method("random", model, seed=3)
+    assert isinstance(rnd, RandomMap)
+    same = method_factory("RandomMap", seed=3)(model)
+    torch.testing.assert_close(rnd.attribute(x), same.attribute(x), rtol=0, atol=0)
+    other = build_method("random", model, seed=4).attribute(x)
+    assert not torch.equal(rnd.attribute(x), other)
+
+
+def test_parse_methods_expands_all_and_keeps_order():
+    assert parse_methods(["GAE,skipplus:DecompX", "random", "gae"]) == [
+        "gae", "skipplus:decompx", "random"]
+    assert parse_methods("SkipPLUS(DecompX),rollout") == ["skipplus:decompx", "rollout"]
+    every = parse_methods(["all"])
+    assert every == available_methods(compositions=True)
+    assert {"plus:decompx", "skipplus:decompx", "random"} <= set(every)
+    assert every[-1] == "random"  # the chance level closes the table
+    assert "random" not in parse_methods("all", for_explain=True)
+
+
+@pytest.mark.parametrize("bad", ["gea", "plus:", "captum:NoSuchThing", "foo:gae", ""])
+def test_unknown_names_are_refused_with_the_known_ones(bad):
+    with pytest.raises(ValueError, match="unknown|no method"):
+        parse_methods([bad])
+
+
+def test_factory_checks_the_name_at_once():
+    with pytest.raises(ValueError, match="unknown method 'gea'.*gae"):
+        method_factory("gea")
+    with pytest.raises(TypeError, match="str"):
+        canonical_name(3)
+
+
+def test_names_are_unique_under_normalisation():
+    keys = [e.name.replace("_", "") for e in METHODS]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize(("value", "kwargs", "error", "match"), [
+    (True, dict(target_type=int), TypeError, "n must be an int, got bool"),
+    (1.5, dict(target_type=int), TypeError, "n must be an int, got float"),
+    ("3", dict(target_type=(int, float)), TypeError, "n must be an int or a float"),
+    (0, dict(target_type=int, min_val=1), ValueError, "n must be >= 1, got 0"),
+    (1.0, dict(target_type=float, min_val=0, max_val=1, include_boundaries="left"),
+     ValueError, r"n must be in \[0, 1\), got 1.0"),
+])
+def test_check_scalar_messages(value, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        check_scalar(value, "n", **kwargs)
+
+
+def test_check_scalar_accepts_numpy_and_ints_for_floats():
+    import numpy as np
+
+    assert check_scalar(np.int64(4), "n", int, min_val=1) == 4
+    assert type(check_scalar(np.int64(4), "n", int)) is int
+    assert check_scalar(2, "r", float, max_val=2) == 2
