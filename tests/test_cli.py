@@ -93,7 +93,7 @@ def test_explain_timm_pretrained_loads_the_cached_weights(tmp_path, empty_caches
     import torch
     from safetensors.torch import save_file
 
-    from captum_vit.commands import evaluate
+    from captum_vit.models import load_model
 
     torch.manual_seed(123)
     trained = timm.create_model(TIMM_NAME, pretrained=False).eval()
@@ -105,15 +105,73 @@ def test_explain_timm_pretrained_loads_the_cached_weights(tmp_path, empty_caches
     save_file({k: v.contiguous() for k, v in trained.state_dict().items()},
               str(snap / "model.safetensors"))
 
-    model, pre, _ = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0, pretrained=True)
+    lm = load_model(f"timm:{TIMM_NAME}", seed=0, pretrained=True)
     for k, v in trained.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
-    assert not model.training and pre is not None
-    random_model, _, _ = evaluate.load_model(f"timm:{TIMM_NAME}", seed=0)
-    assert not torch.equal(random_model.head.weight, trained.head.weight)
+        torch.testing.assert_close(lm.model.state_dict()[k], v, rtol=0, atol=0)
+    assert not lm.model.training and not lm.random_weights
+    assert lm.preprocess.mean is not None and lm.preprocess.size == (224, 224)
+    random_model = load_model(f"timm:{TIMM_NAME}", seed=0)
+    assert random_model.random_weights
+    assert not torch.equal(random_model.model.head.weight, trained.head.weight)
 
     out = tmp_path / "maps.png"
     assert main(["explain", "--model", f"timm:{TIMM_NAME}", "--pretrained", "--methods",
                  "rollout", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG
     assert "random-weight" not in capsys.readouterr().err
+
+
+# -- issue "One adapter, one registry, thin commands" ------------------------------------------
+@pytest.mark.skipif("vit_fmnist_loc" not in zoo.available(), reason="bundled model missing")
+def test_explain_title_shows_the_prediction_and_the_explained_class(tmp_path, capsys):
+    import torch
+
+    from captum_vit.data import load_sample
+
+    zm = zoo.load("vit_fmnist_loc")
+    with torch.no_grad():
+        probs = zm.model(zm.preprocess(load_sample()["images"][0])[None]).softmax(-1)[0]
+    pred = int(probs.argmax())
+    explained = (pred + 3) % 10
+    out = tmp_path / "t.png"
+    assert main(["explain", "--target", str(explained), "--methods", "rollout",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"predicted {zm.class_names[pred]} (p={probs[pred]:.2f})" in text
+    assert f"explaining {zm.class_names[explained]} (p={probs[explained]:.2f})" in text
+
+
+def test_explain_creates_the_folder_of_out_first(tmp_path, capsys):
+    out = tmp_path / "new" / "deeper" / "maps.png"
+    argv = ["explain", "--model", "random:vit_tiny", "--methods", "GAE,SkipPLUS(DecompX)"]
+    assert main(argv + ["--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG
+    blocker = tmp_path / "file"
+    blocker.write_text("in the way")
+    # the model spec is bad too: the --out error comes first, before any work
+    bad = ["explain", "--model", "bogus:x", "--methods", "rollout"]
+    assert main(bad + ["--out", str(blocker / "maps.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and str(blocker) in err and "unknown model" not in err
+    assert main(bad + ["--out", str(tmp_path)]) == 2  # an existing folder, not a file
+    assert "--out" in capsys.readouterr().err
+
+
+def test_explain_display_option(tmp_path, monkeypatch):
+    import captum_vit.viz as viz
+
+    seen = {}
+    real = viz.plot_grid
+
+    def spy(*args, **kwargs):
+        seen["display"] = kwargs.get("display")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(viz, "plot_grid", spy)
+    argv = ["explain", "--model", "random:vit_tiny", "--methods", "rollout"]
+    assert main(argv + ["--out", str(tmp_path / "a.png")]) == 0
+    assert seen["display"] == "nearest"
+    assert main(argv + ["--display", "bilinear", "--out", str(tmp_path / "b.png")]) == 0
+    assert seen["display"] == "bilinear"
+    with pytest.raises(SystemExit):
+        main(argv + ["--display", "cubic"])

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from captum_vit.cli import main
-from captum_vit.commands.evaluate import SyntheticLoc, resolve_methods, resolve_metrics
+from captum_vit.data.specs import SyntheticLoc
+from captum_vit.metrics.suite import parse_metrics
+from captum_vit.registry import parse_methods
 from tests.metrics_toys import one_thread
 
 __all__ = ["one_thread"]
@@ -58,8 +60,9 @@ def test_evaluate_errors(tmp_path, capsys):
     out = ["--out", str(tmp_path / "x")]
     assert main(BASE + ["--metrics", "nope"] + out) == 2
     assert "unknown metric 'nope'" in capsys.readouterr().err
-    assert main(BASE + ["--metrics", "deletion", "--removal", "white"] + out) == 2
-    assert "unknown --removal 'white'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: --removal has choices
+        main(BASE + ["--metrics", "deletion", "--removal", "white"] + out)
+    assert "invalid choice: 'white'" in capsys.readouterr().err
     assert main(BASE[:-4] + ["--methods", "bogus", "--metrics", "deletion"] + out) == 2
     assert "unknown method 'bogus'" in capsys.readouterr().err
     assert main(["evaluate", "--model", "bogus:x", "--data", "synthetic"] + out) == 2
@@ -69,15 +72,19 @@ def test_evaluate_errors(tmp_path, capsys):
     assert main(["evaluate", "--model", "random:vit_tiny", "--data", f"folder:{empty}",
                  "--metrics", "deletion", "--methods", "gae"] + out) == 2
     assert "is empty" in capsys.readouterr().err
-    assert main(BASE + ["--metrics", "deletion", "--n", "0"] + out) == 2
+    with pytest.raises(SystemExit):  # argparse: --n is a positive int
+        main(BASE + ["--metrics", "deletion", "--n", "0"] + out)
     assert "--n" in capsys.readouterr().err
 
 
 def test_name_resolution_and_synthetic_data():
-    assert resolve_metrics(["all"])[0] == "perturbation" and len(resolve_metrics(["all"])) == 11
-    assert resolve_metrics(["aopc,lodds", "aopc"]) == ["aopc", "lodds"]
-    assert "random" in resolve_methods(["all"])
-    assert resolve_methods(["captum:Saliency"]) == ["captum:Saliency"]
+    assert parse_metrics(["all"])[0] == "perturbation" and len(parse_metrics(["all"])) == 11
+    assert parse_metrics(["aopc,lodds", "aopc"]) == ["aopc", "lodds"]
+    assert "pointing_game" not in parse_metrics("all", has_masks=False)
+    with pytest.raises(ValueError, match="pointing_game need ground-truth masks"):
+        parse_metrics("deletion,pointing_game", has_masks=False)
+    assert "random" in parse_methods(["all"])
+    assert parse_methods(["captum:Saliency"]) == ["captum:Saliency"]
     data = SyntheticLoc(4, 3, (32, 32), 10, seed=0)
     img, label, mask = data[2]
     img2, _, mask2 = SyntheticLoc(9, 3, (32, 32), 10, seed=0)[2]
@@ -132,8 +139,8 @@ def test_each_warning_once_survives_filter_resets():
     (as third-party code does between batches); the evaluate loop shows it once."""
     import warnings
 
-    from captum_vit.commands.evaluate import each_warning_once
     from captum_vit.methods.tis import kmeans_masks
+    from captum_vit.metrics.suite import each_warning_once
 
     feats = torch.rand(1, 4, 3)
 
@@ -159,3 +166,110 @@ def test_each_warning_once_survives_filter_resets():
         return sum("n_masks=5" in str(w.message) for w in seen)
 
     assert two_batches_once() == 1
+
+
+# -- issue "One adapter, one registry, thin commands" ------------------------------------------
+def test_evaluate_takes_every_registry_spelling(tmp_path):
+    out = tmp_path / "o"
+    argv = ["evaluate", "--model", "random:vit_tiny", "--data", "synthetic", "--n", "2",
+            "--methods", "GAE", "skipplus:decompx", "--metrics", "sparseness", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["methods"] == ["gae", "skipplus:decompx"]
+    assert set(data["results"]) == {"gae", "skipplus:decompx"}
+
+
+def test_no_two_columns_of_an_evaluation_are_the_same_metric(tmp_path):
+    out = tmp_path / "o"
+    assert main(BASE[:-4] + ["--methods", "gae", "--metrics",
+                             "aopc,lodds,token_ratio,deletion,insertion", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]["gae"]
+    cols = list(res)
+    assert "token_ratio_remove_aopc" not in cols and "token_ratio_remove_lodds" not in cols
+    assert {"aopc", "lodds", "token_ratio_keep_aopc", "token_ratio_remove_accuracy"} <= set(cols)
+    for i, a in enumerate(cols):
+        for b in cols[i + 1:]:
+            same = (res[a]["per_example"] == res[b]["per_example"]
+                    and res[a]["mean_curve"] == res[b]["mean_curve"])
+            assert not same, f"{a} and {b} are the same metric"
+    md = (out / "results.md").read_text().splitlines()[2].split("|")
+    header = [c.strip().split(" ")[0] for c in md if c.strip()]
+    assert len(header) == len(set(header))
+
+
+def test_evaluate_checks_out_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("in the way")
+    # the model spec is bad too: the --out error must come first (nothing loaded or computed)
+    argv = ["evaluate", "--model", "bogus:x", "--data", "synthetic", "--methods", "gae",
+            "--metrics", "deletion"]
+    assert main(argv + ["--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and str(blocker) in err and "unknown model" not in err
+    assert main(argv + ["--out", str(blocker)]) == 2
+    assert "--out" in capsys.readouterr().err
+    # a missing folder is created before the work starts (and holds the results after)
+    deep = tmp_path / "a" / "b" / "c"
+    assert main(argv + ["--out", str(deep)]) == 2
+    assert deep.is_dir() and "unknown model" in capsys.readouterr().err
+
+
+def _garment_folder(root: Path, folders: dict[str, int], per_class: int = 2) -> list[int]:
+    """PNGs of correctly classified sample garments of class ``folders[name]`` under
+    ``root/name``; returns the labels in file order."""
+    import numpy as np
+    from PIL import Image
+
+    from captum_vit import zoo
+    from captum_vit.data import load_sample
+
+    s, zm = load_sample(), zoo.load("vit_fmnist_loc")
+    with torch.no_grad():
+        pred = zm.model(torch.stack([zm.preprocess(im) for im in s["images"]])).argmax(-1)
+    for name, label in folders.items():
+        (root / name).mkdir(parents=True)
+        idx = [i for i in range(len(pred)) if s["labels"][i] == label == pred[i]][:per_class]
+        for i in idx:
+            arr = (s["images"][i, 0] * 255).round().to(torch.uint8).numpy()
+            Image.fromarray(np.asarray(arr)).save(root / name / f"{i:03d}.png")
+    return sorted(folders.values())
+
+
+def test_folder_labels_are_matched_to_the_models_class_names(tmp_path, capsys):
+    """Folder names are class names (case and punctuation ignored), not alphabetical
+    indices: every image here is classified correctly, so with the right labels the
+    accuracy before any removal is 100% (the alphabetical index gave 0%)."""
+    root = tmp_path / "garments"
+    _garment_folder(root, {"t-shirt_top": 0, "DRESS": 3})
+    out = tmp_path / "o"
+    argv = ["evaluate", "--model", "zoo:vit_fmnist_loc", "--data", f"folder:{root}", "--n", "4",
+            "--methods", "rollout", "--metrics", "perturbation", "--target", "label"]
+    assert main(argv + ["--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]["rollout"]
+    assert res["perturbation_pos"]["mean_curve"][0] == 1.0
+    (root / "spaceship").mkdir()
+    moved = sorted((root / "DRESS").iterdir())[0]
+    moved.rename(root / "spaceship" / moved.name)
+    assert main(argv + ["--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "spaceship" in err and "T-shirt/top" in err
+
+
+def test_folder_labels_need_class_names(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path / "imgs"
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        Image.fromarray(np.zeros((40, 30, 3), np.uint8)).save(root / name / "a.png")
+    argv = ["evaluate", "--model", "random:vit_tiny", "--data", f"folder:{root}",
+            "--methods", "rollout", "--metrics", "sparseness", "--target", "label"]
+    assert main(argv + ["--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--classes" in err and "--target predicted" in err
+    assert not (tmp_path / "o" / "results.json").exists()
+    classes = tmp_path / "classes.txt"
+    classes.write_text("\n".join(["Dog", "bird", "CAT"] + [f"c{i}" for i in range(7)]) + "\n")
+    assert main(argv + ["--classes", str(classes), "--out", str(tmp_path / "o")]) == 0
+    assert main(argv[:-2] + ["--out", str(tmp_path / "q")]) == 0  # --target predicted

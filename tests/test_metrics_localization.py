@@ -73,3 +73,33 @@ def test_segmentation_accepts_pixel_maps_and_checks_masks():
         pointing_game(model, x, pix, masks[:1])
     with pytest.raises(TypeError, match="masks"):
         pointing_game(model, x, pix, masks.numpy())
+
+
+# -- issue "One adapter, one registry, thin commands" ------------------------------------------
+def test_pointing_game_decides_on_the_patch_grid_at_every_border():
+    """The top patch is the argmax of the patch scores; a hit when the mask covers any pixel
+    of that patch. A bilinear upsampled map has a plateau over the outer corner of a border
+    patch and the old pixel argmax took the plateau's first pixel in reading order, so a
+    garment inside the top patch but off that pixel was judged a miss."""
+    model, x = linear_toy(), toy_inputs(4)
+    cells = [(0, 0), (3, 3), (0, 3), (3, 0)]
+    maps = torch.cat([_grid([c]) for c in cells])
+    masks = torch.zeros(4, 16, 16, dtype=torch.bool)
+    masks[0, 2:4, 2:4] = True     # inside patch (0, 0), away from the pixel (0, 0)
+    masks[1, 12:14, 12:14] = True  # inside patch (3, 3), away from its corner (15, 15)
+    masks[2, 3, 12] = True         # one pixel of patch (0, 3)
+    masks[3, 11, 4:8] = True       # patch (2, 1), next to the top patch (3, 0): a miss
+    res = pointing_game(model, x, maps, masks)
+    assert res.per_example.tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_pointing_game_ties_count_the_expected_hit():
+    model, x = linear_toy(), toy_inputs(3)
+    maps = torch.cat([_grid([(0, 0), (3, 3)]), _grid([(0, 0), (1, 1), (2, 2), (3, 3)]),
+                      torch.zeros(1, 16, dtype=torch.float64)])
+    masks = torch.zeros(3, 16, 16, dtype=torch.bool)
+    masks[0, 0:4, 0:4] = True      # one of two tied top patches: expected hit 1/2
+    masks[1, 4:12, 4:12] = True    # two of four tied top patches: 1/2
+    masks[2, 0, 0] = True          # a constant map: all 16 patches tie, one is hit: 1/16
+    res = pointing_game(model, x, maps, masks)
+    assert res.per_example.tolist() == pytest.approx([0.5, 0.5, 1 / 16])

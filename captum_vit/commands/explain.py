@@ -1,4 +1,9 @@
-"""``captum-vit explain``: a PNG grid of the input and every method's map."""
+"""``captum-vit explain``: a PNG grid of the input and every method's map.
+
+Models (``--model``): :mod:`captum_vit.models`; methods (``--methods``):
+:mod:`captum_vit.registry`; image reading: :mod:`captum_vit.data.images`; drawing:
+:mod:`captum_vit.viz`. This module only parses options.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,13 @@ import argparse
 import sys
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from captum_vit.commands.evaluate import load_model, model_input
-from captum_vit.registry import available_methods, build_method
+from captum_vit import viz
+from captum_vit.data.images import conform, read_image
+from captum_vit.metrics.report import ensure_file_location
+from captum_vit.models import SPEC_HELP, load_model
+from captum_vit.registry import available_methods, build_method, parse_methods
 
 DEFAULT_MODEL = "zoo:vit_fmnist_loc"
 # quick settings for the demo grid (the methods' defaults are the papers')
@@ -20,82 +27,54 @@ DEMO_KWARGS = {"tis": {"n_masks": 128}}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``captum-vit explain``."""
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="zoo:NAME (default: the bundled model) | timm:NAME | "
-                        "file:PATH.safetensors | random:vit_tiny")
+                   help=f"{SPEC_HELP} (default: the bundled model)")
     p.add_argument("--pretrained", action="store_true",
                    help="with --model timm:NAME: load its pretrained weights from the local "
                         "cache (never downloads); without it the timm model has random weights")
+    p.add_argument("--classes", default=None, metavar="FILE",
+                   help="class names of the model, one per line (for timm/file/random models)")
     p.add_argument("--image", default=None,
                    help="image file of any size (default: a bundled FashionMNIST-Loc sample)")
     p.add_argument("--methods", default="all",
-                   help=f"comma-separated names or 'all' ({', '.join(available_methods())})")
+                   help="comma-separated names or 'all' "
+                        f"({', '.join(available_methods(baselines=False))}; also GAE, "
+                        "plus:<name>, SkipPLUS(<name>), captum:<Class>)")
     p.add_argument("--target", type=int, default=None, help="class to explain (default: predicted)")
     p.add_argument("--seed", type=int, default=0, help="seed of random models")
-    p.add_argument("--out", default="explain.png", help="output PNG path")
-
-
-def _methods(spec: str) -> list[str]:
-    names = available_methods() if spec == "all" else [n for n in spec.split(",") if n]
-    for n in names:
-        if n not in available_methods() and not n.startswith(("captum:", "plus:", "skipplus:")):
-            raise ValueError(f"unknown method {n!r}; choose from {', '.join(available_methods())}, "
-                             "plus:<name>, skipplus:<name>, captum:<Class> or 'all'")
-    if not names:
-        raise ValueError("--methods is empty")
-    return names
-
-
-def _image(path: str | None) -> torch.Tensor:
-    """[C, H, W] in [0, 1]: the file, or the first bundled sample image."""
-    if path is None:
-        from captum_vit.data import load_sample
-
-        return load_sample()["images"][0]
-    from pathlib import Path
-
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--image {path}: no such file")
-    try:
-        arr = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32) / 255
-    except UnidentifiedImageError as e:
-        raise ValueError(f"--image {path}: not an image PIL can read") from e
-    return torch.from_numpy(arr).permute(2, 0, 1)
+    p.add_argument("--display", default="nearest", choices=viz.DISPLAYS,
+                   help="nearest: each patch one colour, as computed (default); bilinear: "
+                        "smoothed for display")
+    p.add_argument("--out", default="explain.png", help="output PNG path (its folder is created)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Explain one image with every requested method and write the PNG grid."""
-    from captum_vit.viz import plot_grid
+    names = parse_methods(args.methods, for_explain=True)
+    out = ensure_file_location(args.out, formats=viz.figure_formats())
+    lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
+                    class_names=args.classes)
+    if lm.random_weights:
+        hint = ("; add --pretrained for the trained weights in the local cache"
+                if args.model.startswith("timm:") else "")
+        print(f"note: explaining a random-weight ViT{hint}", file=sys.stderr)
+    if args.image is None:
+        from captum_vit.data import load_sample
 
-    names = _methods(args.methods)
-    model, pre, class_names = load_model(args.model, args.seed, args.pretrained)
-    if args.model.startswith("random:"):
-        print("note: explaining a random-weight ViT", file=sys.stderr)
-    elif args.model.startswith("timm:") and not args.pretrained:
-        print("note: explaining a random-weight ViT; add --pretrained for the trained weights "
-              "in the local cache", file=sys.stderr)
-    chans, size = model_input(model)
-    img = _image(args.image)
-    if img.shape[0] != chans:
-        img = img.mean(0, keepdim=True).expand(chans, -1, -1)
-    if tuple(img.shape[-2:]) != size:
-        img = F.interpolate(img[None], size=size, mode="bilinear", align_corners=False,
-                            antialias=True)[0]
-    x = (pre(img) if pre is not None else img)[None]
+        image = load_sample()["images"][0]
+    else:
+        image = read_image(args.image)
+    x = lm.preprocess(image)[None]
     with torch.no_grad():
-        probs = model(x).softmax(-1)[0]
-    n_classes = probs.shape[0]
-    if args.target is not None and not 0 <= args.target < n_classes:
-        raise ValueError(f"--target must be in [0, {n_classes}), got {args.target}")
+        probs = lm.model(x).softmax(-1)[0]
+    if args.target is not None and not 0 <= args.target < probs.shape[0]:
+        raise ValueError(f"--target must be in [0, {probs.shape[0]}), got {args.target}")
     target = int(probs.argmax()) if args.target is None else args.target
-    maps = {}
-    for name in tqdm(names, desc="methods", file=sys.stderr):
-        maps[name] = build_method(name, model).attribute(x, target=target, output="grid",
-                                                         **DEMO_KWARGS.get(name, {}))
-    label = class_names[target] if class_names else f"class {target}"
-    title = f"{label} (p={probs[target]:.2f})"
-    plot_grid(img[None], maps, row_titles=[title], path=args.out)
-    print(f"wrote {args.out}: {len(maps)} methods, {title}")
+    maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
+                x, target=target, output="grid", **DEMO_KWARGS.get(name, {}))
+            for name in tqdm(names, desc="methods", file=sys.stderr)}
+    shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
+    viz.plot_grid(shown[None], maps, path=str(out), display=args.display,
+                  row_titles=[viz.prediction_title(probs, target, lm.class_names, sep="\n")])
+    print(f"wrote {out}: {len(maps)} methods, "
+          f"{viz.prediction_title(probs, target, lm.class_names)}")
     return 0

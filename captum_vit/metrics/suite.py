@@ -1,0 +1,430 @@
+"""The metric table and the evaluation loop (methods × metrics over a data set).
+
+:data:`METRICS` maps a metric name to a :class:`MetricSpec`: a function of one
+:class:`MetricBatch` (a method's maps, the model, the batch and the settings) returning
+``{column: MetricResult}``, and whether it needs ground-truth masks or the attribution
+itself (re-run on perturbed inputs or randomised models) rather than its maps. Adding a
+metric is one function plus one row; :func:`evaluate_batch` and :func:`evaluate` read the
+table, so the command line never names a metric.
+
+:func:`evaluate` also runs under ``torchrun``: with a process group initialised (see
+:func:`distributed`), rank ``r`` of ``K`` evaluates the batches ``i ≡ r (mod K)`` and the
+shards are gathered on every rank. Every random choice is seeded by ``seed`` and the
+example index, so the results equal those of a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from captum.attr import Attribution
+from torch import Tensor, nn
+
+from captum_vit._base import check_choice
+from captum_vit.adapters import adapt
+from captum_vit.metrics import faithfulness as fa
+from captum_vit.metrics.localization import pointing_game, segmentation
+from captum_vit.metrics.removal import REMOVALS, patch_maps
+from captum_vit.metrics.results import MetricResult
+from captum_vit.metrics.robustness import max_sensitivity, sparseness
+from captum_vit.metrics.sanity import randomization
+
+MethodFactory = Callable[[nn.Module], Attribution]
+TARGETS = ("predicted", "label")
+
+
+@dataclass(frozen=True)
+class MetricBatch:
+    """Everything a metric sees for one method on one batch.
+
+    Attributes:
+        model (nn.Module): the model.
+        inputs (Tensor): images ``[B, C, H, W]``.
+        maps (Tensor): the method's patch maps ``[B, P]`` for ``target`` (computed once,
+            shared by every map metric).
+        attribution (Attribution): the method, for metrics that re-run it.
+        factory (Callable): ``model -> Attribution``, for metrics that rebuild it.
+        target (Tensor): the explained class of each image ``[B]``.
+        labels (Tensor, optional): ground-truth classes for accuracies (``None``: the
+            clean prediction).
+        masks (Tensor, optional): ground-truth regions ``[B, H, W]``.
+        example_ids (list[int]): data set index of each image (seeds per example).
+        removal (str): patch removal (:data:`captum_vit.metrics.removal.REMOVALS`).
+        batch_size (int): forward batch of the removal engine.
+        n_steps (int): deletion / insertion steps.
+        seed (int): seed of baselines, noise and randomisation.
+    """
+
+    model: nn.Module
+    inputs: Tensor
+    maps: Tensor | None
+    attribution: Attribution
+    factory: MethodFactory
+    target: Tensor
+    labels: Tensor | None
+    masks: Tensor | None
+    example_ids: list[int]
+    removal: str = "token"
+    batch_size: int = 64
+    n_steps: int = 20
+    seed: int = 0
+
+    @property
+    def removal_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the removal metrics (:mod:`faithfulness`)."""
+        return dict(removal=self.removal, batch_size=self.batch_size,
+                    example_ids=self.example_ids, seed=self.seed, target=self.target)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A row of :data:`METRICS`.
+
+    Attributes:
+        compute (Callable): :class:`MetricBatch` -> ``{column: MetricResult}``.
+        needs_masks (bool): needs ground-truth masks.
+        needs_callable (bool): needs the attribution itself, not only its maps.
+    """
+
+    compute: Callable[[MetricBatch], dict[str, MetricResult]]
+    needs_masks: bool = False
+    needs_callable: bool = False
+
+
+def _named(*results: MetricResult) -> dict[str, MetricResult]:
+    return {r.name: r for r in results}
+
+
+def _perturbation(b: MetricBatch) -> dict[str, MetricResult]:
+    return _named(*(fa.perturbation_test(b.model, b.inputs, b.maps, order=order,
+                                         labels=b.labels, **b.removal_kwargs)
+                    for order in ("positive", "negative")))
+
+
+def _removal(fn: Callable[..., MetricResult], **extra: Any) -> Callable[[MetricBatch], dict]:
+    """A removal metric with the batch's removal settings (``extra``: attribute names of
+    the batch passed as keyword arguments, e.g. ``n_steps``)."""
+    def compute(b: MetricBatch) -> dict[str, MetricResult]:
+        kw = {k: getattr(b, v) for k, v in extra.items()}
+        return _named(fn(b.model, b.inputs, b.maps, **kw, **b.removal_kwargs))
+    return compute
+
+
+METRICS: dict[str, MetricSpec] = {
+    "perturbation": MetricSpec(_perturbation),
+    "aopc": MetricSpec(_removal(fa.aopc)),
+    "lodds": MetricSpec(_removal(fa.lodds)),
+    "deletion": MetricSpec(_removal(fa.deletion, n_steps="n_steps")),
+    "insertion": MetricSpec(_removal(fa.insertion, n_steps="n_steps")),
+    "token_ratio": MetricSpec(lambda b: fa.token_ratio(b.model, b.inputs, b.maps,
+                                                       **b.removal_kwargs)),
+    "pointing_game": MetricSpec(lambda b: _named(pointing_game(
+        b.model, b.inputs, b.maps, b.masks, target=b.target)), needs_masks=True),
+    "segmentation": MetricSpec(lambda b: segmentation(b.model, b.inputs, b.maps, b.masks,
+                                                      target=b.target), needs_masks=True),
+    "max_sensitivity": MetricSpec(lambda b: _named(max_sensitivity(
+        b.model, b.inputs, b.attribution, target=b.target, seed=b.seed,
+        example_ids=b.example_ids)), needs_callable=True),
+    "sparseness": MetricSpec(lambda b: _named(sparseness(b.model, b.inputs, b.maps,
+                                                         target=b.target))),
+    "randomization": MetricSpec(lambda b: _named(randomization(
+        b.model, b.inputs, b.factory, target=b.target, seed=b.seed)), needs_callable=True),
+}
+"""Metric name -> :class:`MetricSpec`, in table order."""
+
+DERIVED: dict[str, tuple[str, str, Callable[[MetricResult, MetricResult], MetricResult]]] = {
+    "insertion_minus_deletion": ("insertion", "deletion", fa.insertion_minus_deletion),
+}
+"""Columns computed from two others (placed right after the first) when both are there."""
+
+
+def available_metrics(*, masks: bool = True) -> list[str]:
+    """Names of :data:`METRICS` (without those needing masks when ``masks`` is False).
+
+    Examples::
+
+        >>> from captum_vit.metrics.suite import available_metrics
+        >>> available_metrics()[:3]
+        ['perturbation', 'aopc', 'lodds']
+    """
+    return [m for m, spec in METRICS.items() if masks or not spec.needs_masks]
+
+
+def parse_metrics(values: Sequence[str] | str, *, has_masks: bool = True) -> list[str]:
+    r"""Metric names from command-line values (comma or space separated).
+
+    Args:
+        values (str or sequence of str): e.g. ``["aopc,lodds", "deletion"]`` or ``"all"``.
+        has_masks (bool, optional): whether the data has ground-truth masks; ``all``
+            then leaves out the metrics that need them, and naming one is an error.
+            Default True.
+
+    Returns:
+        list[str]: names of :data:`METRICS`, repeats dropped, in the given order.
+
+    Raises:
+        ValueError: an empty list, an unknown name, or a mask metric without masks.
+
+    Examples::
+
+        >>> from captum_vit.metrics.suite import parse_metrics
+        >>> parse_metrics(["aopc,lodds", "aopc"])
+        ['aopc', 'lodds']
+    """
+    if isinstance(values, str):
+        values = [values]
+    names = [n.strip().lower() for v in values for n in v.replace(",", " ").split()]
+    if not names:
+        raise ValueError("--metrics is empty; name at least one metric or 'all'")
+    if "all" in names:
+        return available_metrics(masks=has_masks)
+    for n in names:
+        if n not in METRICS:
+            raise ValueError(f"unknown metric {n!r}; choose from {', '.join(METRICS)} or 'all'")
+    masked = [n for n in names if METRICS[n].needs_masks]
+    if masked and not has_masks:
+        raise ValueError(f"{', '.join(dict.fromkeys(masked))} need ground-truth masks, which "
+                         "the data lacks; use --data fmnist-loc, sample or synthetic")
+    return list(dict.fromkeys(names))
+
+
+def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
+                   metrics: Sequence[str], *, attribution: Attribution | None = None,
+                   labels: Tensor | None = None, masks: Tensor | None = None,
+                   target: str = "predicted", example_ids: Sequence[int] | None = None,
+                   removal: str = "token", batch_size: int = 64, n_steps: int = 20,
+                   seed: int = 0) -> dict[str, MetricResult]:
+    r"""Every metric of ``metrics`` for one method on one batch.
+
+    The method's patch maps are computed once and shared by all map metrics; metrics
+    that need the method itself get it (:attr:`MetricSpec.needs_callable`).
+
+    Args:
+        model (nn.Module): a supported ViT classifier.
+        inputs (Tensor): images ``[B, C, H, W]``.
+        method (Callable): factory ``model -> Attribution`` (e.g.
+            :func:`captum_vit.registry.method_factory`).
+        metrics (Sequence[str]): names of :data:`METRICS`.
+        attribution (Attribution, optional): ``method(model)`` built once by the caller.
+        labels (Tensor, optional): ground-truth classes ``[B]``.
+        masks (Tensor, optional): ground-truth regions ``[B, H, W]`` (mask metrics).
+        target (str, optional): ``"predicted"`` (explain the prediction; accuracies
+            against it) or ``"label"`` (explain ``labels``; accuracies against them).
+        example_ids (Sequence[int], optional): data set index of each image.
+        removal (str, optional): patch removal. Default ``"token"``.
+        batch_size (int, optional): forward batch of the removal engine. Default 64.
+        n_steps (int, optional): deletion / insertion steps. Default 20.
+        seed (int, optional): seed of baselines, noise and randomisation. Default 0.
+
+    Returns:
+        dict[str, MetricResult]: one entry per column, on the CPU, in table order
+        (``insertion_minus_deletion`` right after ``insertion``).
+
+    Examples::
+
+        >>> from captum_vit.metrics.suite import evaluate_batch
+        >>> from captum_vit.registry import method_factory
+        >>> cols = evaluate_batch(model, x, method_factory("gae"), ["deletion", "insertion"])
+        >>> list(cols)
+        ['deletion', 'insertion', 'insertion_minus_deletion']
+    """
+    check_choice("target", target, TARGETS)
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; choose from {', '.join(METRICS)}")
+    if any(METRICS[m].needs_masks for m in metrics) and masks is None:
+        raise ValueError(f"{', '.join(m for m in metrics if METRICS[m].needs_masks)} need "
+                         "ground-truth masks; pass masks=")
+    if target == "label" and (labels is None or bool((labels < 0).any())):
+        raise ValueError("target='label' needs a label (>= 0) for every image")
+    attr = method(model) if attribution is None else attribution
+    with torch.no_grad():
+        pred = model(inputs).argmax(-1)
+    t = pred if target == "predicted" else labels.to(pred.device)
+    maps = None
+    if not all(METRICS[m].needs_callable for m in metrics):  # computed once, reused
+        maps = patch_maps(attr, inputs, t, adapt(model).layout(inputs))
+    ids = list(range(inputs.shape[0])) if example_ids is None else [int(i) for i in example_ids]
+    batch = MetricBatch(model, inputs, maps, attr, method, t,
+                        labels if target == "label" else None, masks, ids, removal,
+                        batch_size, n_steps, seed)
+    out: dict[str, MetricResult] = {}
+    for m in metrics:
+        out.update(METRICS[m].compute(batch))
+    cols: dict[str, MetricResult] = {}
+    for name, res in out.items():
+        cols[name] = res.to("cpu")
+        for derived, (first, second, fn) in DERIVED.items():
+            if name == first and second in out:
+                cols[derived] = fn(out[first], out[second]).to("cpu")
+    return cols
+
+
+def evaluate(model: nn.Module, data: Sequence[Any],
+             methods: Sequence[str] | Mapping[str, MethodFactory], metrics: Sequence[str], *,
+             preprocess: Callable[[Tensor], Tensor] | None = None, batch_size: int = 16,
+             target: str = "predicted", removal: str = "token", n_steps: int = 20,
+             seed: int = 0, progress: bool = False) -> dict[str, dict[str, MetricResult]]:
+    r"""Evaluate methods × metrics over a data set, batch by batch.
+
+    Images are converted to the model's input shape, preprocessed and cast to the
+    model's device and dtype (:func:`captum_vit.data.specs.model_batch`). Under an
+    initialised process group each rank evaluates its share of the batches and the
+    results are gathered on every rank.
+
+    Args:
+        model (nn.Module): a supported ViT classifier (on its device and dtype).
+        data (Sequence): examples ``(image, label, mask)``
+            (:func:`captum_vit.data.specs.load_data`).
+        methods (Sequence[str] or Mapping[str, Callable]): registry names (parsed by
+            :func:`captum_vit.registry.method_factory`), or name -> factory.
+        metrics (Sequence[str]): names of :data:`METRICS`.
+        preprocess (Callable, optional): per-image normalisation.
+        batch_size (int, optional): images per batch (the removal engine runs
+            ``4 * batch_size`` jobs per forward). Default 16.
+        target (str, optional): ``"predicted"`` or ``"label"``. Default ``"predicted"``.
+        removal (str, optional): patch removal. Default ``"token"``.
+        n_steps (int, optional): deletion / insertion steps. Default 20.
+        seed (int, optional): seed of every random choice. Default 0.
+        progress (bool, optional): a progress bar on rank 0. Default False.
+
+    Returns:
+        dict[str, dict[str, MetricResult]]: method -> column -> result over every example.
+
+    Raises:
+        ValueError: unknown removal, metric or method; a non-positive batch size.
+
+    Examples::
+
+        >>> from captum_vit.data.specs import load_data
+        >>> from captum_vit.metrics.suite import evaluate
+        >>> data = load_data("sample", n=32, input_shape=(1, (56, 56)), num_classes=10)
+        >>> res = evaluate(model, data, ["gae", "random"], ["deletion", "insertion"])
+        >>> res["gae"]["deletion"].value
+    """
+    from tqdm import tqdm
+
+    from captum_vit.data.specs import model_batch
+    from captum_vit.registry import method_factory
+
+    check_choice("removal", removal, REMOVALS)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    factories = dict(methods) if isinstance(methods, Mapping) else {
+        m: method_factory(m, seed=seed) for m in methods}
+    param = next(model.parameters())
+    shape = adapt(model).input_shape
+    rank, world = _rank_world()
+    n = len(data)
+    if n == 0:
+        raise ValueError("the data set is empty; nothing to evaluate")
+    batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+    attrs = {m: f(model) for m, f in factories.items()}
+    local: dict[int, dict[str, dict[str, MetricResult]]] = {}
+    with each_warning_once():
+        for b in tqdm(range(rank, len(batches), world), disable=not progress or rank != 0,
+                      desc=f"evaluate (rank {rank})" if world > 1 else "evaluate",
+                      file=sys.stderr):
+            x, labels, masks = model_batch(data, batches[b], input_shape=shape,
+                                           preprocess=preprocess, device=param.device,
+                                           dtype=param.dtype)
+            local[b] = {m: evaluate_batch(model, x, factories[m], metrics, attribution=attrs[m],
+                                          labels=labels, masks=masks, target=target,
+                                          example_ids=batches[b], removal=removal,
+                                          batch_size=batch_size * 4, n_steps=n_steps, seed=seed)
+                        for m in factories}
+    parts: list[Any] = [local]
+    if world > 1:
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, local)
+    merged = {k: v for p in parts for k, v in p.items()}
+    return {m: {c: MetricResult.cat([merged[b][m][c] for b in range(len(batches))])
+                for c in merged[0][m]} for m in factories}
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextmanager
+def distributed(device: str = "auto") -> Iterator[tuple[torch.device, int, int]]:
+    r"""The device, rank and world size of this process; under ``torchrun``
+    (``WORLD_SIZE`` > 1) a process group (nccl on CUDA, gloo on CPU) is set up for the
+    block and torn down after it (behind a barrier).
+
+    Args:
+        device (str, optional): ``"auto"`` (CUDA when available), ``"cpu"`` or
+            ``"cuda"``; under torchrun CUDA ranks use their ``LOCAL_RANK`` device.
+
+    Yields:
+        tuple: ``(device, rank, world)``.
+
+    Examples::
+
+        >>> from captum_vit.metrics.suite import distributed
+        >>> with distributed("cpu") as (device, rank, world):
+        ...     results = evaluate(model.to(device), data, ["gae"], ["deletion"])
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    spec = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dev = torch.device(spec)
+    if spec == "cuda" and world > 1:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    dist = torch.distributed
+    started = world > 1 and not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    try:
+        yield dev, int(os.environ.get("RANK", "0")), world
+    finally:
+        if started and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+@contextmanager
+def each_warning_once() -> Iterator[None]:
+    """Show each distinct warning (message and category) once while the block runs.
+
+    Python shows a warning once per code location, but every change to the warning filters
+    (``warnings.catch_warnings`` in third-party code, e.g. during Max-Sensitivity) forgets
+    what was shown, including the ``"once"`` registry, so a per-call warning such as TIS's
+    ``n_masks`` clamp came back for every batch of an evaluation. This de-duplicates at
+    ``warnings.showwarning`` instead; the previous hook and filters are restored on exit.
+
+    Examples::
+
+        >>> from captum_vit.metrics.suite import each_warning_once
+        >>> with each_warning_once():
+        ...     for x in batches:
+        ...         TIS(model).attribute(x, n_masks=10_000)   # the clamp warning shows once
+    """
+    seen: set[tuple[str, type]] = set()
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def show_once(message: Warning | str, category: type[Warning], *args: Any,
+                      **kwargs: Any) -> None:
+            key = (str(message), category)
+            if key not in seen:
+                seen.add(key)
+                show(message, category, *args, **kwargs)
+
+        warnings.showwarning = show_once
+        yield
+
+
+__all__ = ["DERIVED", "METRICS", "MetricBatch", "MetricSpec", "available_metrics",
+           "distributed", "each_warning_once", "evaluate", "evaluate_batch", "parse_metrics"]
