@@ -1,8 +1,9 @@
 """Localisation against ground-truth masks: pointing game and segmentation (SPEC §6.5–6.6).
 
-Patch maps (from precomputed maps or any attribution, see
-:func:`captum_vit.metrics.removal.patch_maps`) are upsampled bilinearly from the patch
-grid to the image size before they are compared with the masks.
+Patch maps come from precomputed maps or any attribution (see
+:func:`captum_vit.metrics.removal.patch_maps`). The pointing game is decided on the patch
+grid (the top patch against the patches the mask touches); segmentation upsamples the
+map bilinearly to the image size before comparing it with the masks, as TokenTM does.
 """
 
 from __future__ import annotations
