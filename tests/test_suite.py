@@ -64,14 +64,17 @@ def test_evaluate_over_a_data_set_equals_its_batches(batch):
     model, x, labels, masks = batch
     lm = load_model("random:vit_tiny", seed=0)
     data = load_data("synthetic", n=3, input_shape=lm.input_shape, num_classes=lm.num_classes)
-    res = suite.evaluate(model, data, ["gae"], ["sparseness", "deletion"], batch_size=2,
+    res = suite.evaluate(model, data, {"gae": method_factory("gae")}, ["sparseness", "deletion"], batch_size=2,
                          n_steps=4)
     one = suite.evaluate_batch(model, x, method_factory("gae"), ["sparseness", "deletion"],
                                n_steps=4, batch_size=8)
     for c in ("sparseness", "deletion"):
         torch.testing.assert_close(res["gae"][c].per_example, one[c].per_example)
     with pytest.raises(ValueError, match="removal must be one of"):
-        suite.evaluate(model, data, ["gae"], ["deletion"], removal="white")
+        suite.evaluate(model, data, {"gae": method_factory("gae")}, ["deletion"],
+                       removal="white")
+    with pytest.raises(TypeError, match="method_factory"):  # names go through the registry
+        suite.evaluate(model, data, ["gae"], ["deletion"])
 
 
 def test_output_locations_fail_early(tmp_path):

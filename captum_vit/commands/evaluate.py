@@ -25,7 +25,7 @@ from captum_vit.metrics import report, suite
 from captum_vit.metrics.removal import REMOVALS
 from captum_vit.models import SPEC_HELP as MODEL_HELP
 from captum_vit.models import load_model
-from captum_vit.registry import parse_methods
+from captum_vit.registry import method_factory, parse_methods
 
 
 def positive_int(text: str) -> int:
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
                          input_shape=lm.input_shape, num_classes=lm.num_classes,
                          class_names=lm.class_names, need_labels=args.target == "label")
         metrics = suite.parse_metrics(args.metrics, has_masks=data.has_masks)
-        results = suite.evaluate(model, data, methods, metrics, preprocess=lm.preprocess,
+        factories = {m: method_factory(m, seed=args.seed) for m in methods}
+        results = suite.evaluate(model, data, factories, metrics, preprocess=lm.preprocess,
                                  batch_size=args.batch_size, target=args.target,
                                  removal=args.removal, n_steps=args.steps, seed=args.seed,
                                  progress=True)

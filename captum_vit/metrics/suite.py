@@ -27,7 +27,7 @@ import torch
 from captum.attr import Attribution
 from torch import Tensor, nn
 
-from captum_vit._base import check_choice
+from captum_vit._base import check_choice, check_scalar
 from captum_vit.adapters import adapt
 from captum_vit.metrics import faithfulness as fa
 from captum_vit.metrics.localization import pointing_game, segmentation
@@ -268,7 +268,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
 
 
 def evaluate(model: nn.Module, data: Sequence[Any],
-             methods: Sequence[str] | Mapping[str, MethodFactory], metrics: Sequence[str], *,
+             methods: Mapping[str, MethodFactory], metrics: Sequence[str], *,
              preprocess: Callable[[Tensor], Tensor] | None = None, batch_size: int = 16,
              target: str = "predicted", removal: str = "token", n_steps: int = 20,
              seed: int = 0, progress: bool = False) -> dict[str, dict[str, MetricResult]]:
@@ -283,8 +283,8 @@ def evaluate(model: nn.Module, data: Sequence[Any],
         model (nn.Module): a supported ViT classifier (on its device and dtype).
         data (Sequence): examples ``(image, label, mask)``
             (:func:`captum_vit.data.specs.load_data`).
-        methods (Sequence[str] or Mapping[str, Callable]): registry names (parsed by
-            :func:`captum_vit.registry.method_factory`), or name -> factory.
+        methods (Mapping[str, Callable]): table label -> factory ``model -> Attribution``
+            (for a registry name: :func:`captum_vit.registry.method_factory`).
         metrics (Sequence[str]): names of :data:`METRICS`.
         preprocess (Callable, optional): per-image normalisation.
         batch_size (int, optional): images per batch (the removal engine runs
@@ -305,20 +305,22 @@ def evaluate(model: nn.Module, data: Sequence[Any],
 
         >>> from captum_vit.data.specs import load_data
         >>> from captum_vit.metrics.suite import evaluate
+        >>> from captum_vit.registry import method_factory
         >>> data = load_data("sample", n=32, input_shape=(1, (56, 56)), num_classes=10)
-        >>> res = evaluate(model, data, ["gae", "random"], ["deletion", "insertion"])
+        >>> methods = {n: method_factory(n) for n in ("gae", "random")}
+        >>> res = evaluate(model, data, methods, ["deletion", "insertion"])
         >>> res["gae"]["deletion"].value
     """
     from tqdm import tqdm
 
     from captum_vit.data.specs import model_batch
-    from captum_vit.registry import method_factory
 
     check_choice("removal", removal, REMOVALS)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    factories = dict(methods) if isinstance(methods, Mapping) else {
-        m: method_factory(m, seed=seed) for m in methods}
+    check_scalar(batch_size, "batch_size", int, min_val=1)
+    if not isinstance(methods, Mapping):
+        raise TypeError("methods must map a label to a factory model -> Attribution; for "
+                        "registry names use {n: captum_vit.registry.method_factory(n) ...}")
+    factories = dict(methods)
     param = next(model.parameters())
     shape = adapt(model).input_shape
     rank, world = _rank_world()
