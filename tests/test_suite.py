@@ -64,8 +64,8 @@ def test_evaluate_over_a_data_set_equals_its_batches(batch):
     model, x, labels, masks = batch
     lm = load_model("random:vit_tiny", seed=0)
     data = load_data("synthetic", n=3, input_shape=lm.input_shape, num_classes=lm.num_classes)
-    res = suite.evaluate(model, data, {"gae": method_factory("gae")}, ["sparseness", "deletion"], batch_size=2,
-                         n_steps=4)
+    res = suite.evaluate(model, data, {"gae": method_factory("gae")}, ["sparseness", "deletion"],
+                         batch_size=2, n_steps=4)
     one = suite.evaluate_batch(model, x, method_factory("gae"), ["sparseness", "deletion"],
                                n_steps=4, batch_size=8)
     for c in ("sparseness", "deletion"):
