@@ -77,20 +77,35 @@ def test_segmentation_accepts_pixel_maps_and_checks_masks():
 
 # -- issue "One adapter, one registry, thin commands" ------------------------------------------
 def test_pointing_game_decides_on_the_patch_grid_at_every_border():
-    """The top patch is the argmax of the patch scores; a hit when the mask covers any pixel
-    of that patch. A bilinear upsampled map has a plateau over the outer corner of a border
-    patch and the old pixel argmax took the plateau's first pixel in reading order, so a
-    garment inside the top patch but off that pixel was judged a miss."""
-    model, x = linear_toy(), toy_inputs(4)
-    cells = [(0, 0), (3, 3), (0, 3), (3, 0)]
+    """The point is the centre of the top patch (central 2x2 pixels of a 4-pixel patch),
+    for border and interior patches alike. The old argmax of a bilinearly upsampled map
+    ties over the outer corner of a border patch and took the image's edge pixel, so a
+    garment at the centre of the top patch but off the edge was judged a miss."""
+    model, x = linear_toy(), toy_inputs(5)
+    cells = [(0, 0), (3, 3), (0, 3), (3, 0), (1, 2)]
     maps = torch.cat([_grid([c]) for c in cells])
-    masks = torch.zeros(4, 16, 16, dtype=torch.bool)
-    masks[0, 2:4, 2:4] = True     # inside patch (0, 0), away from the pixel (0, 0)
-    masks[1, 12:14, 12:14] = True  # inside patch (3, 3), away from its corner (15, 15)
-    masks[2, 3, 12] = True         # one pixel of patch (0, 3)
-    masks[3, 11, 4:8] = True       # patch (2, 1), next to the top patch (3, 0): a miss
+    masks = torch.zeros(5, 16, 16, dtype=torch.bool)
+    masks[0, 1:3, 1:3] = True      # the centre of patch (0, 0), not the pixel (0, 0)
+    masks[1, 13, 13] = True        # a central pixel of patch (3, 3), off the old (14, 14)
+    masks[2, 2, 13] = True         # a central pixel of patch (0, 3), off the old (0, 14)
+    masks[3, 12:16, 0] = True      # the edge column of patch (3, 0), off its centre: miss
+    masks[4, 6, 10] = True         # an interior patch as before
     res = pointing_game(model, x, maps, masks)
-    assert res.per_example.tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert res.per_example.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
+    # a tolerance grows the region: the edge column is 1 pixel from the central (13, 1)
+    assert pointing_game(model, x, maps, masks, tolerance=1).per_example[3] == 1.0
+    with pytest.raises(ValueError, match="tolerance"):
+        pointing_game(model, x, maps, masks, tolerance=-1)
+
+
+def test_pointing_game_odd_patches_use_their_central_pixel():
+    from captum_vit.metrics.localization import patch_centres_in
+
+    masks = torch.zeros(1, 14, 14, dtype=torch.bool)
+    masks[0, 3, 10] = True  # centre of patch (0, 1) of a 2x2 grid of 7-pixel patches
+    assert patch_centres_in(masks, (2, 2), (7, 7)).tolist() == [[False, True, False, False]]
+    masks[0, 3, 10], masks[0, 4, 10] = False, True
+    assert not patch_centres_in(masks, (2, 2), (7, 7)).any()
 
 
 def test_pointing_game_ties_count_the_expected_hit():
@@ -100,6 +115,6 @@ def test_pointing_game_ties_count_the_expected_hit():
     masks = torch.zeros(3, 16, 16, dtype=torch.bool)
     masks[0, 0:4, 0:4] = True      # one of two tied top patches: expected hit 1/2
     masks[1, 4:12, 4:12] = True    # two of four tied top patches: 1/2
-    masks[2, 0, 0] = True          # a constant map: all 16 patches tie, one is hit: 1/16
+    masks[2, 2, 2] = True          # a constant map: all 16 patches tie, one is hit: 1/16
     res = pointing_game(model, x, maps, masks)
     assert res.per_example.tolist() == pytest.approx([0.5, 0.5, 1 / 16])
