@@ -208,7 +208,7 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     prep = Prepared(images, t, adapter.layout(images), was_tuple)
     if predict:
         with torch.no_grad():
-            prep.logits = adapter.model(images)
+            prep.logits = adapter.model_logits(images)
         prep.target = resolve_target(t, prep.logits)
     return prep
 

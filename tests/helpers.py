@@ -44,6 +44,49 @@ FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
 }
 
 
+# Hugging Face transformers classifiers (optional extra): name -> (class name, config class
+# name, config overrides, input size (H, W)); the DeiT one runs at a non-native size, so
+# its position embeddings go through the model's own interpolation.
+HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
+    "hf_vit": ("ViTForImageClassification", "ViTConfig", {}, (32, 32)),
+    "hf_deit_teacher": ("DeiTForImageClassificationWithTeacher", "DeiTConfig", {}, (24, 40)),
+}
+
+
+def have_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_transformers = pytest.mark.skipif(not have_transformers(),
+                                        reason="the hf extra (transformers) is not installed")
+ALL_FAMILIES = [*FAMILIES, *HF_FAMILIES]
+"""Every model family (timm, then Hugging Face)."""
+
+
+def family_marks(family: str) -> tuple:
+    """pytest marks of a family: Hugging Face ones skip without transformers."""
+    return (needs_transformers,) if family in HF_FAMILIES else ()
+
+
+def make_hf_model(family: str, *, seed: int = 0, depth: int = 3,
+                  dtype: torch.dtype = torch.float64, num_classes: int = 5) -> nn.Module:
+    """A small random Hugging Face classifier of ``family`` (see HF_FAMILIES), eval mode."""
+    import transformers
+
+    cls_name, cfg_name, extra, _ = HF_FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=depth,
+        num_attention_heads=4, intermediate_size=64, num_labels=num_classes,
+        layer_norm_eps=1e-6, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg)
+    return randomize_(model, seed).to(dtype).eval()
+
+
 def randomize_(model: nn.Module, seed: int) -> nn.Module:
     """Re-initialise weights so attention is far from uniform (like the parity fixture)."""
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +94,8 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 fan_in = math.prod(p.shape[1:])
-                std = 1.5 / math.sqrt(fan_in) if "qkv" in name else 1.0 / math.sqrt(fan_in)
+                qk = any(k in name for k in ("qkv", "q_proj", "k_proj", "query", "key"))
+                std = (1.5 if qk else 1.0) / math.sqrt(fan_in)
                 p.copy_(torch.randn(p.shape, generator=g) * std)
             elif name.endswith("gamma"):
                 p.copy_(0.5 + 0.2 * torch.randn(p.shape, generator=g))
@@ -59,16 +103,21 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
-        for name in ("cls_token", "reg_token", "dist_token", "pos_embed"):
-            t = getattr(model, name, None)
-            if isinstance(t, nn.Parameter):
-                t.copy_(0.5 * torch.randn(t.shape, generator=g))
+        params = dict(model.named_parameters())
+        for token in ("cls_token", "reg_token", "dist_token", "pos_embed",
+                      "distillation_token", "position_embeddings"):
+            for name, t in params.items():
+                if name.split(".")[-1] == token:
+                    t.copy_(0.5 * torch.randn(t.shape, generator=g))
     return model
 
 
 def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
                dtype: torch.dtype = torch.float64, num_classes: int = 5) -> nn.Module:
-    """A small random timm ViT of ``family`` (see FAMILIES), eval mode."""
+    """A small random ViT of ``family`` (timm FAMILIES or HF_FAMILIES), eval mode."""
+    if family in HF_FAMILIES:
+        return make_hf_model(family, seed=seed, depth=depth, dtype=dtype,
+                             num_classes=num_classes)
     cls, extra, size = FAMILIES[family]
     kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
                   num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
@@ -80,7 +129,7 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
 
 def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    h, w = FAMILIES[family][2]
+    h, w = (FAMILIES.get(family) or HF_FAMILIES[family])[-1]
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, h, w, generator=g).to(dtype)
 
@@ -134,8 +183,12 @@ class ReferenceCapture:
 
 
 def snapshot(model: nn.Module) -> dict:
-    """Everything an attribution call must leave unchanged."""
+    """Everything an attribution call must leave unchanged (a Hugging Face model's config,
+    attention implementation included, too)."""
     state = {}
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        state["config"] = (config.to_dict(), getattr(config, "_attn_implementation", None))
     for name, p in model.named_parameters():
         state[f"param:{name}"] = (p.detach().clone(), p.requires_grad,
                                   None if p.grad is None else p.grad.clone())

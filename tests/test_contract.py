@@ -1,8 +1,9 @@
 """The API contract every registered method owes users, on every supported model family.
 
 Generated from the registry (``available_methods(compositions=True)``, ``random``
-included) × ``tests.helpers.FAMILIES``: a new method or family is covered by registering
-it, not by copying tests. Per-method files keep only their references and parity checks.
+included) × ``tests.helpers.ALL_FAMILIES`` (timm and Hugging Face): a new method or family
+is covered by registering it, not by copying tests. Per-method files keep only their
+references and parity checks.
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ from captum.metrics import sensitivity_max
 
 from captum_vit.adapters import adapt
 from captum_vit.registry import available_methods, build_method
-from tests.helpers import FAMILIES, assert_unchanged, make_inputs, make_model, snapshot
+from tests.helpers import (
+    ALL_FAMILIES,
+    assert_unchanged,
+    family_marks,
+    make_inputs,
+    make_model,
+    snapshot,
+)
 
 # every registered method, plus compositions over the other kinds of base the combinators take
 METHODS = available_methods(compositions=True) + [
     "plus:ixg", "plus:gradient", "plus:captum:InputXGradient", "skipplus:captum:Saliency"]
-CASES = [(m, f) for m in METHODS for f in FAMILIES]
+CASES = [pytest.param(m, f, marks=family_marks(f)) for m in METHODS for f in ALL_FAMILIES]
 FAST = {"tis": {"n_masks": 16}}  # TIS: fewer masks than the paper's 1024 (still clustered)
 _MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
@@ -63,7 +71,7 @@ def test_outputs_batch_and_targets(name, family):
     lay = adapt(model).layout(x)
     (gh, gw), (ph, pw) = lay.grid, lay.patch_size
 
-    pred = model(x).argmax(-1)
+    pred = adapt(model).model_logits(x).argmax(-1)
     tokens = attribute(method, x, None, output="tokens")
     assert tokens.shape == (3, lay.num_patches) and torch.isfinite(tokens).all()
     assert tokens.dtype == torch.float64

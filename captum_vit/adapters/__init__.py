@@ -17,17 +17,20 @@ from captum_vit.adapters.base import (
     Trace,
     ViTAdapter,
 )
+from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.subsets import subset_logits
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_vit, TimmViTAdapter),
+    (is_hf_vit, HFViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
-    "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size)"
+    "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size) and Hugging Face "
+    "transformers ViTForImageClassification, DeiTForImageClassification(WithTeacher)"
 )
 
 
@@ -65,6 +68,7 @@ def adapt(model: nn.Module) -> ViTAdapter:
 
 
 __all__ = [
-    "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HeadParts", "Layout", "NormParts",
-    "Ops", "Trace", "TimmViTAdapter", "ViTAdapter", "adapt", "subset_logits", "SUPPORTED",
+    "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFViTAdapter", "HeadParts", "Layout",
+    "NormParts", "Ops", "Trace", "TimmViTAdapter", "ViTAdapter", "adapt", "subset_logits",
+    "SUPPORTED",
 ]

@@ -409,6 +409,10 @@ class ViTAdapter:
                 f"the inputs with inputs.to({want}) or the model with "
                 f"model.to({inputs.dtype})")
 
+    def model_logits(self, inputs: Tensor) -> Tensor:
+        """The model's own logits [B, classes] for ``inputs`` (its forward, not ours)."""
+        return self.model(inputs)
+
     # -- what the model is -------------------------------------------------------------------
     @property
     def num_classes(self) -> int:
@@ -555,7 +559,7 @@ class ViTAdapter:
         if key in checked:
             return
         with torch.no_grad():
-            ref = self.model(inputs[:2])
+            ref = self.model_logits(inputs[:2])
             ours = self.run(self.embed(inputs[:2]))
         if not isinstance(ref, Tensor) or ref.shape != ours.shape:
             raise TypeError(

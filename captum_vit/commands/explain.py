@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from captum_vit import viz
+from captum_vit.adapters import adapt
 from captum_vit.data.images import conform, read_image
 from captum_vit.metrics.report import ensure_file_location
 from captum_vit.models import SPEC_HELP, load_model
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         image = read_image(args.image)
     x = lm.preprocess(image)[None]
     with torch.no_grad():
-        probs = lm.model(x).softmax(-1)[0]
+        probs = adapt(lm.model).model_logits(x).softmax(-1)[0]
     if args.target is not None and not 0 <= args.target < probs.shape[0]:
         raise ValueError(f"--target must be in [0, {probs.shape[0]}), got {args.target}")
     target = int(probs.argmax()) if args.target is None else args.target

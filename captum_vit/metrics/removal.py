@@ -271,7 +271,8 @@ class RemovalEngine:
         out = None if full_logits is None else full_logits[:, None].repeat(1, s, 1)
         for lo in range(0, len(jobs), self.batch_size):
             ii, jj = torch.tensor(jobs[lo:lo + self.batch_size], device=inputs.device).unbind(1)
-            logits = self.model(remove_pixels(inputs[ii], fill[ii], removed[ii, jj], layout))
+            logits = self.adapter.model_logits(
+                remove_pixels(inputs[ii], fill[ii], removed[ii, jj], layout))
             if out is None:
                 out = logits.new_zeros(b, s, logits.shape[-1])
             out[ii, jj] = logits

@@ -245,12 +245,13 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
     if target == "label" and (labels is None or bool((labels < 0).any())):
         raise ValueError("target='label' needs a label (>= 0) for every image")
     attr = method(model) if attribution is None else attribution
+    adapter = adapt(model)
     with torch.no_grad():
-        pred = model(inputs).argmax(-1)
+        pred = adapter.model_logits(inputs).argmax(-1)
     t = pred if target == "predicted" else labels.to(pred.device)
     maps = None
     if not all(METRICS[m].needs_callable for m in metrics):  # computed once, reused
-        maps = patch_maps(attr, inputs, t, adapt(model).layout(inputs))
+        maps = patch_maps(attr, inputs, t, adapter.layout(inputs))
     ids = list(range(inputs.shape[0])) if example_ids is None else [int(i) for i in example_ids]
     batch = MetricBatch(model, inputs, maps, attr, method, t,
                         labels if target == "label" else None, masks, ids, removal,

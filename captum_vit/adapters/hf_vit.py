@@ -1,0 +1,149 @@
+"""Adapter for Hugging Face transformers' ViT and DeiT image classifiers
+(``ViTForImageClassification``, ``DeiTForImageClassification``,
+``DeiTForImageClassificationWithTeacher``).
+
+Only this file knows their attribute names, in both layouts transformers has used:
+transformers 5 (``vit.layers[l].attention.{q,k,v,o}_proj``, ``mlp.{fc1, fc2}``) and
+transformers 4 (``vit.encoder.layer[l].attention.attention.{query, key, value}``,
+``attention.output.dense``, ``intermediate.dense``, ``output.dense``). Both are pre-LN ViTs
+(SPEC_NEXT §7.4) with separate q, k, v projections, which :class:`BlockParts` takes as
+they are. The attention implementation (``sdpa``, ``eager``, ...) does not matter: the
+adapter recomputes attention from the parameters and never asks for an eager reload.
+
+The embedding is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``:
+inputs of another size than ``config.image_size`` use the model's own interpolation of the
+position embeddings, exactly as ``model(pixel_values, interpolate_pos_encoding=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import BlockParts, HeadParts, Layout, NormParts, ViTAdapter
+
+CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
+           "DeiTForImageClassificationWithTeacher")
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
+
+
+def _norm(m: nn.Module, where: str) -> NormParts:
+    if not isinstance(m, nn.LayerNorm):
+        raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
+    return NormParts(m.weight, m.bias, m.eps)
+
+
+def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
+    """The canonical parts of one ``ViTLayer`` / ``DeiTLayer`` (either naming)."""
+    att = layer.attention
+    if hasattr(att, "q_proj"):  # transformers >= 5
+        q, k, v, o = att.q_proj, att.k_proj, att.v_proj, att.o_proj
+        fc1, act, fc2 = layer.mlp.fc1, layer.mlp.activation_fn, layer.mlp.fc2
+    else:  # transformers 4
+        q, k, v = att.attention.query, att.attention.key, att.attention.value
+        o = att.output.dense
+        fc1, act = layer.intermediate.dense, layer.intermediate.intermediate_act_fn
+        fc2 = layer.output.dense
+    head_dim = q.weight.shape[0] // num_heads
+    return BlockParts(
+        norm1=_norm(layer.layernorm_before, f"{where}.layernorm_before"),
+        q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
+        q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
+        num_heads=num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
+        q_norm=nn.Identity(), k_norm=nn.Identity(),
+        proj_weight=o.weight, proj_bias=o.bias, ls1=None,
+        norm2=_norm(layer.layernorm_after, f"{where}.layernorm_after"),
+        fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
+        fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=None,
+    )
+
+
+class HFViTAdapter(ViTAdapter):
+    """Canonical view of a Hugging Face ViT / DeiT image classifier (never modified)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        name = type(model).__name__
+        self.backbone = model.vit if hasattr(model, "vit") else model.deit
+        cfg = model.config
+        layers = getattr(self.backbone, "layers", None)
+        self.layers = self.backbone.encoder.layer if layers is None else layers
+        if len(self.layers) == 0:
+            raise TypeError(f"{name} has no transformer layers")
+        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+                       for i, layer in enumerate(self.layers)]
+        self.in_chans = int(cfg.num_channels)
+        self.num_prefix = 2 if hasattr(self.backbone.embeddings, "distillation_token") else 1
+        norm = _norm(self.backbone.layernorm, f"{name}.layernorm")
+        if hasattr(model, "cls_classifier"):  # DeiT with teacher: mean of the two heads
+            self.readout = "distilled"
+            pairs = ((0, model.cls_classifier), (1, model.distillation_classifier))
+        else:
+            self.readout = "token"
+            pairs = ((0, model.classifier),)
+        for _, head in pairs:
+            if not isinstance(head, nn.Linear):
+                raise TypeError(f"{name} has no linear classifier head (num_labels=0?); "
+                                "captum_vit needs a classifier returning logits")
+        self.head = HeadParts(norm, None, tuple((row, h.weight, h.bias) for row, h in pairs))
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, _pair(self.model.config.image_size)
+
+    def _interpolate(self, inputs: Tensor) -> bool:
+        return tuple(inputs.shape[-2:]) != self.input_shape[1]
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        _, c, h, w = inputs.shape
+        if c != self.in_chans:
+            raise ValueError(f"inputs have {c} channels but the model expects {self.in_chans}")
+        ph, pw = _pair(self.model.config.patch_size)
+        if h % ph or w % pw:
+            raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
+                             f"{(ph, pw)}; resize or crop the images to a multiple of it")
+        cfg = self.model.config
+        if self.model.training and (cfg.hidden_dropout_prob > 0
+                                    or cfg.attention_probs_dropout_prob > 0):
+            raise ValueError("the model is in training mode with active dropout, so its "
+                             "output is random; call model.eval() before explaining")
+
+    def layout(self, inputs: Tensor) -> Layout:
+        h, w = inputs.shape[-2:]
+        ph, pw = _pair(self.model.config.patch_size)
+        return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
+                      patch_size=(ph, pw), readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)))
+
+    def embed(self, inputs: Tensor) -> Tensor:
+        return self.backbone.embeddings(inputs,
+                                        interpolate_pos_encoding=self._interpolate(inputs))
+
+    def model_logits(self, inputs: Tensor) -> Tensor:
+        return self.model(pixel_values=inputs,
+                          interpolate_pos_encoding=self._interpolate(inputs)).logits
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        m = self.model
+        heads = [getattr(m, n, None) for n in ("classifier", "cls_classifier",
+                                                "distillation_classifier")]
+        stages = [[p for mod in [self.backbone.layernorm, *heads] if mod is not None
+                   for p in mod.parameters()]]
+        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
+        return stages
+
+
+def is_hf_vit(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face classifiers in :data:`CLASSES` (transformers optional)."""
+    if not type(model).__module__.startswith("transformers."):
+        return False  # never import transformers for other models
+    import transformers
+
+    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
+                                   if hasattr(transformers, n)))

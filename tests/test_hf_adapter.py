@@ -1,0 +1,123 @@
+"""Hugging Face ViT / DeiT: the adapter's forward equals the model's, and a Hugging Face
+model holding a timm model's weights gets exactly the timm model's maps from every method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer
+
+from captum_vit import GAE
+from captum_vit.adapters import HFViTAdapter, adapt
+from captum_vit.registry import available_methods, build_method
+from tests.helpers import (
+    assert_unchanged,
+    make_hf_model,
+    make_inputs,
+    needs_transformers,
+    randomize_,
+    snapshot,
+)
+
+pytestmark = needs_transformers
+KW = dict(img_size=32, patch_size=8, in_chans=3, embed_dim=32, depth=3, num_heads=4,
+          mlp_ratio=2.0, num_classes=5, qkv_bias=True)
+
+
+def hf_twin(timm_model: torch.nn.Module, distilled: bool = False) -> torch.nn.Module:
+    """A Hugging Face ViT (or DeiT with teacher) holding ``timm_model``'s weights."""
+    import transformers
+
+    cfg_cls = transformers.DeiTConfig if distilled else transformers.ViTConfig
+    cfg = cfg_cls(image_size=32, patch_size=8, num_channels=3, hidden_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                  num_labels=5, layer_norm_eps=1e-6)
+    cls = (transformers.DeiTForImageClassificationWithTeacher if distilled
+           else transformers.ViTForImageClassification)
+    hf = cls(cfg).to(torch.float64).eval()
+    ad, t = adapt(hf), timm_model
+    bb = ad.backbone
+    with torch.no_grad():
+        emb = bb.embeddings
+        emb.patch_embeddings.projection.weight.copy_(t.patch_embed.proj.weight)
+        emb.patch_embeddings.projection.bias.copy_(t.patch_embed.proj.bias)
+        emb.cls_token.copy_(t.cls_token)
+        emb.position_embeddings.copy_(t.pos_embed)
+        if distilled:
+            emb.distillation_token.copy_(t.dist_token)
+        for p, blk in zip(ad.blocks, t.blocks, strict=True):
+            a = p.inner_dim
+            w, b = blk.attn.qkv.weight, blk.attn.qkv.bias
+            for i, (hw, hb) in enumerate(((p.q_weight, p.q_bias), (p.k_weight, p.k_bias),
+                                          (p.v_weight, p.v_bias))):
+                hw.copy_(w[i * a:(i + 1) * a])
+                hb.copy_(b[i * a:(i + 1) * a])
+            for dst, src in ((p.proj_weight, blk.attn.proj.weight),
+                             (p.proj_bias, blk.attn.proj.bias),
+                             (p.norm1.weight, blk.norm1.weight), (p.norm1.bias, blk.norm1.bias),
+                             (p.norm2.weight, blk.norm2.weight), (p.norm2.bias, blk.norm2.bias),
+                             (p.fc1_weight, blk.mlp.fc1.weight), (p.fc1_bias, blk.mlp.fc1.bias),
+                             (p.fc2_weight, blk.mlp.fc2.weight), (p.fc2_bias, blk.mlp.fc2.bias)):
+                dst.copy_(src)
+        bb.layernorm.weight.copy_(t.norm.weight)
+        bb.layernorm.bias.copy_(t.norm.bias)
+        heads = ((hf.cls_classifier, t.head), (hf.distillation_classifier, t.head_dist)) \
+            if distilled else ((hf.classifier, t.head),)
+        for dst, src in heads:
+            dst.weight.copy_(src.weight)
+            dst.bias.copy_(src.bias)
+    return hf
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_hf_twin_of_a_timm_model_gets_identical_maps_from_every_method(distilled):
+    torch.manual_seed(0)
+    timm_model = (VisionTransformerDistilled if distilled else VisionTransformer)(**KW)
+    timm_model = randomize_(timm_model, 0).double().eval()
+    hf = hf_twin(timm_model, distilled)
+    x = make_inputs("vit", batch=2)
+    torch.testing.assert_close(adapt(hf).model_logits(x), timm_model(x), rtol=0, atol=1e-12)
+    kw = {"tis": {"n_masks": 16}}
+    for name in available_methods(compositions=True):
+        ours = build_method(name, hf).attribute(x, target=[1, 3], output="tokens",
+                                                **kw.get(name, {}))
+        ref = build_method(name, timm_model).attribute(x, target=[1, 3], output="tokens",
+                                                       **kw.get(name, {}))
+        scale = ref.abs().max().item()
+        assert (ours - ref).abs().max().item() <= 1e-10 * max(scale, 1.0), name
+
+
+@pytest.mark.parametrize("family", ["hf_vit", "hf_deit_teacher"])
+def test_adapter_forward_equals_the_models_own_at_two_sizes(family):
+    model = make_hf_model(family)
+    assert model.config._attn_implementation == "sdpa"  # fused attention stays on
+    ad = adapt(model)
+    assert isinstance(ad, HFViTAdapter)
+    before = snapshot(model)
+    for size in ((32, 32), (24, 40)):  # native, then the model's own interpolation
+        x = torch.randn(2, 3, *size, dtype=torch.float64)
+        ref = model(pixel_values=x, interpolate_pos_encoding=size != (32, 32)).logits
+        torch.testing.assert_close(ad.run(ad.embed(x)), ref, rtol=0, atol=1e-12)
+        assert ad.layout(x).grid == (size[0] // 8, size[1] // 8)
+    assert_unchanged(model, before)
+
+
+def test_adapter_answers_and_refuses():
+    model = make_hf_model("hf_deit_teacher")
+    ad = adapt(model)
+    assert (ad.num_prefix, ad.readout, ad.num_classes) == (2, "distilled", 5)
+    assert ad.input_shape == (3, (32, 32))
+    every = {id(p) for stage in ad.parameter_stages() for p in stage}
+    emb = {id(p) for p in ad.backbone.embeddings.parameters()}
+    assert every | emb == {id(p) for p in model.parameters()} and not every & emb
+    x = torch.randn(1, 3, 30, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="not divisible by the patch size"):
+        GAE(model).attribute(x)
+    model.train()
+    model.config.hidden_dropout_prob = 0.1
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        GAE(model).attribute(torch.randn(1, 3, 32, 32, dtype=torch.float64))
+    headless = make_hf_model("hf_vit", num_classes=0)
+    with pytest.raises(TypeError, match="linear classifier head"):
+        adapt(headless)
