@@ -6,6 +6,9 @@
   (nothing is downloaded; :func:`cached_timm_weights` names the folders searched);
 * ``file:PATH.safetensors`` — the state dict at ``PATH.safetensors`` and the model card
   ``PATH.json`` beside it, in the zoo's card format (:func:`read_card`);
+* ``hf:NAME_OR_PATH`` — a Hugging Face image classifier (extra ``hf``) from a local folder
+  or the local Hugging Face cache, never downloaded; preprocessing from its image
+  processor, class names from ``config.id2label``;
 * ``random:vit_tiny`` / ``random:vit_small`` — a random-weight timm ViT built from ``seed``
   (3×32×32, patch 8, 10 classes / ViT-S/16 224); no download (tests, demos).
 
@@ -43,7 +46,7 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
 """``random:NAME`` models: keyword arguments of timm's ``VisionTransformer``."""
 
 SPEC_HELP = ("zoo:NAME | timm:NAME [--pretrained] | file:PATH.safetensors (+ PATH.json card) | "
-             f"random:{'|'.join(RANDOM_MODELS)}")
+             f"hf:NAME_OR_PATH (local only) | random:{'|'.join(RANDOM_MODELS)}")
 """One-line summary of the model specs (command-line help)."""
 
 _ARCHITECTURES = ("VisionTransformer", "timm.models.vision_transformer.VisionTransformer")
@@ -228,8 +231,8 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
     r"""The model named by ``spec`` (see the module docstring).
 
     Args:
-        spec (str): ``zoo:NAME``, ``timm:NAME``, ``file:PATH.safetensors`` or
-            ``random:NAME``.
+        spec (str): ``zoo:NAME``, ``timm:NAME``, ``file:PATH.safetensors``,
+            ``hf:NAME_OR_PATH`` or ``random:NAME``.
         seed (int, optional): seed of random weights (``random:``, ``timm:`` without
             ``pretrained``); the global random state is left as it was. Default 0.
         pretrained (bool, optional): ``timm:NAME`` only: load the weights from the local
@@ -272,6 +275,8 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
         lm = from_card(read_card(path.with_suffix(".json")), path)
     elif kind == "timm":
         lm = _timm(name, seed, pretrained)
+    elif kind == "hf":
+        lm = _hf(name)
     elif kind == "random":
         from timm.models.vision_transformer import VisionTransformer
 
@@ -328,6 +333,36 @@ def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
     cfg = model.pretrained_cfg
     return _finish(model.eval(), cfg.get("mean", (0.5, 0.5, 0.5)), cfg.get("std", (0.5, 0.5, 0.5)),
                    None, random_weights=not pretrained)
+
+
+def _hf(name: str) -> LoadedModel:
+    """A Hugging Face classifier from a local folder or the local cache (never downloads)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"--model hf:{name} needs the hf extra: "
+                         "pip install 'captum_vit[hf]'") from e
+    try:
+        config = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+    except OSError as e:
+        from huggingface_hub import constants
+
+        raise FileNotFoundError(
+            f"--model hf:{name}: neither a local model folder nor in the local Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}); nothing is downloaded: run "
+            f"from_pretrained({name!r}) once where the hub can be reached, or save the model "
+            "with save_pretrained(FOLDER) and pass hf:FOLDER") from e
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    cls = getattr(transformers, arch, None) or transformers.AutoModelForImageClassification
+    model = cls.from_pretrained(name, local_files_only=True).eval()
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(name, local_files_only=True)
+        mean, std = getattr(proc, "image_mean", None), getattr(proc, "image_std", None)
+    except (OSError, ValueError):  # no processor saved: the ViT default
+        mean = std = None
+    labels = [config.id2label[i] for i in sorted(config.id2label)]
+    names = None if labels == [f"LABEL_{i}" for i in range(len(labels))] else labels
+    return _finish(model, 0.5 if mean is None else mean, 0.5 if std is None else std, names)
 
 
 def cached_timm_weights(cfg: Any) -> str:

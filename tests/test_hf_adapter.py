@@ -121,3 +121,37 @@ def test_adapter_answers_and_refuses():
     headless = make_hf_model("hf_vit", num_classes=0)
     with pytest.raises(TypeError, match="linear classifier head"):
         adapt(headless)
+
+
+def test_hf_model_spec_loads_a_local_folder_and_never_downloads(tmp_path, monkeypatch):
+    import transformers
+
+    from captum_vit.models import load_model
+
+    model = make_hf_model("hf_vit", dtype=torch.float32)
+    model.config.id2label = {i: f"class{i}" for i in range(5)}
+    model.config.label2id = {f"class{i}": i for i in range(5)}
+    model.save_pretrained(tmp_path / "vit")
+    transformers.ViTImageProcessor(image_mean=[0.1, 0.2, 0.3], image_std=[0.5, 0.5, 0.5],
+                                   size={"height": 32, "width": 32}).save_pretrained(
+        tmp_path / "vit")
+    lm = load_model(f"hf:{tmp_path / 'vit'}")
+    assert isinstance(lm.model, transformers.ViTForImageClassification)
+    assert not lm.model.training and lm.class_names == tuple(f"class{i}" for i in range(5))
+    assert lm.preprocess.mean == (0.1, 0.2, 0.3) and lm.input_shape == (3, (32, 32))
+    x = lm.preprocess(torch.rand(3, 50, 40))[None]
+    torch.testing.assert_close(GAE(lm.model).attribute(x, output="tokens"),
+                               GAE(model).attribute(x, output="tokens"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        load_model("hf:no-such-org/no-such-model")
+
+
+def test_explain_command_on_a_local_hf_model(tmp_path):
+    from captum_vit.cli import main
+
+    make_hf_model("hf_vit", dtype=torch.float32).save_pretrained(tmp_path / "vit")
+    out = tmp_path / "out" / "explain.png"
+    assert main(["explain", "--model", f"hf:{tmp_path / 'vit'}", "--methods", "gae,decompx",
+                 "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
