@@ -111,6 +111,10 @@ def test_self_check_refuses_a_model_the_adapter_does_not_reproduce():
                        num_classes=5, global_pool="max", class_token=False), "global_pool"),
     (VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4,
                        num_classes=5, global_pool="map"), "map"),
+    (nn.Sequential(nn.Identity(), VisionTransformer(img_size=32, patch_size=8, embed_dim=32,
+                                                    depth=1, num_heads=4, num_classes=5)),
+     r"wraps a supported ViT at `model\.1` \(VisionTransformer\): pass that module.*"
+     "normalisation"),
 ])
 def test_unsupported_models_get_a_type_error(model, match):
     with pytest.raises(TypeError, match=match):

@@ -44,7 +44,9 @@ def adapt(model: nn.Module) -> ViTAdapter:
         ViTAdapter: the canonical view of ``model`` (the model itself is not modified).
 
     Raises:
-        TypeError: if ``model`` is not a supported ViT; the message lists what is supported.
+        TypeError: if ``model`` is not a supported ViT; the message lists what is supported,
+            or, for a wrapper around one (``nn.Sequential(Normalize(...), vit)``), names the
+            inner module to pass.
 
     Examples::
 
@@ -61,6 +63,13 @@ def adapt(model: nn.Module) -> ViTAdapter:
     for applies, adapter in ADAPTERS:
         if applies(model):
             return adapter(model)
+    for name, sub in model.named_modules():
+        if name and any(applies(sub) for applies, _ in ADAPTERS):
+            raise TypeError(
+                f"{type(model).__name__} wraps a supported ViT at `model.{name}` "
+                f"({type(sub).__name__}): pass that module (e.g. GAE(model.{name})) and apply "
+                "the wrapper's other steps, such as input normalisation, to the inputs "
+                "yourself; captum_vit explains the ViT's own forward")
     raise TypeError(
         f"captum_vit cannot explain a {type(model).__name__}: supported models are the "
         f"{SUPPORTED}"
