@@ -3,13 +3,16 @@
 Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
-        python benchmarks/speed.py [--batches 1 8] [--repeats 5]
+        python benchmarks/speed.py [--family timm-vit|timm-beit|hf-vit] [--batches 1 8]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
 load drifting on a shared machine hits both alike). The reference is
 ``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized
-random timm model (224 px, width 384, 12 blocks, 6 heads) in float32, measured in the same
-run as the methods. Ratios are (time per call) / (reference time per call) at the same
+random model (224 px, width 384, 12 blocks, 6 heads) in float32 of the chosen family
+(``timm-vit``: timm's ``VisionTransformer``; ``timm-beit``: timm's ``Beit`` with a relative
+position bias per block; ``hf-vit``: Hugging Face ``ViTForImageClassification`` with SDPA
+attention), measured in the same run as the
+methods. Ratios are (time per call) / (reference time per call) at the same
 batch size, so they are per-image ratios too. Timings on a shared VM drift; compare the
 ratios of one run only.
 """
@@ -64,6 +67,38 @@ def vit_s16(img_size: int = 224) -> torch.nn.Module:
                              num_heads=6, num_classes=1000).eval()
 
 
+def hf_vit_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a Hugging Face ``ViTForImageClassification``."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(image_size=img_size, patch_size=16, hidden_size=384, num_hidden_layers=12,
+                    num_attention_heads=6, intermediate_size=1536, num_labels=1000,
+                    layer_norm_eps=1e-6)
+    return ViTForImageClassification(cfg).eval()
+
+
+def beit_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a timm ``Beit`` (relative position bias per
+    block, mean pooling, LayerScale)."""
+    from timm.models.beit import Beit
+
+    torch.manual_seed(0)
+    return Beit(img_size=img_size, patch_size=16, embed_dim=384, depth=12, num_heads=6,
+                num_classes=1000, use_rel_pos_bias=True, use_abs_pos_emb=False,
+                init_values=0.1).eval()
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "timm-vit": vit_s16, "timm-beit": beit_s16, "hf-vit": hf_vit_s16}
+
+
+def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's own logits (Hugging Face models return an output object)."""
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
 def timeit(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn`` after one warm-up call."""
     fn()  # warm-up (also the adapter's one-time self-check)
@@ -95,17 +130,18 @@ def paired(ref: Callable[[], object], fn: Callable[[], object],
 
 def forward(model: torch.nn.Module, x: torch.Tensor) -> None:
     with torch.no_grad():
-        model(x)
+        logits_of(model, x)
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
     """The reference: one forward and one backward to the input."""
     xg = x.detach().requires_grad_()
-    torch.autograd.grad(model(xg)[torch.arange(len(x)), t].sum(), xg)
+    torch.autograd.grad(logits_of(model, xg)[torch.arange(len(x)), t].sum(), xg)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="timm-vit", choices=list(MODELS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="subset of method names")
@@ -115,7 +151,7 @@ def main() -> None:
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         print("warning: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ not set (see docstring)")
     torch.set_num_threads(args.threads)
-    model = vit_s16()
+    model = MODELS[args.family]()
     cases = {k: v for k, v in CASES.items() if not args.only or k in args.only}
     rows = []
     for b in args.batches:
@@ -130,7 +166,7 @@ def main() -> None:
             rows.append((b, name, sec, ratio, goal))
             print(f"  batch {b} {name}: {ratio:.2f}x", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"ViT-S/16 float32, median of {args.repeats} alternating pairs")
+          f"{args.family} ViT-S/16 float32, median of {args.repeats} alternating pairs")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")
     for b, name, sec, ratio, goal in rows:

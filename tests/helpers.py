@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from timm.models.beit import Beit
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -44,6 +45,15 @@ FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
 }
 
 
+# Other timm families (contract suite and their own test files only; the per-method
+# references above read timm VisionTransformer internals).
+OTHER_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
+    "beit": (Beit, {"use_rel_pos_bias": True, "use_abs_pos_emb": False, "global_pool": "avg",
+                    "init_values": 0.5}, (32, 32)),
+    "beit_shared_token": (Beit, {"use_shared_rel_pos_bias": True, "global_pool": "token"},
+                          (32, 32)),
+}
+
 # Hugging Face transformers classifiers (optional extra): name -> (class name, config class
 # name, config overrides, input size (H, W)); the DeiT one runs at a non-native size, so
 # its position embeddings go through the model's own interpolation.
@@ -63,8 +73,8 @@ def have_transformers() -> bool:
 
 needs_transformers = pytest.mark.skipif(not have_transformers(),
                                         reason="the hf extra (transformers) is not installed")
-ALL_FAMILIES = [*FAMILIES, *HF_FAMILIES]
-"""Every model family (timm, then Hugging Face)."""
+ALL_FAMILIES = [*FAMILIES, *OTHER_FAMILIES, *HF_FAMILIES]
+"""Every model family (timm ViT, other timm families, then Hugging Face)."""
 
 
 def family_marks(family: str) -> tuple:
@@ -97,7 +107,7 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
                 qk = any(k in name for k in ("qkv", "q_proj", "k_proj", "query", "key"))
                 std = (1.5 if qk else 1.0) / math.sqrt(fan_in)
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-            elif name.endswith("gamma"):
+            elif name.split(".")[-1].startswith("gamma"):
                 p.copy_(0.5 + 0.2 * torch.randn(p.shape, generator=g))
             elif "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
@@ -118,7 +128,7 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
     if family in HF_FAMILIES:
         return make_hf_model(family, seed=seed, depth=depth, dtype=dtype,
                              num_classes=num_classes)
-    cls, extra, size = FAMILIES[family]
+    cls, extra, size = {**FAMILIES, **OTHER_FAMILIES}[family]
     kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
                   num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
     kwargs.update(extra)
@@ -129,7 +139,7 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
 
 def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    h, w = (FAMILIES.get(family) or HF_FAMILIES[family])[-1]
+    h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES}[family][-1]
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, h, w, generator=g).to(dtype)
 

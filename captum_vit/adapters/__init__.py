@@ -19,17 +19,20 @@ from captum_vit.adapters.base import (
 )
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.subsets import subset_logits
+from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_vit, TimmViTAdapter),
+    (is_timm_beit, TimmBeitAdapter),
     (is_hf_vit, HFViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
-    "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size) and Hugging Face "
+    "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size), timm Beit (relative "
+    "position bias, GELU MLP) and Hugging Face "
     "transformers ViTForImageClassification, DeiTForImageClassification(WithTeacher)"
 )
 
@@ -78,6 +81,7 @@ def adapt(model: nn.Module) -> ViTAdapter:
 
 __all__ = [
     "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFViTAdapter", "HeadParts", "Layout",
-    "NormParts", "Ops", "Trace", "TimmViTAdapter", "ViTAdapter", "adapt", "subset_logits",
+    "NormParts", "Ops", "Trace", "TimmBeitAdapter", "TimmViTAdapter",
+    "ViTAdapter", "adapt", "subset_logits",
     "SUPPORTED",
 ]

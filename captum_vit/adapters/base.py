@@ -11,6 +11,7 @@ only change the backward pass.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -130,6 +131,9 @@ class BlockParts:
     fc2_weight: Tensor
     fc2_bias: Tensor | None
     ls2: Tensor | None
+    attn_bias: Callable[[], Tensor] | None = None
+    """Additive attention-logit bias of the full sequence, ``() -> [1, H, N, N]`` (BEiT's
+    relative position bias, computed by the model's own code); ``None`` = no bias."""
 
     @property
     def inner_dim(self) -> int:
@@ -160,10 +164,43 @@ class BlockParts:
             q, k = q.detach(), k.detach()
         return q, k, v
 
-    def _probs(self, q: Tensor, k: Tensor, key_mask: Tensor | None) -> Tensor:
-        scores = (q * self.scale) @ k.transpose(-2, -1)
+    def logit_bias(self, n: int, key_mask: Tensor | None = None,
+                   positions: Tensor | None = None) -> Tensor | None:
+        """What is added to the attention logits: the position bias of the tokens at
+        ``positions`` (the sub-matrix ``B[:, S, S]`` of their original indices ``S``) and
+        ``-inf`` at padded keys; ``None`` when there is neither.
+
+        Args:
+            n (int): sequence length.
+            key_mask (Tensor, optional): [B, n] bool, ``True`` = real token.
+            positions (Tensor, optional): [B, n] original token indices; ``None`` =
+                ``0..n-1`` (the full sequence).
+
+        Returns:
+            Tensor [B or 1, H or 1, n, n] or ``None``.
+        """
+        bias = None
+        if self.attn_bias is not None:
+            full = self.attn_bias()  # [1, H, N, N]
+            if positions is None:
+                if full.shape[-1] != n:
+                    raise ValueError(f"a sequence of {n} tokens needs their positions: the "
+                                     f"position bias covers {full.shape[-1]} tokens")
+                bias = full
+            else:
+                pos = positions.to(full.device)
+                bias = full[0][:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)
         if key_mask is not None:
-            scores = scores.masked_fill(~key_mask[:, None, None, :], -math.inf)
+            pad = torch.zeros(key_mask.shape, dtype=torch.get_default_dtype() if bias is None
+                              else bias.dtype, device=key_mask.device)
+            pad = pad.masked_fill(~key_mask, -math.inf)[:, None, None, :]
+            bias = pad if bias is None else bias + pad
+        return bias
+
+    def _probs(self, q: Tensor, k: Tensor, bias: Tensor | None) -> Tensor:
+        scores = (q * self.scale) @ k.transpose(-2, -1)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
         return scores.softmax(dim=-1)
 
     def attention(self, u: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
@@ -187,9 +224,10 @@ class BlockParts:
                 meaningless. Every row needs at least one real token.
             positions (Tensor, optional): [B, N] original token indices of the tokens in
                 ``u`` (prefix tokens ``0..K-1``, patch ``t`` at ``K + t``): the hook for
-                rotary embeddings and relative-position bias. Accepted and unused for
-                timm's ``VisionTransformer``, whose absolute positional embedding is
-                already added by the embedding (a kept token carries its own).
+                rotary embeddings and relative-position bias: with a position bias
+                (``attn_bias``, BEiT) they pick its sub-matrix ``B[:, S, S]``; without one
+                they are unused (an absolute positional embedding is already in ``u``, so
+                a kept token carries its own).
             detach_qk (bool): detach ``q`` and ``k`` (linearised backward, SPEC §3); the
                 forward values are unchanged.
 
@@ -197,15 +235,15 @@ class BlockParts:
             (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
             :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
         """
-        del positions  # absolute positions are already in u (see above)
         b, n, _ = u.shape
         q, k, v = self._qkv(u, detach_qk)
+        bias = self.logit_bias(n, key_mask, positions)
         if materialize:
-            attn: Tensor | None = self._probs(q, k, key_mask)
+            attn: Tensor | None = self._probs(q, k, bias)
             mix = attn @ v
         else:
             attn = None
-            mask = None if key_mask is None else key_mask[:, None, None, :]
+            mask = None if bias is None else bias.to(q.dtype)
             mix = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return mix.transpose(1, 2).reshape(b, n, self.inner_dim), attn
 
@@ -213,7 +251,7 @@ class BlockParts:
         """The explicit path's pieces: probabilities ``A`` [B, H, N, N] and values ``v``
         [B, H, N, d] of ``u`` (for inspection and tests; forwards use :meth:`attention`)."""
         q, k, v = self._qkv(u, detach_qk)
-        return self._probs(q, k, None), v
+        return self._probs(q, k, self.logit_bias(u.shape[1])), v
 
     def head_value_outputs(self, u: Tensor) -> Tensor:
         """Per-head ``u W_V^h W_O^h`` without biases, [B, H, N, D] (TokenTM Eq. 5)."""
@@ -486,13 +524,18 @@ class ViTAdapter:
         self.refresh()
         ops = ops or Ops()
         if keep is not None:
-            x = self.select_tokens(x, keep)
+            x, positions = self.select_tokens(x, keep, with_positions=True)
+            if ops.positions is None:  # the kept tokens keep their own positions
+                ops = copy.copy(ops)
+                ops.positions = positions
         for l in range(start, stop):
             x = self.block(x, l, ops)
         return self.logits(x, ops) if stop == L else x
 
-    def select_tokens(self, x: Tensor, keep: Tensor) -> Tensor:
-        """Prefix tokens plus the kept patch tokens of ``x`` [B, N, D]."""
+    def select_tokens(self, x: Tensor, keep: Tensor, *, with_positions: bool = False
+                      ) -> Tensor | tuple[Tensor, Tensor]:
+        """Prefix tokens plus the kept patch tokens of ``x`` [B, N, D] (and, with
+        ``with_positions``, their original token indices [B, n])."""
         k = self.num_prefix
         b, n, d = x.shape
         if keep.dtype == torch.bool:
@@ -505,8 +548,13 @@ class ViTAdapter:
         if keep.dim() != 2 or keep.shape[0] != b:
             raise ValueError(f"keep must be [B, n] patch indices with B={b}, "
                              f"got {tuple(keep.shape)}")
-        patches = torch.gather(x[:, k:], 1, keep.to(x.device)[..., None].expand(-1, -1, d))
-        return torch.cat([x[:, :k], patches], dim=1)
+        keep = keep.to(x.device)
+        patches = torch.gather(x[:, k:], 1, keep[..., None].expand(-1, -1, d))
+        out = torch.cat([x[:, :k], patches], dim=1)
+        if not with_positions:
+            return out
+        prefix = torch.arange(k, device=x.device).expand(b, k)
+        return out, torch.cat([prefix, k + keep], dim=1)
 
     def trace(self, inputs: Tensor | None = None, *, x: Tensor | None = None, start: int = 0,
               linearize: bool = False, grad: bool = False) -> Trace:

@@ -68,7 +68,7 @@ class TimmViTAdapter(ViTAdapter):
                                 "no hidden norm (GLU/SwiGLU MLPs are not supported)")
         if len(model.blocks) == 0:
             raise TypeError(f"{name} has no transformer blocks")
-        self.blocks = [_block_parts(blk, f"{name}.blocks[{i}]")
+        self.blocks = [self._parts(blk, f"{name}.blocks[{i}]")
                        for i, blk in enumerate(model.blocks)]
         self.num_prefix = int(model.num_prefix_tokens)
         self.in_chans = int(model.patch_embed.proj.in_channels)
@@ -100,7 +100,11 @@ class TimmViTAdapter(ViTAdapter):
         name = type(self.model).__name__
         for i, (p, blk) in enumerate(zip(self.blocks, self.model.blocks, strict=True)):
             if p.q_weight.data_ptr() != blk.attn.qkv.weight.data_ptr():  # storage replaced
-                self.blocks[i] = _block_parts(blk, f"{name}.blocks[{i}]")
+                self.blocks[i] = self._parts(blk, f"{name}.blocks[{i}]")
+
+    def _parts(self, blk: nn.Module, where: str) -> BlockParts:
+        """The canonical parts of one block (families with other blocks override this)."""
+        return _block_parts(blk, where)
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:

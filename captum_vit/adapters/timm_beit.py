@@ -1,0 +1,117 @@
+"""Adapter for timm's ``Beit`` (BEiT, BEiT-v2): relative position bias (SPEC_NEXT §7.2).
+
+Each block adds a learned relative position bias ``B^h`` (per block, or one shared by
+all blocks) to the attention logits before the softmax. The bias comes from the model's
+own code (``Attention._get_rel_pos_bias`` / ``RelativePositionBias``) and enters
+:meth:`BlockParts.attention` as ``attn_bias``; under true token removal a kept subset
+``S`` uses the sub-matrix ``B[:, S, S]`` of the original positions (the index is never
+rebuilt for a smaller grid). q/k/v are views of the fused ``qkv`` weight with timm's
+separate ``q_bias``, zero ``k_bias`` and ``v_bias``; LayerScale is ``gamma_1``/``gamma_2``;
+the readout is the class token after ``norm``, or the patch mean and ``fc_norm``
+(``global_pool='avg'``, BEiT's fine-tuning default). The bias is a constant inside the
+softmax, so no method needs a rule of its own: attention methods read the probabilities
+that include it, DecompX keeps them constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import BlockParts, HeadParts
+from captum_vit.adapters.timm_vit import (
+    TimmViTAdapter,
+    _norm_parts,
+    _optional_norm,
+    _timm_gelus,
+)
+
+
+def _bias_of(model: nn.Module, blk: nn.Module) -> Callable[[], Tensor] | None:
+    """The block's relative position bias ``() -> [1, H, N, N]`` (own plus shared)."""
+    own = blk.attn._get_rel_pos_bias if blk.attn.relative_position_bias_table is not None \
+        else None
+    shared = model.rel_pos_bias
+    if own is None and shared is None:
+        return None
+
+    def bias() -> Tensor:
+        parts = ([own()] if own is not None else []) + (
+            [shared()[None]] if shared is not None else [])
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+    return bias
+
+
+class TimmBeitAdapter(TimmViTAdapter):
+    """Canonical view of a timm ``Beit`` classifier (never modified)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from timm.layers import Mlp
+
+        self.model = model
+        name = type(model).__name__
+        if len(model.blocks) == 0:
+            raise TypeError(f"{name} has no transformer blocks")
+        for i, blk in enumerate(model.blocks):
+            if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.act, (nn.GELU,
+                                                                         *_timm_gelus())):
+                raise TypeError(f"{name}.blocks[{i}].mlp is {type(blk.mlp).__name__}; "
+                                "captum_vit supports BEiT's GELU `Mlp` (not SwiGLU yet)")
+        self.blocks = [self._parts(blk, f"{name}.blocks[{i}]")
+                       for i, blk in enumerate(model.blocks)]
+        self.num_prefix = 1
+        self.in_chans = int(model.patch_embed.proj.in_channels)
+        if not isinstance(model.head, nn.Linear):
+            raise TypeError(f"{name}.head is {type(model.head).__name__}; captum_vit needs a "
+                            "linear classifier head (build the model with num_classes > 0)")
+        if model.global_pool not in ("avg", "token"):
+            raise TypeError(f"global_pool={model.global_pool!r} is not supported for BEiT; "
+                            "use 'avg' or 'token'")
+        self.readout = model.global_pool
+        row = "avg" if model.global_pool == "avg" else 0
+        self.head = HeadParts(_optional_norm(model.norm, f"{name}.norm"),
+                              _optional_norm(model.fc_norm, f"{name}.fc_norm"),
+                              ((row, model.head.weight, model.head.bias),))
+
+    def _parts(self, blk: nn.Module, where: str) -> BlockParts:
+        attn, mlp = blk.attn, blk.mlp
+        w = attn.qkv.weight.detach()
+        a = w.shape[0] // 3
+        return BlockParts(
+            norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
+            q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
+            q_bias=attn.q_bias, k_bias=None, v_bias=attn.v_bias,  # timm's k_bias is zero
+            num_heads=attn.num_heads, head_dim=a // attn.num_heads, scale=attn.scale,
+            q_norm=nn.Identity(), k_norm=nn.Identity(),
+            proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
+            ls1=blk.gamma_1, norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
+            fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+            fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
+            ls2=blk.gamma_2, attn_bias=_bias_of(self.model, blk),
+        )
+
+    def embed(self, inputs: Tensor) -> Tensor:
+        self.refresh()
+        m = self.model
+        x = m.patch_embed(inputs)
+        x = torch.cat((m.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        if m.pos_embed is not None:
+            x = x + m.pos_embed
+        return m.pos_drop(x)
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """Head stage, then blocks ``L-1 .. 0``; a shared relative position bias, like the
+        embedding, belongs to no stage."""
+        m = self.model
+        stages = [[p for mod in (m.norm, m.fc_norm, m.head) for p in mod.parameters()]]
+        return stages + [list(blk.parameters()) for blk in reversed(m.blocks)]
+
+
+def is_timm_beit(model: nn.Module) -> bool:
+    """``True`` for timm's ``Beit``."""
+    from timm.models.beit import Beit
+
+    return isinstance(model, Beit)
