@@ -60,6 +60,10 @@ OTHER_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
 HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
     "hf_vit": ("ViTForImageClassification", "ViTConfig", {}, (32, 32)),
     "hf_deit_teacher": ("DeiTForImageClassificationWithTeacher", "DeiTConfig", {}, (24, 40)),
+    "hf_dinov2": ("Dinov2ForImageClassification", "Dinov2Config", {"layerscale_value": 0.5},
+                  (32, 32)),
+    "hf_dinov2_reg": ("Dinov2WithRegistersForImageClassification",
+                      "Dinov2WithRegistersConfig", {"num_register_tokens": 2}, (24, 40)),
 }
 
 

@@ -8,7 +8,7 @@ import torch
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
-from captum_vit import GAE
+from captum_vit import GAE, DecompX
 from captum_vit.adapters import HFViTAdapter, adapt
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
@@ -155,3 +155,38 @@ def test_explain_command_on_a_local_hf_model(tmp_path):
     assert main(["explain", "--model", f"hf:{tmp_path / 'vit'}", "--methods", "gae,decompx",
                  "--out", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("family", ["hf_dinov2", "hf_dinov2_reg"])
+def test_dinov2_cls_mean_readout_and_layerscale(family):
+    """DINOv2's classifier on [CLS ; mean of the patches] (registers excluded) is split into
+    two summed heads; attention maps read w = 1/2 e_0 + 1/2 u_P (SPEC_NEXT §7.4)."""
+    model = make_hf_model(family)
+    ad = adapt(model)
+    k = 3 if family == "hf_dinov2_reg" else 1
+    assert (ad.num_prefix, ad.readout, ad.head.combine) == (k, "cls_mean", "sum")
+    assert ad.blocks[0].ls1 is not None  # layer_scale1.lambda1
+    h, w = make_inputs(family)[0].shape[-2:]
+    for size in ((32, 32), (h, w)):  # DINOv2 always interpolates its position embeddings
+        x = torch.randn(2, 3, *size, dtype=torch.float64)
+        torch.testing.assert_close(ad.run(ad.embed(x)), model(pixel_values=x).logits,
+                                   rtol=0, atol=1e-12)
+    lay = ad.layout(x)
+    r = lay.readout_weights(dtype=torch.float64)
+    assert r[0] == 0.5 and r[1:k].abs().sum() == 0
+    torch.testing.assert_close(r[k:], torch.full((lay.num_patches,), 0.5 / lay.num_patches,
+                                                 dtype=torch.float64))
+    res = DecompX(model, route="explicit").decompose(x, [1, 2])
+    torch.testing.assert_close(res.tokens.sum(-1) + res.bias, res.logit, rtol=0, atol=1e-10)
+    torch.testing.assert_close(DecompX(model).decompose(x, [1, 2]).tokens, res.tokens,
+                               rtol=0, atol=1e-10)
+
+
+def test_dinov2_swiglu_is_refused():
+    import transformers
+
+    cfg = transformers.Dinov2Config(image_size=32, patch_size=8, hidden_size=32,
+                                    num_hidden_layers=1, num_attention_heads=4, num_labels=5,
+                                    use_swiglu_ffn=True)
+    with pytest.raises(TypeError, match="SwiGLU"):
+        adapt(transformers.Dinov2ForImageClassification(cfg).eval())

@@ -12,6 +12,7 @@ only change the backward pass.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from captum_vit.adapters._linearize import (
     layer_norm_frozen_variance,
 )
 
-READOUTS = ("token", "avg", "distilled")
+READOUTS = ("token", "avg", "distilled", "cls_mean")
 
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 """Per model (held weakly, the model is never touched): the (adapter, dtype, device, input
@@ -43,7 +44,9 @@ class Layout:
         grid (tuple[int, int]): ``(gh, gw)`` patch grid.
         patch_size (tuple[int, int]): ``(ph, pw)`` in pixels.
         readout (str): ``"token"`` (row 0), ``"distilled"`` (rows 0 and 1 averaged in the
-            logit; maps read row 0) or ``"avg"`` (mean of the patch rows).
+            logit; maps read row 0), ``"avg"`` (mean of the patch rows) or ``"cls_mean"``
+            (DINOv2's classifier on ``[row 0 ; mean of the patch rows]``; maps read
+            ``w = ½ e_0 + ½ u_P``, SPEC_NEXT §7.4's default ``α = ½``).
         num_blocks (int): ``L``.
         num_heads (int): ``H``.
         image_size (tuple[int, int]): ``(H, W)`` of the input images.
@@ -69,9 +72,12 @@ class Layout:
         """Weights ``w`` [N] with readout row ``r = sum_i w_i row_i`` (SPEC §0)."""
         n = self.num_tokens if num_tokens is None else num_tokens
         w = torch.zeros(n, dtype=dtype, device=device)
-        if self.readout == "avg":
+        if self.readout in ("avg", "cls_mean"):
             w[self.num_prefix:] = 1.0 / (n - self.num_prefix)
-        else:
+        if self.readout == "cls_mean":
+            w *= 0.5
+            w[0] = 0.5
+        elif self.readout != "avg":
             w[0] = 1.0
         return w
 
@@ -266,12 +272,15 @@ class HeadParts:
     """Final norm, pooling and classifier(s).
 
     ``heads`` holds ``(row, weight, bias)``; ``row`` is a token index or ``"avg"``; the
-    logits are the mean of the heads' outputs (one head, or CLS + DIST for DeiT).
+    logits combine the heads' outputs as ``combine`` says.
     """
 
     norm: NormParts | None
     fc_norm: NormParts | None
     heads: tuple[tuple[int | str, Tensor, Tensor | None], ...]
+    combine: str = "mean"
+    """How the heads' outputs make the logits: ``"mean"`` (DeiT's two heads) or ``"sum"``
+    (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
 
 
 class Ops:
@@ -498,6 +507,8 @@ class ViTAdapter:
             if h.fc_norm is not None:
                 z = ops.norm(z, h.fc_norm)
             outs.append(ops.linear(z, weight, bias))
+        if h.combine == "sum":
+            return functools.reduce(ops.add, outs)
         return ops.mean(outs)
 
     def run(self, x: Tensor, start: int = 0, stop: int | None = None,

@@ -1,13 +1,19 @@
-"""Adapter for Hugging Face transformers' ViT and DeiT image classifiers
+"""Adapter for Hugging Face transformers' ViT, DeiT and DINOv2 image classifiers
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
-``DeiTForImageClassificationWithTeacher``).
+``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,
+``Dinov2WithRegistersForImageClassification``).
 
 Only this file knows their attribute names, in both layouts transformers has used:
-transformers 5 (``vit.layers[l].attention.{q,k,v,o}_proj``, ``mlp.{fc1, fc2}``) and
-transformers 4 (``vit.encoder.layer[l].attention.attention.{query, key, value}``,
-``attention.output.dense``, ``intermediate.dense``, ``output.dense``). Both are pre-LN ViTs
+transformers 5 (``layers[l]`` or ``encoder.layer[l]``, ``attention.{q,k,v,o}_proj``,
+``mlp.{fc1, fc2}``) and transformers 4 (``encoder.layer[l].attention.attention.{query, key,
+value}``, ``attention.output.dense``, ``intermediate.dense`` / ``mlp.fc1``, ``output.dense``
+/ ``mlp.fc2``); ViT/DeiT name the norms ``layernorm_before``/``layernorm_after``, DINOv2
+``norm1``/``norm2`` with LayerScale ``layer_scale{1,2}.lambda1``. All are pre-LN ViTs
 (SPEC_NEXT §7.4) with separate q, k, v projections, which :class:`BlockParts` takes as
-they are. The attention implementation (``sdpa``, ``eager``, ...) does not matter: the
+they are. DINOv2's classifier reads ``[CLS ; mean of the patch tokens]`` (registers
+excluded): its weight splits into a CLS head and a patch-mean head whose outputs add
+(``readout="cls_mean"``). DINOv2's SwiGLU MLP is refused (no gated rule yet).
+The attention implementation (``sdpa``, ``eager``, ...) does not matter: the
 adapter recomputes attention from the parameters and never asks for an eager reload.
 
 The embedding is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``:
@@ -17,6 +23,7 @@ position embeddings, exactly as ``model(pixel_values, interpolate_pos_encoding=T
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -24,7 +31,8 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import BlockParts, HeadParts, Layout, NormParts, ViTAdapter
 
 CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
-           "DeiTForImageClassificationWithTeacher")
+           "DeiTForImageClassificationWithTeacher", "Dinov2ForImageClassification",
+           "Dinov2WithRegistersForImageClassification")
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -37,28 +45,45 @@ def _norm(m: nn.Module, where: str) -> NormParts:
     return NormParts(m.weight, m.bias, m.eps)
 
 
+def _first(m: nn.Module, *names: str) -> nn.Module:
+    """The first of the dotted attribute paths ``names`` that ``m`` has."""
+    for name in names:
+        obj: object = m
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            return obj
+    raise TypeError(f"{type(m).__name__} has none of {', '.join(names)}: this layer layout is "
+                    "not supported")
+
+
 def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
-    """The canonical parts of one ``ViTLayer`` / ``DeiTLayer`` (either naming)."""
+    """The canonical parts of one ViT / DeiT / DINOv2 layer (either naming)."""
     att = layer.attention
     if hasattr(att, "q_proj"):  # transformers >= 5
         q, k, v, o = att.q_proj, att.k_proj, att.v_proj, att.o_proj
-        fc1, act, fc2 = layer.mlp.fc1, layer.mlp.activation_fn, layer.mlp.fc2
     else:  # transformers 4
         q, k, v = att.attention.query, att.attention.key, att.attention.value
         o = att.output.dense
-        fc1, act = layer.intermediate.dense, layer.intermediate.intermediate_act_fn
-        fc2 = layer.output.dense
+    if "swiglu" in type(getattr(layer, "mlp", None)).__name__.lower():
+        raise TypeError(f"{where}.mlp is a SwiGLU MLP; captum_vit has no gated-MLP rule yet "
+                        "(use_swiglu_ffn=False models are supported)")
+    fc1 = _first(layer, "mlp.fc1", "intermediate.dense")
+    act = _first(layer, "mlp.activation_fn", "mlp.activation", "intermediate.intermediate_act_fn")
+    fc2 = _first(layer, "mlp.fc2", "output.dense")
+    ls1, ls2 = (getattr(getattr(layer, n, None), "lambda1", None)
+                for n in ("layer_scale1", "layer_scale2"))
     head_dim = q.weight.shape[0] // num_heads
     return BlockParts(
-        norm1=_norm(layer.layernorm_before, f"{where}.layernorm_before"),
+        norm1=_norm(_first(layer, "layernorm_before", "norm1"), f"{where}.norm1"),
         q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
         q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
         num_heads=num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
         q_norm=nn.Identity(), k_norm=nn.Identity(),
-        proj_weight=o.weight, proj_bias=o.bias, ls1=None,
-        norm2=_norm(layer.layernorm_after, f"{where}.layernorm_after"),
+        proj_weight=o.weight, proj_bias=o.bias, ls1=ls1,
+        norm2=_norm(_first(layer, "layernorm_after", "norm2"), f"{where}.norm2"),
         fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
-        fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=None,
+        fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=ls2,
     )
 
 
@@ -68,7 +93,7 @@ class HFViTAdapter(ViTAdapter):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         name = type(model).__name__
-        self.backbone = model.vit if hasattr(model, "vit") else model.deit
+        self.backbone = getattr(model, model.base_model_prefix)
         cfg = model.config
         layers = getattr(self.backbone, "layers", None)
         self.layers = self.backbone.encoder.layer if layers is None else layers
@@ -77,26 +102,42 @@ class HFViTAdapter(ViTAdapter):
         self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
                        for i, layer in enumerate(self.layers)]
         self.in_chans = int(cfg.num_channels)
-        self.num_prefix = 2 if hasattr(self.backbone.embeddings, "distillation_token") else 1
+        emb = self.backbone.embeddings
+        self.num_prefix = 1 + hasattr(emb, "distillation_token") + int(
+            getattr(cfg, "num_register_tokens", 0) or 0)
+        self.interpolates = "interpolate_pos_encoding" in inspect.signature(
+            emb.forward).parameters  # DINOv2 always interpolates
         norm = _norm(self.backbone.layernorm, f"{name}.layernorm")
-        if hasattr(model, "cls_classifier"):  # DeiT with teacher: mean of the two heads
-            self.readout = "distilled"
-            pairs = ((0, model.cls_classifier), (1, model.distillation_classifier))
-        else:
-            self.readout = "token"
-            pairs = ((0, model.classifier),)
-        for _, head in pairs:
-            if not isinstance(head, nn.Linear):
+        heads = [getattr(model, n, None) for n in ("classifier", "cls_classifier",
+                                                    "distillation_classifier")]
+        for head in heads:
+            if head is not None and not isinstance(head, nn.Linear):
                 raise TypeError(f"{name} has no linear classifier head (num_labels=0?); "
                                 "captum_vit needs a classifier returning logits")
-        self.head = HeadParts(norm, None, tuple((row, h.weight, h.bias) for row, h in pairs))
+        combine = "mean"
+        if hasattr(model, "cls_classifier"):  # DeiT with teacher: mean of the two heads
+            self.readout = "distilled"
+            rows = ((0, model.cls_classifier.weight, model.cls_classifier.bias),
+                    (1, model.distillation_classifier.weight,
+                     model.distillation_classifier.bias))
+        elif model.classifier.in_features == 2 * cfg.hidden_size:  # DINOv2: [CLS ; mean]
+            self.readout, combine = "cls_mean", "sum"
+            w, d = model.classifier.weight, cfg.hidden_size
+            rows = ((0, w[:, :d], model.classifier.bias), ("avg", w[:, d:], None))
+        else:
+            self.readout = "token"
+            rows = ((0, model.classifier.weight, model.classifier.bias),)
+        self.head = HeadParts(norm, None, rows, combine)
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
         return self.in_chans, _pair(self.model.config.image_size)
 
-    def _interpolate(self, inputs: Tensor) -> bool:
-        return tuple(inputs.shape[-2:]) != self.input_shape[1]
+    def _size_kwargs(self, inputs: Tensor) -> dict[str, bool]:
+        """``interpolate_pos_encoding`` for another size than the config's (ViT, DeiT)."""
+        if not self.interpolates:
+            return {}
+        return {"interpolate_pos_encoding": tuple(inputs.shape[-2:]) != self.input_shape[1]}
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
@@ -108,8 +149,8 @@ class HFViTAdapter(ViTAdapter):
             raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
                              f"{(ph, pw)}; resize or crop the images to a multiple of it")
         cfg = self.model.config
-        if self.model.training and (cfg.hidden_dropout_prob > 0
-                                    or cfg.attention_probs_dropout_prob > 0):
+        if self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+                "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate")):
             raise ValueError("the model is in training mode with active dropout, so its "
                              "output is random; call model.eval() before explaining")
 
@@ -122,12 +163,10 @@ class HFViTAdapter(ViTAdapter):
                       image_size=(int(h), int(w)))
 
     def embed(self, inputs: Tensor) -> Tensor:
-        return self.backbone.embeddings(inputs,
-                                        interpolate_pos_encoding=self._interpolate(inputs))
+        return self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
 
     def model_logits(self, inputs: Tensor) -> Tensor:
-        return self.model(pixel_values=inputs,
-                          interpolate_pos_encoding=self._interpolate(inputs)).logits
+        return self.model(pixel_values=inputs, **self._size_kwargs(inputs)).logits
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
         m = self.model
