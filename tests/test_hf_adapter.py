@@ -190,3 +190,15 @@ def test_dinov2_swiglu_is_refused():
                                     use_swiglu_ffn=True)
     with pytest.raises(TypeError, match="SwiGLU"):
         adapt(transformers.Dinov2ForImageClassification(cfg).eval())
+
+
+def test_an_adapter_follows_the_model_through_to():
+    """``model.to(dtype)`` replaces the storage the DINOv2 head halves were sliced from."""
+    model = make_hf_model("hf_dinov2", dtype=torch.float32)
+    method = GAE(model)
+    x = torch.randn(2, 3, 32, 32)
+    before = method.attribute(x, target=[0, 1], output="tokens")
+    model.double()
+    after = method.attribute(x.double(), target=[0, 1], output="tokens")
+    assert after.dtype == torch.float64
+    torch.testing.assert_close(after.float(), before, rtol=1e-4, atol=1e-5)

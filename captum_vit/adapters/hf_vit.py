@@ -107,13 +107,18 @@ class HFViTAdapter(ViTAdapter):
             getattr(cfg, "num_register_tokens", 0) or 0)
         self.interpolates = "interpolate_pos_encoding" in inspect.signature(
             emb.forward).parameters  # DINOv2 always interpolates
-        norm = _norm(self.backbone.layernorm, f"{name}.layernorm")
         heads = [getattr(model, n, None) for n in ("classifier", "cls_classifier",
                                                     "distillation_classifier")]
         for head in heads:
             if head is not None and not isinstance(head, nn.Linear):
                 raise TypeError(f"{name} has no linear classifier head (num_labels=0?); "
                                 "captum_vit needs a classifier returning logits")
+        self.head = self._head()
+
+    def _head(self) -> HeadParts:
+        """Final norm and classifier(s); sets :attr:`readout`."""
+        model, cfg = self.model, self.model.config
+        norm = _norm(self.backbone.layernorm, f"{type(model).__name__}.layernorm")
         combine = "mean"
         if hasattr(model, "cls_classifier"):  # DeiT with teacher: mean of the two heads
             self.readout = "distilled"
@@ -127,7 +132,14 @@ class HFViTAdapter(ViTAdapter):
         else:
             self.readout = "token"
             rows = ((0, model.classifier.weight, model.classifier.bias),)
-        self.head = HeadParts(norm, None, rows, combine)
+        return HeadParts(norm, None, rows, combine)
+
+    def refresh(self) -> None:
+        """DINOv2's two head halves are slices of ``classifier.weight``: re-slice them when
+        ``model.to(...)`` replaced its storage."""
+        if self.readout == "cls_mean" and (self.head.heads[0][1].data_ptr()
+                                           != self.model.classifier.weight.data_ptr()):
+            self.head = self._head()
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
@@ -140,6 +152,7 @@ class HFViTAdapter(ViTAdapter):
         return {"interpolate_pos_encoding": tuple(inputs.shape[-2:]) != self.input_shape[1]}
 
     def check_inputs(self, inputs: Tensor) -> None:
+        self.refresh()
         super().check_inputs(inputs)
         _, c, h, w = inputs.shape
         if c != self.in_chans:
