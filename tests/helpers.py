@@ -52,6 +52,8 @@ OTHER_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
                     "init_values": 0.5}, (32, 32)),
     "beit_shared_token": (Beit, {"use_shared_rel_pos_bias": True, "global_pool": "token"},
                           (32, 32)),
+    "beit_swiglu": (Beit, {"use_rel_pos_bias": True, "swiglu_mlp": True, "scale_mlp": True,
+                           "global_pool": "avg"}, (32, 32)),
 }
 
 # Hugging Face transformers classifiers (optional extra): name -> (class name, config class
@@ -64,6 +66,8 @@ HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
                   (32, 32)),
     "hf_dinov2_reg": ("Dinov2WithRegistersForImageClassification",
                       "Dinov2WithRegistersConfig", {"num_register_tokens": 2}, (24, 40)),
+    "hf_dinov2_swiglu": ("Dinov2ForImageClassification", "Dinov2Config",
+                         {"use_swiglu_ffn": True}, (32, 32)),
 }
 
 

@@ -100,12 +100,30 @@ def test_decompx_explicit_route_is_complete_with_the_bias():
     torch.testing.assert_close(grad.tokens, res.tokens, rtol=0, atol=1e-10)
 
 
-def test_other_sizes_and_swiglu_are_refused():
+def test_other_sizes_are_refused():
     model = beit("per_block_avg")
     with pytest.raises(ValueError, match="img_size"):
         GAE(model).attribute(torch.randn(1, 3, 40, 32, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("scale_mlp", [False, True])
+def test_swiglu_gated_rule_is_complete_and_both_routes_agree(scale_mlp):
+    """SPEC_NEXT §7.1: the activated gate SiLU(g) is a constant per hidden unit, the value
+    branch is decomposed linearly (the hidden LayerNorm of scale_mlp by the LayerNorm rule).
+    The explicit route carries components; the gradient route detaches the gate: they are
+    derived independently and must agree, and the explicit one must be complete."""
     torch.manual_seed(0)
-    swiglu = Beit(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4,
-                  num_classes=5, swiglu_mlp=True)
-    with pytest.raises(TypeError, match="SwiGLU"):
-        adapt(swiglu)
+    model = randomize_(Beit(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=4,
+                            num_classes=5, use_rel_pos_bias=True, swiglu_mlp=True,
+                            scale_mlp=scale_mlp, global_pool="avg"), 0).double().eval()
+    ad = adapt(model)
+    assert ad.blocks[0].gate_weight is not None
+    assert (ad.blocks[0].mlp_norm is not None) == scale_mlp
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(ad.run(ad.embed(x)), model(x), rtol=0, atol=1e-12)
+    for start in (0, 2):
+        exp = DecompX(model, start, route="explicit").decompose(x, [1, 4])
+        torch.testing.assert_close(exp.tokens.sum(-1) + exp.bias, exp.logit, rtol=0,
+                                   atol=1e-10)
+        grad = DecompX(model, start).decompose(x, [1, 4])
+        torch.testing.assert_close(grad.tokens, exp.tokens, rtol=0, atol=1e-10)

@@ -182,14 +182,24 @@ def test_dinov2_cls_mean_readout_and_layerscale(family):
                                rtol=0, atol=1e-10)
 
 
-def test_dinov2_swiglu_is_refused():
+def test_dinov2_swiglu_gated_rule():
+    """transformers 5's gated MLP (gate_proj, up_proj, down_proj): forward parity, the
+    explicit DecompX is complete and equals the gradient route (gate detached)."""
     import transformers
 
-    cfg = transformers.Dinov2Config(image_size=32, patch_size=8, hidden_size=32,
-                                    num_hidden_layers=1, num_attention_heads=4, num_labels=5,
-                                    use_swiglu_ffn=True)
-    with pytest.raises(TypeError, match="SwiGLU"):
-        adapt(transformers.Dinov2ForImageClassification(cfg).eval())
+    if not hasattr(transformers.models.dinov2.modeling_dinov2.Dinov2SwiGLUFFN(
+            transformers.Dinov2Config(hidden_size=8)), "gate_proj"):
+        pytest.skip("transformers 4 packs the SwiGLU weights (refused with a clear error)")
+    model = make_hf_model("hf_dinov2_swiglu")
+    ad = adapt(model)
+    assert ad.blocks[0].gate_weight is not None
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(ad.run(ad.embed(x)), model(pixel_values=x).logits, rtol=0,
+                               atol=1e-12)
+    exp = DecompX(model, route="explicit").decompose(x, [0, 3])
+    torch.testing.assert_close(exp.tokens.sum(-1) + exp.bias, exp.logit, rtol=0, atol=1e-10)
+    torch.testing.assert_close(DecompX(model).decompose(x, [0, 3]).tokens, exp.tokens,
+                               rtol=0, atol=1e-10)
 
 
 def test_an_adapter_follows_the_model_through_to():

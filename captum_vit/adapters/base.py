@@ -140,6 +140,12 @@ class BlockParts:
     attn_bias: Callable[[], Tensor] | None = None
     """Additive attention-logit bias of the full sequence, ``() -> [1, H, N, N]`` (BEiT's
     relative position bias, computed by the model's own code); ``None`` = no bias."""
+    gate_weight: Tensor | None = None
+    """Gated MLP (SwiGLU): ``h = act(u W_g + b_g) ⊙ (u W_1 + b_1)``; ``None`` = the plain
+    MLP ``h = act(u W_1 + b_1)``."""
+    gate_bias: Tensor | None = None
+    mlp_norm: NormParts | None = None
+    """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
 
     @property
     def inner_dim(self) -> int:
@@ -309,6 +315,12 @@ class Ops:
 
     def act(self, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
         return activation_gate_detached(z, act) if self.linearize else act(z)
+
+    def gated(self, g: Any, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
+        """Gated unit ``act(g) ⊙ z``; linearised: the activated gate is a constant
+        (SPEC_NEXT §7.1, the gated analogue of the zero-origin GELU rule)."""
+        a = act(g)
+        return (a.detach() if self.linearize else a) * z
 
     def scale(self, x: Any, gamma: Tensor) -> Any:
         return x * gamma
@@ -486,8 +498,15 @@ class ViTAdapter:
         if p.ls1 is not None:
             a = ops.scale(a, p.ls1)
         mid = ops.add(x, a)
-        h = ops.linear(ops.norm(mid, p.norm2), p.fc1_weight, p.fc1_bias)
-        f = ops.linear(ops.act(h, p.act), p.fc2_weight, p.fc2_bias)
+        u2 = ops.norm(mid, p.norm2)
+        h = ops.linear(u2, p.fc1_weight, p.fc1_bias)
+        if p.gate_weight is None:
+            h = ops.act(h, p.act)
+        else:
+            h = ops.gated(ops.linear(u2, p.gate_weight, p.gate_bias), h, p.act)
+        if p.mlp_norm is not None:
+            h = ops.norm(h, p.mlp_norm)
+        f = ops.linear(h, p.fc2_weight, p.fc2_bias)
         if p.ls2 is not None:
             f = ops.scale(f, p.ls2)
         out = ops.add(mid, f)

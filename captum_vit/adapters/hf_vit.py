@@ -12,7 +12,9 @@ value}``, ``attention.output.dense``, ``intermediate.dense`` / ``mlp.fc1``, ``ou
 (SPEC_NEXT §7.4) with separate q, k, v projections, which :class:`BlockParts` takes as
 they are. DINOv2's classifier reads ``[CLS ; mean of the patch tokens]`` (registers
 excluded): its weight splits into a CLS head and a patch-mean head whose outputs add
-(``readout="cls_mean"``). DINOv2's SwiGLU MLP is refused (no gated rule yet).
+(``readout="cls_mean"``). DINOv2's gated MLP (``use_swiglu_ffn``) is read as
+``gate_proj``/``up_proj``/``down_proj`` (transformers >= 5; the packed ``weights_in`` of
+transformers 4 is refused).
 The attention implementation (``sdpa``, ``eager``, ...) does not matter: the
 adapter recomputes attention from the parameters and never asks for an eager reload.
 
@@ -65,12 +67,16 @@ def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
     else:  # transformers 4
         q, k, v = att.attention.query, att.attention.key, att.attention.value
         o = att.output.dense
-    if "swiglu" in type(getattr(layer, "mlp", None)).__name__.lower():
-        raise TypeError(f"{where}.mlp is a SwiGLU MLP; captum_vit has no gated-MLP rule yet "
-                        "(use_swiglu_ffn=False models are supported)")
-    fc1 = _first(layer, "mlp.fc1", "intermediate.dense")
-    act = _first(layer, "mlp.activation_fn", "mlp.activation", "intermediate.intermediate_act_fn")
-    fc2 = _first(layer, "mlp.fc2", "output.dense")
+    mlp = getattr(layer, "mlp", None)
+    gate = getattr(mlp, "gate_proj", None)
+    if gate is None and "swiglu" in type(mlp).__name__.lower():
+        raise TypeError(f"{where}.mlp is a packed SwiGLU (transformers 4 `weights_in`); "
+                        "captum_vit reads the gated MLP of transformers >= 5 (gate_proj, "
+                        "up_proj, down_proj): upgrade transformers")
+    fc1 = _first(layer, "mlp.up_proj", "mlp.fc1", "intermediate.dense")
+    act = _first(layer, "mlp.act_fn", "mlp.activation_fn", "mlp.activation",
+                 "intermediate.intermediate_act_fn")
+    fc2 = _first(layer, "mlp.down_proj", "mlp.fc2", "output.dense")
     ls1, ls2 = (getattr(getattr(layer, n, None), "lambda1", None)
                 for n in ("layer_scale1", "layer_scale2"))
     head_dim = q.weight.shape[0] // num_heads
@@ -84,6 +90,8 @@ def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
         norm2=_norm(_first(layer, "layernorm_after", "norm2"), f"{where}.norm2"),
         fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
         fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=ls2,
+        gate_weight=None if gate is None else gate.weight,
+        gate_bias=None if gate is None else gate.bias,
     )
 
 

@@ -5,8 +5,9 @@ all blocks) to the attention logits before the softmax. The bias comes from the 
 own code (``Attention._get_rel_pos_bias`` / ``RelativePositionBias``) and enters
 :meth:`BlockParts.attention` as ``attn_bias``; under true token removal a kept subset
 ``S`` uses the sub-matrix ``B[:, S, S]`` of the original positions (the index is never
-rebuilt for a smaller grid). q/k/v are views of the fused ``qkv`` weight with timm's
-separate ``q_bias``, zero ``k_bias`` and ``v_bias``; LayerScale is ``gamma_1``/``gamma_2``;
+rebuilt for a smaller grid). The MLP is timm's GELU ``Mlp`` or ``SwiGLU`` (gated,
+SPEC_NEXT §7.1's rule; with ``scale_mlp`` a hidden LayerNorm). q/k/v are views of the
+fused ``qkv`` weight with timm's separate ``q_bias``, zero ``k_bias`` and ``v_bias``; LayerScale is ``gamma_1``/``gamma_2``;
 the readout is the class token after ``norm``, or the patch mean and ``fc_norm``
 (``global_pool='avg'``, BEiT's fine-tuning default). The bias is a constant inside the
 softmax, so no method needs a rule of its own: attention methods read the probabilities
@@ -45,21 +46,34 @@ def _bias_of(model: nn.Module, blk: nn.Module) -> Callable[[], Tensor] | None:
     return bias
 
 
+def _mlp_fields(mlp: nn.Module, where: str) -> dict:
+    """BlockParts fields of timm's ``Mlp`` or ``SwiGLU`` (gate ``fc1_g``, value ``fc1_x``,
+    hidden norm when ``scale_mlp``)."""
+    if hasattr(mlp, "fc1_g"):
+        return dict(fc1_weight=mlp.fc1_x.weight, fc1_bias=mlp.fc1_x.bias, act=mlp.act,
+                    gate_weight=mlp.fc1_g.weight, gate_bias=mlp.fc1_g.bias,
+                    mlp_norm=_optional_norm(mlp.norm, f"{where}.mlp.norm"),
+                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
+    return dict(fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
+
+
 class TimmBeitAdapter(TimmViTAdapter):
     """Canonical view of a timm ``Beit`` classifier (never modified)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from timm.layers import Mlp
+        from timm.layers import Mlp, SwiGLU
 
         self.model = model
         name = type(model).__name__
         if len(model.blocks) == 0:
             raise TypeError(f"{name} has no transformer blocks")
         for i, blk in enumerate(model.blocks):
-            if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.act, (nn.GELU,
-                                                                         *_timm_gelus())):
-                raise TypeError(f"{name}.blocks[{i}].mlp is {type(blk.mlp).__name__}; "
-                                "captum_vit supports BEiT's GELU `Mlp` (not SwiGLU yet)")
+            mlp = blk.mlp
+            plain = type(mlp) is Mlp and isinstance(mlp.act, (nn.GELU, *_timm_gelus()))
+            if not (plain or type(mlp) is SwiGLU):
+                raise TypeError(f"{name}.blocks[{i}].mlp is {type(mlp).__name__}; captum_vit "
+                                "supports BEiT's GELU `Mlp` and `SwiGLU`")
         self.blocks = [self._parts(blk, f"{name}.blocks[{i}]")
                        for i, blk in enumerate(model.blocks)]
         self.num_prefix = 1
@@ -88,8 +102,7 @@ class TimmBeitAdapter(TimmViTAdapter):
             q_norm=nn.Identity(), k_norm=nn.Identity(),
             proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
             ls1=blk.gamma_1, norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
-            fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
-            fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
+            **_mlp_fields(mlp, where),
             ls2=blk.gamma_2, attn_bias=_bias_of(self.model, blk),
         )
 

@@ -12,7 +12,13 @@ numbered D1-D6 (SPEC §3 lists them in this order) and the code cites them:
 - D2 Linear: ``W`` on every component, the bias to the bias source.
 - D3 Attention: the probabilities from the real q, k are constants that mix the
   value components of each head; the value bias goes to the bias source.
-- D4 GELU: zero-origin slope, every component times ``GELU(z)/z`` (= Phi(z)).
+- D4 GELU: zero-origin slope, every component times ``GELU(z)/z`` (= Phi(z)). Gated MLP
+  (SwiGLU, SPEC_NEXT §7.1, the spec's choice): the activated gate ``a = SiLU(g)`` comes from
+  the real input and is a constant per hidden unit; the value branch ``z`` is decomposed
+  linearly (its bias to the bias source) and every component is multiplied by ``a``, so
+  completeness holds exactly. The gradient route detaches ``a``. (No parity fixture: the
+  SkipPLUS authors' code has no gated decomposition; completeness and the agreement of
+  the two routes are what the tests check.)
 - D5 Residual / LayerScale: component-wise.
 - D6 Pooling and head: the readout row (SPEC §0), then the classifier (D2).
 
@@ -99,6 +105,11 @@ class DecompositionOps(Ops):
         real = act(z.real)
         gate = activation_gate(z.real, real).to(z.parts.dtype)
         return Decomposed(real, z.parts * gate.unsqueeze(1), z.has_bias)
+
+    def gated(self, g: Decomposed, z: Decomposed,
+              act: Callable[[Tensor], Tensor]) -> Decomposed:  # D4, gated (SwiGLU)
+        a = act(g.real)  # the activated gate from the real input, a constant per unit
+        return Decomposed(a * z.real, z.parts * a.to(z.parts.dtype).unsqueeze(1), z.has_bias)
 
     def scale(self, x: Decomposed, gamma: Tensor) -> Decomposed:  # D5
         return Decomposed(x.real * gamma, x.parts * gamma.to(x.parts.dtype), x.has_bias)
