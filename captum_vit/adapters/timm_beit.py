@@ -1,17 +1,17 @@
 """Adapter for timm's ``Beit`` (BEiT, BEiT-v2): relative position bias (SPEC_NEXT §7.2).
 
-Each block adds a learned relative position bias ``B^h`` (per block, or one shared by
-all blocks) to the attention logits before the softmax. The bias comes from the model's
-own code (``Attention._get_rel_pos_bias`` / ``RelativePositionBias``) and enters
+Each block adds a learned relative position bias ``B^h`` (per block, or one shared by all
+blocks) to the attention logits before the softmax. The bias comes from the model's own
+code (``Attention._get_rel_pos_bias`` / ``RelativePositionBias``) and enters
 :meth:`BlockParts.attention` as ``attn_bias``; under true token removal a kept subset
 ``S`` uses the sub-matrix ``B[:, S, S]`` of the original positions (the index is never
 rebuilt for a smaller grid). The MLP is timm's GELU ``Mlp`` or ``SwiGLU`` (gated,
 SPEC_NEXT §7.1's rule; with ``scale_mlp`` a hidden LayerNorm). q/k/v are views of the
 fused ``qkv`` weight with timm's separate ``q_bias``, zero ``k_bias`` and ``v_bias``;
-LayerScale is ``gamma_1``/``gamma_2``; the readout is the class token after ``norm``, or the patch mean and ``fc_norm``
-(``global_pool='avg'``, BEiT's fine-tuning default). The bias is a constant inside the
-softmax, so no method needs a rule of its own: attention methods read the probabilities
-that include it, DecompX keeps them constant.
+LayerScale is ``gamma_1``/``gamma_2``; the readout is the class token after ``norm``, or
+the patch mean and ``fc_norm`` (``global_pool='avg'``, BEiT's fine-tuning default). The
+bias is a constant inside the softmax, so no method needs a rule of its own: attention
+methods read the probabilities that include it, DecompX keeps them constant.
 """
 
 from __future__ import annotations
