@@ -3,18 +3,19 @@
 Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
-        python benchmarks/speed.py [--family timm-vit|timm-beit|hf-vit] [--batches 1 8]
+        python benchmarks/speed.py [--family timm-vit|timm-beit|hf-vit|hf-dinov2] \
+        [--batches 1 8]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
 load drifting on a shared machine hits both alike). The reference is
-``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized
-random model (224 px, width 384, 12 blocks, 6 heads) in float32 of the chosen family
-(``timm-vit``: timm's ``VisionTransformer``; ``timm-beit``: timm's ``Beit`` with a relative
-position bias per block; ``hf-vit``: Hugging Face ``ViTForImageClassification`` with SDPA
-attention), measured in the same run as the
-methods. Ratios are (time per call) / (reference time per call) at the same
-batch size, so they are per-image ratios too. Timings on a shared VM drift; compare the
-ratios of one run only.
+``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized random model
+(224 px, width 384, 12 blocks, 6 heads) in float32 of the chosen family (``timm-vit``:
+timm's ``VisionTransformer``; ``timm-beit``: timm's ``Beit`` with a relative position bias
+per block; ``hf-vit``: Hugging Face ``ViTForImageClassification`` with SDPA attention;
+``hf-dinov2``: Hugging Face ``Dinov2ForImageClassification``), measured in the same run as
+the methods. Ratios are (time per call) / (reference time per call) at the same batch
+size, so they are per-image ratios too. Timings on a shared VM drift; compare the ratios
+of one run only.
 """
 
 from __future__ import annotations
@@ -89,8 +90,20 @@ def beit_s16(img_size: int = 224) -> torch.nn.Module:
                 init_values=0.1).eval()
 
 
+def hf_dinov2_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a Hugging Face ``Dinov2ForImageClassification``
+    (LayerScale, classifier on [CLS ; patch mean])."""
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    torch.manual_seed(0)
+    cfg = Dinov2Config(image_size=img_size, patch_size=16, hidden_size=384,
+                       num_hidden_layers=12, num_attention_heads=6, num_labels=1000)
+    return Dinov2ForImageClassification(cfg).eval()
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "timm-vit": vit_s16, "timm-beit": beit_s16, "hf-vit": hf_vit_s16}
+    "timm-vit": vit_s16, "timm-beit": beit_s16, "hf-vit": hf_vit_s16,
+    "hf-dinov2": hf_dinov2_s16}
 
 
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
