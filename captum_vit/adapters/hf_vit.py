@@ -14,7 +14,11 @@ they are. DINOv2's classifier reads ``[CLS ; mean of the patch tokens]`` (regist
 excluded): its weight splits into a CLS head and a patch-mean head whose outputs add
 (``readout="cls_mean"``). DINOv2's gated MLP (``use_swiglu_ffn``) is read as
 ``gate_proj``/``up_proj``/``down_proj`` (transformers >= 5; the packed ``weights_in`` of
-transformers 4 is refused).
+transformers 4 is refused). Verified (SPEC_NEXT §7.4 asks): in
+``Dinov2WithRegistersEmbeddings`` the position embeddings are added to CLS and the patches
+before the register tokens are inserted after CLS, so registers carry no position; the
+adapter calls the model's own ``embeddings`` and reproduces its forward (tested at two
+sizes).
 The attention implementation (``sdpa``, ``eager``, ...) does not matter: the
 adapter recomputes attention from the parameters and never asks for an eager reload.
 

@@ -12,6 +12,10 @@ LayerScale is ``gamma_1``/``gamma_2``; the readout is the class token after ``no
 the patch mean and ``fc_norm`` (``global_pool='avg'``, BEiT's fine-tuning default). The
 bias is a constant inside the softmax, so no method needs a rule of its own: attention
 methods read the probabilities that include it, DecompX keeps them constant.
+
+Verified (SPEC_NEXT §7.2 asks): the installed timm (1.x) ``Beit`` has no
+``dynamic_img_size`` and its patch embedding asserts the configured size, so the bias
+table is never resized; inputs of another size are refused before any work.
 """
 
 from __future__ import annotations
