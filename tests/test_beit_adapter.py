@@ -102,8 +102,9 @@ def test_decompx_explicit_route_is_complete_with_the_bias():
 
 def test_other_sizes_are_refused():
     model = beit("per_block_avg")
-    with pytest.raises(ValueError, match="img_size"):
+    with pytest.raises(ValueError, match="img_size") as err:
         GAE(model).attribute(torch.randn(1, 3, 40, 32, dtype=torch.float64))
+    assert "dynamic_img_size" not in str(err.value)  # BEiT has no such option
 
 
 @pytest.mark.parametrize("scale_mlp", [False, True])

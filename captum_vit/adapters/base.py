@@ -456,17 +456,31 @@ class ViTAdapter:
         """
 
     def check_inputs(self, inputs: Tensor) -> None:
-        """Raise a clear error for inputs the model cannot take (subclasses extend).
+        """Raise a clear error for inputs the model cannot take (subclasses add their size
+        rules).
 
         The dtype rule (no silent casts): floating-point inputs must have the dtype of
-        the model's parameters, else ``TypeError`` naming both dtypes and the fix.
+        the model's parameters, else ``TypeError`` naming both dtypes and the fix. The
+        channels must be the model's, and a model whose output is random (training mode
+        with active dropout) is refused.
         """
+        self.refresh()
         want = self.dtype
         if torch.is_floating_point(inputs) and inputs.dtype != want:
             raise TypeError(
                 f"inputs are {inputs.dtype} but the model's parameters are {want}; convert "
                 f"the inputs with inputs.to({want}) or the model with "
                 f"model.to({inputs.dtype})")
+        if inputs.shape[1] != self.in_chans:
+            raise ValueError(f"inputs have {inputs.shape[1]} channels but the model expects "
+                             f"{self.in_chans}")
+        if self.is_random():
+            raise ValueError("the model is in training mode with active dropout/drop-path, "
+                             "so its output is random; call model.eval() before explaining")
+
+    def is_random(self) -> bool:
+        """Whether the model's forward is random now (training mode with active dropout)."""
+        return False
 
     def model_logits(self, inputs: Tensor) -> Tensor:
         """The model's own logits [B, classes] for ``inputs`` (its forward, not ours)."""

@@ -164,20 +164,17 @@ class HFViTAdapter(ViTAdapter):
         return {"interpolate_pos_encoding": tuple(inputs.shape[-2:]) != self.input_shape[1]}
 
     def check_inputs(self, inputs: Tensor) -> None:
-        self.refresh()
         super().check_inputs(inputs)
-        _, c, h, w = inputs.shape
-        if c != self.in_chans:
-            raise ValueError(f"inputs have {c} channels but the model expects {self.in_chans}")
+        h, w = inputs.shape[-2:]
         ph, pw = _pair(self.model.config.patch_size)
         if h % ph or w % pw:
             raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
                              f"{(ph, pw)}; resize or crop the images to a multiple of it")
+
+    def is_random(self) -> bool:
         cfg = self.model.config
-        if self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-                "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate")):
-            raise ValueError("the model is in training mode with active dropout, so its "
-                             "output is random; call model.eval() before explaining")
+        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]

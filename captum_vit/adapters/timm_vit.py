@@ -7,7 +7,6 @@ modules and parameters and runs the embedding through the model's own code.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters.base import BlockParts, HeadParts, Layout, NormParts, ViTAdapter
@@ -128,9 +127,7 @@ class TimmViTAdapter(ViTAdapter):
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
         pe = self.model.patch_embed
-        _, c, h, w = inputs.shape
-        if c != self.in_chans:
-            raise ValueError(f"inputs have {c} channels but the model expects {self.in_chans}")
+        h, w = inputs.shape[-2:]
         ph, pw = pe.patch_size
         if getattr(self.model, "dynamic_img_size", False):
             if not getattr(pe, "dynamic_img_pad", False) and (h % ph or w % pw):
@@ -138,13 +135,14 @@ class TimmViTAdapter(ViTAdapter):
                     f"inputs size {(h, w)} is not divisible by the patch size {(ph, pw)}; "
                     "resize or crop the images to a multiple of the patch size")
         elif (h, w) != tuple(pe.img_size):
+            hint = (" or build the model with dynamic_img_size=True"
+                    if hasattr(self.model, "dynamic_img_size") else "")
             raise ValueError(
                 f"inputs size {(h, w)} does not match the model's fixed img_size "
-                f"{tuple(pe.img_size)}; resize the images or build the model with "
-                "dynamic_img_size=True")
-        if torch.is_floating_point(inputs) and _has_active_dropout(self.model):
-            raise ValueError("the model is in training mode with active dropout/drop-path, "
-                             "so its output is random; call model.eval() before explaining")
+                f"{tuple(pe.img_size)}; resize the images{hint}")
+
+    def is_random(self) -> bool:
+        return _has_active_dropout(self.model)
 
     def layout(self, inputs: Tensor) -> Layout:
         self.refresh()
