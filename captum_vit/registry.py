@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from captum.attr import Attribution
 from torch import nn
@@ -54,6 +54,8 @@ class MethodEntry:
             non-default configuration of a class, e.g. ``tokentm_residual``).
         baseline (bool): a reference row (``random``), not an explanation: left out of
             ``explain``'s default grid.
+        quick (dict): ``attribute`` options for a quick look (``captum-vit explain``);
+            the method's own defaults are the paper's.
     """
 
     name: str
@@ -61,6 +63,7 @@ class MethodEntry:
     build: Callable[[nn.Module, int], Attribution]
     class_alias: bool = True
     baseline: bool = False
+    quick: dict = field(default_factory=dict)
 
 
 def _plain(cls: type) -> Callable[[nn.Module, int], Attribution]:
@@ -79,7 +82,7 @@ METHODS: tuple[MethodEntry, ...] = (
     MethodEntry("token_ixg", TokenIxG, _plain(TokenIxG)),
     MethodEntry("att_ixg", AttIxG, _plain(AttIxG)),
     MethodEntry("decompx", DecompX, _plain(DecompX)),
-    MethodEntry("tis", TIS, _plain(TIS)),
+    MethodEntry("tis", TIS, _plain(TIS), quick={"n_masks": 128}),
     MethodEntry("fullgrad_plus", FullGradPlus, _plain(FullGradPlus)),
     MethodEntry("skip_fullgrad_plus", FullGradPlus, lambda m, s: FullGradPlus(m, skip=True),
                 class_alias=False),
@@ -270,6 +273,20 @@ def build_method(name: str, model: nn.Module, *, seed: int = 0) -> Attribution:
     return _LOOKUP[_key(canon)].build(model, seed)
 
 
+def quick_options(name: str) -> dict:
+    """``attribute`` options for a quick look at method ``name`` (e.g. TIS with 128 masks
+    instead of the paper's 1024); empty for compositions and Captum classes.
+
+    Examples::
+
+        >>> from captum_vit.registry import quick_options
+        >>> quick_options("TIS")
+        {'n_masks': 128}
+    """
+    entry = _LOOKUP.get(_key(canonical_name(name)))
+    return dict(entry.quick) if entry is not None else {}
+
+
 def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribution]:
     """A factory ``model -> Attribution`` for ``name`` (the form the metrics take).
 
@@ -299,5 +316,5 @@ def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribu
 
 __all__ = [
     "COMBINATORS", "FEATURED_COMPOSITIONS", "METHODS", "MethodEntry", "available_methods",
-    "build_method", "canonical_name", "method_factory", "parse_methods",
+    "build_method", "canonical_name", "method_factory", "parse_methods", "quick_options",
 ]

@@ -107,3 +107,10 @@ def test_check_scalar_accepts_numpy_and_ints_for_floats():
     assert check_scalar(np.int64(4), "n", int, min_val=1) == 4
     assert type(check_scalar(np.int64(4), "n", int)) is int
     assert check_scalar(2, "r", float, max_val=2) == 2
+
+
+def test_quick_options_live_in_the_registry():
+    from captum_vit.registry import quick_options
+
+    assert quick_options("TIS") == quick_options("tis") == {"n_masks": 128}
+    assert quick_options("gae") == {} and quick_options("skipplus:decompx") == {}

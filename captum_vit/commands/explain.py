@@ -18,11 +18,9 @@ from captum_vit.adapters import adapt
 from captum_vit.data.images import conform, read_image
 from captum_vit.metrics.report import ensure_file_location
 from captum_vit.models import SPEC_HELP, load_model
-from captum_vit.registry import available_methods, build_method, parse_methods
+from captum_vit.registry import available_methods, build_method, parse_methods, quick_options
 
 DEFAULT_MODEL = "zoo:vit_fmnist_loc"
-# quick settings for the demo grid (the methods' defaults are the papers')
-DEMO_KWARGS = {"tis": {"n_masks": 128}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--target must be in [0, {probs.shape[0]}), got {args.target}")
     target = int(probs.argmax()) if args.target is None else args.target
     maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
-                x, target=target, output="grid", **DEMO_KWARGS.get(name, {}))
+                x, target=target, output="grid", **quick_options(name))
             for name in tqdm(names, desc="methods", file=sys.stderr)}
     shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
     viz.plot_grid(shown[None], maps, path=str(out), display=args.display,
