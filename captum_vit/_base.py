@@ -16,7 +16,7 @@ import torch
 from captum.attr import GradientAttribution, PerturbationAttribution
 from torch import Tensor, nn
 
-from captum_vit.adapters import Layout, ViTAdapter, adapt
+from captum_vit.adapters import Layout, Trace, ViTAdapter, adapt
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
@@ -290,14 +290,51 @@ class ViTPerturbationAttribution(_ViTFront, PerturbationAttribution):
     """Base of the perturbation-based ViT methods."""
 
 
-def readout(layout: Layout, rows: Tensor) -> Tensor:
-    """The readout row ``r`` of a per-token matrix [..., N, M] (SPEC §0) -> [..., M].
+def gradients_with_pool(tr: Trace, scores: Tensor, tensors: Sequence[Tensor]
+                        ) -> tuple[list[Tensor], Tensor | None]:
+    """:func:`gradients` w.r.t. ``tensors`` and, for an attention-pool head, w.r.t. the
+    pool's probabilities ``A_p`` (``None`` otherwise), all from one backward pass."""
+    pool = [] if tr.pool_attn is None else [tr.pool_attn]
+    grads = gradients(scores, [*tensors, *pool])
+    return grads[:len(tensors)], (grads[-1] if pool else None)
 
-    Row 0 for class-token and distilled models, the mean of the patch rows for
-    average-pooled models.
+
+def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
+                 dtype: torch.dtype | None = None) -> Tensor:
+    r"""Readout weights ``w`` [B, N] of one traced batch (SPEC_NEXT §7.0, §7.3).
+
+    A method that ends with a token-to-token matrix ``R`` gives the map ``w R``. For the
+    class token, average pooling, distillation and DINOv2's CLS+mean the weights are
+    fixed (:meth:`Layout.readout_weights`). For an attention-pool head (``"map"``)
+    they are the pool's attention over the tokens:
+    :math:`w = \mathrm{mean}_h A_p^h[0, :]` for gradient-free methods and, with
+    ``pool_grad`` (:math:`\nabla A_p`), :math:`w = \mathrm{mean}_h \mathrm{ReLU}(\nabla
+    A_p^h \odot A_p^h)[0, :]` for gradient-weighted ones (the pool counts as one more
+    attention layer without identity: its query is not a token).
+
+    Args:
+        tr (Trace): the traced batch.
+        pool_grad (Tensor, optional): gradient of the score w.r.t. ``tr.pool_attn``.
+        dtype (torch.dtype, optional): dtype of the weights (default: the trace's).
+
+    Returns:
+        Tensor [B, N].
     """
-    w = layout.readout_weights(rows.shape[-2], dtype=rows.dtype, device=rows.device)
-    return torch.einsum("n,...nm->...m", w, rows)
+    x0 = tr.x0
+    dt = dtype or x0.dtype
+    if tr.pool_attn is None:
+        w = tr.layout.readout_weights(x0.shape[1], dtype=dt, device=x0.device)
+        return w.expand(x0.shape[0], -1)
+    a = tr.pool_attn.detach().to(dt)
+    if pool_grad is not None:
+        a = (pool_grad.to(dt) * a).clamp(min=0)
+    return a.mean(1)[:, 0]
+
+
+def readout(weights: Tensor, rows: Tensor) -> Tensor:
+    """The readout row ``r = Σ_i w_i row_i`` of per-token matrices [B, ..., N, M] with
+    weights [B, N] (:func:`readout_rows`) -> [B, ..., M]."""
+    return torch.einsum("bn,b...nm->b...m", weights.to(rows.dtype), rows)
 
 
 def check_layer(name: str, value: Any, num_blocks: int, *, allow_end: bool = False) -> int:

@@ -38,7 +38,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockParts, NormParts, Ops
+from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts
 from captum_vit.methods.decompx import DecompX
 from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
 
@@ -294,6 +294,11 @@ class _BiasProbeOps(Ops):
                 self.probes.append((bias, probe))
                 probed[name] = bias + probe
         return super().attention(u, replace(p, **probed))
+
+
+    def pool_attention(self, x: Tensor, p: PoolParts) -> tuple[Tensor, Tensor | None]:
+        self.active = False  # an attention-pool head's outputs have no token axis
+        return super().pool_attention(x, p)
 
 
 class FullGradPlus(ViTGradientAttribution):

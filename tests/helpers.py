@@ -59,6 +59,12 @@ OTHER_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
 # Hugging Face transformers classifiers (optional extra): name -> (class name, config class
 # name, config overrides, input size (H, W)); the DeiT one runs at a non-native size, so
 # its position embeddings go through the model's own interpolation.
+# attention-pool heads (global_pool='map', SigLIP-style; SPEC_NEXT §7.3)
+OTHER_FAMILIES.update({
+    "map": (VisionTransformer, {"class_token": False, "global_pool": "map"}, (32, 32)),
+    "map_cls_reg": (VisionTransformer, {"global_pool": "map", "reg_tokens": 2}, (32, 32)),
+})
+
 HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
     "hf_vit": ("ViTForImageClassification", "ViTConfig", {}, (32, 32)),
     "hf_deit_teacher": ("DeiTForImageClassificationWithTeacher", "DeiTConfig", {}, (24, 40)),

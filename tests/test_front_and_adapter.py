@@ -109,8 +109,6 @@ def test_self_check_refuses_a_model_the_adapter_does_not_reproduce():
                        num_classes=0), "linear classifier head"),
     (VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4,
                        num_classes=5, global_pool="max", class_token=False), "global_pool"),
-    (VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4,
-                       num_classes=5, global_pool="map"), "map"),
     (nn.Sequential(nn.Identity(), VisionTransformer(img_size=32, patch_size=8, embed_dim=32,
                                                     depth=1, num_heads=4, num_classes=5)),
      r"wraps a supported ViT at `model\.1` \(VisionTransformer\): pass that module.*"

@@ -14,17 +14,20 @@ from captum_vit.adapters.base import (
     Layout,
     NormParts,
     Ops,
+    PoolParts,
     Trace,
     ViTAdapter,
 )
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.subsets import subset_logits
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
+from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_vit, TimmViTAdapter),
     (is_timm_beit, TimmBeitAdapter),
+    (is_timm_eva, TimmEvaAdapter),
     (is_hf_vit, HFViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
@@ -32,7 +35,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
     "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size), timm Beit (relative "
-    "position bias, GELU MLP) and Hugging Face "
+    "position bias, GELU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated MLP) and Hugging Face "
     "transformers ViTForImageClassification, DeiTForImageClassification(WithTeacher)"
 )
 
@@ -81,7 +84,7 @@ def adapt(model: nn.Module) -> ViTAdapter:
 
 __all__ = [
     "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFViTAdapter", "HeadParts", "Layout",
-    "NormParts", "Ops", "Trace", "TimmBeitAdapter", "TimmViTAdapter",
+    "NormParts", "Ops", "PoolParts", "Trace", "TimmBeitAdapter", "TimmEvaAdapter", "TimmViTAdapter",
     "ViTAdapter", "adapt", "subset_logits",
     "SUPPORTED",
 ]

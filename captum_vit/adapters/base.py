@@ -28,7 +28,7 @@ from captum_vit.adapters._linearize import (
     layer_norm_frozen_variance,
 )
 
-READOUTS = ("token", "avg", "distilled", "cls_mean")
+READOUTS = ("token", "avg", "distilled", "cls_mean", "map")
 
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 """Per model (held weakly, the model is never touched): the (adapter, dtype, device, input
@@ -46,7 +46,9 @@ class Layout:
         readout (str): ``"token"`` (row 0), ``"distilled"`` (rows 0 and 1 averaged in the
             logit; maps read row 0), ``"avg"`` (mean of the patch rows) or ``"cls_mean"``
             (DINOv2's classifier on ``[row 0 ; mean of the patch rows]``; maps read
-            ``w = ½ e_0 + ½ u_P``, SPEC_NEXT §7.4's default ``α = ½``).
+            ``w = ½ e_0 + ½ u_P``, SPEC_NEXT §7.4's default ``α = ½``) or ``"map"``
+            (an attention-pool head, SPEC_NEXT §7.3: the weights come from the pool's
+            attention of each image, :func:`captum_vit._base.readout_rows`).
         num_blocks (int): ``L``.
         num_heads (int): ``H``.
         image_size (tuple[int, int]): ``(H, W)`` of the input images.
@@ -69,7 +71,14 @@ class Layout:
         return self.num_prefix + self.num_patches
 
     def readout_weights(self, num_tokens: int | None = None, *, dtype=None, device=None) -> Tensor:
-        """Weights ``w`` [N] with readout row ``r = sum_i w_i row_i`` (SPEC §0)."""
+        """Weights ``w`` [N] with readout row ``r = sum_i w_i row_i`` (SPEC §0).
+
+        Raises:
+            ValueError: for the ``"map"`` readout, whose weights depend on the image.
+        """
+        if self.readout == "map":
+            raise ValueError("an attention-pool head's readout weights depend on the image: "
+                             "use captum_vit._base.readout_rows(trace)")
         n = self.num_tokens if num_tokens is None else num_tokens
         w = torch.zeros(n, dtype=dtype, device=device)
         if self.readout in ("avg", "cls_mean"):
@@ -146,6 +155,15 @@ class BlockParts:
     gate_bias: Tensor | None = None
     mlp_norm: NormParts | None = None
     """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
+    rotary: Callable[[Tensor, Tensor | None], Tensor] | None = None
+    """Rotary position embedding (SPEC_NEXT §7.1), ``(heads, positions) -> heads``: applied
+    to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (timm's
+    ``EvaAttention`` order) and before any detaching. It rotates the patch rows only (the
+    prefix rows keep their values) with the rotary rows of the tokens' original
+    ``positions`` [B, n] (``None`` = the full sequence ``0..n-1``); ``None`` = no RoPE."""
+    inner_norm: NormParts | None = None
+    """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
+    ``scale_attn_inner``, SPEC_NEXT §7.0); ``None`` = identity."""
 
     @property
     def inner_dim(self) -> int:
@@ -157,7 +175,8 @@ class BlockParts:
         y = F.linear(u, weight, bias)
         return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def _qkv(self, u: Tensor, detach_qk: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None
+             ) -> tuple[Tensor, Tensor, Tensor]:
         weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
         bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
         no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
@@ -172,6 +191,8 @@ class BlockParts:
             q = self.q_norm(self._heads(u, self.q_weight, self.q_bias))
             k = self.k_norm(self._heads(u, self.k_weight, self.k_bias))
             v = self._heads(u, self.v_weight, self.v_bias)
+        if self.rotary is not None:  # after q/k norm, before detaching (SPEC_NEXT §7.1)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         if detach_qk:
             q, k = q.detach(), k.detach()
         return q, k, v
@@ -237,9 +258,10 @@ class BlockParts:
             positions (Tensor, optional): [B, N] original token indices of the tokens in
                 ``u`` (prefix tokens ``0..K-1``, patch ``t`` at ``K + t``): the hook for
                 rotary embeddings and relative-position bias: with a position bias
-                (``attn_bias``, BEiT) they pick its sub-matrix ``B[:, S, S]``; without one
-                they are unused (an absolute positional embedding is already in ``u``, so
-                a kept token carries its own).
+                (``attn_bias``, BEiT) they pick its sub-matrix ``B[:, S, S]``; with a
+                ``rotary`` embedding (Eva) each kept patch is rotated by the row of its
+                original position; otherwise they are unused (an absolute positional
+                embedding is already in ``u``, so a kept token carries its own).
             detach_qk (bool): detach ``q`` and ``k`` (linearised backward, SPEC §3); the
                 forward values are unchanged.
 
@@ -248,7 +270,7 @@ class BlockParts:
             :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
         """
         b, n, _ = u.shape
-        q, k, v = self._qkv(u, detach_qk)
+        q, k, v = self._qkv(u, detach_qk, positions)
         bias = self.logit_bias(n, key_mask, positions)
         if materialize:
             attn: Tensor | None = self._probs(q, k, bias)
@@ -259,11 +281,13 @@ class BlockParts:
             mix = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return mix.transpose(1, 2).reshape(b, n, self.inner_dim), attn
 
-    def attention_probs(self, u: Tensor, *, detach_qk: bool = False) -> tuple[Tensor, Tensor]:
+    def attention_probs(self, u: Tensor, *, detach_qk: bool = False,
+                        positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The explicit path's pieces: probabilities ``A`` [B, H, N, N] and values ``v``
-        [B, H, N, d] of ``u`` (for inspection and tests; forwards use :meth:`attention`)."""
-        q, k, v = self._qkv(u, detach_qk)
-        return self._probs(q, k, self.logit_bias(u.shape[1])), v
+        [B, H, N, d] of ``u`` (for inspection and tests; forwards use :meth:`attention`);
+        ``positions`` as in :meth:`attention`."""
+        q, k, v = self._qkv(u, detach_qk, positions)
+        return self._probs(q, k, self.logit_bias(u.shape[1], positions=positions)), v
 
     def head_value_outputs(self, u: Tensor) -> Tensor:
         """Per-head ``u W_V^h W_O^h`` without biases, [B, H, N, D] (TokenTM Eq. 5)."""
@@ -274,19 +298,106 @@ class BlockParts:
 
 
 @dataclass(frozen=True)
+class PoolParts:
+    r"""An attention-pool head (SPEC_NEXT §7.3): timm's ``AttentionPoolLatent``
+    (``global_pool='map'``) and Hugging Face's ``SiglipMultiheadAttentionPoolingHead``.
+
+    A learned latent query ``ℓ`` [Q, D_l] attends over the normed tokens ``x̂``:
+    :math:`A_p^h = \mathrm{softmax}(q^h k^{h\top} / \sqrt d)` with ``q = ℓ W_q + b_q``
+    (optional q-norm) and ``k, v = x̂ W_{k,v} + b_{k,v}``;
+    ``o = concat_h(A_p^h v^h) W_p + b_p``, then ``z = o + MLP(LN_p(o))`` (no residual
+    from the latent) and the pooled vector is ``z[0]``. Weights are views of the model's
+    parameters (``q_weight = None``: the latent is the query itself).
+    """
+
+    latent: Tensor  # [Q, D_l]
+    q_weight: Tensor | None
+    q_bias: Tensor | None
+    k_weight: Tensor
+    k_bias: Tensor | None
+    v_weight: Tensor
+    v_bias: Tensor | None
+    num_heads: int
+    head_dim: int
+    scale: float
+    q_norm: Callable[[Tensor], Tensor]
+    k_norm: Callable[[Tensor], Tensor]
+    proj_weight: Tensor
+    proj_bias: Tensor | None
+    norm: NormParts | None
+    fc1_weight: Tensor | None
+    fc1_bias: Tensor | None
+    act: Callable[[Tensor], Tensor] | None
+    fc2_weight: Tensor | None
+    fc2_bias: Tensor | None
+    skip_prefix: int = 0
+    """Leading rows that are no keys (timm's pool drops the prefix tokens unless
+    ``pool_include_prefix``); their probabilities are exactly 0."""
+
+    def _split(self, y: Tensor) -> Tensor:
+        b, n, _ = y.shape
+        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def attention(self, x: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
+                  detach_k: bool = False) -> tuple[Tensor, Tensor | None]:
+        """The pool's attention of the latent over ``x`` [B, N, D].
+
+        Args:
+            x (Tensor): normed token states.
+            materialize (bool): explicit softmax with the probabilities returned, or the
+                fused kernel (``None`` returned for them).
+            key_mask (Tensor, optional): [B, N] bool, ``True`` = real token; padded tokens
+                are no keys.
+            detach_k (bool): detach ``k`` (linearised backward; ``q`` depends on the
+                latent only).
+
+        Returns:
+            (mix [B, Q, H*d] before ``W_p``, probabilities [B, H, Q, N] or ``None``).
+        """
+        b = x.shape[0]
+        lat = self.latent.to(x.dtype).expand(b, -1, -1)
+        q = lat if self.q_weight is None else F.linear(lat, self.q_weight, self.q_bias)
+        q = self.q_norm(self._split(q))
+        k = self.k_norm(self._split(F.linear(x, self.k_weight, self.k_bias)))
+        v = self._split(F.linear(x, self.v_weight, self.v_bias))
+        if detach_k:
+            k = k.detach()
+        bias = None
+        if key_mask is not None or self.skip_prefix:
+            real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            if key_mask is not None:
+                real = real & key_mask
+            real[:, :self.skip_prefix] = False
+            bias = torch.zeros(real.shape, dtype=x.dtype, device=x.device)
+            bias = bias.masked_fill(~real, -math.inf)[:, None, None, :]
+        if materialize:
+            scores = (q * self.scale) @ k.transpose(-2, -1)
+            attn: Tensor | None = (scores if bias is None else scores + bias).softmax(-1)
+            mix = attn @ v
+        else:
+            attn = None
+            mix = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        return mix.transpose(1, 2).reshape(b, -1, self.num_heads * self.head_dim), attn
+
+
+@dataclass(frozen=True)
 class HeadParts:
     """Final norm, pooling and classifier(s).
 
-    ``heads`` holds ``(row, weight, bias)``; ``row`` is a token index or ``"avg"``; the
-    logits combine the heads' outputs as ``combine`` says.
+    ``heads`` holds ``(row, weight, bias)``; ``row`` is a token index, ``"avg"`` or
+    ``"map"`` (the output of ``attn_pool``); ``weight = None`` is the identity (a
+    head-less model whose output is the pooled embedding). The logits combine the heads'
+    outputs as ``combine`` says.
     """
 
     norm: NormParts | None
     fc_norm: NormParts | None
-    heads: tuple[tuple[int | str, Tensor, Tensor | None], ...]
+    heads: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
     combine: str = "mean"
     """How the heads' outputs make the logits: ``"mean"`` (DeiT's two heads) or ``"sum"``
     (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
+    attn_pool: PoolParts | None = None
+    """The attention-pool head read by ``"map"`` rows (SPEC_NEXT §7.3)."""
 
 
 class Ops:
@@ -333,6 +444,11 @@ class Ops:
         return p.attention(u, materialize=True, positions=self.positions,
                            detach_qk=self.linearize)
 
+    def pool_attention(self, x: Any, p: PoolParts) -> tuple[Any, Tensor | None]:
+        """Attention-pool mix before its output projection, [B, Q, H*d], and the pool's
+        probabilities [B, H, Q, N] (linearised: ``k`` detached, SPEC_NEXT §7.3)."""
+        return p.attention(x, materialize=True, detach_k=self.linearize)
+
     def pool(self, x: Any, row: int | str, num_prefix: int) -> Any:
         return x[:, num_prefix:].mean(1) if row == "avg" else x[:, row]
 
@@ -371,6 +487,10 @@ class FusedOps(Ops):
                              positions=self.positions)
         return mix, None
 
+    def pool_attention(self, x: Tensor, p: PoolParts) -> tuple[Tensor, None]:
+        mix, _ = p.attention(x, materialize=False, key_mask=self.key_mask)
+        return mix, None
+
     def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
         if row != "avg" or self.key_mask is None:
             return super().pool(x, row, num_prefix)
@@ -400,6 +520,8 @@ class Trace:
     blocks: list[BlockRecord] = field(default_factory=list)
     logits: Tensor | None = None
     start: int = 0
+    pool_attn: Tensor | None = None
+    """The attention-pool head's probabilities [B, H, Q, N] (``"map"`` readout)."""
 
     @property
     def states(self) -> list[Tensor]:
@@ -495,7 +617,7 @@ class ViTAdapter:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the model's parameters (inputs must have it)."""
-        return self.head.heads[0][1].dtype
+        return self.blocks[0].q_weight.dtype
 
     # -- canonical forward ----------------------------------------------------------------
     @property
@@ -508,6 +630,8 @@ class ViTAdapter:
         p = self.blocks[l]
         u = ops.norm(x, p.norm1)
         a, attn = ops.attention(u, p)
+        if p.inner_norm is not None:  # N_in (EVA-02's scale_attn_inner), SPEC_NEXT §7.0
+            a = ops.norm(a, p.inner_norm)
         a = ops.linear(a, p.proj_weight, p.proj_bias)
         if p.ls1 is not None:
             a = ops.scale(a, p.ls1)
@@ -529,20 +653,37 @@ class ViTAdapter:
             record.append(BlockRecord(v(x), v(u), attn, v(a), v(mid), v(f), v(out)))
         return out
 
-    def logits(self, x: Any, ops: Ops) -> Any:
-        """Final norm, pooling and head(s) on the last residual state."""
+    def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
+        """Final norm, pooling and head(s) on the last residual state (``record``: a
+        trace that keeps the attention pool's probabilities)."""
         h = self.head
         if h.norm is not None:
             x = ops.norm(x, h.norm)
+        pooled = None
+        if h.attn_pool is not None:
+            pooled, probs = self._attention_pool(x, h.attn_pool, ops)
+            if record is not None:
+                record.pool_attn = probs
         outs = []
         for row, weight, bias in h.heads:
-            z = ops.pool(x, row, self.num_prefix)
+            z = pooled if row == "map" else ops.pool(x, row, self.num_prefix)
             if h.fc_norm is not None:
                 z = ops.norm(z, h.fc_norm)
-            outs.append(ops.linear(z, weight, bias))
+            outs.append(z if weight is None else ops.linear(z, weight, bias))
         if h.combine == "sum":
             return functools.reduce(ops.add, outs)
         return ops.mean(outs)
+
+    @staticmethod
+    def _attention_pool(x: Any, p: PoolParts, ops: Ops) -> tuple[Any, Tensor | None]:
+        """``z[0]`` of the attention-pool head (SPEC_NEXT §7.3) and its probabilities."""
+        mix, probs = ops.pool_attention(x, p)
+        o = ops.linear(mix, p.proj_weight, p.proj_bias)
+        if p.fc1_weight is not None:
+            u = o if p.norm is None else ops.norm(o, p.norm)
+            hid = ops.act(ops.linear(u, p.fc1_weight, p.fc1_bias), p.act)
+            o = ops.add(o, ops.linear(hid, p.fc2_weight, p.fc2_bias))
+        return ops.pool(o, 0, 0), probs
 
     def run(self, x: Tensor, start: int = 0, stop: int | None = None,
             keep: Tensor | None = None, *, ops: Ops | None = None) -> Tensor:
@@ -630,7 +771,7 @@ class ViTAdapter:
             h = x
             for l in range(start, self.num_blocks):
                 h = self.block(h, l, ops, tr.blocks)
-            tr.logits = self.logits(h, ops)
+            tr.logits = self.logits(h, ops, tr)
         return tr
 
     def _layout_of_tokens(self, x: Tensor, inputs: Tensor | None) -> Layout:

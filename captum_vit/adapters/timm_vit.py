@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import BlockParts, HeadParts, Layout, NormParts, ViTAdapter
+from captum_vit.adapters.base import (
+    BlockParts,
+    HeadParts,
+    Layout,
+    NormParts,
+    PoolParts,
+    ViTAdapter,
+)
 
 
 def _norm_parts(m: nn.Module, what: str) -> NormParts:
@@ -75,15 +82,15 @@ class TimmViTAdapter(ViTAdapter):
         if not isinstance(model.head, nn.Linear):
             raise TypeError(f"{name}.head is {type(model.head).__name__}; captum_vit needs a "
                             "linear classifier head (build the model with num_classes > 0)")
-        if getattr(model, "attn_pool", None) is not None:
-            raise TypeError("global_pool='map' (attention pooling) is not supported; use "
-                            "'token' or 'avg'")
         head_norm = _optional_norm(model.norm, f"{name}.norm")
         fc_norm = _optional_norm(model.fc_norm, f"{name}.fc_norm")
         if hasattr(model, "head_dist"):  # timm.models.deit.VisionTransformerDistilled
             self.readout = "distilled"
             heads = ((0, model.head.weight, model.head.bias),
                      (1, model.head_dist.weight, model.head_dist.bias))
+        elif getattr(model, "attn_pool", None) is not None:  # global_pool='map'
+            self.readout = "map"
+            heads = (("map", model.head.weight, model.head.bias),)
         elif model.global_pool == "token":
             self.readout = "token"
             heads = ((0, model.head.weight, model.head.bias),)
@@ -93,7 +100,10 @@ class TimmViTAdapter(ViTAdapter):
         else:
             raise TypeError(f"global_pool={model.global_pool!r} is not supported; captum_vit "
                             "supports 'token' (class token) and 'avg' (mean of patch tokens)")
-        self.head = HeadParts(head_norm, fc_norm, heads)
+        pool = getattr(model, "attn_pool", None)
+        self.head = HeadParts(head_norm, fc_norm, heads, attn_pool=None if pool is None
+                              else pool_parts(pool, f"{name}.attn_pool", 0 if getattr(
+                                  model, "pool_include_prefix", False) else self.num_prefix))
 
     def refresh(self) -> None:
         name = type(self.model).__name__
@@ -112,7 +122,8 @@ class TimmViTAdapter(ViTAdapter):
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
         m = self.model
-        head = [m.norm, m.fc_norm, m.head, getattr(m, "head_dist", None)]
+        head = [m.norm, getattr(m, "attn_pool", None), m.fc_norm, m.head,
+                getattr(m, "head_dist", None)]
         stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
         stages += [list(blk.parameters()) for blk in reversed(m.blocks)]
         return stages
@@ -190,6 +201,44 @@ def _block_parts(blk: nn.Module, where: str) -> BlockParts:
         fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
         fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
         ls2=_layer_scale(blk.ls2),
+    )
+
+
+def pool_parts(pool: nn.Module, where: str, skip_prefix: int = 0) -> PoolParts:
+    """The canonical parts of timm's ``AttentionPoolLatent`` (``global_pool='map'``)
+    whose keys are the tokens after the first ``skip_prefix``.
+
+    ``k``/``v`` are row views of the fused ``kv`` projection; the pool's GELU ``Mlp``
+    follows ``norm``. Position embeddings inside the pool, several pooled latents and a
+    pre-logits pool (``out_features=0``) are refused.
+    """
+    from timm.layers import Mlp
+
+    if getattr(pool, "pos_embed", None) is not None:
+        raise TypeError(f"{where} adds its own position embedding; not supported")
+    if pool.latent.shape[1] != 1 and pool.pool != "token":
+        raise TypeError(f"{where} averages {pool.latent.shape[1]} latent queries; captum_vit "
+                        "supports one pooled latent (pool_type='token' or latent_len=1)")
+    mlp = pool.mlp
+    if mlp is None or type(mlp) is not Mlp or not isinstance(mlp.norm, nn.Identity) \
+            or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
+        raise TypeError(f"{where} needs timm's GELU `Mlp` after its projection "
+                        "(a pre-logits pool with out_features=0 is not supported)")
+    w = pool.kv.weight.detach()
+    b = None if pool.kv.bias is None else pool.kv.bias.detach()
+    a = w.shape[0] // 2
+    q = None if isinstance(pool.q, nn.Identity) else pool.q
+    return PoolParts(
+        latent=pool.latent[0],
+        q_weight=None if q is None else q.weight, q_bias=None if q is None else q.bias,
+        k_weight=w[:a], k_bias=None if b is None else b[:a],
+        v_weight=w[a:], v_bias=None if b is None else b[a:],
+        num_heads=pool.num_heads, head_dim=pool.head_dim, scale=pool.scale,
+        q_norm=pool.q_norm, k_norm=pool.k_norm,
+        proj_weight=pool.proj.weight, proj_bias=pool.proj.bias,
+        norm=_optional_norm(pool.norm, f"{where}.norm"),
+        fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+        fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, skip_prefix=skip_prefix,
     )
 
 

@@ -14,8 +14,9 @@ from captum_vit._base import (
     ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    gradients,
+    gradients_with_pool,
     readout,
+    readout_rows,
     resolve_target,
     target_scores,
 )
@@ -24,7 +25,9 @@ from captum_vit._base import (
 class AttnGradCAM(ViTGradientAttribution):
     r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
     \nabla A^h[r, j]` of the last block, map
-    :math:`m = \mathrm{ReLU}(\mathrm{mean}_h\, w_h A^h[r, :])`.
+    :math:`m = \mathrm{ReLU}(\mathrm{mean}_h\, w_h A^h[r, :])`. With an attention-pool
+    head (``global_pool='map'``) it runs on the pool's attention :math:`A_p` instead of
+    the last block (SPEC_NEXT §7.3).
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
@@ -57,11 +60,16 @@ class AttnGradCAM(ViTGradientAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         attn = tr.blocks[-1].attn
-        (grad,) = gradients(target_scores(tr.logits, t, score), [attn])
+        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+                                                 [attn])
         dt = accumulation_dtype(attn)
         k = tr.layout.num_prefix
         with torch.no_grad():
-            g_r = readout(tr.layout, grad.to(dt))  # [B, H, N]
-            a_r = readout(tr.layout, attn.detach().to(dt))
+            if pool_grad is not None:  # an attention-pool head: run on A_p (SPEC_NEXT §7.3)
+                g_r, a_r = pool_grad[:, :, 0].to(dt), tr.pool_attn.detach()[:, :, 0].to(dt)
+            else:
+                w = readout_rows(tr, dtype=dt)
+                g_r = readout(w, grad.to(dt))  # [B, H, N]
+                a_r = readout(w, attn.detach().to(dt))
             w = g_r[..., k:].mean(-1, keepdim=True)
             return (w * a_r).mean(1).clamp(min=0)

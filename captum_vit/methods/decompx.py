@@ -50,7 +50,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockParts, NormParts, Ops, ViTAdapter
+from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts, ViTAdapter
 from captum_vit.adapters._linearize import activation_gate
 from captum_vit.methods.ixg import layer_gradients
 
@@ -124,6 +124,16 @@ class DecompositionOps(Ops):
         v = u.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
         mixed = torch.einsum("bhij,bsjhe->bsihe", attn.to(v.dtype), v)
         return Decomposed(real, mixed.reshape(b, s, n, p.inner_dim), u.has_bias), attn
+
+    def pool_attention(self, x: Decomposed, p: PoolParts) -> tuple[Decomposed, Tensor]:
+        # SPEC_NEXT §7.3: the pool's probabilities are constants, its value path linear
+        real, attn = super().pool_attention(x.real, p)
+        b, s, n, _ = x.parts.shape
+        v = F.linear(x.parts, p.v_weight.to(x.parts.dtype))
+        v = x.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
+        mixed = torch.einsum("bhqj,bsjhe->bsqhe", attn.to(v.dtype), v)
+        return Decomposed(real, mixed.reshape(b, s, -1, p.num_heads * p.head_dim),
+                          x.has_bias), attn
 
     def pool(self, x: Decomposed, row: int | str, num_prefix: int) -> Decomposed:  # D6
         parts = x.parts[:, :, num_prefix:].mean(2) if row == "avg" else x.parts[:, :, row]

@@ -14,7 +14,8 @@ from captum_vit._base import (
     ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    gradients,
+    gradients_with_pool,
+    readout_rows,
     resolve_target,
     target_scores,
 )
@@ -70,11 +71,9 @@ class GAE(ViTGradientAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         attns = [rec.attn for rec in tr.blocks]
-        grads = gradients(target_scores(tr.logits, t, score), attns)
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
         dt = accumulation_dtype(attns[0])
-        n = attns[0].shape[-1]
-        r = tr.layout.readout_weights(n, dtype=dt, device=inputs.device)
-        r = r.expand(inputs.shape[0], -1)
+        r = readout_rows(tr, pool_grad, dtype=dt)
         with torch.no_grad():
             for a, g in zip(reversed(attns), reversed(grads), strict=True):
                 abar = (g.to(dt) * a.to(dt)).clamp(min=0).mean(1)

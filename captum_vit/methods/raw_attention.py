@@ -5,9 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from captum.log import log_usage
-from torch import Tensor
+from torch import Tensor, nn
 
-from captum_vit._base import TargetLike, ViTGradientAttribution, readout
+from captum_vit._base import (
+    TargetLike,
+    ViTGradientAttribution,
+    check_choice,
+    readout,
+    readout_rows,
+)
+
+SOURCES = ("pool", "last_block")
 
 
 class RawAttention(ViTGradientAttribution):
@@ -16,10 +24,21 @@ class RawAttention(ViTGradientAttribution):
 
     No gradient is used, so the map does not depend on ``target``.
 
+    With an attention-pool head (``global_pool='map'``, SigLIP) the classifier reads the
+    pool's attention :math:`w = \mathrm{mean}_h A_p^h[0, :]` over the tokens; by default
+    (``source="pool"``) that is the map (SPEC_NEXT §7.3), and ``source="last_block"``
+    gives :math:`w \bar A_{L-1}`. For every other head the two are the same map, the
+    last block's readout row.
+
     Args:
         model (torch.nn.Module): a supported Vision Transformer (see
             :func:`captum_vit.adapters.adapt`). It is never modified.
+        source (str, optional): ``"pool"`` (default) or ``"last_block"``.
     """
+
+    def __init__(self, model: nn.Module, source: str = "pool") -> None:
+        self.source = check_choice("source", source, SOURCES)
+        super().__init__(model)
 
     @log_usage()
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
@@ -49,4 +68,7 @@ class RawAttention(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         tr = self.adapter.trace(inputs)
-        return readout(tr.layout, tr.blocks[-1].attn.mean(1))
+        w = readout_rows(tr)
+        if tr.pool_attn is not None and self.source == "pool":
+            return w
+        return readout(w, tr.blocks[-1].attn.mean(1))

@@ -13,6 +13,7 @@ from captum_vit._base import (
     ViTGradientAttribution,
     accumulation_dtype,
     check_layer,
+    readout_rows,
 )
 
 
@@ -63,8 +64,7 @@ class Rollout(ViTGradientAttribution):
         a0 = tr.blocks[0].attn
         dt = accumulation_dtype(a0)
         eye = torch.eye(a0.shape[-1], dtype=dt, device=a0.device)
-        r = tr.layout.readout_weights(a0.shape[-1], dtype=dt, device=a0.device)
-        r = r.expand(a0.shape[0], -1)
+        r = readout_rows(tr, dtype=dt)
         for rec in reversed(tr.blocks[start_layer:]):
             m = rec.attn.to(dt).mean(1) + eye
             m = m / m.sum(-1, keepdim=True)

@@ -28,11 +28,12 @@ from captum_vit._base import (
     ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    gradients,
+    gradients_with_pool,
+    readout_rows,
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Trace
+from captum_vit.adapters import Ops, Trace
 
 VARIANTS = ("paper", "residual")
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
@@ -165,16 +166,33 @@ class TokenTM(ViTGradientAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         attns = [rec.attn for rec in tr.blocks]
-        grads = gradients(target_scores(tr.logits, t, score), attns)  # ∇A_l^h, one backward
+        # ∇A_l^h (and ∇A_p of an attention-pool head), one backward
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
         with torch.no_grad():
-            return self._propagate(tr, grads)
+            return self._propagate(tr, grads, pool_grad)
 
-    def _propagate(self, tr: Trace, grads: list[Tensor]) -> Tensor:
+    def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype) -> Tensor:
+        """The row ``r`` that starts the propagation, [B, N]. An attention-pool head
+        (SPEC_NEXT §7.3) is one more attention layer without identity:
+        ``u = mean_h[ReLU(∇A_p^h) ⊙ (A_p^h W_p^h)][0, :]`` with ``W_p^h`` from
+        ``(E, Ẽ^h) = (x̂, x̂ W_v^h W_p^h)``, ``x̂`` the normed last state."""
+        if pool_grad is None or self.variant == "residual":
+            return readout_rows(tr, pool_grad, dtype=dt)
+        head = self.adapter.head
+        pool = head.attn_pool
+        xh = tr.blocks[-1].out.detach().to(dt)
+        if head.norm is not None:
+            xh = Ops().norm(xh, head.norm)
+        w = head_weights(xh, xh, pool.v_weight.detach().to(dt),
+                         pool.proj_weight.detach().to(dt), pool.num_heads)  # [B, H, N]
+        rh = (pool_grad.to(dt).relu() * tr.pool_attn.detach().to(dt))[:, :, 0]
+        return (rh * w).mean(1)
+
+    def _propagate(self, tr: Trace, grads: list[Tensor],
+                   pool_grad: Tensor | None = None) -> Tensor:
         """``r^T U_ffn,L-1 U_attn,L-1 ... U_attn,0 C_0`` (Eq. 18-20), [B, N]."""
         dt = accumulation_dtype(tr.x0)
-        n = tr.x0.shape[1]
-        r = tr.layout.readout_weights(n, dtype=dt, device=tr.x0.device)
-        r = r.expand(tr.x0.shape[0], -1)
+        r = self._readout(tr, pool_grad, dt)
         for l in reversed(range(len(tr.blocks))):
             rec, p = tr.blocks[l], self.adapter.blocks[l]
             x, mid, a, g = (z.detach().to(dt) for z in (rec.x, rec.mid, rec.attn, grads[l]))
