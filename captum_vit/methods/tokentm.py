@@ -33,7 +33,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Ops, Trace
+from captum_vit.adapters import NormParts, Ops, Trace
 
 VARIANTS = ("paper", "residual")
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
@@ -92,6 +92,61 @@ def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
 
 
+def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor,
+                            v_bias: Tensor | None, proj_weight: Tensor, norm: NormParts,
+                            num_heads: int, eps: float = EPS) -> Tensor:
+    r"""Per-head weights ``W^h`` [B, H, N] of an attention sublayer with an inner LayerNorm
+    ``N_in`` before ``W_O`` (EVA-02's ``scale_attn_inner``; SPEC_NEXT §7.1).
+
+    ``E = x`` and :math:`\tilde E^h = N_{in}^{lin}(u W_V^h \oplus 0)\, W_O`: head ``h``'s
+    values zero-padded to the full width ``H d``, centred by their own mean
+    :math:`m^h = \sum v^h / (H d)`, divided by the standard deviation
+    :math:`\sigma` of the real attention output :math:`o = \mathrm{concat}_h A^h (u W_V^h
+    + b_V^h)` (frozen, per token) and scaled by ``γ``; ``β`` and all biases are excluded
+    (Eq. 5). With :math:`W'_O = W_O \mathrm{diag}(γ)` and :math:`c = W_O γ`,
+    :math:`\tilde E^h_i = (v^h_i W'^{h\top}_O - m^h_i c) / \sigma_i`, so, as in
+    :func:`head_weights`, the [B, H, N, D] tensor is never formed.
+
+    Args:
+        x (Tensor): block input ``E`` [B, N, D].
+        u (Tensor): ``LN_1(x)`` [B, N, D].
+        attn (Tensor): the block's attention probabilities ``A`` [B, H, N, N].
+        v_weight (Tensor): ``W_V`` [H*d, D]; ``v_bias`` [H*d] or ``None`` (it enters only
+            the statistics of ``o``).
+        proj_weight (Tensor): ``W_O`` [D, H*d].
+        norm (NormParts): ``N_in``.
+        num_heads (int): ``H``.
+        eps (float): as in :func:`transformation_weights`.
+
+    Returns:
+        Tensor: ``W^h`` [B, H, N].
+    """
+    b, n, _ = x.shape
+    a = v_weight.shape[0]
+    d = a // num_heads
+    v = torch.nn.functional.linear(u, v_weight)  # u W_V, [B, N, H*d]
+    real = v if v_bias is None else v + v_bias
+    o = attn @ real.reshape(b, n, num_heads, d).transpose(1, 2)  # A^h v^h, [B, H, N, d]
+    o = o.transpose(1, 2).reshape(b, n, a)
+    inv = torch.rsqrt(o.var(-1, unbiased=False) + norm.eps)[..., None]  # 1/σ_i, [B, N, 1]
+    gamma = torch.ones(a, dtype=x.dtype, device=x.device) if norm.weight is None \
+        else norm.weight.to(x.dtype)
+    wo = proj_weight * gamma  # W'_O, [D, H*d]
+    c = proj_weight @ gamma  # W_O γ, [D]
+    vh = v.reshape(b, n, num_heads, d)
+    m = vh.sum(-1) / a  # mean of the zero-padded head values, [B, N, H]
+    xw = (x @ wo).reshape(b, n, num_heads, d)  # x_i W'^h_O
+    dot = ((vh * xw).sum(-1) - m * (x @ c)[..., None]) * inv  # E_i·Ẽ^h_i, [B, N, H]
+    woh = wo.reshape(-1, num_heads, d).transpose(0, 1)  # [H, D, d]
+    gram = woh.transpose(1, 2) @ woh  # W'^hᵀ W'^h, [H, d, d]
+    cw = (c @ wo).reshape(num_heads, d)  # c W'^h
+    sq = (torch.einsum("bnhe,hef,bnhf->bnh", vh, gram, vh)
+          - 2 * m * (vh * cw).sum(-1) + m * m * (c @ c)) * inv * inv  # L(Ẽ^h_i)²
+    lt = sq.clamp(min=0).sqrt()
+    return weights_from_norms(x.norm(dim=-1)[:, None], lt.permute(0, 2, 1),
+                              dot.permute(0, 2, 1), eps)
+
+
 class TokenTM(ViTGradientAttribution):
     r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).
 
@@ -105,7 +160,10 @@ class TokenTM(ViTGradientAttribution):
     \mathrm{LN_2}(x_{mid,l})))` and :math:`U_{ffn} = I + W_{ffn}` (Eq. 16-17). With
     :math:`C_0 = \mathrm{diag}(L(x_{0,i}))` (Eq. 18) and :math:`C \leftarrow U_{ffn}
     U_{attn} C` (Eq. 19) the map is the readout row of :math:`C` (Eq. 20). The gradient
-    is of the target probability (the paper differentiates :math:`p(c)`).
+    is of the target probability (the paper differentiates :math:`p(c)`). With an inner
+    attention LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02, SPEC_NEXT §7.1),
+    :math:`\tilde E^h = N_{in}^{lin}(\mathrm{LN_1}(x_l) W_V^h \oplus 0) W_O` with the
+    statistics of the real attention output frozen (:func:`head_weights_inner_norm`).
 
     **variant="residual"**: the re-implementation of the LibraGrad authors, for
     comparison: one weight set per block from residual states,
@@ -199,8 +257,14 @@ class TokenTM(ViTGradientAttribution):
             if self.variant == "paper":
                 w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
                 r = r * (1 + w_ffn)  # r^T U_ffn, Eq. 17
-                w = head_weights(x, rec.u.detach().to(dt), p.v_weight.detach().to(dt),
-                                 p.proj_weight.detach().to(dt), p.num_heads)  # [B, H, N]
+                if p.inner_norm is None:
+                    w = head_weights(x, rec.u.detach().to(dt), p.v_weight.detach().to(dt),
+                                     p.proj_weight.detach().to(dt), p.num_heads)  # [B, H, N]
+                else:  # N_in before W_O (EVA-02), SPEC_NEXT §7.1
+                    w = head_weights_inner_norm(
+                        x, rec.u.detach().to(dt), a, p.v_weight.detach().to(dt),
+                        None if p.v_bias is None else p.v_bias.detach().to(dt),
+                        p.proj_weight.detach().to(dt), p.inner_norm, p.num_heads)
                 # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
                 rh = (r[:, None, None, :] @ g.relu().mul_(a)).squeeze(2)  # [B, H, N]
                 r = r + (rh * w).mean(1)
