@@ -3,7 +3,8 @@
 Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
-        python benchmarks/speed.py [--family timm-vit|timm-beit|hf-vit|hf-dinov2] \
+        python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
+                                    hf-dinov2|hf-clip] \
         [--batches 1 8]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -11,11 +12,14 @@ load drifting on a shared machine hits both alike). The reference is
 ``torch.autograd.grad(model(x)[range(B), t].sum(), x)`` on a ViT-S/16-sized random model
 (224 px, width 384, 12 blocks, 6 heads) in float32 of the chosen family (``timm-vit``:
 timm's ``VisionTransformer``; ``timm-beit``: timm's ``Beit`` with a relative position bias
-per block; ``hf-vit``: Hugging Face ``ViTForImageClassification`` with SDPA attention;
-``hf-dinov2``: Hugging Face ``Dinov2ForImageClassification``), measured in the same run as
-the methods. Ratios are (time per call) / (reference time per call) at the same batch
-size, so they are per-image ratios too. Timings on a shared VM drift; compare the ratios
-of one run only.
+per block; ``timm-eva``: EVA-02-style ``Eva`` with RoPE and SwiGLU; ``timm-siglip``: a
+class-token-free ViT with an attention-pool head; ``hf-vit``: Hugging Face
+``ViTForImageClassification`` with SDPA attention; ``hf-dinov2``: Hugging Face
+``Dinov2ForImageClassification``; ``hf-clip``: ``CLIPVisionModelWithProjection`` explained
+against one random target vector per image, the reference differentiating the cosine),
+measured in the same run as the methods. Ratios are (time per call) / (reference time per
+call) at the same batch size, so they are per-image ratios too. Timings on a shared VM
+drift; compare the ratios of one run only.
 """
 
 from __future__ import annotations
@@ -101,15 +105,62 @@ def hf_dinov2_s16(img_size: int = 224) -> torch.nn.Module:
     return Dinov2ForImageClassification(cfg).eval()
 
 
+def eva02_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as an EVA-02-style timm ``Eva`` (RoPE on the patch
+    rows, SwiGLU MLP with hidden norm, inner attention norm, mean pooling)."""
+    from timm.models.eva import Eva
+
+    torch.manual_seed(0)
+    return Eva(img_size=img_size, patch_size=16, embed_dim=384, depth=12, num_heads=6,
+               num_classes=1000, mlp_ratio=4 * 2 / 3, swiglu_mlp=True, scale_mlp=True,
+               scale_attn_inner=True, use_rot_pos_emb=True, ref_feat_shape=(14, 14)).eval()
+
+
+def siglip_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a timm SigLIP-style ViT: no class token,
+    attention-pool head (``global_pool='map'``)."""
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=img_size, patch_size=16, embed_dim=384, depth=12,
+                             num_heads=6, num_classes=1000, class_token=False,
+                             global_pool="map").eval()
+
+
+def hf_clip_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a Hugging Face ``CLIPVisionModelWithProjection``
+    (explained against text-embedding-like target vectors)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(0)
+    cfg = CLIPVisionConfig(image_size=img_size, patch_size=16, hidden_size=384,
+                           num_hidden_layers=12, num_attention_heads=6,
+                           intermediate_size=1536, projection_dim=256)
+    return CLIPVisionModelWithProjection(cfg).eval()
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "timm-vit": vit_s16, "timm-beit": beit_s16, "hf-vit": hf_vit_s16,
-    "hf-dinov2": hf_dinov2_s16}
+    "timm-vit": vit_s16, "timm-beit": beit_s16, "timm-eva": eva02_s16,
+    "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
+    "hf-clip": hf_clip_s16}
 
 
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The model's own logits (Hugging Face models return an output object)."""
     out = model(x)
     return out.logits if hasattr(out, "logits") else out
+
+
+def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
+    """``(score(x) -> [B], method target)``: the target logit of a classifier, or for a
+    model that outputs an embedding the cosine with random unit vectors, one per image."""
+    if not hasattr(model, "visual_projection"):
+        t = torch.arange(b) % 1000
+        return (lambda x: logits_of(model, x)[torch.arange(b), t]), t
+    vec = torch.randn(b, model.config.projection_dim, generator=torch.Generator().manual_seed(1))
+
+    def cosine(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cosine_similarity(model(pixel_values=x).image_embeds, vec)
+
+    return cosine, vec
 
 
 def timeit(fn: Callable[[], object], repeats: int) -> float:
@@ -146,10 +197,15 @@ def forward(model: torch.nn.Module, x: torch.Tensor) -> None:
         logits_of(model, x)
 
 
-def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
-    """The reference: one forward and one backward to the input."""
+def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """The reference: one forward of ``score`` and one backward to the input."""
     xg = x.detach().requires_grad_()
-    torch.autograd.grad(logits_of(model, xg)[torch.arange(len(x)), t].sum(), xg)
+    torch.autograd.grad(score(xg).sum(), xg)
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
+    """The reference of a classifier: the target logits' forward and backward."""
+    score_backward(lambda z: logits_of(model, z)[torch.arange(len(z)), t], x)
 
 
 def main() -> None:
@@ -169,8 +225,8 @@ def main() -> None:
     rows = []
     for b in args.batches:
         x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-        t = torch.arange(b) % 1000
-        ref_fn = lambda x=x, t=t: forward_backward(model, x, t)  # noqa: E731
+        score, t = targets_of(model, b)
+        ref_fn = lambda x=x, score=score: score_backward(score, x)  # noqa: E731
         rows.append((b, "forward+backward", timeit(ref_fn, args.repeats), 1.0, None))
         for name, (factory, goal) in cases.items():
             fn = factory(model)

@@ -16,11 +16,12 @@ from captum_vit.methods import (
     TokenIxG,
     TokenTM,
 )
+from captum_vit.targets import EmbeddingTarget
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GAE", "AttCAT", "AttIxG", "AttnGradCAM", "RawAttention", "Rollout", "TokenIxG", "TokenTM",
     "DecompX", "FullGradPlus", "PLUS", "SkipPLUS", "TIS", "RandomMap", "metrics", "adapt",
-    "__version__",
+    "EmbeddingTarget", "__version__",
 ]

@@ -17,6 +17,8 @@ from captum.attr import GradientAttribution, PerturbationAttribution
 from torch import Tensor, nn
 
 from captum_vit.adapters import Layout, Trace, ViTAdapter, adapt
+from captum_vit.adapters.base import TargetHead, probabilities
+from captum_vit.targets import embedding_target, is_embedding_target
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
@@ -173,6 +175,9 @@ class Prepared:
     layout: Layout
     was_tuple: bool
     logits: Tensor | None = None
+    embedding: TargetHead | None = None
+    """For an embedding model: the target vectors; ``target`` then indexes them and
+    the call runs inside ``adapter.targeting(embedding)`` (SPEC_NEXT §7.5)."""
 
 
 def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
@@ -188,7 +193,9 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     Args:
         adapter (ViTAdapter): the model's adapter.
         inputs (Tensor or tuple): the images.
-        target (int, list, Tensor, numpy, optional): class per image, ``None`` = predicted.
+        target (int, list, Tensor, numpy, optional): class per image, ``None`` = predicted;
+            for a model that outputs an embedding, target vectors (a float tensor or
+            :class:`~captum_vit.targets.EmbeddingTarget`, SPEC_NEXT §7.5).
         predict (bool, optional): also run the model and resolve ``None`` to the
             predicted class (metrics). Default False.
 
@@ -203,9 +210,21 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     """
     images, was_tuple = check_images(inputs)
     adapter.check_inputs(images)
-    t = check_target(target, images.shape[0], adapter.num_classes)
+    emb = None
+    if adapter.embedding and adapter.head.target is None:
+        emb, target = embedding_target(target, images.shape[0], adapter.num_classes, images)
+        if predict:
+            raise ValueError("the metrics do not take embedding targets yet; explain the "
+                             "model with a method, or evaluate a classifier")
+    elif is_embedding_target(target):
+        raise TypeError("target vectors (float tensors, EmbeddingTarget) are for models "
+                        f"that output an image embedding; this {type(adapter.model).__name__} "
+                        "is a classifier: pass class indices (ints or a tensor of an "
+                        "integer dtype)")
+    num = adapter.num_classes if emb is None else emb.vectors.shape[0]
+    t = check_target(target, images.shape[0], num)
     adapter.self_check(images)
-    prep = Prepared(images, t, adapter.layout(images), was_tuple)
+    prep = Prepared(images, t, adapter.layout(images), was_tuple, embedding=emb)
     if predict:
         with torch.no_grad():
             prep.logits = adapter.model_logits(images)
@@ -223,7 +242,7 @@ def resolve_target(target: Tensor | None, logits: Tensor) -> Tensor:
 def target_scores(logits: Tensor, target: Tensor, score: str = "logit") -> Tensor:
     """Per-image score ``s_c`` [B]: the target logit or its softmax probability."""
     if score == "probability":
-        logits = logits.softmax(-1)
+        logits = probabilities(logits)
     return logits.gather(1, target[:, None]).squeeze(1)
 
 
@@ -272,7 +291,8 @@ class _ViTFront:
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
         check_choice("output", output, OUTPUTS)
         p = prepare(self.adapter, inputs, target)
-        with torch.enable_grad():  # Captum's NoiseTunnel / sensitivity_max may call under no_grad
+        # Captum's NoiseTunnel / sensitivity_max may call under no_grad
+        with torch.enable_grad(), self.adapter.targeting(p.embedding):
             maps = self._token_maps(p.images, p.target, **kwargs).detach()
         maps = maps.to(accumulation_dtype(p.images))
         out = format_output(maps[:, p.layout.num_prefix:], p.layout, p.images, output)

@@ -39,6 +39,7 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts
+from captum_vit.adapters.base import probabilities
 from captum_vit.methods.decompx import DecompX
 from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
 
@@ -156,7 +157,7 @@ class PLUS(ViTGradientAttribution):
     def _sub_network(self, l: int, score: str = "logit") -> Callable[[Tensor], Tensor]:
         def f_l(x_l: Tensor) -> Tensor:
             logits = self.adapter.run(x_l, start=l)
-            return logits.softmax(-1) if score == "probability" else logits
+            return probabilities(logits) if score == "probability" else logits
 
         return f_l
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from timm.models.beit import Beit
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -54,17 +55,27 @@ OTHER_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
                           (32, 32)),
     "beit_swiglu": (Beit, {"use_rel_pos_bias": True, "swiglu_mlp": True, "scale_mlp": True,
                            "global_pool": "avg"}, (32, 32)),
+    "eva02": (Eva, {"use_rot_pos_emb": True, "rope_type": "cat", "swiglu_mlp": True,
+                    "scale_mlp": True, "scale_attn_inner": True, "global_pool": "avg"},
+              (32, 32)),
+    "eva_dinov3": (Eva, {"use_rot_pos_emb": True, "rope_type": "dinov3",
+                         "rope_rotate_half": True, "rope_temperature": 100,
+                         "use_abs_pos_emb": False, "num_reg_tokens": 4, "init_values": 1e-5,
+                         "global_pool": "token", "use_fc_norm": False,
+                         "dynamic_img_size": True}, (24, 40)),
 }
 
-# Hugging Face transformers classifiers (optional extra): name -> (class name, config class
-# name, config overrides, input size (H, W)); the DeiT one runs at a non-native size, so
-# its position embeddings go through the model's own interpolation.
 # attention-pool heads (global_pool='map', SigLIP-style; SPEC_NEXT §7.3)
 OTHER_FAMILIES.update({
     "map": (VisionTransformer, {"class_token": False, "global_pool": "map"}, (32, 32)),
     "map_cls_reg": (VisionTransformer, {"global_pool": "map", "reg_tokens": 2}, (32, 32)),
+    "eva_map": (Eva, {"use_rot_pos_emb": True, "swiglu_mlp": True, "scale_attn_inner": True,
+                      "global_pool": "map"}, (32, 32)),
 })
 
+# Hugging Face transformers classifiers (optional extra): name -> (class name, config class
+# name, config overrides, input size (H, W)); the DeiT one runs at a non-native size, so
+# its position embeddings go through the model's own interpolation.
 HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
     "hf_vit": ("ViTForImageClassification", "ViTConfig", {}, (32, 32)),
     "hf_deit_teacher": ("DeiTForImageClassificationWithTeacher", "DeiTConfig", {}, (24, 40)),
@@ -77,6 +88,24 @@ HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
 }
 
 
+# Hugging Face vision towers that output an image embedding (targets are vectors,
+# SPEC_NEXT §7.5); the contract runs over them with vector targets.
+EMBED_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
+    "hf_clip": ("CLIPVisionModelWithProjection", "CLIPVisionConfig", {"projection_dim": 16},
+                (32, 32)),
+    "hf_clip_noproj": ("CLIPVisionModel", "CLIPVisionConfig", {}, (24, 40)),
+    "hf_siglip": ("SiglipVisionModel", "SiglipVisionConfig", {}, (32, 32)),
+}
+HF_FAMILIES.update(EMBED_FAMILIES)
+
+
+def embedding_dim(model: nn.Module) -> int:
+    """The image-embedding size of an EMBED_FAMILIES model."""
+    cfg = model.config
+    return int(getattr(cfg, "projection_dim", 0) if hasattr(model, "visual_projection")
+               else cfg.hidden_size)
+
+
 def have_transformers() -> bool:
     try:
         import transformers  # noqa: F401
@@ -87,8 +116,8 @@ def have_transformers() -> bool:
 
 needs_transformers = pytest.mark.skipif(not have_transformers(),
                                         reason="the hf extra (transformers) is not installed")
-ALL_FAMILIES = [*FAMILIES, *OTHER_FAMILIES, *HF_FAMILIES]
-"""Every model family (timm ViT, other timm families, then Hugging Face)."""
+ALL_FAMILIES = [*FAMILIES, *OTHER_FAMILIES, *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES)]
+"""Every classifier family (timm ViT, other timm families, then Hugging Face)."""
 
 
 def family_marks(family: str) -> tuple:

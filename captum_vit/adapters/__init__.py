@@ -18,6 +18,7 @@ from captum_vit.adapters.base import (
     Trace,
     ViTAdapter,
 )
+from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.subsets import subset_logits
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
@@ -29,6 +30,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_beit, TimmBeitAdapter),
     (is_timm_eva, TimmEvaAdapter),
     (is_hf_vit, HFViTAdapter),
+    (is_hf_embedding, HFEmbeddingAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
@@ -83,8 +85,7 @@ def adapt(model: nn.Module) -> ViTAdapter:
 
 
 __all__ = [
-    "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFViTAdapter", "HeadParts", "Layout",
-    "NormParts", "Ops", "PoolParts", "Trace", "TimmBeitAdapter", "TimmEvaAdapter", "TimmViTAdapter",
-    "ViTAdapter", "adapt", "subset_logits",
-    "SUPPORTED",
+    "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFEmbeddingAdapter", "HFViTAdapter",
+    "HeadParts", "Layout", "NormParts", "Ops", "PoolParts", "Trace", "TimmBeitAdapter",
+    "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "subset_logits", "SUPPORTED",
 ]

@@ -11,11 +11,14 @@ only change the backward pass.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+import dataclasses
 import functools
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,10 +160,11 @@ class BlockParts:
     """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
     rotary: Callable[[Tensor, Tensor | None], Tensor] | None = None
     """Rotary position embedding (SPEC_NEXT §7.1), ``(heads, positions) -> heads``: applied
-    to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (timm's
-    ``EvaAttention`` order) and before any detaching. It rotates the patch rows only (the
-    prefix rows keep their values) with the rotary rows of the tokens' original
-    ``positions`` [B, n] (``None`` = the full sequence ``0..n-1``); ``None`` = no RoPE."""
+    to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (the order of the
+    installed timm's ``EvaAttention.forward``, verified) and before any detaching. It
+    rotates the patch rows only (the prefix rows keep their values) with the rotary rows
+    of the tokens' original ``positions`` [B, n] (``None`` = the full sequence
+    ``0..n-1``); ``None`` = no RoPE."""
     inner_norm: NormParts | None = None
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
     ``scale_attn_inner``, SPEC_NEXT §7.0); ``None`` = identity."""
@@ -380,6 +384,54 @@ class PoolParts:
         return mix.transpose(1, 2).reshape(b, -1, self.num_heads * self.head_dim), attn
 
 
+_PROBABILITY: contextvars.ContextVar[str] = contextvars.ContextVar("probability",
+                                                                  default="softmax")
+"""How scores become probabilities in the current call: ``"softmax"`` over the classes
+(or over a set of target embeddings), ``"sigmoid"`` per score (one target vector)."""
+
+
+def probabilities(logits: Tensor) -> Tensor:
+    """The probabilities of ``logits`` [B, classes]: softmax over the classes, or, inside
+    an embedding-target call with single target vectors, the sigmoid of each score
+    (SPEC_NEXT §7.5: a softmax over one score would be constant)."""
+    return logits.sigmoid() if _PROBABILITY.get() == "sigmoid" else logits.softmax(-1)
+
+
+@dataclass(frozen=True)
+class TargetHead:
+    r"""Scores of a model's image embedding ``e`` against target vectors (SPEC_NEXT §7.5).
+
+    ``s_t = scale · ⟨e/‖e‖, t/‖t‖⟩ + bias`` (``cosine=True``) or ``scale · ⟨e, t⟩ + bias``
+    for every row ``t`` of ``vectors`` [T, D′]: a linear head on the (normalised)
+    embedding, so every method and decomposition rule applies unchanged (DecompX freezes
+    ``‖e‖`` like a LayerNorm's statistics).
+    """
+
+    vectors: Tensor
+    cosine: bool = True
+    scale: float = 1.0
+    bias: float = 0.0
+    probability: str = "softmax"
+
+    def weight(self) -> Tensor:
+        t = self.vectors
+        if self.cosine:
+            t = t / t.norm(dim=-1, keepdim=True)
+        return self.scale * t
+
+    def bias_vector(self) -> Tensor | None:
+        if self.bias == 0:
+            return None
+        return torch.full(self.vectors.shape[:1], float(self.bias), dtype=self.vectors.dtype,
+                          device=self.vectors.device)
+
+    def scores(self, e: Tensor) -> Tensor:
+        """``[B, T]`` scores of embeddings ``e`` [B, D′] (plain tensors)."""
+        if self.cosine:
+            e = e / e.norm(dim=-1, keepdim=True)
+        return F.linear(e, self.weight(), self.bias_vector())
+
+
 @dataclass(frozen=True)
 class HeadParts:
     """Final norm, pooling and classifier(s).
@@ -398,6 +450,9 @@ class HeadParts:
     (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
     attn_pool: PoolParts | None = None
     """The attention-pool head read by ``"map"`` rows (SPEC_NEXT §7.3)."""
+    target: TargetHead | None = None
+    """Scores against target embeddings, applied to the model's output (embedding
+    models inside :meth:`ViTAdapter.targeting`)."""
 
 
 class Ops:
@@ -435,6 +490,11 @@ class Ops:
 
     def scale(self, x: Any, gamma: Tensor) -> Any:
         return x * gamma
+
+    def normalize(self, x: Any) -> Any:
+        """``x / ‖x‖`` over the last dimension; linearised: the norm is a constant."""
+        n = x.norm(dim=-1, keepdim=True)
+        return x / (n.detach() if self.linearize else n)
 
     def add(self, x: Any, y: Any) -> Any:
         return x + y
@@ -604,9 +664,37 @@ class ViTAdapter:
         """Whether the model's forward is random now (training mode with active dropout)."""
         return False
 
-    def model_logits(self, inputs: Tensor) -> Tensor:
-        """The model's own logits [B, classes] for ``inputs`` (its forward, not ours)."""
+    embedding: bool = False
+    """Whether the model outputs an image embedding (CLIP, SigLIP, head-less models)
+    rather than class logits: its targets are vectors (SPEC_NEXT §7.5)."""
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        """The model's own output for ``inputs``: logits [B, classes] or the image
+        embedding [B, D′] (its forward, not ours)."""
         return self.model(inputs)
+
+    def model_logits(self, inputs: Tensor) -> Tensor:
+        """:meth:`model_outputs`, scored against the target embeddings inside
+        :meth:`targeting`."""
+        out = self.model_outputs(inputs)
+        return out if self.head.target is None else self.head.target.scores(out)
+
+    @contextlib.contextmanager
+    def targeting(self, target: TargetHead | None) -> Iterator[None]:
+        """Within the block the adapter's outputs (:meth:`logits`, :meth:`model_logits`)
+        are the scores against ``target`` [B, T] (``None``: unchanged). Nested calls
+        replace the target; the previous head is restored on exit."""
+        if target is None:
+            yield
+            return
+        head = self.head
+        token = _PROBABILITY.set(target.probability)
+        self.head = dataclasses.replace(head, target=target)
+        try:
+            yield
+        finally:
+            self.head = head
+            _PROBABILITY.reset(token)
 
     # -- what the model is -------------------------------------------------------------------
     @property
@@ -670,9 +758,12 @@ class ViTAdapter:
             if h.fc_norm is not None:
                 z = ops.norm(z, h.fc_norm)
             outs.append(z if weight is None else ops.linear(z, weight, bias))
-        if h.combine == "sum":
-            return functools.reduce(ops.add, outs)
-        return ops.mean(outs)
+        out = functools.reduce(ops.add, outs) if h.combine == "sum" else ops.mean(outs)
+        if h.target is None:
+            return out
+        if h.target.cosine:
+            out = ops.normalize(out)
+        return ops.linear(out, h.target.weight(), h.target.bias_vector())
 
     @staticmethod
     def _attention_pool(x: Any, p: PoolParts, ops: Ops) -> tuple[Any, Tensor | None]:

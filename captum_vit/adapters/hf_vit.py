@@ -65,9 +65,9 @@ def _first(m: nn.Module, *names: str) -> nn.Module:
 
 def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
     """The canonical parts of one ViT / DeiT / DINOv2 layer (either naming)."""
-    att = layer.attention
-    if hasattr(att, "q_proj"):  # transformers >= 5
-        q, k, v, o = att.q_proj, att.k_proj, att.v_proj, att.o_proj
+    att = _first(layer, "attention", "self_attn")
+    if hasattr(att, "q_proj"):  # transformers >= 5; CLIP and SigLIP name it out_proj
+        q, k, v, o = att.q_proj, att.k_proj, att.v_proj, _first(att, "o_proj", "out_proj")
     else:  # transformers 4
         q, k, v = att.attention.query, att.attention.key, att.attention.value
         o = att.output.dense
@@ -85,13 +85,14 @@ def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
                 for n in ("layer_scale1", "layer_scale2"))
     head_dim = q.weight.shape[0] // num_heads
     return BlockParts(
-        norm1=_norm(_first(layer, "layernorm_before", "norm1"), f"{where}.norm1"),
+        norm1=_norm(_first(layer, "layernorm_before", "norm1", "layer_norm1"), f"{where}.norm1"),
         q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
         q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
         num_heads=num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
         q_norm=nn.Identity(), k_norm=nn.Identity(),
         proj_weight=o.weight, proj_bias=o.bias, ls1=ls1,
-        norm2=_norm(_first(layer, "layernorm_after", "norm2"), f"{where}.norm2"),
+        norm2=_norm(_first(layer, "layernorm_after", "norm2", "layer_norm2"),
+                    f"{where}.norm2"),
         fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
         fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=ls2,
         gate_weight=None if gate is None else gate.weight,
@@ -187,7 +188,7 @@ class HFViTAdapter(ViTAdapter):
     def embed(self, inputs: Tensor) -> Tensor:
         return self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
 
-    def model_logits(self, inputs: Tensor) -> Tensor:
+    def model_outputs(self, inputs: Tensor) -> Tensor:
         return self.model(pixel_values=inputs, **self._size_kwargs(inputs)).logits
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:

@@ -111,6 +111,11 @@ class DecompositionOps(Ops):
         a = act(g.real)  # the activated gate from the real input, a constant per unit
         return Decomposed(a * z.real, z.parts * a.to(z.parts.dtype).unsqueeze(1), z.has_bias)
 
+    def normalize(self, x: Decomposed) -> Decomposed:
+        # cosine embedding targets (SPEC_NEXT §7.5): ‖e‖ frozen like LayerNorm statistics
+        n = x.real.norm(dim=-1, keepdim=True)
+        return Decomposed(x.real / n, x.parts / n.to(x.parts.dtype).unsqueeze(1), x.has_bias)
+
     def scale(self, x: Decomposed, gamma: Tensor) -> Decomposed:  # D5
         return Decomposed(x.real * gamma, x.parts * gamma.to(x.parts.dtype), x.has_bias)
 
@@ -291,12 +296,16 @@ class DecompX(ViTGradientAttribution):
         Args:
             inputs (Tensor): images [B, C, H, W].
             target (int, list, Tensor, optional): class per image; ``None`` = predicted.
+                For a model that outputs an embedding, target vectors
+                (:class:`~captum_vit.EmbeddingTarget`): ``logit`` is then the score
+                against them and ``target`` the index of each image's vector.
 
         Returns:
             DecompXResult: ``tokens`` [B, N], ``bias`` [B], ``logit`` [B], ``target`` [B].
         """
         p = prepare(self.adapter, inputs, target)
-        return self._decompose(p.images, p.target)
+        with self.adapter.targeting(p.embedding):
+            return self._decompose(p.images, p.target)
 
     def _decompose(self, images: Tensor, target: Tensor | None) -> DecompXResult:
         s = self.start_layer

@@ -1,0 +1,149 @@
+"""Adapter for Hugging Face vision towers that output an image embedding (SPEC_NEXT §7.4):
+``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` and ``SiglipVisionModel``.
+
+These models have no classifier: their targets are vectors (a text embedding the user
+computed, SPEC_NEXT §7.5), scored against the image embedding inside
+:meth:`ViTAdapter.targeting`.
+
+- **CLIP**: CLS token first; ``pre_layrnorm`` (sic) on the embedding output, like timm's
+  ``norm_pre``; QuickGELU MLPs; the embedding is ``post_layernorm`` of the CLS row, times
+  ``visual_projection`` (no bias) for the ``WithProjection`` model (``image_embeds``),
+  un-projected for ``CLIPVisionModel`` (``pooler_output``).
+- **SigLIP**: no prefix token (K = 0); tanh-GELU MLPs; ``post_layernorm`` on every token,
+  then the attention-pool head ``SiglipMultiheadAttentionPoolingHead`` (``probe`` attends
+  over all tokens through ``nn.MultiheadAttention``, whose ``in_proj_weight`` rows are
+  ``[q; k; v]``; ``o + mlp(layernorm(o))``): the embedding is ``pooler_output``.
+
+Both transformers layouts are read: transformers 5 puts ``embeddings``/``encoder``/
+``post_layernorm`` on the model itself (``CLIPVisionModelWithProjection.vision_model`` is
+the flattened ``CLIPVisionModel``), transformers 4 under ``vision_model``. The embedding
+is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import HeadParts, PoolParts
+from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm
+
+CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel")
+
+
+def _tower(model: nn.Module) -> nn.Module:
+    """The module holding ``embeddings``, ``encoder`` and ``post_layernorm``."""
+    while not hasattr(model, "embeddings") and hasattr(model, "vision_model"):
+        model = model.vision_model
+    return model
+
+
+def _siglip_pool(head: nn.Module, where: str) -> PoolParts:
+    """The canonical parts of ``SiglipMultiheadAttentionPoolingHead``."""
+    mha = head.attention
+    if not (isinstance(mha, nn.MultiheadAttention) and mha._qkv_same_embed_dim
+            and mha.batch_first and mha.bias_k is None and not mha.add_zero_attn):
+        raise TypeError(f"{where}.attention is not a plain batch-first "
+                        "nn.MultiheadAttention; this pooling head is not supported")
+    w, b = mha.in_proj_weight.detach(), mha.in_proj_bias
+    d = mha.embed_dim
+    qb, kb, vb = (None, None, None) if b is None else b.detach().split(d)
+    head_dim = d // mha.num_heads
+    return PoolParts(
+        latent=head.probe[0], q_weight=w[:d], q_bias=qb,
+        k_weight=w[d:2 * d], k_bias=kb, v_weight=w[2 * d:], v_bias=vb,
+        num_heads=mha.num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
+        q_norm=nn.Identity(), k_norm=nn.Identity(),
+        proj_weight=mha.out_proj.weight, proj_bias=mha.out_proj.bias,
+        norm=_norm(head.layernorm, f"{where}.layernorm"),
+        fc1_weight=head.mlp.fc1.weight, fc1_bias=head.mlp.fc1.bias,
+        act=head.mlp.activation_fn, fc2_weight=head.mlp.fc2.weight,
+        fc2_bias=head.mlp.fc2.bias,
+    )
+
+
+class HFEmbeddingAdapter(HFViTAdapter):
+    """Canonical view of a Hugging Face CLIP / SigLIP vision tower (never modified).
+
+    Its output is the image embedding (:attr:`embedding` is ``True``); explain it with a
+    vector target: ``GAE(model).attribute(pixel_values, target=text_embedding)``.
+    """
+
+    embedding = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        name = type(model).__name__
+        self.backbone = _tower(model)
+        cfg = model.config
+        self.layers = self.backbone.encoder.layers
+        if len(self.layers) == 0:
+            raise TypeError(f"{name} has no transformer layers")
+        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+                       for i, layer in enumerate(self.layers)]
+        self.in_chans = int(cfg.num_channels)
+        self.siglip = not hasattr(self.backbone.embeddings, "class_embedding")
+        self.num_prefix = 0 if self.siglip else 1
+        self.interpolates = True
+        norm = _norm(self.backbone.post_layernorm, f"{name}.post_layernorm")
+        if self.siglip:
+            head = getattr(self.backbone, "head", None)
+            if head is None or not getattr(self.backbone, "use_head", True):
+                raise TypeError(f"{name} has no pooling head (vision_use_head=False), so it "
+                                "outputs no image embedding to explain")
+            self.readout = "map"
+            self.head = HeadParts(norm, None, (("map", None, None),),
+                                  attn_pool=_siglip_pool(head, f"{name}.head"))
+        else:
+            self.readout = "token"
+            proj = getattr(model, "visual_projection", None)
+            self.head = HeadParts(norm, None, ((0, None if proj is None else proj.weight,
+                                                None),))
+
+    def refresh(self) -> None:
+        """Nothing is sliced but the pool's ``in_proj_weight``: re-read it after
+        ``model.to(...)``."""
+        pool = self.head.attn_pool
+        if pool is not None and pool.q_weight.data_ptr() != \
+                self.backbone.head.attention.in_proj_weight.data_ptr():
+            self.head = HeadParts(self.head.norm, None, self.head.heads, attn_pool=_siglip_pool(
+                self.backbone.head, f"{type(self.model).__name__}.head"))
+
+    @property
+    def num_classes(self) -> int:
+        """The number of scores: the embedding size, or ``T`` while targeting."""
+        if self.head.target is not None:
+            return int(self.head.target.vectors.shape[0])
+        proj = getattr(self.model, "visual_projection", None)
+        return int(proj.out_features if proj is not None else self.model.config.hidden_size)
+
+    def embed(self, inputs: Tensor) -> Tensor:
+        x = self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
+        pre = getattr(self.backbone, "pre_layrnorm", None)
+        return x if pre is None else pre(x)
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        out = self.model(pixel_values=inputs, **self._size_kwargs(inputs))
+        emb = getattr(out, "image_embeds", None)
+        return out.pooler_output if emb is None else emb
+
+    def is_random(self) -> bool:
+        cfg = self.model.config
+        return self.model.training and getattr(cfg, "attention_dropout", 0) > 0
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        bb = self.backbone
+        heads = [bb.post_layernorm, getattr(bb, "head", None),
+                 getattr(self.model, "visual_projection", None)]
+        stages = [[p for mod in heads if mod is not None for p in mod.parameters()]]
+        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
+        return stages
+
+
+def is_hf_embedding(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face vision towers in :data:`CLASSES`."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    import transformers
+
+    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
+                                   if hasattr(transformers, n)))

@@ -1,0 +1,184 @@
+"""Models that output an image embedding (CLIP, SigLIP) and vector targets (SPEC_NEXT §7.5).
+
+- the adapter's forward equals the model's own embedding (float64, SDPA on, two sizes);
+- a CLIP tower explained with ``target=EmbeddingTarget(t, similarity="dot")`` gives exactly
+  the maps every registered method gives on a timm ViT holding the same weights whose
+  classifier row is ``W_projᵀ t`` (the score ``⟨e, t⟩`` as a logit);
+- DecompX is complete for cosine scores (``‖e‖`` frozen), scaled and shifted;
+- the contract over every method × embedding family: vector targets, one per image,
+  target sets with an index, NoiseTunnel, clear errors, the model unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from captum.attr import NoiseTunnel
+from timm.layers import QuickGELU
+from timm.models.vision_transformer import VisionTransformer
+
+from captum_vit import DecompX, EmbeddingTarget
+from captum_vit.adapters import adapt
+from captum_vit.registry import available_methods, build_method
+from tests.helpers import (
+    EMBED_FAMILIES,
+    assert_unchanged,
+    embedding_dim,
+    make_inputs,
+    make_model,
+    needs_transformers,
+    snapshot,
+)
+
+pytestmark = needs_transformers
+METHODS = available_methods(baselines=True, compositions=True)
+FAST = {"tis": {"n_masks": 16}}
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def model_of(family: str) -> torch.nn.Module:
+    if family not in _MODELS:
+        _MODELS[family] = make_model(family)
+    return _MODELS[family]
+
+
+def vectors(model, n: int, seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, embedding_dim(model), generator=g, dtype=torch.float64)
+
+
+def close(a, b, tol=1e-9):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * (1 + b.abs().max().item()))
+
+
+@pytest.mark.parametrize("family", list(EMBED_FAMILIES))
+def test_adapter_forward_equals_the_models_embedding(family):
+    model = model_of(family)
+    a = adapt(model)
+    assert a.embedding
+    for size in ((32, 32), (24, 40)):
+        x = torch.randn(2, 3, *size, dtype=torch.float64)
+        kw = {"interpolate_pos_encoding": size != (32, 32)}
+        out = model(pixel_values=x, **kw)
+        ref = out.image_embeds if hasattr(out, "image_embeds") else out.pooler_output
+        torch.testing.assert_close(a.run(a.embed(x)), ref, rtol=0, atol=1e-12)
+
+
+def timm_twin(clip: torch.nn.Module, t: torch.Tensor) -> torch.nn.Module:
+    """A timm ViT with the CLIP tower's weights whose logit 0 is ``⟨e, t⟩`` (logit 1 is 0,
+    so its softmax probability is the sigmoid the embedding target uses)."""
+    cfg = clip.config
+    twin = VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=cfg.num_hidden_layers, num_heads=4,
+        mlp_ratio=2.0, num_classes=2, qkv_bias=True, pre_norm=True, act_layer=QuickGELU,
+        norm_layer=functools.partial(torch.nn.LayerNorm, eps=cfg.layer_norm_eps),
+    ).double().eval()
+    a = adapt(clip)
+    emb = a.backbone.embeddings
+    with torch.no_grad():
+        twin.patch_embed.proj.weight.copy_(emb.patch_embedding.weight)
+        twin.cls_token.copy_(emb.class_embedding.reshape(1, 1, -1))
+        twin.pos_embed.copy_(emb.position_embedding.weight[None])
+        twin.norm_pre.load_state_dict(a.backbone.pre_layrnorm.state_dict())
+        for p, blk in zip(a.blocks, twin.blocks, strict=True):
+            blk.attn.qkv.weight.copy_(torch.cat([p.q_weight, p.k_weight, p.v_weight]))
+            blk.attn.qkv.bias.copy_(torch.cat([p.q_bias, p.k_bias, p.v_bias]))
+            for dst, src in ((blk.attn.proj.weight, p.proj_weight),
+                             (blk.attn.proj.bias, p.proj_bias),
+                             (blk.norm1.weight, p.norm1.weight), (blk.norm1.bias, p.norm1.bias),
+                             (blk.norm2.weight, p.norm2.weight), (blk.norm2.bias, p.norm2.bias),
+                             (blk.mlp.fc1.weight, p.fc1_weight), (blk.mlp.fc1.bias, p.fc1_bias),
+                             (blk.mlp.fc2.weight, p.fc2_weight), (blk.mlp.fc2.bias, p.fc2_bias)):
+                dst.copy_(src)
+        twin.norm.load_state_dict(a.backbone.post_layernorm.state_dict())
+        twin.head.weight.zero_()
+        twin.head.weight[0] = t @ clip.visual_projection.weight
+        twin.head.bias.zero_()
+    return twin
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_clip_dot_target_equals_a_classifier_whose_logit_is_the_dot_product(name):
+    clip = model_of("hf_clip")
+    t = vectors(clip, 1)[0]
+    twin = timm_twin(clip, t)
+    x = make_inputs("hf_clip", batch=2)
+    kw = FAST.get(name, {})
+    emb = adapt(clip).model_outputs(x)
+    torch.testing.assert_close(twin(x)[:, 0], emb @ t, rtol=0, atol=1e-12)
+    ours = build_method(name, clip).attribute(
+        x, target=EmbeddingTarget(t, similarity="dot"), output="tokens", **kw)
+    ref = build_method(name, twin).attribute(x, target=0, output="tokens", **kw)
+    close(ours, ref, 1e-10)
+
+
+@pytest.mark.parametrize("family", list(EMBED_FAMILIES))
+@pytest.mark.parametrize("route", ["explicit", "gradient"])
+def test_decompx_is_complete_for_cosine_scores(family, route):
+    model = model_of(family)
+    x = make_inputs(family, batch=2)
+    t = vectors(model, 3)
+    e = adapt(model).model_outputs(x)
+    cos = torch.nn.functional.cosine_similarity(e[:, None], t[None], dim=-1)  # [B, T]
+    target = EmbeddingTarget(t, index=[2, 0], scale=4.0, bias=-1.0)
+    res = DecompX(model, route=route).decompose(x, target)
+    ref = 4.0 * cos[torch.arange(2), torch.tensor([2, 0])] - 1.0
+    torch.testing.assert_close(res.logit, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(res.tokens.sum(-1) + res.bias, ref, rtol=0, atol=1e-10)
+    assert res.target.tolist() == [2, 0]
+
+
+def _attr(method, x, target, **kw):
+    return method.attribute(x, target=target, **{**FAST.get(method._name, {}), **kw})
+
+
+@pytest.mark.parametrize("family", list(EMBED_FAMILIES))
+@pytest.mark.parametrize("name", METHODS)
+def test_embedding_contract(name, family):
+    """Vector targets: one for all images, one per image (a batch equals its images one by
+    one), a set with an index; NoiseTunnel; clear errors; the model unchanged."""
+    model = model_of(family)
+    x = make_inputs(family, batch=3)
+    before = snapshot(model)
+    method = build_method(name, model)
+    method._name = name
+    n_patches = adapt(model).layout(x).num_patches
+    t = vectors(model, 3)
+
+    one = _attr(method, x, t[0], output="tokens")
+    assert one.shape == (3, n_patches) and one.dtype == torch.float64
+    assert torch.isfinite(one).all()
+    close(_attr(method, x, t[0][None].expand(3, -1).clone(), output="tokens"), one)
+
+    per_image = _attr(method, x, t, output="tokens")
+    by_one = torch.cat([_attr(method, x[i:i + 1], t[i], output="tokens") for i in range(3)])
+    close(per_image, by_one)
+
+    spec = EmbeddingTarget(t, index=[2, 2, 0], similarity="dot", scale=2.0)
+    batch = _attr(method, x, spec, output="tokens")
+    by_one = torch.cat([_attr(method, x[i:i + 1], EmbeddingTarget(
+        t, index=i_, similarity="dot", scale=2.0), output="tokens")
+        for i, i_ in enumerate([2, 2, 0])])
+    close(batch, by_one)
+
+    nt = NoiseTunnel(method).attribute(x[:2], nt_type="smoothgrad", nt_samples=2, stdevs=0.05,
+                                       target=t[:2], **FAST.get(name, {}))
+    assert nt.shape == x[:2].shape and torch.isfinite(nt).all()
+
+    with pytest.raises(ValueError, match="target"):
+        _attr(method, x, None)
+    with pytest.raises(TypeError, match="target"):
+        _attr(method, x, 1)
+    with pytest.raises(ValueError, match="target"):
+        _attr(method, x, torch.zeros(5, dtype=torch.float64) + 1)
+    with pytest.raises(ValueError, match="index"):
+        _attr(method, x, EmbeddingTarget(t, index=[0, 5, 1]))
+    assert_unchanged(model, before)
+
+
+def test_classifiers_refuse_vector_targets():
+    model = make_model("vit")
+    with pytest.raises(TypeError, match="classifier"):
+        DecompX(model).attribute(make_inputs("vit"), target=EmbeddingTarget(torch.ones(32)))
