@@ -182,3 +182,31 @@ def test_classifiers_refuse_vector_targets():
     model = make_model("vit")
     with pytest.raises(TypeError, match="classifier"):
         DecompX(model).attribute(make_inputs("vit"), target=EmbeddingTarget(torch.ones(32)))
+
+
+@pytest.mark.parametrize("kind", ["CLIP", "Siglip"])
+def test_dual_models_are_explained_through_their_image_features(kind):
+    """``CLIPModel`` / ``SiglipModel``: the image side (``get_image_features``) against a
+    text embedding from the same model; DecompX complete, the model unchanged."""
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, vocab_size=100, bos_token_id=1, eos_token_id=2)
+    extra = {"projection_dim": 16} if kind == "CLIP" else {}
+    cfg = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=vision, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{kind}Model")(cfg).double().eval()
+    before = snapshot(model)
+    x = make_inputs("hf_clip", batch=2)
+    a = adapt(model)
+    feats = model.get_image_features(pixel_values=x)
+    feats = feats if isinstance(feats, torch.Tensor) else feats.pooler_output
+    torch.testing.assert_close(a.run(a.embed(x)), feats, rtol=0, atol=1e-12)
+    t = model.get_text_features(input_ids=torch.tensor([[3, 4, 5], [6, 7, 8]]))
+    t = (t if isinstance(t, torch.Tensor) else t.pooler_output).detach()
+    res = DecompX(model, route="explicit").decompose(x, EmbeddingTarget(t, index=[1, 0]))
+    ref = torch.nn.functional.cosine_similarity(feats, t[[1, 0]], dim=-1)
+    torch.testing.assert_close(res.tokens.sum(-1) + res.bias, ref.detach(), rtol=0, atol=1e-10)
+    assert_unchanged(model, before)

@@ -36,9 +36,11 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
 
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
-    "global_pool='token'/'avg', LayerScale, qk-norm, dynamic_img_size), timm Beit (relative "
-    "position bias, GELU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated MLP) and Hugging Face "
-    "transformers ViTForImageClassification, DeiTForImageClassification(WithTeacher)"
+    "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size), timm Beit "
+    "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
+    "MLP) and Hugging Face transformers ViTForImageClassification, "
+    "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
+    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel and SiglipModel"
 )
 
 

@@ -1,5 +1,7 @@
 """Adapter for Hugging Face vision towers that output an image embedding (SPEC_NEXT §7.4):
-``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` and ``SiglipVisionModel``.
+``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` and ``SiglipVisionModel``, and the
+image side of the dual ``CLIPModel`` / ``SiglipModel`` (their ``get_image_features``; the
+text side is the user's, to make target vectors).
 
 These models have no classifier: their targets are vectors (a text embedding the user
 computed, SPEC_NEXT §7.5), scored against the image embedding inside
@@ -22,12 +24,15 @@ is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from captum_vit.adapters.base import HeadParts, PoolParts
 from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm
 
-CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel")
+CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
+           "CLIPModel", "SiglipModel")
 
 
 def _tower(model: nn.Module) -> nn.Module:
@@ -74,7 +79,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
         self.model = model
         name = type(model).__name__
         self.backbone = _tower(model)
-        cfg = model.config
+        cfg = self.config
         self.layers = self.backbone.encoder.layers
         if len(self.layers) == 0:
             raise TypeError(f"{name} has no transformer layers")
@@ -114,7 +119,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
         if self.head.target is not None:
             return int(self.head.target.vectors.shape[0])
         proj = getattr(self.model, "visual_projection", None)
-        return int(proj.out_features if proj is not None else self.model.config.hidden_size)
+        return int(proj.out_features if proj is not None else self.config.hidden_size)
 
     def embed(self, inputs: Tensor) -> Tensor:
         x = self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
@@ -122,12 +127,21 @@ class HFEmbeddingAdapter(HFViTAdapter):
         return x if pre is None else pre(x)
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
-        out = self.model(pixel_values=inputs, **self._size_kwargs(inputs))
+        kw = self._size_kwargs(inputs)
+        if hasattr(self.model, "get_image_features"):  # the dual CLIPModel / SiglipModel
+            out = self.model.get_image_features(pixel_values=inputs, **kw)
+            return out if isinstance(out, Tensor) else out.pooler_output
+        out = self.model(pixel_values=inputs, **kw)
         emb = getattr(out, "image_embeds", None)
         return out.pooler_output if emb is None else emb
 
+    @property
+    def config(self) -> Any:
+        """The vision configuration (``vision_config`` of a dual CLIP/SigLIP model)."""
+        return getattr(self.model.config, "vision_config", self.model.config)
+
     def is_random(self) -> bool:
-        cfg = self.model.config
+        cfg = self.config
         return self.model.training and getattr(cfg, "attention_dropout", 0) > 0
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:

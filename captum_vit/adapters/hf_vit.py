@@ -155,8 +155,13 @@ class HFViTAdapter(ViTAdapter):
             self.head = self._head()
 
     @property
+    def config(self) -> Any:
+        """The configuration of the vision transformer (image and patch size, heads)."""
+        return self.model.config
+
+    @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.model.config.image_size)
+        return self.in_chans, _pair(self.config.image_size)
 
     def _size_kwargs(self, inputs: Tensor) -> dict[str, bool]:
         """``interpolate_pos_encoding`` for another size than the config's (ViT, DeiT)."""
@@ -167,19 +172,19 @@ class HFViTAdapter(ViTAdapter):
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
         h, w = inputs.shape[-2:]
-        ph, pw = _pair(self.model.config.patch_size)
+        ph, pw = _pair(self.config.patch_size)
         if h % ph or w % pw:
             raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
                              f"{(ph, pw)}; resize or crop the images to a multiple of it")
 
     def is_random(self) -> bool:
-        cfg = self.model.config
+        cfg = self.config
         return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
             "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]
-        ph, pw = _pair(self.model.config.patch_size)
+        ph, pw = _pair(self.config.patch_size)
         return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
                       patch_size=(ph, pw), readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
