@@ -118,17 +118,22 @@ def _consecutive(*parts: Tensor | None) -> Tensor | None:
     return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
 
 
+def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
+    """Attention-logit bias [B, 1, 1, N] that removes the keys where ``real`` [B, N] is
+    ``False`` (``-inf``) and leaves the others (0)."""
+    bias = torch.zeros(real.shape, dtype=dtype, device=real.device)
+    return bias.masked_fill(~real, -math.inf)[:, None, None, :]
+
+
 @dataclass(frozen=True)
-class BlockParts:
-    """Canonical parameters of one pre-LN block (SPEC §0).
+class AttentionParts:
+    """The projections of one multi-head attention: ``q``, ``k``, ``v`` weights
+    ``[H*d, D]`` (rows head-major) with biases ``[H*d]`` or ``None``, the per-head q/k norms,
+    the softmax scale and the output projection ``W_O`` ``[D, H*d]``. Shared by the
+    blocks' self-attention (:class:`BlockParts`) and attention-pool heads
+    (:class:`PoolParts`)."""
 
-    ``q_weight``, ``k_weight``, ``v_weight`` are ``[H*d, D]`` (rows head-major) and the
-    biases ``[H*d]`` or ``None``. For timm they are views (slices) of the model's fused
-    ``qkv`` parameter; Hugging Face models keep separate q/k/v projections.
-    """
-
-    norm1: NormParts
-    q_weight: Tensor
+    q_weight: Tensor | None
     k_weight: Tensor
     v_weight: Tensor
     q_bias: Tensor | None
@@ -141,6 +146,27 @@ class BlockParts:
     k_norm: Callable[[Tensor], Tensor]
     proj_weight: Tensor  # [D, H*d]
     proj_bias: Tensor | None
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def _heads(self, u: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        """``u W^T + b`` (``u`` itself for ``weight = None``) split into heads,
+        [B, H, N, d]."""
+        b, n, _ = u.shape
+        y = u if weight is None else F.linear(u, weight, bias)
+        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class BlockParts(AttentionParts):
+    """Canonical parameters of one pre-LN block (SPEC §0): the attention's projections
+    (:class:`AttentionParts`; for timm views, i.e. slices, of the model's fused ``qkv``
+    parameter, Hugging Face models keep separate q/k/v projections), the norms, LayerScale
+    and the MLP."""
+
+    norm1: NormParts
     ls1: Tensor | None
     norm2: NormParts
     fc1_weight: Tensor
@@ -168,16 +194,6 @@ class BlockParts:
     inner_norm: NormParts | None = None
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
     ``scale_attn_inner``, SPEC_NEXT §7.0); ``None`` = identity."""
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    def _heads(self, u: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """``u W^T + b`` split into heads, [B, H, N, d]."""
-        b, n, _ = u.shape
-        y = F.linear(u, weight, bias)
-        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None
              ) -> tuple[Tensor, Tensor, Tensor]:
@@ -228,9 +244,8 @@ class BlockParts:
                 pos = positions.to(full.device)
                 bias = full[0][:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)
         if key_mask is not None:
-            pad = torch.zeros(key_mask.shape, dtype=torch.get_default_dtype() if bias is None
-                              else bias.dtype, device=key_mask.device)
-            pad = pad.masked_fill(~key_mask, -math.inf)[:, None, None, :]
+            pad = key_padding_bias(key_mask, torch.get_default_dtype() if bias is None
+                                   else bias.dtype)
             bias = pad if bias is None else bias + pad
         return bias
 
@@ -302,7 +317,7 @@ class BlockParts:
 
 
 @dataclass(frozen=True)
-class PoolParts:
+class PoolParts(AttentionParts):
     r"""An attention-pool head (SPEC_NEXT §7.3): timm's ``AttentionPoolLatent``
     (``global_pool='map'``) and Hugging Face's ``SiglipMultiheadAttentionPoolingHead``.
 
@@ -315,19 +330,6 @@ class PoolParts:
     """
 
     latent: Tensor  # [Q, D_l]
-    q_weight: Tensor | None
-    q_bias: Tensor | None
-    k_weight: Tensor
-    k_bias: Tensor | None
-    v_weight: Tensor
-    v_bias: Tensor | None
-    num_heads: int
-    head_dim: int
-    scale: float
-    q_norm: Callable[[Tensor], Tensor]
-    k_norm: Callable[[Tensor], Tensor]
-    proj_weight: Tensor
-    proj_bias: Tensor | None
     norm: NormParts | None
     fc1_weight: Tensor | None
     fc1_bias: Tensor | None
@@ -337,10 +339,6 @@ class PoolParts:
     skip_prefix: int = 0
     """Leading rows that are no keys (timm's pool drops the prefix tokens unless
     ``pool_include_prefix``); their probabilities are exactly 0."""
-
-    def _split(self, y: Tensor) -> Tensor:
-        b, n, _ = y.shape
-        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def attention(self, x: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
                   detach_k: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -360,10 +358,9 @@ class PoolParts:
         """
         b = x.shape[0]
         lat = self.latent.to(x.dtype).expand(b, -1, -1)
-        q = lat if self.q_weight is None else F.linear(lat, self.q_weight, self.q_bias)
-        q = self.q_norm(self._split(q))
-        k = self.k_norm(self._split(F.linear(x, self.k_weight, self.k_bias)))
-        v = self._split(F.linear(x, self.v_weight, self.v_bias))
+        q = self.q_norm(self._heads(lat, self.q_weight, self.q_bias))
+        k = self.k_norm(self._heads(x, self.k_weight, self.k_bias))
+        v = self._heads(x, self.v_weight, self.v_bias)
         if detach_k:
             k = k.detach()
         bias = None
@@ -372,8 +369,7 @@ class PoolParts:
             if key_mask is not None:
                 real = real & key_mask
             real[:, :self.skip_prefix] = False
-            bias = torch.zeros(real.shape, dtype=x.dtype, device=x.device)
-            bias = bias.masked_fill(~real, -math.inf)[:, None, None, :]
+            bias = key_padding_bias(real, x.dtype)
         if materialize:
             scores = (q * self.scale) @ k.transpose(-2, -1)
             attn: Tensor | None = (scores if bias is None else scores + bias).softmax(-1)
@@ -381,7 +377,7 @@ class PoolParts:
         else:
             attn = None
             mix = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
-        return mix.transpose(1, 2).reshape(b, -1, self.num_heads * self.head_dim), attn
+        return mix.transpose(1, 2).reshape(b, -1, self.inner_dim), attn
 
 
 _PROBABILITY: contextvars.ContextVar[str] = contextvars.ContextVar("probability",

@@ -24,6 +24,7 @@ is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor, nn
@@ -110,7 +111,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
         pool = self.head.attn_pool
         if pool is not None and pool.q_weight.data_ptr() != \
                 self.backbone.head.attention.in_proj_weight.data_ptr():
-            self.head = HeadParts(self.head.norm, None, self.head.heads, attn_pool=_siglip_pool(
+            self.head = dataclasses.replace(self.head, attn_pool=_siglip_pool(
                 self.backbone.head, f"{type(self.model).__name__}.head"))
 
     @property

@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import BlockParts, HeadParts
 from captum_vit.adapters.timm_vit import (
     TimmViTAdapter,
-    _norm_parts,
     _optional_norm,
     _timm_gelus,
+    timm_attention_fields,
 )
 
 
@@ -95,19 +95,10 @@ class TimmBeitAdapter(TimmViTAdapter):
                               ((row, model.head.weight, model.head.bias),))
 
     def _parts(self, blk: nn.Module, where: str) -> BlockParts:
-        attn, mlp = blk.attn, blk.mlp
-        w = attn.qkv.weight.detach()
-        a = w.shape[0] // 3
         return BlockParts(
-            norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-            q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
-            q_bias=attn.q_bias, k_bias=None, v_bias=attn.v_bias,  # timm's k_bias is zero
-            num_heads=attn.num_heads, head_dim=a // attn.num_heads, scale=attn.scale,
-            q_norm=nn.Identity(), k_norm=nn.Identity(),
-            proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-            ls1=blk.gamma_1, norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
-            **_mlp_fields(mlp, where),
-            ls2=blk.gamma_2, attn_bias=_bias_of(self.model, blk),
+            **timm_attention_fields(blk, where), ls1=blk.gamma_1,
+            **_mlp_fields(blk.mlp, where), ls2=blk.gamma_2,
+            attn_bias=_bias_of(self.model, blk),
         )
 
     def embed(self, inputs: Tensor) -> Tensor:

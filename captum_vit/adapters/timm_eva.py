@@ -64,10 +64,10 @@ from captum_vit.adapters.timm_beit import _mlp_fields
 from captum_vit.adapters.timm_vit import (
     TimmViTAdapter,
     _has_active_dropout,
-    _norm_parts,
     _optional_norm,
     _timm_gelus,
     pool_parts,
+    timm_attention_fields,
 )
 
 
@@ -200,31 +200,13 @@ class TimmEvaAdapter(TimmViTAdapter):
     # -- parts ------------------------------------------------------------------------------
     def _parts(self, blk: nn.Module, where: str) -> BlockParts:
         attn = blk.attn
-        a = attn.num_heads * attn.head_dim
-        if attn.qkv is not None:
-            w = attn.qkv.weight.detach()
-            qw, kw, vw = w[:a], w[a:2 * a], w[2 * a:3 * a]
-            if attn.qkv.bias is not None:  # AttentionRope: an ordinary fused bias
-                b = attn.qkv.bias.detach()
-                qb, kb, vb = b[:a], b[a:2 * a], b[2 * a:3 * a]
-            else:  # EvaAttention: q_bias, a zero k_bias buffer (None here), v_bias
-                qb, kb, vb = getattr(attn, "q_bias", None), None, getattr(attn, "v_bias", None)
-        else:
-            qw, kw, vw = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
-            qb, kb, vb = attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias
         rotary = None
         if self.model.rope is not None:
             rotary = functools.partial(self._rotate, half=bool(getattr(attn, "rotate_half",
                                                                        False)))
         return BlockParts(
-            norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-            q_weight=qw, k_weight=kw, v_weight=vw, q_bias=qb, k_bias=kb, v_bias=vb,
-            num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
-            q_norm=attn.q_norm, k_norm=attn.k_norm,
-            proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-            ls1=blk.gamma_1, norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
-            **_eva_mlp_fields(blk.mlp, where),
-            ls2=blk.gamma_2, rotary=rotary,
+            **timm_attention_fields(blk, where), ls1=blk.gamma_1,
+            **_eva_mlp_fields(blk.mlp, where), ls2=blk.gamma_2, rotary=rotary,
             inner_norm=_optional_norm(attn.norm, f"{where}.attn.norm"),
         )
 

@@ -177,27 +177,50 @@ class TimmViTAdapter(ViTAdapter):
         return m.norm_pre(x)
 
 
-def _block_parts(blk: nn.Module, where: str) -> BlockParts:
-    """The canonical parts of a (validated) timm ``Block``.
+def timm_attention_fields(blk: nn.Module, where: str) -> dict:
+    """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,
+    BEiT and Eva blocks).
 
-    q/k/v are row slices of ``qkv``'s parameters taken through ``detach()``: views of the
-    same storage (in-place changes of the model show, ``copy.deepcopy`` keeps them views
-    of the copy), never traced by autograd (no gradient is taken w.r.t. parameters).
+    q/k/v are row slices of the fused ``qkv`` parameters taken through ``detach()``: views
+    of the same storage (in-place changes of the model show, ``copy.deepcopy`` keeps them
+    views of the copy), never traced by autograd (no gradient is taken w.r.t. parameters).
+    Without a ``qkv`` bias, BEiT's and EVA's separate ``q_bias``/``v_bias`` are used (their
+    ``k_bias`` is a zero buffer: ``None`` here); Eva's unfused attention has separate
+    ``q_proj``/``k_proj``/``v_proj``.
     """
-    attn, mlp = blk.attn, blk.mlp
-    w = attn.qkv.weight.detach()
-    b = None if attn.qkv.bias is None else attn.qkv.bias.detach()
-    a = attn.num_heads * attn.head_dim
-    qw, kw, vw = w[:a], w[a:2 * a], w[2 * a:3 * a]
-    qb, kb, vb = (None, None, None) if b is None else (b[:a], b[a:2 * a], b[2 * a:3 * a])
-    return BlockParts(
+    attn = blk.attn
+    qkv = getattr(attn, "qkv", None)
+    if qkv is not None:
+        w = qkv.weight.detach()
+        a = w.shape[0] // 3
+        weights = (w[:a], w[a:2 * a], w[2 * a:])
+        if qkv.bias is not None:
+            b = qkv.bias.detach()
+            biases = (b[:a], b[a:2 * a], b[2 * a:])
+        else:
+            biases = (getattr(attn, "q_bias", None), None, getattr(attn, "v_bias", None))
+    else:
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        weights = tuple(m.weight for m in projs)
+        biases = tuple(m.bias for m in projs)
+    identity = nn.Identity()
+    return dict(
         norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-        q_weight=qw, k_weight=kw, v_weight=vw, q_bias=qb, k_bias=kb, v_bias=vb,
-        num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
-        q_norm=attn.q_norm, k_norm=attn.k_norm,
+        q_weight=weights[0], k_weight=weights[1], v_weight=weights[2],
+        q_bias=biases[0], k_bias=biases[1], v_bias=biases[2],
+        num_heads=attn.num_heads, head_dim=weights[0].shape[0] // attn.num_heads,
+        scale=attn.scale, q_norm=getattr(attn, "q_norm", identity),
+        k_norm=getattr(attn, "k_norm", identity),
         proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-        ls1=_layer_scale(blk.ls1),
         norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
+    )
+
+
+def _block_parts(blk: nn.Module, where: str) -> BlockParts:
+    """The canonical parts of a (validated) timm ``Block``."""
+    mlp = blk.mlp
+    return BlockParts(
+        **timm_attention_fields(blk, where), ls1=_layer_scale(blk.ls1),
         fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
         fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
         ls2=_layer_scale(blk.ls2),

@@ -52,6 +52,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts, ViTAdapter
 from captum_vit.adapters._linearize import activation_gate
+from captum_vit.adapters.base import AttentionParts
 from captum_vit.methods.ixg import layer_gradients
 
 ROUTES = ("gradient", "explicit")
@@ -122,23 +123,24 @@ class DecompositionOps(Ops):
     def add(self, x: Decomposed, y: Decomposed) -> Decomposed:  # D5
         return Decomposed(x.real + y.real, x.parts + y.parts, x.has_bias)
 
-    def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3
-        real, attn = super().attention(u.real, p)
+    @staticmethod
+    def _mix(u: Decomposed, real: Tensor, attn: Tensor, p: AttentionParts) -> Decomposed:
+        """``concat_h A^h v^h`` of every source with the probabilities ``attn`` [B, H, Q, N]
+        held constant; ``v`` is linear in ``u`` (its bias to the bias source)."""
         b, s, n, _ = u.parts.shape
         v = F.linear(u.parts, p.v_weight.to(u.parts.dtype))
         v = u.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
         mixed = torch.einsum("bhij,bsjhe->bsihe", attn.to(v.dtype), v)
-        return Decomposed(real, mixed.reshape(b, s, n, p.inner_dim), u.has_bias), attn
+        return Decomposed(real, mixed.reshape(b, s, -1, p.inner_dim), u.has_bias)
+
+    def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3
+        real, attn = super().attention(u.real, p)
+        return self._mix(u, real, attn, p), attn
 
     def pool_attention(self, x: Decomposed, p: PoolParts) -> tuple[Decomposed, Tensor]:
         # SPEC_NEXT §7.3: the pool's probabilities are constants, its value path linear
         real, attn = super().pool_attention(x.real, p)
-        b, s, n, _ = x.parts.shape
-        v = F.linear(x.parts, p.v_weight.to(x.parts.dtype))
-        v = x.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
-        mixed = torch.einsum("bhqj,bsjhe->bsqhe", attn.to(v.dtype), v)
-        return Decomposed(real, mixed.reshape(b, s, -1, p.num_heads * p.head_dim),
-                          x.has_bias), attn
+        return self._mix(x, real, attn, p), attn
 
     def pool(self, x: Decomposed, row: int | str, num_prefix: int) -> Decomposed:  # D6
         parts = x.parts[:, :, num_prefix:].mean(2) if row == "avg" else x.parts[:, :, row]
