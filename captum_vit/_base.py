@@ -214,8 +214,9 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     if adapter.embedding and adapter.head.target is None:
         emb, target = embedding_target(target, images.shape[0], adapter.num_classes, images)
         if predict:
-            raise ValueError("the metrics do not take embedding targets yet; explain the "
-                             "model with a method, or evaluate a classifier")
+            raise TypeError("prepare(predict=True) on an embedding model needs its target "
+                            "embeddings in force: call it inside adapter.targeting(head) "
+                            "(the metrics of captum_vit.metrics do so for target=)")
     elif is_embedding_target(target):
         raise TypeError("target vectors (float tensors, EmbeddingTarget) are for models "
                         f"that output an image embedding; this {type(adapter.model).__name__} "
@@ -320,7 +321,7 @@ def gradients_with_pool(tr: Trace, scores: Tensor, tensors: Sequence[Tensor]
 
 
 def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
-                 dtype: torch.dtype | None = None) -> Tensor:
+                 dtype: torch.dtype | None = None, target: Tensor | None = None) -> Tensor:
     r"""Readout weights ``w`` [B, N] of one traced batch (SPEC_NEXT §7.0, §7.3).
 
     A method that ends with a token-to-token matrix ``R`` gives the map ``w R``. For the
@@ -330,18 +331,31 @@ def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
     :math:`w = \mathrm{mean}_h A_p^h[0, :]` for gradient-free methods and, with
     ``pool_grad`` (:math:`\nabla A_p`), :math:`w = \mathrm{mean}_h \mathrm{ReLU}(\nabla
     A_p^h \odot A_p^h)[0, :]` for gradient-weighted ones (the pool counts as one more
-    attention layer without identity: its query is not a token).
+    attention layer without identity: its query is not a token). DINOv2's CLS+mean with
+    ``alpha="logit"`` (:func:`captum_vit.adapters.readout_alpha`) takes ``α`` of each
+    image's explained class from ``tr.readout_alpha``.
 
     Args:
         tr (Trace): the traced batch.
         pool_grad (Tensor, optional): gradient of the score w.r.t. ``tr.pool_attn``.
         dtype (torch.dtype, optional): dtype of the weights (default: the trace's).
+        target (Tensor, optional): the explained class of each image [B] (needed with
+            ``alpha="logit"``).
 
     Returns:
         Tensor [B, N].
     """
     x0 = tr.x0
     dt = dtype or x0.dtype
+    if tr.readout_alpha is not None:  # w = α e_0 + (1 − α) u_P, α per image and class
+        if target is None:
+            raise ValueError("alpha='logit' needs the explained class of each image")
+        alpha = tr.readout_alpha.gather(1, target.to(x0.device)[:, None]).to(dt)
+        k, n = tr.layout.num_prefix, x0.shape[1]
+        w = x0.new_zeros(x0.shape[0], n, dtype=dt)
+        w[:, k:] = (1 - alpha) / (n - k)
+        w[:, :1] = alpha
+        return w
     if tr.pool_attn is None:
         w = tr.layout.readout_weights(x0.shape[1], dtype=dt, device=x0.device)
         return w.expand(x0.shape[0], -1)

@@ -116,6 +116,9 @@ class LoadedModel:
     class_names: tuple[str, ...] | None = None
     card: dict | None = None
     random_weights: bool = False
+    targets: Any = None
+    """For a model that outputs an image embedding: the target vectors it is scored
+    against (an :class:`~captum_vit.targets.EmbeddingTarget` without index)."""
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
@@ -124,8 +127,33 @@ class LoadedModel:
 
     @property
     def num_classes(self) -> int:
-        """The model's number of output classes (from its adapter)."""
+        """The model's number of output classes (from its adapter), or the number of
+        target vectors of an embedding model."""
+        if self.targets is not None:
+            return int(self.targets.vectors.reshape(-1, self.targets.vectors.shape[-1]
+                                                    ).shape[0])
         return adapt(self.model).num_classes
+
+    def scoring(self) -> Any:
+        """A context in which the model's scores are its classes: for an embedding model,
+        :func:`captum_vit.targets.scoring` against :attr:`targets` (call it after moving
+        the model to its device and dtype); for a classifier, nothing.
+
+        Raises:
+            ValueError: an embedding model without target vectors.
+        """
+        import contextlib
+
+        from captum_vit.targets import scoring
+
+        if self.targets is not None:
+            return scoring(self.model, self.targets)
+        if adapt(self.model).embedding:
+            raise ValueError(f"this {type(self.model).__name__} outputs an image embedding, "
+                             "not classes: give the vectors to score it against with "
+                             "--target-embeddings FILE (.npy/.pt, [T, D′], e.g. text "
+                             "embeddings of class prompts; --classes names them)")
+        return contextlib.nullcontext()
 
 
 def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
@@ -227,7 +255,8 @@ def from_card(card: dict[str, Any], weights: str | os.PathLike, *,
 
 
 def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
-               class_names: Sequence[str] | str | os.PathLike | None = None) -> LoadedModel:
+               class_names: Sequence[str] | str | os.PathLike | None = None,
+               targets: Any = None) -> LoadedModel:
     r"""The model named by ``spec`` (see the module docstring).
 
     Args:
@@ -238,7 +267,12 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
         pretrained (bool, optional): ``timm:NAME`` only: load the weights from the local
             cache (:func:`cached_timm_weights`). Default False.
         class_names (Sequence[str] or path, optional): a name per output class, or a
-            text file of them (:func:`read_class_names`); overrides the card's.
+            text file of them (:func:`read_class_names`); overrides the card's. For an
+            embedding model with ``targets``: a name per target vector.
+        targets (Tensor, EmbeddingTarget or path, optional): for a model that outputs an
+            image embedding (CLIP, SigLIP, ``num_classes=0``), the target vectors
+            ``[T, D′]`` it is scored against, or a file of them
+            (:func:`captum_vit.targets.read_target_embeddings`). Default ``None``.
 
     Returns:
         LoadedModel: model (eval mode), preprocessing, class names (or ``None``), card.
@@ -289,18 +323,36 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
         lm = _finish(model, None, None, None, random_weights=True)
     else:
         raise ValueError(f"unknown model {spec!r}; use {SPEC_HELP}")
-    if class_names is None:
+    if class_names is None and targets is None:
         return lm
     return _finish(lm.model, lm.preprocess.mean, lm.preprocess.std, class_names, card=lm.card,
-                   random_weights=lm.random_weights)
+                   random_weights=lm.random_weights, targets=targets)
 
 
 def _finish(model: nn.Module, mean: Sequence[float] | float | None,
             std: Sequence[float] | float | None, class_names: Sequence[str] | None, *,
-            card: dict | None = None, random_weights: bool = False) -> LoadedModel:
-    """The LoadedModel of ``model``: preprocessing at its input shape, checked names."""
+            card: dict | None = None, random_weights: bool = False,
+            targets: Any = None) -> LoadedModel:
+    """The LoadedModel of ``model``: preprocessing at its input shape, checked names and
+    target vectors."""
     adapter = adapt(model)
     channels, size = adapter.input_shape
+    num_classes = adapter.num_classes
+    if targets is not None:
+        from captum_vit.targets import EmbeddingTarget, read_target_embeddings
+
+        if not adapter.embedding:
+            raise ValueError(f"target embeddings are for models that output an image "
+                             f"embedding; this {type(model).__name__} is a classifier")
+        if isinstance(targets, (str, os.PathLike)):
+            targets = read_target_embeddings(targets)
+        if not isinstance(targets, EmbeddingTarget):
+            targets = EmbeddingTarget(targets)
+        v = targets.vectors
+        if v.shape[-1] != num_classes or v.dim() not in (1, 2):
+            raise ValueError(f"target embeddings must be [T, {num_classes}] (the model's "
+                             f"embedding size), got {tuple(v.shape)}")
+        num_classes = 1 if v.dim() == 1 else int(v.shape[0])
 
     def values(v: Sequence[float] | float | None) -> tuple[float, ...] | None:
         if v is None:
@@ -310,11 +362,12 @@ def _finish(model: nn.Module, mean: Sequence[float] | float | None,
     names = None
     if class_names is not None:
         names = tuple(str(n) for n in class_names)
-        if len(names) != adapter.num_classes:
-            raise ValueError(f"{len(names)} class names for a model with {adapter.num_classes} "
-                             "classes; give one name per output class")
+        if len(names) != num_classes:
+            what = "target vectors" if targets is not None else "classes"
+            raise ValueError(f"{len(names)} class names for a model with {num_classes} "
+                             f"{what}; give one name per output class")
     pre = Preprocess(int(channels), (int(size[0]), int(size[1])), values(mean), values(std))
-    return LoadedModel(model, pre, names, card, random_weights)
+    return LoadedModel(model, pre, names, card, random_weights, targets)
 
 
 def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
@@ -361,7 +414,8 @@ def _hf(name: str) -> LoadedModel:
     except (OSError, ValueError):  # no processor saved: the ViT default
         mean = std = None
     labels = [config.id2label[i] for i in sorted(config.id2label)]
-    names = None if labels == [f"LABEL_{i}" for i in range(len(labels))] else labels
+    names = None if labels == [f"LABEL_{i}" for i in range(len(labels))] \
+        or adapt(model).embedding else labels
     return _finish(model, 0.5 if mean is None else mean, 0.5 if std is None else std, names)
 
 

@@ -9,12 +9,17 @@ default) or ``s = ⟨e, t⟩`` (``"dot"``), optionally ``scale · s + bias`` (CL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from captum_vit.adapters import adapt
 from captum_vit.adapters.base import TargetHead
 
 SIMILARITIES = ("cosine", "dot")
@@ -30,8 +35,10 @@ class EmbeddingTarget:
     Args:
         vectors (Tensor): ``[D′]``, ``[B, D′]`` (one per image) or a set ``[T, D′]``
             with ``index``.
-        index (int, list or Tensor, optional): with a set, the vector of each image
-            (``[B]`` or one int). Default ``None``: one vector, or one per image.
+        index (int, list, Tensor or str, optional): with a set, the vector of each image
+            (``[B]`` or one int), or ``"predicted"``: the vector that scores highest for
+            each image (a zero-shot prediction over the set). Default ``None``: one
+            vector, or one per image.
         similarity (str, optional): ``"cosine"`` (default) or ``"dot"``.
         scale (float, optional): multiplies the similarity. Default 1.
         bias (float, optional): added after scaling. Default 0.
@@ -48,7 +55,7 @@ class EmbeddingTarget:
     """
 
     vectors: Tensor
-    index: int | Sequence[int] | Tensor | None = None
+    index: int | Sequence[int] | Tensor | str | None = None
     similarity: str = "cosine"
     scale: float = 1.0
     bias: float = 0.0
@@ -61,7 +68,7 @@ def is_embedding_target(target: object) -> bool:
 
 
 def embedding_target(target: object, batch: int, dim: int, like: Tensor
-                     ) -> tuple[TargetHead, Tensor]:
+                     ) -> tuple[TargetHead, Tensor | None]:
     """Validate a vector target and turn it into a head and one index per image.
 
     Args:
@@ -71,7 +78,8 @@ def embedding_target(target: object, batch: int, dim: int, like: Tensor
         like (Tensor): the images (device and dtype of the vectors).
 
     Returns:
-        (TargetHead with vectors [T, D′], index [B] int64 on the CPU).
+        (TargetHead with vectors [T, D′], index [B] int64 on the CPU, or ``None`` for
+        ``index="predicted"``: the caller resolves it to the best-scoring vector).
 
     Raises:
         ValueError / TypeError: naming the argument and the fix.
@@ -104,7 +112,12 @@ def embedding_target(target: object, batch: int, dim: int, like: Tensor
         raise ValueError("target vectors must be finite (and non-zero for cosine similarity)")
     index = spec.index
     softmax = index is not None and v.shape[0] > 1
-    if index is None:
+    if isinstance(index, str):
+        if index != "predicted":
+            raise ValueError(f"EmbeddingTarget.index must be indices or 'predicted', got "
+                             f"{index!r}")
+        index = None
+    elif index is None:
         if v.shape[0] == 1:
             index = 0
         elif v.shape[0] == batch:
@@ -112,15 +125,109 @@ def embedding_target(target: object, batch: int, dim: int, like: Tensor
         else:
             raise ValueError(f"{v.shape[0]} target vectors for {batch} images: give one "
                              "vector, one per image, or EmbeddingTarget(vectors, index=...)")
-    if isinstance(index, int):
-        index = torch.full((batch,), index, dtype=torch.long)
-    index = torch.as_tensor(index).reshape(-1).long().cpu()
-    if index.numel() == 1:
-        index = index.expand(batch)
-    if index.numel() != batch or ((index < 0) | (index >= v.shape[0])).any():
-        raise ValueError(f"EmbeddingTarget.index must give one vector index in [0, "
-                         f"{v.shape[0]}) per image ({batch}), got {index.tolist()}")
+    if index is not None:
+        index = torch.as_tensor(index).reshape(-1).long().cpu()
+        if index.numel() == 1:
+            index = index.expand(batch)
+        if index.numel() != batch or ((index < 0) | (index >= v.shape[0])).any():
+            raise ValueError(f"EmbeddingTarget.index must give one vector index in [0, "
+                             f"{v.shape[0]}) per image ({batch}), got {index.tolist()}")
+        index = index.contiguous()
     head = TargetHead(v.detach().to(device=like.device, dtype=like.dtype),
                       cosine=spec.similarity == "cosine", scale=float(spec.scale),
                       bias=float(spec.bias), probability="softmax" if softmax else "sigmoid")
-    return head, index.contiguous()
+    return head, index
+
+
+@contextlib.contextmanager
+def scoring(model: nn.Module, targets: EmbeddingTarget | Tensor) -> Iterator[TargetHead]:
+    r"""Within the block, an embedding model scores against a set of target vectors, as a
+    classifier over them: ``target=`` of every method and metric is then an index into
+    the set (``None``: the best-scoring vector, a zero-shot prediction), probabilities
+    are the softmax over the set (the sigmoid for a single vector), and
+    :func:`captum_vit.metrics.suite.evaluate` runs as on a classifier with ``T`` classes.
+
+    The setting holds for every adapter of this model object (methods built before or
+    inside the block alike) and lives in a context variable: other threads and models are
+    not affected, and nothing in the model changes.
+
+    Args:
+        model (nn.Module): a model that outputs an image embedding (CLIP, SigLIP, a timm
+            model with ``num_classes=0``).
+        targets (Tensor or EmbeddingTarget): the vectors ``[T, D′]`` (or ``[D′]``), e.g.
+            text embeddings of class prompts; an ``EmbeddingTarget`` sets ``similarity``,
+            ``scale`` and ``bias`` (its ``index`` must be ``None``).
+
+    Yields:
+        TargetHead: the scoring head in force.
+
+    Raises:
+        TypeError: ``model`` is a classifier, or ``targets`` is not a float tensor.
+        ValueError: vectors of the wrong size, or an ``index``.
+
+    Examples::
+
+        >>> from captum_vit import GAE
+        >>> from captum_vit.metrics import deletion
+        >>> with scoring(clip_vision, class_text_embeds):       # [T, D′]
+        ...     maps = GAE(clip_vision).attribute(pixel_values)   # zero-shot prediction
+        ...     res = deletion(clip_vision, pixel_values, maps)
+    """
+    adapter = adapt(model)
+    if not adapter.embedding:
+        raise TypeError(f"scoring() is for models that output an image embedding; this "
+                        f"{type(model).__name__} is a classifier (explain its classes)")
+    spec = targets if isinstance(targets, EmbeddingTarget) else EmbeddingTarget(targets)
+    if spec.index is not None:
+        raise ValueError("scoring() takes the target vectors only; choose the vector of each "
+                         "image with target= (an index into the set) in each call")
+    like = next(iter(model.parameters()))
+    head, _ = embedding_target(dataclasses.replace(spec, index="predicted"), 1,
+                               adapter.num_classes, like)
+    with adapter.targeting(head):
+        yield head
+
+
+def read_target_embeddings(path: str | os.PathLike) -> Tensor:
+    """Target vectors from a file: ``.npy`` (numpy), ``.pt``/``.pth`` (a tensor saved with
+    ``torch.save``) or ``.safetensors`` (its only tensor), shaped ``[T, D′]`` or ``[D′]``.
+
+    Args:
+        path (str or os.PathLike): the file.
+
+    Returns:
+        Tensor: ``[T, D′]`` in the file's float dtype (a single vector becomes
+        ``[1, D′]``; the methods cast it to the model's dtype).
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: an unknown suffix, or not a 1-D/2-D float array.
+
+    Examples::
+
+        >>> import numpy as np
+        >>> np.save("classes.npy", text_embeds.numpy())   # [T, D′], from the text tower
+        >>> read_target_embeddings("classes.npy").shape
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--target-embeddings: no file {str(p)!r}")
+    suffix = p.suffix.lower()
+    if suffix == ".npy":
+        import numpy as np
+
+        t = torch.from_numpy(np.load(p, allow_pickle=False))
+    elif suffix in (".pt", ".pth"):
+        t = torch.load(p, map_location="cpu", weights_only=True)
+    elif suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(p))
+        if len(tensors) != 1:
+            raise ValueError(f"{p} holds {len(tensors)} tensors; save only the target vectors")
+        t = next(iter(tensors.values()))
+    else:
+        raise ValueError(f"{p}: target embeddings must be .npy, .pt/.pth or .safetensors")
+    if not isinstance(t, Tensor) or not torch.is_floating_point(t) or t.dim() not in (1, 2):
+        raise ValueError(f"{p} must hold a float array [T, D′] or [D′]")
+    return t.reshape(-1, t.shape[-1])

@@ -73,6 +73,15 @@ OTHER_FAMILIES.update({
                       "global_pool": "map"}, (32, 32)),
 })
 
+# timm models built with num_classes=0: they output the pooled embedding and take vector
+# targets (SPEC_NEXT §7.5); not classifiers, so not in ALL_FAMILIES.
+TIMM_EMBED_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
+    "vit_headless": (VisionTransformer, {"num_classes": 0, "reg_tokens": 1}, (32, 32)),
+    "eva_headless_map": (Eva, {"num_classes": 0, "use_rot_pos_emb": True, "swiglu_mlp": True,
+                               "global_pool": "map"}, (32, 32)),
+}
+OTHER_FAMILIES.update(TIMM_EMBED_FAMILIES)
+
 # Hugging Face transformers classifiers (optional extra): name -> (class name, config class
 # name, config overrides, input size (H, W)); the DeiT one runs at a non-native size, so
 # its position embeddings go through the model's own interpolation.
@@ -100,7 +109,9 @@ HF_FAMILIES.update(EMBED_FAMILIES)
 
 
 def embedding_dim(model: nn.Module) -> int:
-    """The image-embedding size of an EMBED_FAMILIES model."""
+    """The image-embedding size of an EMBED_FAMILIES / TIMM_EMBED_FAMILIES model."""
+    if not hasattr(model, "config"):  # timm, num_classes=0
+        return int(model.num_features)
     cfg = model.config
     return int(getattr(cfg, "projection_dim", 0) if hasattr(model, "visual_projection")
                else cfg.hidden_size)
@@ -116,8 +127,11 @@ def have_transformers() -> bool:
 
 needs_transformers = pytest.mark.skipif(not have_transformers(),
                                         reason="the hf extra (transformers) is not installed")
-ALL_FAMILIES = [*FAMILIES, *OTHER_FAMILIES, *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES)]
+ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FAMILIES),
+                *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES)]
 """Every classifier family (timm ViT, other timm families, then Hugging Face)."""
+EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES]
+"""Every family that outputs an image embedding (timm head-less, then Hugging Face)."""
 
 
 def family_marks(family: str) -> tuple:

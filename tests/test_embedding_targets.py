@@ -1,6 +1,8 @@
-"""Models that output an image embedding (CLIP, SigLIP) and vector targets (SPEC_NEXT §7.5).
+"""Models that output an image embedding (CLIP, SigLIP, timm ``num_classes=0``) and vector
+targets (SPEC_NEXT §7.5).
 
-- the adapter's forward equals the model's own embedding (float64, SDPA on, two sizes);
+- the adapter's forward equals the model's own embedding (float64, SDPA on, two sizes for
+  the Hugging Face towers);
 - a CLIP tower explained with ``target=EmbeddingTarget(t, similarity="dot")`` gives exactly
   the maps every registered method gives on a timm ViT holding the same weights whose
   classifier row is ``W_projᵀ t`` (the score ``⟨e, t⟩`` as a logit);
@@ -23,7 +25,8 @@ from captum_vit import DecompX, EmbeddingTarget
 from captum_vit.adapters import adapt
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
-    EMBED_FAMILIES,
+    EMBEDDING_FAMILIES,
+    TIMM_EMBED_FAMILIES,
     assert_unchanged,
     embedding_dim,
     make_inputs,
@@ -53,11 +56,15 @@ def close(a, b, tol=1e-9):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol * (1 + b.abs().max().item()))
 
 
-@pytest.mark.parametrize("family", list(EMBED_FAMILIES))
+@pytest.mark.parametrize("family", EMBEDDING_FAMILIES)
 def test_adapter_forward_equals_the_models_embedding(family):
     model = model_of(family)
     a = adapt(model)
-    assert a.embedding
+    assert a.embedding and a.num_classes == embedding_dim(model)
+    if family in TIMM_EMBED_FAMILIES:
+        x = make_inputs(family, batch=2)
+        torch.testing.assert_close(a.run(a.embed(x)), model(x), rtol=0, atol=1e-12)
+        return
     for size in ((32, 32), (24, 40)):
         x = torch.randn(2, 3, *size, dtype=torch.float64)
         kw = {"interpolate_pos_encoding": size != (32, 32)}
@@ -114,7 +121,7 @@ def test_clip_dot_target_equals_a_classifier_whose_logit_is_the_dot_product(name
     close(ours, ref, 1e-10)
 
 
-@pytest.mark.parametrize("family", list(EMBED_FAMILIES))
+@pytest.mark.parametrize("family", EMBEDDING_FAMILIES)
 @pytest.mark.parametrize("route", ["explicit", "gradient"])
 def test_decompx_is_complete_for_cosine_scores(family, route):
     model = model_of(family)
@@ -134,7 +141,7 @@ def _attr(method, x, target, **kw):
     return method.attribute(x, target=target, **{**FAST.get(method._name, {}), **kw})
 
 
-@pytest.mark.parametrize("family", list(EMBED_FAMILIES))
+@pytest.mark.parametrize("family", EMBEDDING_FAMILIES)
 @pytest.mark.parametrize("name", METHODS)
 def test_embedding_contract(name, family):
     """Vector targets: one for all images, one per image (a batch equals its images one by

@@ -333,6 +333,11 @@ def _gated(model: Eva) -> Eva:
     return model
 
 
+def _with_mlp_head(model: torch.nn.Module) -> torch.nn.Module:
+    model.head = torch.nn.Sequential(torch.nn.Linear(32, 5), torch.nn.ReLU())
+    return model
+
+
 REFUSED = {
     "post_norm": (lambda: eva(dict(use_post_norm=True)), r"use_post_norm"),
     "mixed_rope": (lambda: eva(dict(use_rot_pos_emb=True, rope_type="mixed")), r"'mixed'"),
@@ -342,8 +347,9 @@ REFUSED = {
                                        num_kv_heads=2)), r"grouped-query"),
     "max_pool": (lambda: eva(dict(global_pool="max")), r"global_pool='max'"),
     "avgmax_pool": (lambda: eva(dict(global_pool="avgmax")), r"global_pool='avgmax'"),
-    "no_head": (lambda: Eva(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
-                            num_classes=0), r"num_classes > 0"),
+    "mlp_head": (lambda: _with_mlp_head(Eva(img_size=32, patch_size=8, embed_dim=32, depth=2,
+                                            num_heads=4, num_classes=0)),
+                 r"linear classifier head, or none"),
     "rms_norm": (lambda: eva(dict(norm_layer=RmsNorm)), r"LayerNorm"),
 }
 

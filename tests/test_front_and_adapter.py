@@ -101,12 +101,18 @@ def test_self_check_refuses_a_model_the_adapter_does_not_reproduce():
         GAE(model).attribute(make_inputs("vit"))
 
 
+def _with_head(model: nn.Module, head: nn.Module) -> nn.Module:
+    model.head = head
+    return model
+
+
 @pytest.mark.parametrize("model,match", [
     (nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), "cannot explain a Sequential"),
     (nn.Conv2d(3, 4, 3), "supported models"),
     ("vit", "must be a torch.nn.Module"),
-    (VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4,
-                       num_classes=0), "linear classifier head"),
+    (_with_head(VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1,
+                                  num_heads=4, num_classes=0), nn.Sequential(nn.Linear(32, 5))),
+     "linear classifier head, or none"),
     (VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4,
                        num_classes=5, global_pool="max", class_token=False), "global_pool"),
     (nn.Sequential(nn.Identity(), VisionTransformer(img_size=32, patch_size=8, embed_dim=32,

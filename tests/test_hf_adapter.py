@@ -212,3 +212,71 @@ def test_an_adapter_follows_the_model_through_to():
     after = method.attribute(x.double(), target=[0, 1], output="tokens")
     assert after.dtype == torch.float64
     torch.testing.assert_close(after.float(), before, rtol=1e-4, atol=1e-5)
+
+
+def _logit_alpha(model, x: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """``α = |W¹_c·h_0| / (|W¹_c·h_0| + |W²_c·mean h|)`` from the model's own final hidden
+    states (SPEC_NEXT §7.4), per image, for class ``target``."""
+    backbone = getattr(model, "dinov2", None) or model.dinov2_with_registers
+    h = backbone(pixel_values=x).last_hidden_state  # after the final LayerNorm
+    w, d = model.classifier.weight, h.shape[-1]
+    cls = (h[:, 0] @ w[:, :d].T).abs()
+    mean = (h[:, k:].mean(1) @ w[:, d:].T).abs()
+    return (cls / (cls + mean)).gather(1, target[:, None]).squeeze(1).detach()
+
+
+@pytest.mark.parametrize("family", ["hf_dinov2", "hf_dinov2_reg"])
+@pytest.mark.parametrize("name", ["raw_attention", "rollout", "gae", "tokentm"])
+def test_dinov2_logit_alpha_readout(family, name):
+    """``readout_alpha(model, "logit")``: every map that is linear in the readout row
+    equals ``α·map(α=1) + (1 − α)·map(α=0)`` with ``α`` of the explained class computed
+    from the model's own hidden states; numeric α gives the same mixture."""
+    from captum_vit.adapters import readout_alpha
+
+    model = make_hf_model(family)
+    k = adapt(model).num_prefix
+    x = make_inputs(family, batch=3)
+    t = torch.tensor([0, 3, 1])
+    method = build_method(name, model)
+
+    def maps(alpha, target=t):
+        with readout_alpha(model, alpha):
+            return method.attribute(x, target=target, output="tokens")
+
+    a = _logit_alpha(model, x, t, k)
+    assert ((a > 0.02) & (a < 0.98)).all()  # a real mixture, not an end point
+    cls_only, mean_only = maps(1.0), maps(0.0)
+    torch.testing.assert_close(maps("logit"), a[:, None] * cls_only + (1 - a[:, None])
+                               * mean_only, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(maps(0.3), 0.3 * cls_only + 0.7 * mean_only, rtol=1e-10,
+                               atol=1e-12)
+    torch.testing.assert_close(maps(0.5), method.attribute(x, target=t, output="tokens"))
+    other = torch.tensor([2, 2, 2])  # α depends on the explained class
+    a2 = _logit_alpha(model, x, other, k)
+    assert not torch.allclose(a, a2)
+    torch.testing.assert_close(maps("logit", other), a2[:, None] * maps(1.0, other)
+                               + (1 - a2[:, None]) * maps(0.0, other), rtol=1e-10, atol=1e-12)
+    predicted = _logit_alpha(model, x, model(pixel_values=x).logits.argmax(-1), k)
+    torch.testing.assert_close(maps("logit", None), predicted[:, None] * maps(1.0, None)
+                               + (1 - predicted[:, None]) * maps(0.0, None), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_readout_alpha_errors_and_scope():
+    from captum_vit.adapters import readout_alpha
+
+    model = make_hf_model("hf_dinov2")
+    with pytest.raises(ValueError, match="CLS ; mean"):
+        with readout_alpha(make_hf_model("hf_vit"), "logit"):
+            pass
+    for bad in (1.5, -0.1, "cls", True):
+        with pytest.raises(ValueError, match="alpha"):
+            with readout_alpha(model, bad):
+                pass
+    ad = adapt(model)
+    with readout_alpha(model, "logit"):
+        assert ad.cls_alpha == "logit" and adapt(model).layout(make_inputs("hf_dinov2")
+                                                               ).alpha == "logit"
+        with pytest.raises(ValueError, match="readout_rows"):
+            ad.layout(make_inputs("hf_dinov2")).readout_weights()
+    assert ad.cls_alpha == 0.5

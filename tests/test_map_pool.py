@@ -132,7 +132,7 @@ def test_tokentm_pool_row_uses_pool_transformation_weights(case):
     tm = TokenTM(model)
     tr = tm.adapter.trace(x, grad=True)
     _, pool_grad = gradients_with_pool(tr, tr.logits.gather(1, t[:, None])[:, 0], [])
-    got = tm._readout(tr, pool_grad, torch.float64)
+    got = tm._readout(tr, pool_grad, torch.float64, tr.logits.argmax(-1))
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 

@@ -219,7 +219,7 @@ def test_zero_attention_gradients_leave_only_ffn_weights():
     norms = tr.x0.norm(dim=-1)
     grads = [torch.zeros_like(rec.attn) for rec in tr.blocks]
     with torch.no_grad():
-        r = method._propagate(tr, grads)
+        r = method._propagate(tr, grads, None, tr.logits.argmax(-1))
     # Only U_ffn acts on the readout row (no attention term): r_0 = prod_l (1 + w_ffn,l)[0]
     expected = torch.zeros_like(r)
     w = torch.ones(1, dtype=r.dtype)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -86,8 +87,43 @@ def adapt(model: nn.Module) -> ViTAdapter:
     )
 
 
+@contextlib.contextmanager
+def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
+    r"""Within the block, attention-based maps of a classifier on ``[CLS ; mean of the
+    patches]`` (Hugging Face DINOv2) read the last state as
+    :math:`w = \alpha e_0 + (1-\alpha) u_P` (SPEC_NEXT §7.4).
+
+    The default outside any block is ``α = ½`` (the CLS-row-plus-patch-mean readout of BT
+    and txv for DINO). ``alpha="logit"`` is a captum_vit choice: per image and explained
+    class ``c``, :math:`\alpha = |W^1_c h_0| / (|W^1_c h_0| + |W^2_c \bar h|)`, the share
+    of the logit that the class token carries (``W¹``, ``W²``: the classifier's two halves;
+    ``h``: the final LayerNorm's output; ``h̄`` its mean over the patches). DecompX, IxG and
+    the gradient methods follow the logit exactly and do not use ``α``.
+
+    The setting holds for every adapter of this model object and lives in a context
+    variable; the model is not changed.
+
+    Args:
+        model (nn.Module): a DINOv2 classifier (``Dinov2(WithRegisters)ForImageClassification``).
+        alpha (float or str): ``α`` in ``[0, 1]`` or ``"logit"``.
+
+    Raises:
+        ValueError: another readout, or an ``alpha`` out of range.
+
+    Examples::
+
+        >>> from captum_vit import GAE
+        >>> from captum_vit.adapters import readout_alpha
+        >>> with readout_alpha(dinov2_classifier, "logit"):
+        ...     maps = GAE(dinov2_classifier).attribute(pixel_values, target=labels)
+    """
+    with adapt(model).with_cls_alpha(alpha):
+        yield
+
+
 __all__ = [
     "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFEmbeddingAdapter", "HFViTAdapter",
     "HeadParts", "Layout", "NormParts", "Ops", "PoolParts", "Trace", "TimmBeitAdapter",
-    "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "subset_logits", "SUPPORTED",
+    "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "readout_alpha", "subset_logits",
+    "SUPPORTED",
 ]

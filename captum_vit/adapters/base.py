@@ -49,12 +49,15 @@ class Layout:
         readout (str): ``"token"`` (row 0), ``"distilled"`` (rows 0 and 1 averaged in the
             logit; maps read row 0), ``"avg"`` (mean of the patch rows) or ``"cls_mean"``
             (DINOv2's classifier on ``[row 0 ; mean of the patch rows]``; maps read
-            ``w = ½ e_0 + ½ u_P``, SPEC_NEXT §7.4's default ``α = ½``) or ``"map"``
+            ``w = α e_0 + (1 − α) u_P``, SPEC_NEXT §7.4, see ``alpha``) or ``"map"``
             (an attention-pool head, SPEC_NEXT §7.3: the weights come from the pool's
             attention of each image, :func:`captum_vit._base.readout_rows`).
         num_blocks (int): ``L``.
         num_heads (int): ``H``.
         image_size (tuple[int, int]): ``(H, W)`` of the input images.
+        alpha (float or str): the ``"cls_mean"`` readout's CLS share ``α`` (default ½), or
+            ``"logit"``: per image and class from the logit's two parts
+            (:func:`readout_alpha`).
     """
 
     num_prefix: int
@@ -64,6 +67,7 @@ class Layout:
     num_blocks: int
     num_heads: int
     image_size: tuple[int, int]
+    alpha: float | str = 0.5
 
     @property
     def num_patches(self) -> int:
@@ -79,16 +83,17 @@ class Layout:
         Raises:
             ValueError: for the ``"map"`` readout, whose weights depend on the image.
         """
-        if self.readout == "map":
-            raise ValueError("an attention-pool head's readout weights depend on the image: "
-                             "use captum_vit._base.readout_rows(trace)")
+        if self.readout == "map" or (self.readout == "cls_mean" and self.alpha == "logit"):
+            raise ValueError("this readout's weights depend on the image (an attention-pool "
+                             "head, or alpha='logit'): use captum_vit._base.readout_rows")
         n = self.num_tokens if num_tokens is None else num_tokens
         w = torch.zeros(n, dtype=dtype, device=device)
         if self.readout in ("avg", "cls_mean"):
             w[self.num_prefix:] = 1.0 / (n - self.num_prefix)
         if self.readout == "cls_mean":
-            w *= 0.5
-            w[0] = 0.5
+            alpha = float(self.alpha)
+            w *= 1.0 - alpha
+            w[0] = alpha
         elif self.readout != "avg":
             w[0] = 1.0
         return w
@@ -386,11 +391,36 @@ _PROBABILITY: contextvars.ContextVar[str] = contextvars.ContextVar("probability"
 (or over a set of target embeddings), ``"sigmoid"`` per score (one target vector)."""
 
 
+_TARGETS: contextvars.ContextVar[tuple[tuple[nn.Module, TargetHead], ...]] = \
+    contextvars.ContextVar("targets", default=())
+"""The target embeddings in force, per model object (innermost last): every adapter of
+that model scores against them (:meth:`ViTAdapter.targeting`)."""
+
+
+_ALPHAS: contextvars.ContextVar[tuple[tuple[nn.Module, float | str], ...]] = \
+    contextvars.ContextVar("alphas", default=())
+"""The ``"cls_mean"`` readout's ``α`` in force, per model object (innermost last)."""
+
+
 def probabilities(logits: Tensor) -> Tensor:
     """The probabilities of ``logits`` [B, classes]: softmax over the classes, or, inside
     an embedding-target call with single target vectors, the sigmoid of each score
     (SPEC_NEXT §7.5: a softmax over one score would be constant)."""
     return logits.sigmoid() if _PROBABILITY.get() == "sigmoid" else logits.softmax(-1)
+
+
+def log_probabilities(logits: Tensor) -> Tensor:
+    """``log`` of :func:`probabilities`, computed stably (log-softmax or log-sigmoid)."""
+    if _PROBABILITY.get() == "sigmoid":
+        return F.logsigmoid(logits)
+    return logits.log_softmax(-1)
+
+
+def scores_are_classes() -> bool:
+    """Whether the current scores compete like classes (a classifier or a set of target
+    embeddings under a softmax), so that an arg-max "prediction" and accuracies mean
+    something; ``False`` for independent scores against single target vectors."""
+    return _PROBABILITY.get() != "sigmoid"
 
 
 @dataclass(frozen=True)
@@ -578,6 +608,9 @@ class Trace:
     start: int = 0
     pool_attn: Tensor | None = None
     """The attention-pool head's probabilities [B, H, Q, N] (``"map"`` readout)."""
+    readout_alpha: Tensor | None = None
+    """``"cls_mean"`` readout with ``alpha="logit"``: the CLS share ``α`` [B, classes] of
+    every class's logit (:func:`readout_alpha`), a constant of the readout."""
 
     @property
     def states(self) -> list[Tensor]:
@@ -596,7 +629,7 @@ class ViTAdapter:
 
     model: nn.Module
     blocks: list[BlockParts]
-    head: HeadParts
+    _head_parts: HeadParts
     num_prefix: int
     readout: str
     in_chans: int
@@ -675,28 +708,81 @@ class ViTAdapter:
         out = self.model_outputs(inputs)
         return out if self.head.target is None else self.head.target.scores(out)
 
+    @property
+    def head(self) -> HeadParts:
+        """The model's head, scoring against the target embeddings in force for this model
+        (:meth:`targeting`, seen by every adapter of the same model object)."""
+        base = self._head_parts
+        for model, target in reversed(_TARGETS.get()):
+            if model is self.model:
+                return dataclasses.replace(base, target=target)
+        return base
+
+    @head.setter
+    def head(self, value: HeadParts) -> None:
+        self._head_parts = dataclasses.replace(value, target=None) if value.target is not None \
+            else value
+
+    @property
+    def cls_alpha(self) -> float | str:
+        """The CLS share ``α`` of a ``"cls_mean"`` readout in force for this model (½
+        unless set by :meth:`with_cls_alpha`)."""
+        for model, alpha in reversed(_ALPHAS.get()):
+            if model is self.model:
+                return alpha
+        return 0.5
+
     @contextlib.contextmanager
-    def targeting(self, target: TargetHead | None) -> Iterator[None]:
-        """Within the block the adapter's outputs (:meth:`logits`, :meth:`model_logits`)
-        are the scores against ``target`` [B, T] (``None``: unchanged). Nested calls
-        replace the target; the previous head is restored on exit."""
-        if target is None:
-            yield
-            return
-        head = self.head
-        token = _PROBABILITY.set(target.probability)
-        self.head = dataclasses.replace(head, target=target)
+    def with_cls_alpha(self, alpha: float | str) -> Iterator[None]:
+        """Within the block, maps of this model (every adapter of the same model object)
+        read its ``[CLS ; patch mean]`` classifier as ``w = α e_0 + (1 − α) u_P``
+        (SPEC_NEXT §7.4). See :func:`captum_vit.adapters.readout_alpha`."""
+        if self.readout != "cls_mean":
+            raise ValueError(f"alpha applies to a classifier on [CLS ; mean of the patches] "
+                             f"(Hugging Face DINOv2); this {type(self.model).__name__} reads "
+                             f"out {self.readout!r}")
+        if isinstance(alpha, str):
+            if alpha != "logit":
+                raise ValueError(f"alpha must be a float in [0, 1] or 'logit', got {alpha!r}")
+        elif isinstance(alpha, bool) or not isinstance(alpha, int | float) \
+                or not 0.0 <= float(alpha) <= 1.0:
+            raise ValueError(f"alpha must be a float in [0, 1] or 'logit', got {alpha!r}")
+        else:
+            alpha = float(alpha)
+        token = _ALPHAS.set(_ALPHAS.get() + ((self.model, alpha),))
         try:
             yield
         finally:
-            self.head = head
-            _PROBABILITY.reset(token)
+            _ALPHAS.reset(token)
+
+    @contextlib.contextmanager
+    def targeting(self, target: TargetHead | None) -> Iterator[None]:
+        """Within the block the outputs (:meth:`logits`, :meth:`model_logits`) of every
+        adapter of this model are the scores against ``target`` [B, T] (``None``:
+        unchanged). Nested calls replace the target; the previous one is restored on exit.
+        The setting lives in a context variable, so threads and other models are not
+        affected."""
+        if target is None:
+            yield
+            return
+        tokens = (_TARGETS.set(_TARGETS.get() + ((self.model, target),)),
+                  _PROBABILITY.set(target.probability))
+        try:
+            yield
+        finally:
+            _PROBABILITY.reset(tokens[1])
+            _TARGETS.reset(tokens[0])
 
     # -- what the model is -------------------------------------------------------------------
     @property
     def num_classes(self) -> int:
-        """Number of classes (rows of the classifier head)."""
-        return int(self.head.heads[0][1].shape[0])
+        """Number of scores: classes (rows of the classifier head), the embedding size of
+        a head-less model, or the number ``T`` of target embeddings in force."""
+        head = self.head
+        if head.target is not None:
+            return int(head.target.vectors.shape[0])
+        weight = head.heads[0][1]
+        return int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -748,12 +834,18 @@ class ViTAdapter:
             pooled, probs = self._attention_pool(x, h.attn_pool, ops)
             if record is not None:
                 record.pool_attn = probs
-        outs = []
+        outs, zs = [], []
         for row, weight, bias in h.heads:
             z = pooled if row == "map" else ops.pool(x, row, self.num_prefix)
             if h.fc_norm is not None:
                 z = ops.norm(z, h.fc_norm)
+            zs.append(z)
             outs.append(z if weight is None else ops.linear(z, weight, bias))
+        if record is not None and self.readout == "cls_mean" and self.cls_alpha == "logit":
+            with torch.no_grad():  # |W¹_c·h_0| / (|W¹_c·h_0| + |W²_c·mean h|), SPEC_NEXT §7.4
+                cls, mean = (F.linear(ops.value(z).detach(), w).abs()
+                             for z, (_, w, _) in zip(zs, h.heads, strict=True))
+                record.readout_alpha = cls / (cls + mean).clamp_min(torch.finfo(cls.dtype).tiny)
         out = functools.reduce(ops.add, outs) if h.combine == "sum" else ops.mean(outs)
         if h.target is None:
             return out

@@ -114,14 +114,6 @@ class HFEmbeddingAdapter(HFViTAdapter):
             self.head = dataclasses.replace(self.head, attn_pool=_siglip_pool(
                 self.backbone.head, f"{type(self.model).__name__}.head"))
 
-    @property
-    def num_classes(self) -> int:
-        """The number of scores: the embedding size, or ``T`` while targeting."""
-        if self.head.target is not None:
-            return int(self.head.target.vectors.shape[0])
-        proj = getattr(self.model, "visual_projection", None)
-        return int(proj.out_features if proj is not None else self.config.hidden_size)
-
     def embed(self, inputs: Tensor) -> Tensor:
         x = self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
         pre = getattr(self.backbone, "pre_layrnorm", None)

@@ -188,7 +188,8 @@ class HFViTAdapter(ViTAdapter):
         return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
                       patch_size=(ph, pw), readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)))
+                      image_size=(int(h), int(w)),
+                      alpha=self.cls_alpha if self.readout == "cls_mean" else 0.5)
 
     def embed(self, inputs: Tensor) -> Tensor:
         return self.backbone.embeddings(inputs, **self._size_kwargs(inputs))

@@ -31,6 +31,7 @@ from captum_vit.adapters.timm_vit import (
     _optional_norm,
     _timm_gelus,
     timm_attention_fields,
+    timm_head,
 )
 
 
@@ -82,9 +83,8 @@ class TimmBeitAdapter(TimmViTAdapter):
                        for i, blk in enumerate(model.blocks)]
         self.num_prefix = 1
         self.in_chans = int(model.patch_embed.proj.in_channels)
-        if not isinstance(model.head, nn.Linear):
-            raise TypeError(f"{name}.head is {type(model.head).__name__}; captum_vit needs a "
-                            "linear classifier head (build the model with num_classes > 0)")
+        head = timm_head(model.head, f"{name}.head")
+        self.embedding = head[0] is None
         if model.global_pool not in ("avg", "token"):
             raise TypeError(f"global_pool={model.global_pool!r} is not supported for BEiT; "
                             "use 'avg' or 'token'")
@@ -92,7 +92,7 @@ class TimmBeitAdapter(TimmViTAdapter):
         row = "avg" if model.global_pool == "avg" else 0
         self.head = HeadParts(_optional_norm(model.norm, f"{name}.norm"),
                               _optional_norm(model.fc_norm, f"{name}.fc_norm"),
-                              ((row, model.head.weight, model.head.bias),))
+                              ((row, *head),))
 
     def _parts(self, blk: nn.Module, where: str) -> BlockParts:
         return BlockParts(

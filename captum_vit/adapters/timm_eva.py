@@ -68,6 +68,7 @@ from captum_vit.adapters.timm_vit import (
     _timm_gelus,
     pool_parts,
     timm_attention_fields,
+    timm_head,
 )
 
 
@@ -180,9 +181,8 @@ class TimmEvaAdapter(TimmViTAdapter):
         self._sources = [tuple(t.data_ptr() for t in _views_of(blk)) for blk in model.blocks]
         self.in_chans = int(model.patch_embed.proj.in_channels)
 
-        if not isinstance(model.head, nn.Linear):
-            raise TypeError(f"{name}.head is {type(model.head).__name__}; captum_vit needs a "
-                            "linear classifier head (build the model with num_classes > 0)")
+        head = timm_head(model.head, f"{name}.head")
+        self.embedding = head[0] is None
         pool = getattr(model, "attn_pool", None)
         if pool is None and model.global_pool not in ("avg", "token"):
             raise TypeError(f"global_pool={model.global_pool!r} is not supported for Eva; use "
@@ -193,7 +193,7 @@ class TimmEvaAdapter(TimmViTAdapter):
         # Eva's attention pool attends over every token, prefix included (Eva.pool)
         self.head = HeadParts(_optional_norm(model.norm, f"{name}.norm"),
                               _optional_norm(model.fc_norm, f"{name}.fc_norm"),
-                              ((row, model.head.weight, model.head.bias),),
+                              ((row, *head),),
                               attn_pool=None if pool is None
                               else pool_parts(pool, f"{name}.attn_pool"))
 

@@ -33,6 +33,19 @@ def _layer_scale(m: nn.Module) -> Tensor | None:
     return None if isinstance(m, nn.Identity) else m.gamma
 
 
+def timm_head(head: nn.Module, where: str) -> tuple[Tensor | None, Tensor | None]:
+    """A timm classifier's ``(weight, bias)``, or ``(None, None)`` for a model built with
+    ``num_classes=0`` (``nn.Identity``): it outputs its pooled embedding and is explained
+    with vector targets (SPEC_NEXT §7.5)."""
+    if isinstance(head, nn.Identity):
+        return None, None
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"{where} is {type(head).__name__}; captum_vit needs a linear "
+                        "classifier head, or none (num_classes=0, explained with vector "
+                        "targets)")
+    return head.weight, head.bias
+
+
 def _has_active_dropout(model: nn.Module) -> bool:
     from timm.layers import DropPath, PatchDropout
 
@@ -79,24 +92,22 @@ class TimmViTAdapter(ViTAdapter):
         self.num_prefix = int(model.num_prefix_tokens)
         self.in_chans = int(model.patch_embed.proj.in_channels)
 
-        if not isinstance(model.head, nn.Linear):
-            raise TypeError(f"{name}.head is {type(model.head).__name__}; captum_vit needs a "
-                            "linear classifier head (build the model with num_classes > 0)")
+        head = timm_head(model.head, f"{name}.head")
+        self.embedding = head[0] is None
         head_norm = _optional_norm(model.norm, f"{name}.norm")
         fc_norm = _optional_norm(model.fc_norm, f"{name}.fc_norm")
         if hasattr(model, "head_dist"):  # timm.models.deit.VisionTransformerDistilled
             self.readout = "distilled"
-            heads = ((0, model.head.weight, model.head.bias),
-                     (1, model.head_dist.weight, model.head_dist.bias))
+            heads = ((0, *head), (1, *timm_head(model.head_dist, f"{name}.head_dist")))
         elif getattr(model, "attn_pool", None) is not None:  # global_pool='map'
             self.readout = "map"
-            heads = (("map", model.head.weight, model.head.bias),)
+            heads = (("map", *head),)
         elif model.global_pool == "token":
             self.readout = "token"
-            heads = ((0, model.head.weight, model.head.bias),)
+            heads = ((0, *head),)
         elif model.global_pool == "avg" and not getattr(model, "pool_include_prefix", False):
             self.readout = "avg"
-            heads = (("avg", model.head.weight, model.head.bias),)
+            heads = (("avg", *head),)
         else:
             raise TypeError(f"global_pool={model.global_pool!r} is not supported; captum_vit "
                             "supports 'token' (class token) and 'avg' (mean of patch tokens)")

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
 from captum_vit.data.specs import SPEC_HELP as DATA_HELP
 from captum_vit.data.specs import load_data
 from captum_vit.metrics import report, suite
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=20, help="deletion/insertion steps")
     p.add_argument("--target", default="predicted", choices=suite.TARGETS,
                    help="class explained and used for the perturbation accuracy")
+    add_target_embedding_arguments(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--out", default="evaluation", help="output folder (created at once)")
@@ -72,22 +74,28 @@ def run(args: argparse.Namespace) -> int:
     report.ensure_folder(args.out)
     with suite.distributed(args.device) as (device, rank, _):
         lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
-                        class_names=args.classes)
+                        class_names=args.classes, targets=target_embeddings(args))
         model = lm.model.to(device=device, dtype=getattr(torch, args.dtype))
+        scoring = lm.scoring()  # embedding models: scored against --target-embeddings
         data = load_data(args.data, n=args.n, seed=args.seed,
                          input_shape=lm.input_shape, num_classes=lm.num_classes,
                          class_names=lm.class_names, need_labels=args.target == "label")
         metrics = suite.parse_metrics(args.metrics, has_masks=data.has_masks)
         factories = {m: method_factory(m, seed=args.seed) for m in methods}
-        results = suite.evaluate(model, data, factories, metrics, preprocess=lm.preprocess,
-                                 batch_size=args.batch_size, target=args.target,
-                                 removal=args.removal, n_steps=args.steps, seed=args.seed,
-                                 progress=True)
+        with scoring:
+            results = suite.evaluate(model, data, factories, metrics, preprocess=lm.preprocess,
+                                     batch_size=args.batch_size, target=args.target,
+                                     removal=args.removal, n_steps=args.steps, seed=args.seed,
+                                     progress=True)
         if rank == 0:
             config = {"model": args.model, "data": args.data, "methods": methods,
                       "metrics": metrics, "n": len(data), "batch_size": args.batch_size,
                       "seed": args.seed, "removal": args.removal, "steps": args.steps,
                       "target": args.target, "dtype": args.dtype}
+            if args.target_embeddings is not None:
+                config.update(target_embeddings=args.target_embeddings,
+                              similarity=args.similarity, embedding_scale=args.embedding_scale,
+                              embedding_bias=args.embedding_bias)
             report.write_outputs(args.out, results, config)
             print(f"wrote {args.out}/results.md, results.csv, results.json", file=sys.stderr)
     return 0

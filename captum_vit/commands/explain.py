@@ -15,6 +15,8 @@ from tqdm import tqdm
 
 from captum_vit import viz
 from captum_vit.adapters import adapt
+from captum_vit.adapters.base import probabilities
+from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
 from captum_vit.data.images import conform, read_image
 from captum_vit.metrics.report import ensure_file_location
 from captum_vit.models import SPEC_HELP, load_model
@@ -38,7 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated names or 'all' "
                         f"({', '.join(available_methods(baselines=False))}; also GAE, "
                         "plus:<name>, SkipPLUS(<name>), captum:<Class>)")
-    p.add_argument("--target", type=int, default=None, help="class to explain (default: predicted)")
+    p.add_argument("--target", type=int, default=None,
+                   help="class to explain, or the row of --target-embeddings (default: "
+                        "predicted)")
+    add_target_embedding_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random models")
     p.add_argument("--display", default="nearest", choices=viz.DISPLAYS,
                    help="nearest: each patch one colour, as computed (default); bilinear: "
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     names = parse_methods(args.methods, for_explain=True)
     out = ensure_file_location(args.out, formats=viz.figure_formats())
     lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
-                    class_names=args.classes)
+                    class_names=args.classes, targets=target_embeddings(args))
+    scoring = lm.scoring()  # embedding models: scored against --target-embeddings
     if lm.random_weights:
         hint = ("; add --pretrained for the trained weights in the local cache"
                 if args.model.startswith("timm:") else "")
@@ -63,14 +69,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         image = read_image(args.image)
     x = lm.preprocess(image)[None]
-    with torch.no_grad():
-        probs = adapt(lm.model).model_logits(x).softmax(-1)[0]
-    if args.target is not None and not 0 <= args.target < probs.shape[0]:
-        raise ValueError(f"--target must be in [0, {probs.shape[0]}), got {args.target}")
-    target = int(probs.argmax()) if args.target is None else args.target
-    maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
-                x, target=target, output="grid", **quick_options(name))
-            for name in tqdm(names, desc="methods", file=sys.stderr)}
+    with scoring:
+        with torch.no_grad():
+            probs = probabilities(adapt(lm.model).model_logits(x))[0]
+        if args.target is not None and not 0 <= args.target < probs.shape[0]:
+            raise ValueError(f"--target must be in [0, {probs.shape[0]}), got {args.target}")
+        target = int(probs.argmax()) if args.target is None else args.target
+        maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
+                    x, target=target, output="grid", **quick_options(name))
+                for name in tqdm(names, desc="methods", file=sys.stderr)}
     shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
     viz.plot_grid(shown[None], maps, path=str(out), display=args.display,
                   row_titles=[viz.prediction_title(probs, target, lm.class_names, sep="\n")])

@@ -68,7 +68,7 @@ class AttnGradCAM(ViTGradientAttribution):
             if pool_grad is not None:  # an attention-pool head: run on A_p (SPEC_NEXT §7.3)
                 g_r, a_r = pool_grad[:, :, 0].to(dt), tr.pool_attn.detach()[:, :, 0].to(dt)
             else:
-                w = readout_rows(tr, dtype=dt)
+                w = readout_rows(tr, dtype=dt, target=t)
                 g_r = readout(w, grad.to(dt))  # [B, H, N]
                 a_r = readout(w, attn.detach().to(dt))
             w = g_r[..., k:].mean(-1, keepdim=True)

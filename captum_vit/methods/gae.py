@@ -73,7 +73,7 @@ class GAE(ViTGradientAttribution):
         attns = [rec.attn for rec in tr.blocks]
         grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
         dt = accumulation_dtype(attns[0])
-        r = readout_rows(tr, pool_grad, dtype=dt)
+        r = readout_rows(tr, pool_grad, dtype=dt, target=t)
         with torch.no_grad():
             for a, g in zip(reversed(attns), reversed(grads), strict=True):
                 abar = (g.to(dt) * a.to(dt)).clamp(min=0).mean(1)

@@ -13,6 +13,7 @@ from captum_vit._base import (
     check_choice,
     readout,
     readout_rows,
+    resolve_target,
 )
 
 SOURCES = ("pool", "last_block")
@@ -68,7 +69,7 @@ class RawAttention(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         tr = self.adapter.trace(inputs)
-        w = readout_rows(tr)
+        w = readout_rows(tr, target=resolve_target(target, tr.logits))
         if tr.pool_attn is not None and self.source == "pool":
             return w
         return readout(w, tr.blocks[-1].attn.mean(1))

@@ -14,6 +14,7 @@ from captum_vit._base import (
     accumulation_dtype,
     check_layer,
     readout_rows,
+    resolve_target,
 )
 
 
@@ -64,7 +65,7 @@ class Rollout(ViTGradientAttribution):
         a0 = tr.blocks[0].attn
         dt = accumulation_dtype(a0)
         eye = torch.eye(a0.shape[-1], dtype=dt, device=a0.device)
-        r = readout_rows(tr, dtype=dt)
+        r = readout_rows(tr, dtype=dt, target=resolve_target(target, tr.logits))
         for rec in reversed(tr.blocks[start_layer:]):
             m = rec.attn.to(dt).mean(1) + eye
             m = m / m.sum(-1, keepdim=True)

@@ -227,15 +227,16 @@ class TokenTM(ViTGradientAttribution):
         # ∇A_l^h (and ∇A_p of an attention-pool head), one backward
         grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
         with torch.no_grad():
-            return self._propagate(tr, grads, pool_grad)
+            return self._propagate(tr, grads, pool_grad, t)
 
-    def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype) -> Tensor:
+    def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype,
+                 target: Tensor) -> Tensor:
         """The row ``r`` that starts the propagation, [B, N]. An attention-pool head
         (SPEC_NEXT §7.3) is one more attention layer without identity:
         ``u = mean_h[ReLU(∇A_p^h) ⊙ (A_p^h W_p^h)][0, :]`` with ``W_p^h`` from
         ``(E, Ẽ^h) = (x̂, x̂ W_v^h W_p^h)``, ``x̂`` the normed last state."""
         if pool_grad is None or self.variant == "residual":
-            return readout_rows(tr, pool_grad, dtype=dt)
+            return readout_rows(tr, pool_grad, dtype=dt, target=target)
         head = self.adapter.head
         pool = head.attn_pool
         xh = tr.blocks[-1].out.detach().to(dt)
@@ -246,11 +247,11 @@ class TokenTM(ViTGradientAttribution):
         rh = (pool_grad.to(dt).relu() * tr.pool_attn.detach().to(dt))[:, :, 0]
         return (rh * w).mean(1)
 
-    def _propagate(self, tr: Trace, grads: list[Tensor],
-                   pool_grad: Tensor | None = None) -> Tensor:
+    def _propagate(self, tr: Trace, grads: list[Tensor], pool_grad: Tensor | None,
+                   target: Tensor) -> Tensor:
         """``r^T U_ffn,L-1 U_attn,L-1 ... U_attn,0 C_0`` (Eq. 18-20), [B, N]."""
         dt = accumulation_dtype(tr.x0)
-        r = self._readout(tr, pool_grad, dt)
+        r = self._readout(tr, pool_grad, dt, target)
         for l in reversed(range(len(tr.blocks))):
             rec, p = tr.blocks[l], self.adapter.blocks[l]
             x, mid, a, g = (z.detach().to(dt) for z in (rec.x, rec.mid, rec.attn, grads[l]))

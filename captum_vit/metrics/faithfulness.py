@@ -4,6 +4,10 @@ Every function takes ``(model, inputs, attribution)``: ``attribution`` is precom
 or any Captum-style attribution (see :func:`captum_vit.metrics.removal.patch_maps`), and
 patches are removed with true token masking by default (``removal``, SPEC §6.3).
 The maps explain ``target`` (``None``: the predicted class of each unperturbed image).
+On a model that outputs an image embedding, ``target`` is a vector target (SPEC_NEXT
+§7.5) and the scores and probabilities are the target's: softmax over a set of target
+embeddings, or the sigmoid of each score against single vectors (whose "prediction" is the
+explained vector itself, and which define no accuracy).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_choice, check_scalar, check_target
+from captum_vit.adapters.base import log_probabilities, probabilities, scores_are_classes
 from captum_vit.metrics.removal import (
     AttributionLike,
     RemovalEngine,
@@ -22,6 +27,7 @@ from captum_vit.metrics.removal import (
     patch_maps,
     prepare_metric,
     ranking,
+    vector_targets,
 )
 from captum_vit.metrics.results import MetricResult
 
@@ -58,8 +64,10 @@ class _Setup:
         adapter, prep = prepare_metric(model, inputs, target)
         self.inputs, self.layout, self.logits = prep.images, prep.layout, prep.logits
         self.engine = RemovalEngine(model, removal, batch_size, adapter=adapter)
-        self.pred = self.logits.argmax(-1)
         self.target = prep.target
+        # the "prediction" of AOPC/LOdds: the arg-max class, or, for independent scores
+        # against single target vectors (SPEC_NEXT §7.5), the explained vector itself
+        self.pred = self.logits.argmax(-1) if scores_are_classes() else self.target
         self.scores = patch_maps(attribution, self.inputs, self.target, self.layout,
                                  pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
         self.order = ranking(self.scores)
@@ -86,6 +94,7 @@ def _common(kw: dict) -> dict:
                 example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", 0))
 
 
+@vector_targets
 def perturbation_test(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                       order: str = "positive", labels: TargetLike = None,
                       target: TargetLike = None,
@@ -119,6 +128,11 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
     """
     check_choice("order", order, ("positive", "negative"))
     x = check_fractions("fractions", fractions, closed=True)
+    if not scores_are_classes():
+        raise ValueError("perturbation_test measures top-1 accuracy, which single target "
+                         "vectors do not define (SPEC_NEXT §7.5): pass a set, "
+                         "EmbeddingTarget(vectors [T, D′], index=...), or use aopc, lodds, "
+                         "deletion or insertion")
     st = _Setup(model, inputs, attribution, target, **_common(kwargs))
     _no_extra(kwargs)
     ref = st.pred if labels is None else check_target(
@@ -133,8 +147,8 @@ def _log_prob_curves(st: _Setup, x: Tensor, *, lerf: bool = False, mode: str = "
                      ) -> tuple[Tensor, Tensor]:
     """``log p(y|x)`` [B] and ``log p(y|x_k)`` [B, S] for the predicted class y."""
     y = st.pred
-    lp0 = st.logits.double().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
-    lpk = st.run(x, lerf=lerf, mode=mode).double().log_softmax(-1)
+    lp0 = log_probabilities(st.logits.double()).gather(1, y[:, None]).squeeze(1)
+    lpk = log_probabilities(st.run(x, lerf=lerf, mode=mode).double())
     return lp0, lpk.gather(2, y[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
 
 
@@ -150,6 +164,7 @@ def _ratio_log_probs(model: nn.Module, inputs: Tensor, attribution: AttributionL
     return (x, *_log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert"))
 
 
+@vector_targets
 def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
          fractions: Sequence[float] = RATIOS, mode: str = "remove", **kwargs: Any) -> MetricResult:
     r"""AOPC (SPEC §6.2, Eq. 1): :math:`\mathrm{mean}_k\,[p(y|x) - p(y|x_k)]`, y predicted.
@@ -170,6 +185,7 @@ def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                         mode == "remove", x, drop)
 
 
+@vector_targets
 def lodds(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
           fractions: Sequence[float] = RATIOS, mode: str = "remove", **kwargs: Any) -> MetricResult:
     r"""Log-odds (SPEC §6.2, Eq. 2): :math:`-\mathrm{mean}_k \log(p(y|x) / p(y|x_k))`.
@@ -196,12 +212,13 @@ def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
     st = _Setup(model, inputs, attribution, target, **_common(kwargs))
     _no_extra(kwargs)
     x = torch.linspace(0, 1, n_steps + 1, dtype=torch.float64)
-    probs = st.run(x, mode=mode).double().softmax(-1)
+    probs = probabilities(st.run(x, mode=mode).double())
     p = probs.gather(2, st.target[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
     return MetricResult("deletion" if mode == "delete" else "insertion",
                         trapezoid_auc(p, x), mode == "insert", x, p)
 
 
+@vector_targets
 def deletion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
              n_steps: int = 20, target: TargetLike = None, **kwargs: Any) -> MetricResult:
     r"""Deletion curve (SPEC §6.4, RISE): remove the most important patches in ``n_steps``
@@ -218,6 +235,7 @@ def deletion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     return _deletion_insertion("delete", model, inputs, attribution, n_steps, target, kwargs)
 
 
+@vector_targets
 def insertion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
               n_steps: int = 20, target: TargetLike = None, **kwargs: Any) -> MetricResult:
     r"""Insertion curve (SPEC §6.4): start from everything removed and restore the most
@@ -240,6 +258,7 @@ def insertion_minus_deletion(ins: MetricResult, dele: MetricResult) -> MetricRes
     return MetricResult("insertion_minus_deletion", ins.per_example - dele.per_example, True)
 
 
+@vector_targets
 def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                 ratios: Sequence[float] = RATIOS, **kwargs: Any) -> dict[str, MetricResult]:
     r"""Keep / remove top-ratio protocol of SkipPLUS (§4.1, A.2).
@@ -254,7 +273,8 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
 
     Returns:
         dict[str, MetricResult]: ``token_ratio_keep_accuracy``, ``token_ratio_keep_aopc``,
-        ``token_ratio_keep_lodds`` and ``token_ratio_remove_accuracy``.
+        ``token_ratio_keep_lodds`` and ``token_ratio_remove_accuracy`` (the accuracies
+        are left out for single target vectors, which define no top-1 class).
 
     Examples::
 
@@ -267,19 +287,20 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
     out = {}
     for proto, mode in (("keep", "insert"), ("remove", "delete")):
         logits = st.run(x, mode=mode)
-        acc = (logits.argmax(-1) == st.pred[:, None]).double()
-        one = torch.ones_like(acc[:, :1])
         keep = proto == "keep"
-        if keep:
-            xs, acc = torch.cat([x, x.new_ones(1)]), torch.cat([acc, one], 1)
-        else:
-            xs, acc = torch.cat([x.new_zeros(1), x]), torch.cat([one, acc], 1)
         name = f"token_ratio_{proto}"
-        out[f"{name}_accuracy"] = MetricResult(f"{name}_accuracy", 100 * trapezoid_auc(acc, xs),
-                                               keep, xs, acc)
+        if scores_are_classes():  # accuracies: not for single target vectors (§7.5)
+            acc = (logits.argmax(-1) == st.pred[:, None]).double()
+            one = torch.ones_like(acc[:, :1])
+            if keep:
+                xs, acc = torch.cat([x, x.new_ones(1)]), torch.cat([acc, one], 1)
+            else:
+                xs, acc = torch.cat([x.new_zeros(1), x]), torch.cat([one, acc], 1)
+            out[f"{name}_accuracy"] = MetricResult(f"{name}_accuracy",
+                                                   100 * trapezoid_auc(acc, xs), keep, xs, acc)
         if keep:
-            lp0 = st.logits.double().log_softmax(-1).gather(1, st.pred[:, None]).squeeze(1)
-            lpk = logits.double().log_softmax(-1).gather(
+            lp0 = log_probabilities(st.logits.double()).gather(1, st.pred[:, None]).squeeze(1)
+            lpk = log_probabilities(logits.double()).gather(
                 2, st.pred[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
             drop = lp0.exp()[:, None] - lpk.exp()
             lo = lpk - lp0[:, None]

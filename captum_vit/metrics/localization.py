@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_scalar
-from captum_vit.metrics.removal import AttributionLike, patch_maps, prepare_metric
+from captum_vit.metrics.removal import (
+    AttributionLike,
+    patch_maps,
+    prepare_metric,
+    vector_targets,
+)
 from captum_vit.metrics.results import MetricResult
 
 
@@ -32,6 +37,7 @@ def check_masks(masks: Any, inputs: Tensor) -> Tensor:
     return masks.to(device=inputs.device).bool()
 
 
+@vector_targets
 def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                    target: TargetLike = None, mode: str = "bilinear", pixel_reduce: str = "abs",
                    attribute_kwargs: dict | None = None) -> Tensor:
@@ -55,6 +61,7 @@ def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
     return up[:, 0, :size[0], :size[1]]
 
 
+@vector_targets
 def pointing_game(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
                   *, target: TargetLike = None, max_region: float = 0.5, tolerance: int = 0,
                   **kwargs: Any) -> MetricResult:
@@ -138,6 +145,7 @@ def _average_precision(mask: Tensor, score: Tensor) -> float:
     return float(average_precision_score(y, score.flatten().cpu().double().numpy()))
 
 
+@vector_targets
 def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
                  *, target: TargetLike = None, **kwargs: Any) -> dict[str, MetricResult]:
     """Segmentation test (SPEC §6.6; TokenTM Table 1).

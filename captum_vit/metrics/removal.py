@@ -24,20 +24,53 @@ each shortened sequence alone. Steps that remove nothing can reuse the clean log
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from captum.attr import Attribution
 from torch import Tensor, nn
 
-from captum_vit._base import Prepared, TargetLike, check_choice, check_scalar, prepare
+from captum_vit._base import (
+    Prepared,
+    TargetLike,
+    check_choice,
+    check_images,
+    check_scalar,
+    prepare,
+)
 from captum_vit.adapters import Layout, ViTAdapter, adapt, subset_logits
+from captum_vit.targets import embedding_target
 
 REMOVALS = ("token", "black", "mean", "blur", "random")
 PIXEL_REDUCES = ("abs", "sum")
 AttributionLike = Tensor | Attribution | Callable[..., Tensor]
+Metric = TypeVar("Metric", bound=Callable[..., Any])
+
+
+def vector_targets(metric: Metric) -> Metric:
+    """Let a metric ``f(model, inputs, ..., target=...)`` take vector targets on a model
+    that outputs an image embedding (SPEC_NEXT §7.5).
+
+    The target (a vector, one per image, or an :class:`~captum_vit.EmbeddingTarget` set)
+    becomes the model's scores for the whole metric (every adapter of the model, the
+    explained method's included, sees it through :meth:`ViTAdapter.targeting`), and the
+    metric runs on the vector index of each image; its probabilities are the target's
+    (softmax over a set, sigmoid of a single score). Classifiers pass through unchanged.
+    """
+    @functools.wraps(metric)
+    def run(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        adapter = adapt(model)
+        if not adapter.embedding or adapter.head.target is not None:
+            return metric(model, inputs, *args, **kwargs)
+        images, _ = check_images(inputs)
+        head, index = embedding_target(kwargs.get("target"), images.shape[0],
+                                       adapter.num_classes, images)
+        with adapter.targeting(head):
+            return metric(model, inputs, *args, **{**kwargs, "target": index})
+    return run  # type: ignore[return-value]
 
 
 # -- inputs -------------------------------------------------------------------------------

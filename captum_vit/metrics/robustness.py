@@ -14,6 +14,7 @@ from captum_vit.metrics.removal import (
     example_seeds,
     patch_maps,
     prepare_metric,
+    vector_targets,
 )
 from captum_vit.metrics.results import MetricResult
 
@@ -32,6 +33,7 @@ def gini(values: Tensor) -> Tensor:
     return torch.where(total > 0, g, torch.zeros_like(g))
 
 
+@vector_targets
 def sparseness(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                target: TargetLike = None, pixel_reduce: str = "abs",
                attribute_kwargs: dict | None = None) -> MetricResult:
@@ -56,6 +58,7 @@ def sparseness(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *
     return MetricResult("sparseness", gini(scores.abs()), True)
 
 
+@vector_targets
 def max_sensitivity(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                     target: TargetLike = None, radius: float = 0.02, n_samples: int = 10,
                     seed: int = 0, example_ids: Any = None, pixel_reduce: str = "abs",

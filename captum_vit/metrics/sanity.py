@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from captum_vit._base import TargetLike
 from captum_vit.adapters import adapt
-from captum_vit.metrics.removal import patch_maps, prepare_metric
+from captum_vit.metrics.removal import patch_maps, prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
 
 MethodLike = Attribution | Callable[[nn.Module], Attribution]
@@ -63,6 +63,7 @@ def _build(method: MethodLike, model: nn.Module) -> tuple[Attribution, nn.Module
     return method(model), model, method
 
 
+@vector_targets
 def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
                   target: TargetLike = None, seed: int = 0, pixel_reduce: str = "abs",
                   attribute_kwargs: dict | None = None) -> MetricResult:
@@ -88,7 +89,7 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
         >>> from captum_vit.registry import method_factory
         >>> randomization(model, x, method_factory("gae")).value
     """
-    _, p = prepare_metric(model, inputs, target)
+    adapter, p = prepare_metric(model, inputs, target)
     inputs, layout, t = p.images, p.layout, p.target
     kw = dict(pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
     if isinstance(method, Attribution):
@@ -100,15 +101,17 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     ref = patch_maps(base, inputs, t, layout, **kw)
     g = torch.Generator().manual_seed(seed)
     curves = []
-    for tensors in adapt(rmodel).parameter_stages():
-        with torch.no_grad():
-            for p in tensors:
-                mean, std = p.double().mean(), p.double().std() if p.numel() > 1 else 0.0
-                noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * std + mean
-                p.copy_(noise.to(device=p.device, dtype=p.dtype))
-        if factory is not None:
-            attr = factory(rmodel)  # fresh adapter state for the new weights
-        curves.append(spearman(ref, patch_maps(attr, inputs, t, layout, **kw)))
+    radapter = adapt(rmodel)
+    with radapter.targeting(adapter.head.target):  # the copy scores like the model
+        for tensors in radapter.parameter_stages():
+            with torch.no_grad():
+                for p in tensors:
+                    mean, std = p.double().mean(), p.double().std() if p.numel() > 1 else 0.0
+                    noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * std + mean
+                    p.copy_(noise.to(device=p.device, dtype=p.dtype))
+            if factory is not None:
+                attr = factory(rmodel)  # fresh adapter state for the new weights
+            curves.append(spearman(ref, patch_maps(attr, inputs, t, layout, **kw)))
     c = torch.stack(curves, 1)
     x = torch.arange(1, c.shape[1] + 1, dtype=torch.float64)
     return MetricResult("randomization", c.nanmean(1), False, x, c, reduction="nanmean")

@@ -15,6 +15,7 @@ example index, so the results equal those of a single process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from captum_vit._base import check_choice, check_scalar
 from captum_vit.adapters import adapt
+from captum_vit.adapters.base import scores_are_classes
 from captum_vit.metrics import faithfulness as fa
 from captum_vit.metrics.localization import pointing_game, segmentation
 from captum_vit.metrics.removal import REMOVALS, patch_maps
@@ -91,11 +93,14 @@ class MetricSpec:
         compute (Callable): :class:`MetricBatch` -> ``{column: MetricResult}``.
         needs_masks (bool): needs ground-truth masks.
         needs_callable (bool): needs the attribution itself, not only its maps.
+        needs_classes (bool): measures top-1 accuracy, so it needs competing scores (a
+            classifier or a set of target embeddings); skipped for a single target vector.
     """
 
     compute: Callable[[MetricBatch], dict[str, MetricResult]]
     needs_masks: bool = False
     needs_callable: bool = False
+    needs_classes: bool = False
 
 
 def _named(*results: MetricResult) -> dict[str, MetricResult]:
@@ -118,7 +123,7 @@ def _removal(fn: Callable[..., MetricResult], **extra: Any) -> Callable[[MetricB
 
 
 METRICS: dict[str, MetricSpec] = {
-    "perturbation": MetricSpec(_perturbation),
+    "perturbation": MetricSpec(_perturbation, needs_classes=True),
     "aopc": MetricSpec(_removal(fa.aopc)),
     "lodds": MetricSpec(_removal(fa.lodds)),
     "deletion": MetricSpec(_removal(fa.deletion, n_steps="n_steps")),
@@ -244,8 +249,18 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
                          "ground-truth masks; pass masks=")
     if target == "label" and (labels is None or bool((labels < 0).any())):
         raise ValueError("target='label' needs a label (>= 0) for every image")
-    attr = method(model) if attribution is None else attribution
     adapter = adapt(model)
+    if adapter.embedding and adapter.head.target is None:
+        raise ValueError(f"this {type(model).__name__} outputs an image embedding: evaluate it "
+                         "against target vectors (evaluate(..., targets=vectors [T, D′]), or "
+                         "inside captum_vit.targets.scoring(model, vectors))")
+    if not scores_are_classes():  # a single target vector defines no top-1 accuracy
+        skipped = [m for m in metrics if METRICS[m].needs_classes]
+        if skipped:
+            warnings.warn(f"{', '.join(skipped)} skipped: a single target vector defines no "
+                          "accuracy (give a set of target vectors)", stacklevel=2)
+        metrics = [m for m in metrics if not METRICS[m].needs_classes]
+    attr = method(model) if attribution is None else attribution
     with torch.no_grad():
         pred = adapter.model_logits(inputs).argmax(-1)
     t = pred if target == "predicted" else labels.to(pred.device)
@@ -272,7 +287,8 @@ def evaluate(model: nn.Module, data: Sequence[Any],
              methods: Mapping[str, MethodFactory], metrics: Sequence[str], *,
              preprocess: Callable[[Tensor], Tensor] | None = None, batch_size: int = 16,
              target: str = "predicted", removal: str = "token", n_steps: int = 20,
-             seed: int = 0, progress: bool = False) -> dict[str, dict[str, MetricResult]]:
+             seed: int = 0, progress: bool = False, targets: Any = None
+             ) -> dict[str, dict[str, MetricResult]]:
     r"""Evaluate methods × metrics over a data set, batch by batch.
 
     Images are converted to the model's input shape, preprocessed and cast to the
@@ -295,6 +311,10 @@ def evaluate(model: nn.Module, data: Sequence[Any],
         n_steps (int, optional): deletion / insertion steps. Default 20.
         seed (int, optional): seed of every random choice. Default 0.
         progress (bool, optional): a progress bar on rank 0. Default False.
+        targets (Tensor or EmbeddingTarget, optional): for a model that outputs an image
+            embedding, the target vectors ``[T, D′]`` it is scored against (e.g. text
+            embeddings of the class prompts, in label order): the set acts as ``T``
+            classes (:func:`captum_vit.targets.scoring`). Default ``None``.
 
     Returns:
         dict[str, dict[str, MetricResult]]: method -> column -> result over every example.
@@ -331,7 +351,7 @@ def evaluate(model: nn.Module, data: Sequence[Any],
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
     attrs = {m: f(model) for m, f in factories.items()}
     local: dict[int, dict[str, dict[str, MetricResult]]] = {}
-    with each_warning_once():
+    with each_warning_once(), _scored(model, targets):
         for b in tqdm(range(rank, len(batches), world), disable=not progress or rank != 0,
                       desc=f"evaluate (rank {rank})" if world > 1 else "evaluate",
                       file=sys.stderr):
@@ -350,6 +370,15 @@ def evaluate(model: nn.Module, data: Sequence[Any],
     merged = {k: v for p in parts for k, v in p.items()}
     return {m: {c: MetricResult.cat([merged[b][m][c] for b in range(len(batches))])
                 for c in merged[0][m]} for m in factories}
+
+
+def _scored(model: nn.Module, targets: Any) -> contextlib.AbstractContextManager:
+    """:func:`captum_vit.targets.scoring` when ``targets`` are given."""
+    if targets is None:
+        return contextlib.nullcontext()
+    from captum_vit.targets import scoring
+
+    return scoring(model, targets)
 
 
 def _rank_world() -> tuple[int, int]:
