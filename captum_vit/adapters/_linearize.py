@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -23,9 +22,9 @@ class _LayerNormFrozenVariance(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
-        shape = (x.shape[-1],)
-        y = F.layer_norm(x, shape, weight, bias, eps)
-        inv_std = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+        # one fused kernel gives the output and 1/sqrt(var + eps) (no second pass)
+        y, _, inv_std = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        inv_std = inv_std.to(x.dtype)
         ctx.save_for_backward(inv_std, weight)
         return y
 
@@ -60,8 +59,7 @@ def activation_gate(z: Tensor, y: Tensor) -> Tensor:
 
     At ``z == 0`` the limit of the GELU family (``0.5``) is used.
     """
-    safe = torch.where(z == 0, torch.ones_like(z), z)
-    return torch.where(z == 0, torch.full_like(z, 0.5), y / safe)
+    return (y / z).masked_fill_(z == 0, 0.5)  # three passes over the MLP width
 
 
 def layer_norm_frozen_variance(x: Tensor, weight: Tensor | None, bias: Tensor | None,
