@@ -1,0 +1,115 @@
+"""Grad-SAM (Barkan et al., CIKM 2021; SkipPLUS §3.4). SPEC_NEXT §8.4."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    gradients_with_pool,
+    readout,
+    readout_rows,
+    resolve_target,
+    target_scores,
+)
+
+
+class GradSAM(ViTGradientAttribution):
+    r"""Gradient Self-Attention Maps: gradient-weighted attention of every block, read at
+    the classifier's readout row and **summed over the blocks** (not rolled out):
+
+    .. math::
+
+        m = \sum_{l \in \text{layers}} w\, \bar A_l, \qquad
+        \bar A_l = \mathrm{mean}_h\, \mathrm{ReLU}(\nabla A_l^h \odot A_l^h),
+
+    with :math:`\nabla A_l^h = \partial s_c / \partial A_l^h` (all blocks from one
+    backward pass) and ``w`` the readout weights of
+    :func:`captum_vit._base.readout_rows` (row 0 for a class token, uniform over patches
+    for average pooling, the gradient-weighted pool row for an attention-pool head).
+    Barkan et al. write :math:`A \odot \mathrm{ReLU}(\nabla A)`, the same matrix since
+    :math:`A \ge 0`.
+
+    This is GenAtt (:class:`~captum_vit.GAE`'s per-block matrix :math:`\bar A_l`) composed
+    with PLUS by layer aggregation, :math:`\sum_l w \bar A_l` (SPEC_NEXT §8.4, §8.5
+    ``aggregate="layer"``); ``layers=range(ceil(L/2), L)`` gives the SkipPLUS variant
+    (:func:`captum_vit.combinators.skip_start`). Barkan et al. average over the layers
+    (:math:`1/L`, the same ranking); the SkipPLUS authors' code
+    (``MeanReLU__AttnGrad_Attn_sum``) sums, which is the default here (``average=True``
+    divides by the number of layers).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layers (iterable of int, optional): the blocks to sum, distinct indices in
+            ``[0, L-1]`` (a list, tuple or range). Default ``None``: every block.
+        average (bool, optional): divide the sum by the number of layers (Barkan et
+            al.). Default False.
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> from captum_vit.combinators import skip_start
+        >>> from captum_vit.methods.gradsam import GradSAM
+        >>> attr = GradSAM(model).attribute(images, target=labels)
+        >>> depth = adapt(model).num_blocks
+        >>> skip = GradSAM(model, layers=range(skip_start(depth), depth))
+        >>> attr = skip.attribute(images, target=labels, output="tokens")
+    """
+
+    def __init__(self, model: nn.Module, layers: Iterable[int] | None = None,
+                 average: bool = False) -> None:
+        if not isinstance(average, bool):
+            raise TypeError(f"average must be a bool, got {type(average).__name__}")
+        super().__init__(model)
+        # imported here: captum_vit.combinators imports captum_vit.methods
+        from captum_vit.combinators import check_layers
+
+        num = self.adapter.num_blocks
+        self.layers = tuple(range(num)) if layers is None else check_layers(layers, num)
+        self.average = average
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image; ``None`` explains the
+                predicted class.
+            score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
+                softmax probability, as the SkipPLUS authors' later code).
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the (non-negative) attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit.methods.gradsam import GradSAM
+            >>> attr = GradSAM(model, layers=[4, 5]).attribute(images, target=3)
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attns = [tr.blocks[l].attn for l in self.layers]
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
+        dt = accumulation_dtype(attns[0])
+        with torch.no_grad():
+            w = readout_rows(tr, pool_grad, dtype=dt, target=t)
+            m = torch.zeros_like(w)
+            for a, g in zip(attns, grads, strict=True):
+                m = m + readout(w, (g.to(dt) * a.detach().to(dt)).clamp(min=0)).mean(1)
+            return m / len(self.layers) if self.average else m

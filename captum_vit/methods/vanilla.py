@@ -1,0 +1,206 @@
+"""Vanilla token gradient and attention-weight gradient (SkipPLUS App. E.1). SPEC_NEXT §8.1.
+
+- ``VanillaGrad_l[j] = reduce_c g_l[j, c]`` with ``g_l = d s_c / d x_l`` at the input of
+  block ``l`` (``l = L``: the last block's output).
+- ``AttnGrad_l[j] = w . mean_h f(d s_c / d A_l^h)[:, j]`` with ``f`` the identity, ``abs``
+  or ``ReLU`` applied per head and ``w`` the readout weights (row 0 for a class token).
+
+Both are layer-local (PLUS of them sums the per-layer maps) and cost one forward and one
+backward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_layer,
+    gradients,
+    gradients_with_pool,
+    readout,
+    readout_rows,
+    resolve_target,
+    target_scores,
+)
+
+REDUCTIONS = ("sum", "l2", "l1", "relu_sum")
+VARIANTS = ("plain", "abs", "relu")
+
+
+def reduce_channels(grad: Tensor, reduce: str = "sum") -> Tensor:
+    r"""Token scores ``[..., N]`` of a token gradient ``[..., N, D]`` (VanillaGrad's ``reduce``).
+
+    Args:
+        grad (Tensor): gradient w.r.t. a residual state, ``[..., N, D]``.
+        reduce (str, optional): ``"sum"`` (default, signed :math:`\sum_c g[j, c]`),
+            ``"l2"`` (:math:`\lVert g[j] \rVert_2`), ``"l1"`` (:math:`\sum_c |g[j, c]|`)
+            or ``"relu_sum"`` (:math:`\sum_c \mathrm{ReLU}(g[j, c])`).
+
+    Returns:
+        Tensor ``[..., N]``.
+
+    Examples::
+
+        >>> reduce_channels(torch.tensor([[[1.0, -2.0]]]), "relu_sum")
+        tensor([[1.]])
+    """
+    check_choice("reduce", reduce, REDUCTIONS)
+    if reduce == "sum":
+        return grad.sum(-1)
+    if reduce == "l2":
+        return torch.linalg.vector_norm(grad, ord=2, dim=-1)
+    if reduce == "l1":
+        return grad.abs().sum(-1)
+    return grad.clamp(min=0).sum(-1)
+
+
+class VanillaGrad(ViTGradientAttribution):
+    r"""Vanilla token gradient at the input of block ``layer`` (SkipPLUS App. E.1):
+    :math:`m_j = \sum_c g_l[j, c]` with :math:`g_l = \partial s_c / \partial x_l`.
+
+    ``layer=0`` is the embedding output (patch embedding + prefix tokens + positional
+    embedding, the input of block 0); ``layer=L`` is the output of the last block (the
+    convention of :class:`~captum_vit.TokenIxG`). ``reduce`` chooses how the ``D``
+    channels of each token's gradient are combined: ``"sum"`` (default, signed),
+    ``"l2"`` (``VanillaGrad:Norm2`` of the paper, :math:`\lVert g_l[j]\rVert_2`), ``"l1"``
+    or ``"relu_sum"`` (:math:`\sum_c \mathrm{ReLU}(g_l[j, c])`). The gradient is taken
+    w.r.t. the residual state ``x_l`` (every path from it to the score), from one
+    backward pass. ``reduce="sum"`` summed over ``l = 0 .. L-1`` is PLUS's ``"gradient"``
+    base.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block index ``l`` in ``[0, L]``. Default 0.
+        reduce (str, optional): ``"sum"`` (default), ``"l2"``, ``"l1"`` or ``"relu_sum"``.
+
+    Examples::
+
+        >>> from captum_vit.methods.vanilla import VanillaGrad
+        >>> attr = VanillaGrad(model, layer=4, reduce="l2").attribute(images, target=labels)
+    """
+
+    def __init__(self, model: nn.Module, layer: int = 0, reduce: str = "sum") -> None:
+        self.reduce = check_choice("reduce", reduce, REDUCTIONS)
+        super().__init__(model)
+        self.layer = check_layer("layer", layer, self.adapter.num_blocks, allow_end=True)
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image; ``None`` explains the
+                predicted class.
+            score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
+                softmax probability, as the SkipPLUS authors' later code).
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the attribution map (signed for ``reduce="sum"``) in the requested
+            ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit.methods.vanilla import VanillaGrad
+            >>> attr = VanillaGrad(model).attribute(images, target=3, output="tokens")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        state = tr.states[self.layer]
+        (grad,) = gradients(target_scores(tr.logits, t, score), [state])
+        with torch.no_grad():
+            return reduce_channels(grad.to(accumulation_dtype(state)), self.reduce)
+
+
+class AttnGrad(ViTGradientAttribution):
+    r"""Gradient of the score w.r.t. the attention probabilities of block ``layer``, read
+    at the classifier's readout row (SkipPLUS App. E.1, Fig. 8):
+    :math:`m_j = \mathrm{mean}_h\, f(\nabla A_l^h)[r, j]` with
+    :math:`\nabla A_l^h = \partial s_c / \partial A_l^h` and :math:`f` the identity
+    (``variant="plain"``, default, signed), :math:`|\cdot|` (``"abs"``) or ReLU
+    (``"relu"``), applied per head before the head mean.
+
+    For poolings other than a class token the readout is the weighted row
+    :math:`m = w\, \mathrm{mean}_h f(\nabla A_l^h)` with the readout weights ``w`` of
+    :func:`captum_vit._base.readout_rows` (uniform over patches for average pooling,
+    DINOv2's CLS+mean, ...); ``f`` is applied to the whole matrix before the readout.
+    With an attention-pool head (``global_pool='map'``) ``w`` is the gradient-weighted
+    pool row :math:`\mathrm{mean}_h \mathrm{ReLU}(\nabla A_p^h \odot A_p^h)[0, :]`, as
+    for the other gradient-weighted attention methods (SPEC_NEXT §7.3).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block index in ``[0, L-1]``. Default ``None``: the last
+            block, ``L-1``.
+        variant (str, optional): ``"plain"`` (default), ``"abs"`` or ``"relu"``.
+
+    Examples::
+
+        >>> from captum_vit.methods.vanilla import AttnGrad
+        >>> attr = AttnGrad(model, variant="relu").attribute(images, target=labels)
+    """
+
+    layer_local = True
+    """PLUS evaluates it on a one-block window: the map at block ``l`` (SPEC_NEXT §8.5)."""
+
+    def __init__(self, model: nn.Module, layer: int | None = None,
+                 variant: str = "plain") -> None:
+        self.variant = check_choice("variant", variant, VARIANTS)
+        super().__init__(model)
+        num = self.adapter.num_blocks
+        self.layer = num - 1 if layer is None else check_layer("layer", layer, num)
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image; ``None`` explains the
+                predicted class.
+            score (str, optional): ``"logit"`` (default) or ``"probability"``.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit.methods.vanilla import AttnGrad
+            >>> attr = AttnGrad(model, layer=2, variant="abs").attribute(
+            ...     images, target=3, output="grid")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attn = tr.blocks[self.layer].attn
+        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+                                                 [attn])
+        dt = accumulation_dtype(attn)
+        with torch.no_grad():
+            g = grad.to(dt)
+            if self.variant == "abs":
+                g = g.abs()
+            elif self.variant == "relu":
+                g = g.clamp(min=0)
+            w = readout_rows(tr, pool_grad, dtype=dt, target=t)
+            return readout(w, g.mean(1))
