@@ -1,0 +1,358 @@
+r"""The CAM family on ViT tokens at block ``l`` (SkipPLUS App. E.1.1, Fig. 12; SPEC_NEXT §8.3).
+
+A convolutional CAM reads the activations :math:`X` of a layer (channels x positions) and
+the gradient :math:`G = \partial s_c / \partial X` of the target score. On a ViT the
+"layer" is the input of block ``l``: :math:`X = x_l \in \mathbb{R}^{N \times D}` (the D
+features are the channels, the N tokens the positions) and :math:`G = g_l`, both from one
+forward and one backward pass. Every variant below is one rule turning ``(X, G)`` into a
+map over the N tokens (prefix columns are dropped at the output); ``relu=True`` (default,
+the papers) clips the map at 0.
+
+Channel-weight variants compute :math:`w_c` over the token set ``T``
+(``weight_tokens="all"``, the SkipPLUS authors' code, default; ``"patches"``: the patch
+rows only, pytorch-grad-cam's ViT reshape) and map :math:`m_j = \sum_c w_c X[j, c]`:
+
+* :class:`GradCAM`: :math:`w_c = \mathrm{mean}_{t \in T} G[t, c]`.
+* :class:`GradCAMPlusPlus`: :math:`\alpha[t, c] = G^2 / (2 G^2 + (\sum_{t' \in T}
+  X[t', c]) G^3 + \varepsilon)` (0 where :math:`G = 0`),
+  :math:`w_c = \sum_{t \in T} \alpha[t, c]\, \mathrm{ReLU}(G[t, c])`.
+* :class:`XGradCAM`: :math:`w_c = \sum_{t} G[t, c] X[t, c] / (\sum_t X[t, c] +
+  \varepsilon)`; ``plus=True`` (XGradCAM+, SkipPLUS) uses :math:`|X|` in the numerator
+  and the denominator (the map still uses the signed :math:`X`).
+
+Position-wise variants (no channel weights, ``weight_tokens`` does not apply):
+
+* :class:`LayerCAM`: :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c]) X[j, c]`.
+* :class:`HiResCAM`: :math:`m_j = \sum_c G[j, c] X[j, c]` (token IxG at block ``l``,
+  :class:`~captum_vit.methods.ixg.TokenIxG`).
+* :class:`GradCAMElementWise`: :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c] X[j, c])`.
+
+:math:`\varepsilon = 10^{-7}` (:data:`EPS`, pytorch-grad-cam's value). Score-CAM, which
+needs no gradient but one forward per channel, is
+:class:`~captum_vit.methods.scorecam.ScoreCAM`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_layer,
+    check_scalar,
+    gradients,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import ViTAdapter
+
+EPS = 1e-7
+"""``ε`` of the GradCAM++ and XGradCAM denominators (SPEC_NEXT §8.3)."""
+
+WEIGHT_TOKENS = ("all", "patches")
+"""Token sets ``T`` over which channel weights are computed."""
+
+
+def block_layer(name: str, value: Any, num_blocks: int) -> int:
+    """A block index in ``[0, L-1]``; ``None`` = the last block ``L-1`` (the CAMs' default)."""
+    return num_blocks - 1 if value is None else check_layer(name, value, num_blocks)
+
+
+def block_gradient(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, layer: int, *,
+                   score: str = "logit") -> tuple[Tensor, Tensor, Tensor]:
+    """The block input ``x_l`` and ``g_l = d s_c / d x_l`` from one forward and one backward.
+
+    Same values as :func:`~captum_vit.methods.ixg.layer_gradients` at block ``l``; the
+    backward asks for ``g_l`` only, so it stops at block ``l`` (blocks below are not
+    back-propagated).
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        target (Tensor or None): class per image; ``None`` = predicted class.
+        layer (int): block index ``l``.
+        score (str): ``"logit"`` or ``"probability"``.
+
+    Returns:
+        (X [B, N, D] detached, G [B, N, D], resolved target [B]).
+    """
+    with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
+        tr = adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        x = tr.states[layer]
+        (g,) = gradients(target_scores(tr.logits, t, score), [x])
+    return x.detach(), g.detach(), t
+
+
+class _TokenCAM(ViTGradientAttribution):
+    """Shared front of the CAMs: ``(X, G)`` at block ``layer``, :meth:`cam`, optional ReLU.
+
+    Subclasses implement :meth:`cam` only.
+    """
+
+    layer_local = True
+    """PLUS evaluates it on a one-block window: the map at block ``l`` (SPEC_NEXT §8.5)."""
+
+    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True) -> None:
+        super().__init__(model)
+        self.layer = block_layer("layer", layer, self.adapter.num_blocks)
+        self.relu = check_scalar(relu, "relu", bool)
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): ``"logit"`` (default) or ``"probability"`` (softmax of
+                the target, the SkipPLUS authors' later code): the score whose gradient
+                is :math:`G`.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the map (raw, not normalised; ReLU-clipped with ``relu=True``) in the
+            requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit.methods.cam import GradCAM, HiResCAM
+            >>> attr = GradCAM(model).attribute(images, target=labels)
+            >>> grid = HiResCAM(model, layer=5, relu=False).attribute(
+            ...     images, target=labels, score="probability", output="grid")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        x, g, _t = block_gradient(self.adapter, inputs, target, self.layer, score=score)
+        return self.layer_map(x, g, self.adapter.num_prefix)
+
+    def layer_map(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
+        """This CAM's token map from any block's ``(x_l, g_l)``: :meth:`cam` in the
+        accumulation dtype, then the ReLU if ``relu=True``. PLUS/SkipPLUS sum it over
+        blocks (SPEC_NEXT §8.5: a CAM is layer-local, ``A(f_l)`` is its map at block
+        ``l``), e.g. from :func:`~captum_vit.methods.ixg.layer_gradients`'
+        ``trace.states[l]`` and ``grads[l]``.
+
+        Args:
+            x (Tensor): activations ``X = x_l`` [B, N, D].
+            g (Tensor): gradients ``G = g_l`` [B, N, D].
+            num_prefix (int): ``K``, the prefix tokens before the patches.
+
+        Returns:
+            Tensor: [B, N] (prefix tokens first), no gradient.
+        """
+        dt = accumulation_dtype(x)
+        with torch.no_grad():
+            m = self.cam(x.detach().to(dt), g.detach().to(dt), num_prefix)
+            return m.clamp(min=0) if self.relu else m
+
+    def cam(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
+        """The map over all N tokens before the optional ReLU.
+
+        Args:
+            x (Tensor): activations ``X = x_l`` [B, N, D].
+            g (Tensor): gradients ``G = g_l`` [B, N, D].
+            num_prefix (int): ``K``, the prefix tokens before the patches.
+
+        Returns:
+            Tensor: [B, N].
+        """
+        raise NotImplementedError  # pragma: no cover
+
+
+class _ChannelWeightCAM(_TokenCAM):
+    """CAMs of the form ``m_j = Σ_c w_c X[j, c]``: subclasses implement
+    :meth:`channel_weights` on the rows of the token set ``T``."""
+
+    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
+                 weight_tokens: str = "all") -> None:
+        super().__init__(model, layer, relu)
+        self.weight_tokens = check_choice("weight_tokens", weight_tokens, WEIGHT_TOKENS)
+
+    def cam(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
+        k = num_prefix if self.weight_tokens == "patches" else 0
+        w = self.channel_weights(x[:, k:], g[:, k:])
+        return torch.einsum("bnd,bd->bn", x, w)
+
+    def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
+        """Channel weights ``w`` [B, D] from the rows of ``T``: ``x``, ``g`` [B, |T|, D]."""
+        raise NotImplementedError  # pragma: no cover
+
+
+class GradCAM(_ChannelWeightCAM):
+    r"""Grad-CAM (Selvaraju et al. 2017) on the tokens of block ``layer``:
+    :math:`w_c = \mathrm{mean}_{t \in T} G[t, c]`, :math:`m_j = \sum_c w_c X[j, c]`, with
+    :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l` (SPEC_NEXT §8.3).
+
+    Cost: one forward and one backward (down to block ``layer``).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]`` whose input is read; ``None``
+            (default) = the last block ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True, the paper; the SkipPLUS
+            presets use False).
+        weight_tokens (str, optional): token set ``T`` of the channel weights: ``"all"``
+            (default, prefix and patch tokens, the SkipPLUS authors' code) or
+            ``"patches"`` (patch tokens only, pytorch-grad-cam's ViT reshape).
+
+    Examples::
+
+        >>> from captum_vit.methods.cam import GradCAM
+        >>> attr = GradCAM(model).attribute(images, target=labels)
+        >>> signed = GradCAM(model, layer=6, relu=False, weight_tokens="patches").attribute(
+        ...     images, target=labels, output="tokens")
+    """
+
+    def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
+        return g.mean(1)
+
+
+class GradCAMPlusPlus(_ChannelWeightCAM):
+    r"""Grad-CAM++ (Chattopadhyay et al. 2018) on the tokens of block ``layer``, in the
+    closed form of pytorch-grad-cam (exponential score, second and third powers of the
+    gradient):
+
+    .. math::
+        \alpha[t, c] = \frac{G[t,c]^2}{2 G[t,c]^2 + \big(\sum_{t' \in T} X[t', c]\big)
+        G[t,c]^3 + \varepsilon},\quad
+        w_c = \sum_{t \in T} \alpha[t, c]\,\mathrm{ReLU}(G[t, c]),\quad
+        m_j = \sum_c w_c X[j, c],
+
+    with :math:`\alpha = 0` where :math:`G = 0` and :math:`\varepsilon = 10^{-7}`.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True).
+        weight_tokens (str, optional): ``"all"`` (default) or ``"patches"``: the token set
+            ``T`` of :math:`\alpha`'s activation sum and of :math:`w_c`.
+
+    Examples::
+
+        >>> from captum_vit.methods.cam import GradCAMPlusPlus
+        >>> attr = GradCAMPlusPlus(model).attribute(images, target=labels, output="grid")
+    """
+
+    def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
+        g2 = g * g
+        alpha = g2 / (2 * g2 + x.sum(1, keepdim=True) * g2 * g + EPS)
+        alpha = torch.where(g != 0, alpha, torch.zeros_like(alpha))
+        return (alpha * g.clamp(min=0)).sum(1)
+
+
+class XGradCAM(_ChannelWeightCAM):
+    r"""XGrad-CAM (Fu et al. 2020) on the tokens of block ``layer``, and XGradCAM+
+    (SkipPLUS) with ``plus=True``:
+
+    .. math::
+        w_c = \frac{\sum_{t \in T} G[t, c]\, X[t, c]}{\sum_{t \in T} X[t, c] + \varepsilon}
+        \quad\text{or (plus)}\quad
+        w_c = \frac{\sum_{t \in T} G[t, c]\, |X[t, c]|}{\sum_{t \in T} |X[t, c]|
+        + \varepsilon},\qquad m_j = \sum_c w_c X[j, c]
+
+    (the map uses the signed :math:`X` in both; :math:`\varepsilon = 10^{-7}`). A
+    transformer's features are signed, so the plain denominator can be near 0; the plus
+    form avoids that.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True).
+        weight_tokens (str, optional): ``"all"`` (default) or ``"patches"``: the token set
+            ``T`` of the sums.
+        plus (bool, optional): XGradCAM+ (default False).
+
+    Examples::
+
+        >>> from captum_vit.methods.cam import XGradCAM
+        >>> attr = XGradCAM(model).attribute(images, target=labels)
+        >>> plus = XGradCAM(model, plus=True, relu=False).attribute(images, target=labels)
+    """
+
+    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
+                 weight_tokens: str = "all", plus: bool = False) -> None:
+        super().__init__(model, layer, relu, weight_tokens)
+        self.plus = check_scalar(plus, "plus", bool)
+
+    def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
+        a = x.abs() if self.plus else x
+        return (g * a).sum(1) / (a.sum(1) + EPS)
+
+
+class LayerCAM(_TokenCAM):
+    r"""LayerCAM (Jiang et al. 2021) at one block: :math:`m_j = \sum_c \mathrm{ReLU}(G[j,
+    c])\, X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
+
+    Multi-layer LayerCAM (per-layer maps max-normalised and summed) is a PLUS-style
+    combination of this map and not part of this class.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True).
+
+    Examples::
+
+        >>> from captum_vit.methods.cam import LayerCAM
+        >>> attr = LayerCAM(model, layer=8).attribute(images, target=labels)
+    """
+
+    def cam(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
+        return (g.clamp(min=0) * x).sum(-1)
+
+
+class HiResCAM(_TokenCAM):
+    r"""HiResCAM (Draelos & Carin 2020) at one block: :math:`m_j = \sum_c G[j, c]\,
+    X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
+
+    With ``relu=False`` this is exactly token Input x Gradient at block ``l``
+    (:class:`~captum_vit.methods.ixg.TokenIxG` ``(model, layer=l)``).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True).
+
+    Examples::
+
+        >>> from captum_vit.methods.cam import HiResCAM
+        >>> attr = HiResCAM(model).attribute(images, target=labels)
+    """
+
+    def cam(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
+        return (x * g).sum(-1)
+
+
+class GradCAMElementWise(_TokenCAM):
+    r"""Element-wise Grad-CAM (pytorch-grad-cam's ``GradCAMElementWise``) at one block:
+    :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c]\, X[j, c])`. Never below
+    :class:`HiResCAM` (the ReLU is taken before the channel sum).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True; the map is non-negative
+            anyway).
+
+    Examples::
+
+        >>> from captum_vit.methods.cam import GradCAMElementWise
+        >>> attr = GradCAMElementWise(model).attribute(images, target=labels)
+    """
+
+    def cam(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
+        return (g * x).clamp(min=0).sum(-1)

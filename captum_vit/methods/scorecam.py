@@ -1,0 +1,246 @@
+r"""Score-CAM (Wang et al., CVPRW 2020) on ViT tokens at block ``l`` (SPEC_NEXT §8.3).
+
+Each of the D channels of the block input :math:`X = x_l \in \mathbb{R}^{N \times D}` gives
+a mask over the patches, :math:`M_c[j] = (X[j, c] - \min_P X[:, c]) / (\max_P X[:, c] -
+\min_P X[:, c])` over the patch rows ``P`` (a channel that is constant over the patches
+gives the all-zero mask). The model scores the image seen through every mask,
+:math:`s_c = p_{\text{target}}(\text{image} \odot \mathrm{up}(M_c))` (the mask
+nearest-upsampled to pixels, patch by patch), or, with ``removal="tokens"``, the
+sequence of the prefix tokens plus the patches with :math:`M_c \ge 0.5` (true token
+removal). The map is :math:`m_j = \sum_c \mathrm{softmax}_c(s)_c\, X[j, c]` over all
+tokens; no gradients. Cost per image: one clean forward plus D masked forwards (768 for
+ViT-B), batched over channels and images (``max_channels``: only the channels of largest
+variance, "Faster Score-CAM").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTPerturbationAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_scalar,
+    format_output,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import FusedOps, Layout, ViTAdapter, subset_logits
+from captum_vit.methods.cam import block_layer
+
+REMOVALS = ("pixels", "tokens")
+"""How a channel's mask is applied: pixel multiplication or true token removal."""
+
+
+def channel_masks(x: Tensor, num_prefix: int) -> Tensor:
+    """Min-max normalised channels over the patch rows, one mask per channel.
+
+    Args:
+        x (Tensor): activations ``X`` [B, N, D].
+        num_prefix (int): ``K``, the prefix tokens (not part of the masks).
+
+    Returns:
+        Tensor: masks [B, D, P] in ``[0, 1]``; a channel constant over the patches gives 0.
+    """
+    xp = x[:, num_prefix:]
+    lo, hi = xp.amin(1, keepdim=True), xp.amax(1, keepdim=True)
+    span = hi - lo
+    m = (xp - lo) / torch.where(span > 0, span, torch.ones_like(span))
+    return torch.where(span > 0, m, torch.zeros_like(m)).transpose(1, 2)
+
+
+def top_variance_channels(x: Tensor, num_prefix: int, n: int) -> Tensor:
+    """The ``n`` channels of ``x`` [B, N, D] with the largest variance over the patch rows,
+    per image, in decreasing variance (ties: lower channel first) -> [B, N, n]."""
+    var = x[:, num_prefix:].var(1, correction=0)
+    idx = torch.argsort(var, dim=1, descending=True, stable=True)[:, :n]
+    return x.gather(2, idx[:, None, :].expand(-1, x.shape[1], -1))
+
+
+def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layout: Layout,
+                        reduce: Any, *, batch_size: int, show_progress: bool = False,
+                        desc: str = "ScoreCAM") -> Tensor:
+    """The model's own forward on every image times every one of its patch masks.
+
+    Job ``(b, s)`` is ``inputs[b] * up(masks[b, s])`` (``up`` = nearest upsampling of the
+    patch grid to pixels, as :func:`~captum_vit._base.format_output`); jobs of all images
+    and masks are batched, ``batch_size`` images per forward.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter (``adapter.model_logits`` runs them).
+        inputs (Tensor): images [B, C, H, W].
+        masks (Tensor): patch masks [B, S, P].
+        layout (Layout): the token layout of ``inputs``.
+        reduce (callable): ``reduce(logits [n, classes], images [n]) -> values [n]``.
+        batch_size (int): images per forward.
+        show_progress (bool): tqdm progress bar over the jobs.
+        desc (str): the bar's label.
+
+    Returns:
+        Tensor: ``reduce``'s values [B, S].
+    """
+    from tqdm.auto import tqdm
+
+    b, s, _ = masks.shape
+    out: Tensor | None = None
+    with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="img",
+                               disable=not show_progress) as bar:
+        for lo in range(0, b * s, batch_size):
+            jobs = torch.arange(lo, min(lo + batch_size, b * s), device=inputs.device)
+            ii, jj = jobs // s, jobs % s
+            images = inputs[ii]
+            up = format_output(masks[ii, jj].to(images.dtype), layout, images, "pixels")
+            values = reduce(adapter.model_logits(images * up), ii)
+            if out is None:
+                out = values.new_empty(b, s)
+            out[ii, jj] = values
+            bar.update(len(jobs))
+    assert out is not None
+    return out
+
+
+class ScoreCAM(ViTPerturbationAttribution):
+    r"""Score-CAM on the tokens of block ``layer``: channel weights from the model's
+    scores of the image masked by each channel (SPEC_NEXT §8.3).
+
+    With :math:`X = x_l \in \mathbb{R}^{N \times D}` and, for every channel :math:`c`, the
+    mask :math:`M_c = \mathrm{minmax}(X[P, c])` over the patch rows :math:`P` (0 for a
+    channel constant over the patches),
+
+    .. math::
+        s_c = p_{\text{target}}\big(\text{image} \odot \mathrm{up}(M_c)\big),\qquad
+        w = \mathrm{softmax}_c(s),\qquad m_j = \sum_c w_c X[j, c],
+
+    ``up`` = nearest upsampling of the patch grid to pixels (each pixel takes its patch's
+    value), :math:`p` the softmax probability (``score="probability"``, default; the
+    target logit with ``score="logit"``, pytorch-grad-cam's convention). With
+    ``removal="tokens"`` the masked forward instead keeps the prefix tokens and the patch
+    tokens with :math:`M_c \ge 0.5` (true token removal, tokens taken after the positional
+    embedding, SPEC §6.3). No baseline score is subtracted (pytorch-grad-cam, SPEC).
+
+    Cost: one clean forward plus D masked forwards per image (768 for ViT-B/16), batched
+    ``batch_size`` at a time over channels AND images; no backward. ``attribute(...,
+    max_channels=n)`` scores only the n channels of largest variance (Faster Score-CAM, an
+    approximation for a quick look). After each call
+    :attr:`num_forwards` holds the number of model evaluations (images or shortened
+    sequences) that call ran, the clean ones included; with ``removal="tokens"`` a mask
+    keeping every patch reuses the clean logits and is not counted.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        layer (int, optional): block ``l`` in ``[0, L-1]`` whose input gives the channels;
+            ``None`` (default) = the last block ``L-1``.
+        relu (bool, optional): clip the map at 0 (default True; with softmax weights a
+            negative value comes only from negative features).
+        batch_size (int, optional): masked images (or sequences) per forward. Default 64.
+        removal (str, optional): ``"pixels"`` (default: the image times the upsampled
+            mask, through the model's own forward) or ``"tokens"`` (keep the patches with
+            ``M_c >= 0.5``, through the adapters' subset engine,
+            :func:`~captum_vit.adapters.subsets.subset_logits`).
+        progress (bool, optional): tqdm progress bar over the masked forwards. Default
+            False.
+
+    Attributes:
+        num_forwards (int): model evaluations of the last ``attribute`` call (0 before).
+
+    Examples::
+
+        >>> from captum_vit.methods.scorecam import ScoreCAM
+        >>> attr = ScoreCAM(model, batch_size=128).attribute(images, target=labels)
+        >>> grid = ScoreCAM(model, removal="tokens", progress=True).attribute(
+        ...     images, target=labels, output="grid")
+    """
+
+    layer_local = True
+    """PLUS evaluates it on a one-block window: the map at block ``l`` (SPEC_NEXT §8.5)."""
+
+    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
+                 batch_size: int = 64, removal: str = "pixels", progress: bool = False
+                 ) -> None:
+        super().__init__(model)
+        self.layer = block_layer("layer", layer, self.adapter.num_blocks)
+        self.relu = check_scalar(relu, "relu", bool)
+        self.batch_size = check_scalar(batch_size, "batch_size", int, min_val=1)
+        self.removal = check_choice("removal", removal, REMOVALS)
+        self.progress = check_scalar(progress, "progress", bool)
+        self.num_forwards = 0
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
+                  score: str = "probability", max_channels: int | None = None,
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): ``"probability"`` (default, softmax of the target, the
+                paper) or ``"logit"``: the masked images' score :math:`s_c`.
+            max_channels (int, optional): score only this many channels per image, those
+                with the largest variance of :math:`X[P, c]` over the patch rows (ties:
+                lower channel first); the softmax and the map then run over them only.
+                This is "Faster Score-CAM" (tabayashi0117; tf-keras-vis' ``max_N``, which
+                takes the union of the images' top channels, so there a map depends on
+                its batch; here each image keeps its own), a quick approximation:
+                ``max_channels`` masked forwards per image instead of D. ``None``
+                (default) = every channel, the paper.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the map (raw, not normalised) in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit.methods.scorecam import ScoreCAM
+            >>> cam = ScoreCAM(model)
+            >>> attr = cam.attribute(images, target=labels)
+            >>> cam.num_forwards    # len(images) * (1 + D)
+            >>> fast = cam.attribute(images, target=labels, max_channels=64)
+        """
+        check_choice("score", score, SCORES)
+        if max_channels is not None:
+            check_scalar(max_channels, "max_channels", int, min_val=1)
+        return self._attribute(inputs, target, output, score=score, max_channels=max_channels)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *,
+                    score: str = "probability", max_channels: int | None = None,
+                    **_: Any) -> Tensor:
+        adapter, k = self.adapter, self.adapter.num_prefix
+        layout = adapter.layout(inputs)
+        dt = accumulation_dtype(inputs)
+        with torch.no_grad():
+            ops = FusedOps()
+            x0 = adapter.embed(inputs)
+            x = adapter.run(x0, 0, self.layer, ops=ops)  # X = x_l
+            logits = adapter.run(x, self.layer, ops=ops)  # the clean forward
+        t = resolve_target(target, logits)
+        x = x.to(dt)
+        if max_channels is not None and max_channels < x.shape[-1]:
+            x = top_variance_channels(x, k, max_channels)
+        masks = channel_masks(x, k)  # [B, D, P]
+        b, d, _ = masks.shape
+
+        def scores(lg: Tensor, images: Tensor) -> Tensor:
+            return target_scores(lg.to(dt), t[images], score)
+
+        if self.removal == "pixels":
+            s = masked_image_scores(adapter, inputs, masks, layout, scores,
+                                    batch_size=self.batch_size, show_progress=self.progress)
+            self.num_forwards = b * (1 + d)
+        else:
+            keep = masks >= 0.5
+            s = subset_logits(adapter, x0, keep, batch_size=self.batch_size,
+                              full_logits=logits, reduce=scores,
+                              show_progress=self.progress, desc="ScoreCAM")
+            self.num_forwards = b * (1 + d) - int(keep.all(-1).sum())
+        with torch.no_grad():
+            m = torch.einsum("bnd,bd->bn", x, s.softmax(-1))
+            return m.clamp(min=0) if self.relu else m
