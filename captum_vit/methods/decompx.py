@@ -189,6 +189,17 @@ def sources_per_chunk(adapter: ViTAdapter, x: Tensor, max_memory: int | None) ->
     return max(1, min(total, max_memory // per_source))
 
 
+def source_parts(x: Tensor, j0: int, j1: int, dtype: torch.dtype) -> Tensor:
+    """Initial components [B, j1 - j0, N, D] of sources ``j0..j1-1`` of ``x`` [B, N, D]:
+    source ``j < N`` is ``x[:, j]`` at token ``j`` and zero elsewhere; source ``N`` (the
+    bias source) starts at zero."""
+    b, n, d = x.shape
+    tok = torch.arange(j0, min(j1, n), device=x.device)
+    parts = x.new_zeros((b, j1 - j0, n, d), dtype=dtype)
+    parts[:, tok - j0, tok] = x[:, tok].to(dtype)
+    return parts
+
+
 @torch.no_grad()
 def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tensor,
                        max_memory: int | None = DEFAULT_MAX_MEMORY) -> tuple[Tensor, Tensor]:
@@ -205,7 +216,7 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
     Returns:
         (tokens [B, N], bias [B]) signed contributions to the target logit.
     """
-    b, n, d = x.shape
+    n = x.shape[1]
     dt = accumulation_dtype(x)
     ops = DecompositionOps()
     chunk = sources_per_chunk(adapter, x, max_memory)
@@ -213,10 +224,7 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
     out = []
     for j0 in range(0, n + 1, chunk):
         j1 = min(j0 + chunk, n + 1)  # sources j0..j1-1; source n is the bias source
-        tok = torch.arange(j0, min(j1, n), device=x.device)
-        parts = x.new_zeros((b, j1 - j0, n, d), dtype=dt)
-        parts[:, tok - j0, tok] = x[:, tok].to(dt)  # source j starts as x_s[j] at token j
-        h = Decomposed(x, parts, has_bias=j1 == n + 1)
+        h = Decomposed(x, source_parts(x, j0, j1, dt), has_bias=j1 == n + 1)
         for l in range(start, adapter.num_blocks):
             h = adapter.block(h, l, ops)
         logits = adapter.logits(h, ops).parts  # [B, S, classes]

@@ -1,0 +1,361 @@
+"""GlobEnc (Modarressi et al., NAACL 2022) and ALTI (Ferrando et al., EMNLP 2022) on
+Vision Transformers, as compared in SkipPLUS (Mehri et al. 2024, §5.1, App. E.2).
+SPEC_NEXT §8.2.
+
+Both read one "reset" decomposition per block ``l``: the block input ``x_l`` is written
+as one source per token (source ``j`` is ``x_l[j]`` at token ``j``), the SPEC §3 rules
+(:class:`~captum_vit.methods.decompx.DecompositionOps`) carry the sources through block
+``l`` alone, and the bias source is dropped. This gives vectors ``v_{i←j}`` [D]: what
+source token ``j`` of ``x_l`` contributes to token ``i`` of the block's output. Then
+
+    GlobEnc:  T_l[i, j] = ‖v_{i←j}‖₂
+    ALTI:     T_l[i, j] = max(0, ‖o_i‖₁ − ‖o_i − v_{i←j}‖₁),   o_i = x_{l+1}[i] (real output)
+
+each row-normalised (``T_l[i, :] / Σ_j T_l[i, j]``), and aggregated by rollout without
+identity: ``R = T′_{L−1} ··· T′_0`` with ``T′_l = (1 − r) T_l + r I`` (``r`` =
+``residual_strength``, 0 by default), map ``m = w R`` (``w`` the readout weights).
+
+The MLP branch (``mlp=``):
+
+- ``"ln2"`` (default; the SkipPLUS authors' ``compute_globalti.py``, which decomposes
+  with ``mlp_decompose_p=False``): the MLP is not decomposed. Its modules compute their
+  real outputs while the decomposition passes through them unchanged, so the branch's
+  decomposition is that of its input ``LN2(x_mid)`` (frozen statistics, ``β`` to the
+  dropped bias source), times LayerScale ``ls2`` where the model has one (the authors'
+  LayerScale is decomposed):
+  ``v_{i←j} = x_mid,i←j + ls2 ⊙ LN2^lin(x_mid)_{i←j}``. This is the pre-LN analogue of
+  GlobEnc's own treatment of BERT, which skips the FFN and keeps the second residual and
+  LayerNorm.
+- ``"decompx"``: the exact DecompX decomposition of the whole block (SPEC §3, GELU
+  zero-origin slope, gated units with their real gate). Then
+  ``Σ_j v_{i←j} + (bias part) = x_{l+1}[i]`` exactly.
+
+Verified against the SkipPLUS authors' code (read for its mathematics only):
+NightMachinery/pytorch-image-models-libragrad-v1 (Apache-2.0), ``timm/night/
+decomposition.py``: ``MLPDecomposed`` with ``mlp_decompose_p=False`` runs ``fc1``, the
+activation and ``fc2`` with ``decompose_p=False``, i.e. real features and unchanged
+``attributions_v``; ``residual_decomposed`` then adds them to the ``x_mid`` sources;
+``attribute_patches_aggregate(mode="reset")`` starts every block with the identity
+decomposition and a zero bias ("error") source. NightMachinery/decompv-libragrad-v1 (no
+licence file), ``decompv/x/ds/compute_globalti.py`` (``attributions_aggregation_strategy=
+"reset"``, ``mlp_decompose_p=False``, residual strengths 0 and 0.5) and
+``transform_globalti_attributions`` in ``decompv/x/ds/utils.py``: bias source removed,
+GlobEnc = L2 norm, ALTI = ``relu(‖o‖₁ − ‖o − v‖₁)`` with ``o`` the block's real output,
+rows of ALTI divided by their sum; rollout ``(1 − r) T + r I``, later blocks on the left.
+Two differences from that code, both the SPEC's choice: its GlobEnc matrices are not
+row-normalised before the rollout (nor are they in GlobEnc's own demo,
+mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_images,
+    check_scalar,
+    readout_rows,
+    resolve_target,
+)
+from captum_vit.adapters import NormParts, Ops, Trace, ViTAdapter
+from captum_vit.methods.decompx import (
+    DEFAULT_MAX_MEMORY,
+    Decomposed,
+    DecompositionOps,
+    source_parts,
+    sources_per_chunk,
+)
+
+MLP_CHOICES = ("ln2", "decompx")
+MEASURES = ("globenc", "alti")
+
+
+class _Undecomposed(Decomposed):
+    """A value inside the MLP under ``mlp="ln2"``: its ``real`` is the MLP's real
+    activation, its ``parts`` are still those of ``LN2(x_mid)``."""
+
+
+class _LN2Ops(DecompositionOps):
+    """SPEC §3 rules, except that the MLP of the block is not decomposed (the authors'
+    ``mlp_decompose_p=False``): from the output of ``norm2`` on, every MLP primitive
+    computes its real output and leaves the decomposition as it found it. The branch's
+    LayerScale and the residual add are decomposed as usual."""
+
+    def __init__(self, norm2: NormParts) -> None:
+        super().__init__()
+        self.norm2 = norm2
+        self.saw_norm2 = False
+
+    def norm(self, x: Decomposed, p: NormParts) -> Decomposed:
+        if isinstance(x, _Undecomposed):  # a norm inside the MLP (timm's scale_mlp)
+            return _Undecomposed(Ops.norm(self, x.real, p), x.parts, x.has_bias)
+        y = super().norm(x, p)
+        if p is not self.norm2:
+            return y
+        self.saw_norm2 = True
+        return _Undecomposed(y.real, y.parts, y.has_bias)
+
+    def linear(self, x: Decomposed, weight: Tensor, bias: Tensor | None) -> Decomposed:
+        if isinstance(x, _Undecomposed):
+            return _Undecomposed(F.linear(x.real, weight, bias), x.parts, x.has_bias)
+        return super().linear(x, weight, bias)
+
+    def act(self, z: Decomposed, act: Any) -> Decomposed:
+        if isinstance(z, _Undecomposed):
+            return _Undecomposed(act(z.real), z.parts, z.has_bias)
+        return super().act(z, act)
+
+    def gated(self, g: Decomposed, z: Decomposed, act: Any) -> Decomposed:
+        if isinstance(z, _Undecomposed):
+            return _Undecomposed(act(g.real) * z.real, z.parts, z.has_bias)
+        return super().gated(g, z, act)
+
+
+@torch.no_grad()
+def decompose_block(adapter: ViTAdapter, x: Tensor, layer: int, *, mlp: str = "ln2",
+                    sources: range | None = None, bias: bool = False) -> Decomposed:
+    r"""The reset decomposition of block ``layer`` (SPEC_NEXT §8.2).
+
+    Source ``j`` of the block input ``x`` starts as ``x[:, j]`` at token ``j`` and zero
+    elsewhere; the SPEC §3 rules carry the sources through this one block.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        x (Tensor): the real block input ``x_l`` [B, N, D].
+        layer (int): the block ``l``.
+        mlp (str, optional): ``"ln2"`` (default: the MLP branch carries the decomposition
+            of ``LN2(x_mid)``, see the module docstring) or ``"decompx"`` (exact).
+        sources (range, optional): the source tokens to carry (a chunk, ``step`` 1);
+            ``None`` = all ``N``.
+        bias (bool, optional): also carry the bias source, as the last component (the
+            reset decomposition drops it; it is here for completeness checks).
+            Default False.
+
+    Returns:
+        Decomposed: ``real`` the block's real output ``x_{l+1}`` [B, N, D]; ``parts``
+        [B, S, N, D] with ``parts[:, s, i] = v_{i←j}`` for the ``s``-th source ``j``
+        (then the bias part with ``bias=True``), in ``accumulation_dtype(x)``.
+        With ``mlp="decompx"`` and ``bias=True`` the parts of all ``N`` sources and the
+        bias part sum to ``real``; with ``"ln2"`` they sum to
+        ``x_mid + ls2 ⊙ LN2(x_mid)``.
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> adapter = adapt(model)
+        >>> x0 = adapter.embed(images)
+        >>> h = decompose_block(adapter, x0, 0, mlp="decompx", bias=True)
+        >>> torch.allclose(h.parts.sum(1), h.real)
+        True
+    """
+    check_choice("mlp", mlp, MLP_CHOICES)
+    n = x.shape[1]
+    sources = range(n) if sources is None else sources
+    if sources.step != 1 or not 0 <= sources.start <= sources.stop <= n:
+        raise ValueError(f"sources must be a range(j0, j1) with 0 <= j0 <= j1 <= {n}, "
+                         f"got {sources}")
+    dt = accumulation_dtype(x)
+    parts = source_parts(x, sources.start, sources.stop, dt)
+    if bias:
+        parts = torch.cat([parts, parts.new_zeros((x.shape[0], 1, *parts.shape[2:]))], 1)
+    h = Decomposed(x, parts, has_bias=bias)
+    if mlp == "decompx":
+        return adapter.block(h, layer, DecompositionOps())
+    ops = _LN2Ops(adapter.blocks[layer].norm2)
+    out = adapter.block(h, layer, ops)
+    if not ops.saw_norm2:  # pragma: no cover - every canonical block has norm2
+        raise TypeError(f"mlp='ln2' needs the block's LN2 (norm2); block {layer} of this "
+                        f"{type(adapter.model).__name__} never applied it: use "
+                        "mlp='decompx'")
+    return Decomposed(out.real, out.parts, out.has_bias)
+
+
+def token_scores(h: Decomposed, measure: str) -> Tensor:
+    r"""Unnormalised ``T[i, j]`` [B, N, S] of one block from its reset decomposition ``h``
+    (parts [B, S, N, D], no bias part): GlobEnc :math:`\|v_{i←j}\|_2`, ALTI
+    :math:`\max(0, \|o_i\|_1 - \|o_i - v_{i←j}\|_1)` with ``o = h.real`` (the real
+    block output)."""
+    check_choice("measure", measure, MEASURES)
+    v = h.parts
+    if measure == "globenc":
+        t = torch.linalg.vector_norm(v, ord=2, dim=-1)
+    else:
+        o = h.real.to(v.dtype)
+        dist = torch.linalg.vector_norm(o[:, None] - v, ord=1, dim=-1)
+        t = (torch.linalg.vector_norm(o, ord=1, dim=-1)[:, None] - dist).clamp_min(0)
+    return t.transpose(1, 2)
+
+
+class _GlobALTI(ViTGradientAttribution):
+    """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
+
+    measure: str = ""
+
+    def __init__(self, model: nn.Module, mlp: str = "ln2", residual_strength: float = 0.0,
+                 max_memory: int | None = DEFAULT_MAX_MEMORY) -> None:
+        super().__init__(model)
+        self.mlp = check_choice("mlp", mlp, MLP_CHOICES)
+        self.residual_strength = float(check_scalar(residual_strength, "residual_strength",
+                                                    float, min_val=0.0, max_val=1.0))
+        if max_memory is not None:  # bytes; None = no chunking
+            max_memory = check_scalar(max_memory, "max_memory", int, min_val=1)
+        self.max_memory = max_memory
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): validated but unused: the map is
+                class-agnostic (except the readout weights of a DINOv2 ``[CLS ; mean]``
+                classifier with ``alpha="logit"``, which depend on the class). ``None``
+                (default) means the predicted class (Captum's ``None`` means a scalar
+                output).
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the rolled-out map ``w T′_{L−1} ··· T′_0`` (non-negative, summing to
+            1 over all tokens when ``w`` does, prefix tokens included before they are
+            dropped) in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit.methods.globenc_alti import GlobEnc
+            >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
+        """
+        return self._attribute(inputs, target, output)
+
+    def block_matrices(self, inputs: Tensor) -> Tensor:
+        r"""The row-normalised per-block matrices ``T_l`` (SPEC_NEXT §8.2).
+
+        ``T_l[b, i, j]`` is how much source token ``j`` of the block input ``x_l``
+        contributes to token ``i`` of the block output; every row is non-negative and
+        sums to 1 (a row whose scores are all 0, possible for ALTI, stays 0). PLUS and
+        SkipPLUS sum the readout rows ``w T_l`` of these (App. E.2); the rollout of
+        :meth:`attribute` multiplies ``(1 − r) T_l + r I``.
+
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+
+        Returns:
+            Tensor: [L, B, N, N] (prefix tokens first), in ``accumulation_dtype``.
+
+        Examples::
+
+            >>> T = GlobEnc(model).block_matrices(images)  # [L, B, N, N]
+            >>> torch.allclose(T.sum(-1), torch.ones(()))
+            True
+        """
+        images, _ = check_images(inputs)
+        self.adapter.check_inputs(images)
+        self.adapter.self_check(images)
+        return self._matrices(self.adapter.trace(images))
+
+    def _matrices(self, tr: Trace) -> Tensor:
+        out = []
+        for l, rec in enumerate(tr.blocks, start=tr.start):
+            x = rec.x
+            b, n, _ = x.shape
+            chunk = sources_per_chunk(self.adapter, x, self.max_memory)
+            t = x.new_zeros((b, n, n), dtype=accumulation_dtype(x))
+            for j0 in range(0, n, chunk):
+                j1 = min(j0 + chunk, n)
+                h = decompose_block(self.adapter, x, l, mlp=self.mlp, sources=range(j0, j1))
+                t[:, :, j0:j1] = token_scores(h, self.measure)
+            out.append(t / t.sum(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny))
+        return torch.stack(out)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
+        tr = self.adapter.trace(inputs)
+        mats = self._matrices(tr)
+        rs = self.residual_strength
+        r = readout_rows(tr, dtype=mats.dtype, target=resolve_target(target, tr.logits))
+        for t in mats.flip(0):  # m = w T′_{L−1} ··· T′_0 as a row vector
+            r = (1 - rs) * torch.einsum("bn,bnm->bm", r, t) + rs * r
+        return r
+
+
+class GlobEnc(_GlobALTI):
+    r"""GlobEnc (Modarressi et al., NAACL 2022) for ViTs, as in SkipPLUS (SPEC_NEXT §8.2).
+
+    Per block ``l``, the reset decomposition of the block (one source per token of its
+    input ``x_l``, bias source dropped; see :mod:`captum_vit.methods.globenc_alti`) gives
+    vectors :math:`v_{i←j}`, and
+
+    .. math::
+
+        T_l[i, j] = \frac{\|v_{i←j}\|_2}{\sum_k \|v_{i←k}\|_2}, \qquad
+        m = w \, T'_{L-1} \cdots T'_0, \quad T'_l = (1 - r) T_l + r I.
+
+    Class-agnostic (the target is validated but does not change the map). By default the
+    MLP branch is replaced by the decomposition of its input ``LN2(x_mid)`` (times
+    LayerScale), the SkipPLUS authors' ``mlp_decompose_p=False``; ``mlp="decompx"`` uses
+    the exact DecompX decomposition of the whole block. The SkipPLUS authors' code (and
+    GlobEnc's own demo) roll out the norms without row normalisation; the SPEC
+    row-normalises. Cost: one forward plus one decomposition of each block, ``N·N·W``
+    floats per image and block at MLP width ``W`` (``max_memory`` chunks the sources).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        mlp (str, optional): ``"ln2"`` (default) or ``"decompx"``.
+        residual_strength (float, optional): ``r`` in ``[0, 1]``; 0 (default) is the
+            rollout without identity, the authors also report 0.5.
+        max_memory (int or None, optional): bytes of decomposed activations per pass
+            (default 1 GiB); ``None`` = all sources in one pass.
+
+    Examples::
+
+        >>> from captum_vit.methods.globenc_alti import GlobEnc
+        >>> attr = GlobEnc(model).attribute(images, output="grid")       # [B, 1, gh, gw]
+        >>> T = GlobEnc(model, mlp="decompx").block_matrices(images)     # [L, B, N, N]
+        >>> row = T[-1, :, 0]  # what each token of x_{L-1} gives the CLS token
+    """
+
+    measure = "globenc"
+
+
+class ALTI(_GlobALTI):
+    r"""ALTI (Ferrando, Gállego and Costa-jussà, EMNLP 2022) for ViTs, as in SkipPLUS
+    (SPEC_NEXT §8.2).
+
+    Per block ``l``, the reset decomposition of the block (one source per token of its
+    input ``x_l``, bias source dropped; see :mod:`captum_vit.methods.globenc_alti`) gives
+    vectors :math:`v_{i←j}`, and with :math:`o_i = x_{l+1}[i]` the block's **real**
+    output (bias and, with ``mlp="ln2"``, the real MLP included, as in the SkipPLUS
+    authors' code, which reads the block's stored output)
+
+    .. math::
+
+        c_{ij} = \max\bigl(0, \|o_i\|_1 - \|o_i - v_{i←j}\|_1\bigr), \qquad
+        T_l[i, j] = c_{ij} / \textstyle\sum_k c_{ik}, \qquad
+        m = w \, T'_{L-1} \cdots T'_0, \quad T'_l = (1 - r) T_l + r I.
+
+    Class-agnostic (the target is validated but does not change the map). The MLP
+    choice (``mlp=``), ``residual_strength`` and ``max_memory`` are as in
+    :class:`GlobEnc`.
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        mlp (str, optional): ``"ln2"`` (default) or ``"decompx"``.
+        residual_strength (float, optional): ``r`` in ``[0, 1]``; default 0.
+        max_memory (int or None, optional): bytes of decomposed activations per pass
+            (default 1 GiB); ``None`` = all sources in one pass.
+
+    Examples::
+
+        >>> from captum_vit.methods.globenc_alti import ALTI
+        >>> attr = ALTI(model, residual_strength=0.5).attribute(images, output="tokens")
+        >>> T = ALTI(model).block_matrices(images)  # [L, B, N, N], rows sum to 1
+    """
+
+    measure = "alti"
