@@ -35,17 +35,28 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from captum_vit import (
+    ALTI,
     GAE,
     PLUS,
     TIS,
     AttCAT,
+    AttnGrad,
     AttnGradCAM,
     DecompX,
     FullGradPlus,
+    GlobEnc,
+    GradCAM,
+    GradCAMElementWise,
+    GradCAMPlusPlus,
+    GradSAM,
+    HiResCAM,
+    LayerCAM,
     RawAttention,
     Rollout,
     SkipPLUS,
     TokenTM,
+    VanillaGrad,
+    XGradCAM,
 )
 
 # name -> (factory(model) -> callable(x, target), goal ratio or None)
@@ -62,6 +73,24 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "IxG∘PLUS": (lambda m: PLUS(m, "ixg").attribute, 2.0),
     "FullGrad+": (lambda m: FullGradPlus(m).attribute, 2.0),
     "TIS (n_masks=32)": (lambda m: functools.partial(TIS(m).attribute, n_masks=32), None),
+    # the SkipPLUS paper's bases (issue 19); goals: gradient/CAM bases ≤ 1.3×, gradient
+    # base ∘ PLUS/SkipPLUS ≤ 1.5×, GlobEnc/ALTI ∘ SkipPLUS ≤ 3×
+    "VanillaGrad": (lambda m: VanillaGrad(m).attribute, 1.3),
+    "AttnGrad": (lambda m: AttnGrad(m).attribute, 1.3),
+    "GradSAM": (lambda m: GradSAM(m).attribute, 1.3),
+    "GradCAM": (lambda m: GradCAM(m).attribute, 1.3),
+    "GradCAM++": (lambda m: GradCAMPlusPlus(m).attribute, 1.3),
+    "XGradCAM": (lambda m: XGradCAM(m).attribute, 1.3),
+    "LayerCAM": (lambda m: LayerCAM(m).attribute, 1.3),
+    "HiResCAM": (lambda m: HiResCAM(m).attribute, 1.3),
+    "GradCAMElementWise": (lambda m: GradCAMElementWise(m).attribute, 1.3),
+    "GlobEnc": (lambda m: GlobEnc(m).attribute, None),
+    "ALTI": (lambda m: ALTI(m).attribute, None),
+    "GAE∘SkipPLUS": (lambda m: SkipPLUS(m, "gae").attribute, 1.5),
+    "TokenTM∘SkipPLUS": (lambda m: SkipPLUS(m, "tokentm").attribute, 1.5),
+    "GradCAM∘SkipPLUS": (lambda m: SkipPLUS(m, "gradcam").attribute, 1.5),
+    "VanillaGrad∘PLUS": (lambda m: PLUS(m, "vanilla_grad").attribute, 1.5),
+    "GlobEnc∘SkipPLUS": (lambda m: SkipPLUS(m, "globenc").attribute, 3.0),
 }
 
 

@@ -22,6 +22,10 @@ from captum_vit.targets import embedding_target, is_embedding_target
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
+AGGREGATES = ("subnetwork", "layer")
+"""How PLUS / SkipPLUS sum a recursion base over the start blocks (SPEC_NEXT §8.5):
+``"subnetwork"`` runs the base on every sub-network ``f_l`` (Eq. 3 literally), ``"layer"``
+sums the readout rows of its per-block matrices ``w F_l`` (no identity)."""
 TargetLike = int | Sequence[int] | Tensor | np.ndarray | np.integer | None
 
 

@@ -7,9 +7,11 @@ A name is one of
   ``"random"`` — the chance-level baseline), its class name (``"GAE"``, ``"TokenTM"``) or
   any spelling of either that differs only in case, ``_`` or ``-`` (``"Raw-Attention"``);
 * a composition ``plus:<name>`` / ``skipplus:<name>``, also written ``PLUS(<name>)`` /
-  ``SkipPLUS(<name>)`` (``"SkipPLUS(DecompX)"`` = ``"skipplus:decompx"``), where
-  ``<name>`` is a registered name, a base kind of the combinators (``ixg``,
-  ``gradient``) or ``captum:<ClassName>``;
+  ``SkipPLUS(<name>)`` (``"SkipPLUS(DecompX)"`` = ``"skipplus:decompx"``,
+  ``"SkipPLUS(TokenTM)"`` = ``"skipplus:tokentm"``), where ``<name>`` is any registered
+  method except the FullGrad+ rows (themselves sums over blocks), a base kind of the
+  combinators (``ixg``, ``gradient``) or ``captum:<ClassName>``; nested compositions
+  (``plus:skipplus:gae``) are refused;
 * ``captum:<ClassName>``: any attribution class of ``captum.attr`` built from the model.
 
 :func:`canonical_name` turns every spelling into one canonical string, so ``"GAE"``,
@@ -28,17 +30,29 @@ from torch import nn
 
 from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
 from captum_vit.methods import (
+    ALTI,
     GAE,
     TIS,
     AttCAT,
     AttIxG,
+    AttnGrad,
     AttnGradCAM,
     DecompX,
+    GlobEnc,
+    GradCAM,
+    GradCAMElementWise,
+    GradCAMPlusPlus,
+    GradSAM,
+    HiResCAM,
+    LayerCAM,
     RandomMap,
     RawAttention,
     Rollout,
+    ScoreCAM,
     TokenIxG,
     TokenTM,
+    VanillaGrad,
+    XGradCAM,
 )
 
 
@@ -56,6 +70,7 @@ class MethodEntry:
             ``explain``'s default grid.
         quick (dict): ``attribute`` options for a quick look (``captum-vit explain``);
             the method's own defaults are the paper's.
+        composable (bool): whether ``plus:<name>`` / ``skipplus:<name>`` exist.
     """
 
     name: str
@@ -64,6 +79,9 @@ class MethodEntry:
     class_alias: bool = True
     baseline: bool = False
     quick: dict = field(default_factory=dict)
+    composable: bool = True
+    """Whether PLUS / SkipPLUS may take it as a base (False for FullGrad+, itself a sum
+    over blocks)."""
 
 
 def _plain(cls: type) -> Callable[[nn.Module, int], Attribution]:
@@ -83,9 +101,23 @@ METHODS: tuple[MethodEntry, ...] = (
     MethodEntry("att_ixg", AttIxG, _plain(AttIxG)),
     MethodEntry("decompx", DecompX, _plain(DecompX)),
     MethodEntry("tis", TIS, _plain(TIS), quick={"n_masks": 128}),
-    MethodEntry("fullgrad_plus", FullGradPlus, _plain(FullGradPlus)),
-    MethodEntry("skip_fullgrad_plus", FullGradPlus, lambda m, s: FullGradPlus(m, skip=True),
+    MethodEntry("vanilla_grad", VanillaGrad, _plain(VanillaGrad)),
+    MethodEntry("attn_grad", AttnGrad, _plain(AttnGrad)),
+    MethodEntry("gradsam", GradSAM, _plain(GradSAM)),
+    MethodEntry("globenc", GlobEnc, _plain(GlobEnc)),
+    MethodEntry("alti", ALTI, _plain(ALTI)),
+    MethodEntry("gradcam", GradCAM, _plain(GradCAM)),
+    MethodEntry("gradcam_pp", GradCAMPlusPlus, _plain(GradCAMPlusPlus)),
+    MethodEntry("xgradcam", XGradCAM, _plain(XGradCAM)),
+    MethodEntry("xgradcam_plus", XGradCAM, lambda m, s: XGradCAM(m, plus=True),
                 class_alias=False),
+    MethodEntry("layercam", LayerCAM, _plain(LayerCAM)),
+    MethodEntry("hirescam", HiResCAM, _plain(HiResCAM)),
+    MethodEntry("gradcam_elementwise", GradCAMElementWise, _plain(GradCAMElementWise)),
+    MethodEntry("scorecam", ScoreCAM, _plain(ScoreCAM), quick={"max_channels": 128}),
+    MethodEntry("fullgrad_plus", FullGradPlus, _plain(FullGradPlus), composable=False),
+    MethodEntry("skip_fullgrad_plus", FullGradPlus, lambda m, s: FullGradPlus(m, skip=True),
+                class_alias=False, composable=False),
     MethodEntry("random", RandomMap, lambda m, s: RandomMap(m, seed=s), baseline=True),
 )
 """Every registered method, in the order of tables and plots."""
@@ -98,6 +130,20 @@ COMBINATOR_BASES = ("ixg", "gradient")
 
 FEATURED_COMPOSITIONS = ("plus:decompx", "skipplus:decompx")
 """Compositions included in ``all`` (the SkipPLUS paper's headline)."""
+
+REPRESENTATIVE_COMPOSITIONS = ("skipplus:gae", "skipplus:tokentm", "plus:attn_gradcam",
+                               "skipplus:attcat")
+"""Compositions that, with :data:`FEATURED_COMPOSITIONS`, cover every route of
+:class:`~captum_vit.combinators.PLUS` over this package's methods, one base each, for the
+contract suite (``available_methods(compositions=True)``): the suffix-product fast path of
+a gradient-weighted recursion (GAE, with an attention-pool head's gradient) and of one with
+a state-dependent start (TokenTM, ``R_init = diag‖x_l‖``); the one-block window of a
+layer-local method (attention Grad-CAM at every block, PLUS so that blocks are folded into
+the head); the generic per-sub-network run of a method without fast path (AttCAT); the
+gradient route (DecompX). Every other registered base composes through one of these
+routes, so listing all ``2 × len(METHODS)`` compositions would multiply the contract suite
+without covering more code. Perturbation bases (TIS) cost one run per block and are
+checked in their own tests."""
 
 
 def _key(name: str) -> str:
@@ -123,8 +169,9 @@ def available_methods(*, baselines: bool = True, compositions: bool = False) -> 
 
     Args:
         baselines (bool, optional): include reference rows (``random``). Default True.
-        compositions (bool, optional): add :data:`FEATURED_COMPOSITIONS` (before the
-            baselines). Default False.
+        compositions (bool, optional): add :data:`FEATURED_COMPOSITIONS` and
+            :data:`REPRESENTATIVE_COMPOSITIONS` (before the baselines): the compositions
+            the contract suite covers. Default False.
 
     Returns:
         list[str]: names accepted by :func:`build_method`, in table order.
@@ -134,9 +181,15 @@ def available_methods(*, baselines: bool = True, compositions: bool = False) -> 
         >>> from captum_vit.registry import available_methods
         >>> available_methods()[:3]
         ['raw_attention', 'rollout', 'gae']
+        >>> "skipplus:gae" in available_methods(compositions=True)
+        True
     """
-    names = [e.name for e in METHODS if not e.baseline]
-    names += list(FEATURED_COMPOSITIONS) if compositions else []
+    extra = [*FEATURED_COMPOSITIONS, *REPRESENTATIVE_COMPOSITIONS] if compositions else []
+    return _names(baselines, extra)
+
+
+def _names(baselines: bool, compositions: Sequence[str]) -> list[str]:
+    names = [e.name for e in METHODS if not e.baseline] + list(compositions)
     return names + [e.name for e in METHODS if e.baseline and baselines]
 
 
@@ -156,6 +209,27 @@ def _captum_class(name: str) -> type:
     return cls
 
 
+def _split_composition(canon: str) -> tuple[str, str] | None:
+    """``(prefix, base)`` of a canonical composition name, ``None`` for another name."""
+    prefix, sep, inner = canon.partition(":")
+    return (prefix, inner) if sep and prefix in COMBINATORS else None
+
+
+def _base_name(inner: str, name: str) -> str:
+    """The canonical name of the base of composition ``name``."""
+    if _key(inner) in COMBINATOR_BASES:
+        return _key(inner)
+    canon = canonical_name(inner)
+    if _split_composition(canon) is not None:
+        raise ValueError(f"nested composition {name!r}: PLUS and SkipPLUS take one base method, "
+                         f"not another composition ({canon!r})")
+    entry = _LOOKUP.get(_key(canon))
+    if entry is not None and not entry.composable:
+        raise ValueError(f"{name!r}: {entry.name} is itself a sum over blocks (FullGrad+), "
+                         "not a base for PLUS/SkipPLUS; compose its base instead (plus:ixg)")
+    return canon
+
+
 def canonical_name(name: str) -> str:
     """The canonical spelling of a method name (see the module docstring).
 
@@ -167,13 +241,16 @@ def canonical_name(name: str) -> str:
 
     Raises:
         TypeError: if ``name`` is not a str.
-        ValueError: for an unknown name (the message lists the known ones).
+        ValueError: for an unknown name (the message lists the known ones) or a nested
+            composition.
 
     Examples::
 
         >>> from captum_vit.registry import canonical_name
         >>> canonical_name("GAE"), canonical_name("SkipPLUS(DecompX)")
         ('gae', 'skipplus:decompx')
+        >>> canonical_name("PLUS(TokenTM_Residual)")
+        'plus:tokentm_residual'
     """
     if not isinstance(name, str):
         raise TypeError(f"method name must be a str, got {type(name).__name__}")
@@ -182,38 +259,71 @@ def canonical_name(name: str) -> str:
         return f"captum:{cls.__name__}"
     m = _COMPOSED.match(name)
     if m and _key(m.group(1)) in COMBINATORS:
-        inner = (m.group(2) or m.group(3)).strip()
-        if _key(inner) in COMBINATOR_BASES:
-            return f"{_key(m.group(1))}:{_key(inner)}"
-        return f"{_key(m.group(1))}:{canonical_name(inner)}"
+        return f"{_key(m.group(1))}:{_base_name((m.group(2) or m.group(3)).strip(), name)}"
     entry = _LOOKUP.get(_key(name))
     if entry is None:
         raise _unknown(name)
     return entry.name
 
 
-def parse_methods(values: Sequence[str] | str, *, for_explain: bool = False) -> list[str]:
+def _compositions(compose: str | Sequence[str] | None) -> list[str]:
+    """Canonical combinator prefixes named by ``compose`` (``"plus,skipplus"``)."""
+    if compose is None:
+        return []
+    values = [compose] if isinstance(compose, str) else list(compose)
+    if not all(isinstance(v, str) for v in values):
+        raise TypeError("compose must be a str such as 'plus,skipplus' or a list of them")
+    out = []
+    for v in values:
+        for c in re.split(r"[\s,]+", v.strip()):
+            if not c:
+                continue
+            if _key(c) not in COMBINATORS:
+                raise ValueError(f"compose must name combinators from "
+                                 f"{', '.join(map(repr, COMBINATORS))}; got {c!r}")
+            out.append(_key(c))
+    return list(dict.fromkeys(out))
+
+
+def _composable(canon: str) -> bool:
+    """Whether ``--compose`` adds compositions of method ``canon`` (not of compositions,
+    FullGrad+ or baselines)."""
+    if canon.startswith("captum:"):
+        return True
+    entry = _LOOKUP.get(_key(canon))
+    return entry is not None and entry.composable and not entry.baseline
+
+
+def parse_methods(values: Sequence[str] | str, *, for_explain: bool = False,
+                  compose: str | Sequence[str] | None = None) -> list[str]:
     """Canonical method names from command-line values (comma or space separated).
 
     ``all`` expands to every registered method plus :data:`FEATURED_COMPOSITIONS`
-    (``explain`` leaves out the ``random`` baseline). Repeats are dropped.
+    (``explain`` leaves out the ``random`` baseline). ``compose`` adds, right after every
+    selected method that can be a base (not a composition, FullGrad+ or the ``random``
+    baseline), its compositions with the named combinators. Repeats are dropped.
 
     Args:
         values (str or sequence of str): e.g. ``["gae,rollout", "SkipPLUS(DecompX)"]``.
         for_explain (bool, optional): expand ``all`` without baselines. Default False.
+        compose (str or sequence of str, optional): combinators to compose every selected
+            base with, e.g. ``"plus,skipplus"`` (``captum-vit evaluate --compose``).
 
     Returns:
         list[str]: canonical names in the given order.
 
     Raises:
-        ValueError: for an empty list or an unknown name.
+        ValueError: for an empty list, an unknown name or an unknown combinator.
 
     Examples::
 
         >>> from captum_vit.registry import parse_methods
         >>> parse_methods(["GAE,skipplus:DecompX", "random"])
         ['gae', 'skipplus:decompx', 'random']
+        >>> parse_methods("gae,random", compose="plus,skipplus")
+        ['gae', 'plus:gae', 'skipplus:gae', 'random']
     """
+    combos = _compositions(compose)
     if isinstance(values, str):
         values = [values]
     names = [n.strip() for v in values for n in _split(v) if n.strip()]
@@ -222,10 +332,15 @@ def parse_methods(values: Sequence[str] | str, *, for_explain: bool = False) -> 
     out: list[str] = []
     for n in names:
         if n.lower() == "all":
-            out += available_methods(baselines=not for_explain, compositions=True)
+            out += _names(not for_explain, FEATURED_COMPOSITIONS)
         else:
             out.append(canonical_name(n))
-    return list(dict.fromkeys(out))
+    with_compositions = []
+    for n in out:
+        with_compositions.append(n)
+        if _composable(n):
+            with_compositions += [f"{c}:{n}" for c in combos]
+    return list(dict.fromkeys(with_compositions))
 
 
 def _split(value: str) -> list[str]:
@@ -240,6 +355,44 @@ def _split(value: str) -> list[str]:
         else:
             cur += ch
     return parts + [cur]
+
+
+def composition_base(name: str, *, seed: int = 0) -> str | type | Callable:
+    """What :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` take as base for the
+    method called ``name``.
+
+    Args:
+        name (str): a registered method (any spelling), a combinator base kind (``ixg``,
+            ``gradient``) or ``captum:<ClassName>``; not a composition.
+        seed (int, optional): seed of seeded methods. Default 0.
+
+    Returns:
+        The base kind (str), the Captum class, or a factory ``f -> Attribution`` building
+        the registered method on each sub-network ``f``.
+
+    Raises:
+        ValueError: unknown name, a composition, or a method that cannot be a base.
+
+    Examples::
+
+        >>> from captum_vit import PLUS
+        >>> from captum_vit.registry import composition_base
+        >>> plus = PLUS(model, composition_base("tokentm_residual"))
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"method name must be a str, got {type(name).__name__}")
+    canon = _base_name(name, name)
+    if canon in COMBINATOR_BASES:
+        return canon
+    if canon.startswith("captum:"):
+        return _captum_class(canon)
+    entry = _LOOKUP[_key(canon)]
+
+    def factory(f: nn.Module) -> Attribution:
+        return entry.build(f, seed)
+
+    factory.__name__ = canon
+    return factory
 
 
 def build_method(name: str, model: nn.Module, *, seed: int = 0) -> Attribution:
@@ -261,29 +414,33 @@ def build_method(name: str, model: nn.Module, *, seed: int = 0) -> Attribution:
         >>> from captum_vit.registry import build_method
         >>> gae = build_method("GAE", model)
         >>> dx = build_method("SkipPLUS(DecompX)", model)
+        >>> ttm = build_method("plus:tokentm", model)
         >>> ig = build_method("captum:IntegratedGradients", model)
     """
     canon = canonical_name(name)
     if canon.startswith("captum:"):
         return _captum_class(canon)(model)
-    prefix, sep, inner = canon.partition(":")
-    if sep and prefix in COMBINATORS:
-        base = _captum_class(inner) if inner.startswith("captum:") else inner
-        return COMBINATORS[prefix](model, base)
+    composed = _split_composition(canon)
+    if composed is not None:
+        prefix, inner = composed
+        return COMBINATORS[prefix](model, composition_base(inner, seed=seed))
     return _LOOKUP[_key(canon)].build(model, seed)
 
 
 def quick_options(name: str) -> dict:
     """``attribute`` options for a quick look at method ``name`` (e.g. TIS with 128 masks
-    instead of the paper's 1024); empty for compositions and Captum classes.
+    instead of the paper's 1024); a composition takes its base's; empty for Captum
+    classes.
 
     Examples::
 
         >>> from captum_vit.registry import quick_options
-        >>> quick_options("TIS")
-        {'n_masks': 128}
+        >>> quick_options("TIS"), quick_options("skipplus:tis")
+        ({'n_masks': 128}, {'n_masks': 128})
     """
-    entry = _LOOKUP.get(_key(canonical_name(name)))
+    canon = canonical_name(name)
+    composed = _split_composition(canon)
+    entry = _LOOKUP.get(_key(composed[1] if composed else canon))
     return dict(entry.quick) if entry is not None else {}
 
 
@@ -315,6 +472,7 @@ def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribu
 
 
 __all__ = [
-    "COMBINATORS", "FEATURED_COMPOSITIONS", "METHODS", "MethodEntry", "available_methods",
-    "build_method", "canonical_name", "method_factory", "parse_methods", "quick_options",
+    "COMBINATORS", "FEATURED_COMPOSITIONS", "METHODS", "MethodEntry",
+    "REPRESENTATIVE_COMPOSITIONS", "available_methods", "build_method", "canonical_name",
+    "composition_base", "method_factory", "parse_methods", "quick_options",
 ]

@@ -9,6 +9,7 @@ from captum.attr import IntegratedGradients
 from captum_vit import GAE, TIS, DecompX, RandomMap, SkipPLUS, TokenTM
 from captum_vit._base import check_scalar
 from captum_vit.registry import (
+    FEATURED_COMPOSITIONS,
     METHODS,
     available_methods,
     build_method,
@@ -63,9 +64,10 @@ def test_parse_methods_expands_all_and_keeps_order():
     assert parse_methods(["GAE,skipplus:DecompX", "random", "gae"]) == [
         "gae", "skipplus:decompx", "random"]
     assert parse_methods("SkipPLUS(DecompX),rollout") == ["skipplus:decompx", "rollout"]
-    every = parse_methods(["all"])
-    assert every == available_methods(compositions=True)
+    every = parse_methods(["all"])  # the registered methods and the featured compositions
+    assert every == [*available_methods(baselines=False), *FEATURED_COMPOSITIONS, "random"]
     assert {"plus:decompx", "skipplus:decompx", "random"} <= set(every)
+    assert set(every) < set(available_methods(compositions=True))  # + representative ones
     assert every[-1] == "random"  # the chance level closes the table
     assert "random" not in parse_methods("all", for_explain=True)
 

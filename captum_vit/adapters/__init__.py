@@ -21,6 +21,7 @@ from captum_vit.adapters.base import (
 )
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
+from captum_vit.adapters.subnetwork import SubnetworkAdapter
 from captum_vit.adapters.subsets import subset_logits
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
@@ -123,7 +124,8 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
 
 __all__ = [
     "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFEmbeddingAdapter", "HFViTAdapter",
-    "HeadParts", "Layout", "NormParts", "Ops", "PoolParts", "Trace", "TimmBeitAdapter",
+    "HeadParts", "Layout", "NormParts", "Ops", "PoolParts", "SubnetworkAdapter", "Trace",
+    "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "readout_alpha", "subset_logits",
     "SUPPORTED",
 ]

@@ -2,7 +2,8 @@
 
 Models (``--model``): :mod:`captum_vit.models`; data (``--data``):
 :mod:`captum_vit.data.specs`; methods (``--methods``): :mod:`captum_vit.registry`; metrics
-(``--metrics``): :data:`captum_vit.metrics.suite.METRICS`; files:
+(``--metrics``): :data:`captum_vit.metrics.suite.METRICS`; compositions (``--compose``):
+:func:`captum_vit.registry.parse_methods`; files:
 :func:`captum_vit.metrics.report.write_outputs`. This module only parses options.
 
 Under ``torchrun --nproc_per_node=K -m captum_vit.cli evaluate --num-examples N ...``
@@ -49,7 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default="fmnist-loc", help=DATA_HELP)
     p.add_argument("--methods", nargs="+", default=["all"],
                    help="method names, comma or space separated (GAE, skipplus:decompx, "
-                        "captum:<Class>, random = chance level, 'all')")
+                        "plus:<any method>, captum:<Class>, random = chance level, 'all')")
+    p.add_argument("--compose", default=None, metavar="COMBINATORS",
+                   help="also evaluate every selected method composed with these "
+                        "combinators, e.g. 'plus,skipplus' adds plus:<m> and skipplus:<m> "
+                        "after each method m (not after compositions, FullGrad+ or random)")
     p.add_argument("--metrics", nargs="+", default=["all"],
                    help=f"{', '.join(suite.METRICS)} or 'all'")
     p.add_argument("--n", "--num-examples", dest="n", type=positive_int, default=100,
@@ -69,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``captum-vit evaluate``; returns the exit status (files written by rank 0)."""
-    methods = parse_methods(args.methods)
+    methods = parse_methods(args.methods, compose=args.compose)
     suite.parse_metrics(args.metrics)  # names checked before any work
     report.ensure_folder(args.out)
     with suite.distributed(args.device) as (device, rank, _):

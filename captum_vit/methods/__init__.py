@@ -2,18 +2,30 @@
 
 from captum_vit.methods.attcat import AttCAT
 from captum_vit.methods.attn_gradcam import AttnGradCAM
+from captum_vit.methods.cam import (
+    GradCAM,
+    GradCAMElementWise,
+    GradCAMPlusPlus,
+    HiResCAM,
+    LayerCAM,
+    XGradCAM,
+)
 from captum_vit.methods.decompx import DecompX, DecompXResult
 from captum_vit.methods.gae import GAE
+from captum_vit.methods.globenc_alti import ALTI, GlobEnc
+from captum_vit.methods.gradsam import GradSAM
 from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
 from captum_vit.methods.random_map import RandomMap
 from captum_vit.methods.raw_attention import RawAttention
 from captum_vit.methods.rollout import Rollout
+from captum_vit.methods.scorecam import ScoreCAM
 from captum_vit.methods.tis import TIS
 from captum_vit.methods.tokentm import TokenTM
+from captum_vit.methods.vanilla import AttnGrad, VanillaGrad
 
 __all__ = [
-    "AttCAT", "AttIxG", "AttnGradCAM", "DecompX", "DecompXResult", "GAE", "RandomMap",
-    "RawAttention",
-    "Rollout", "TIS", "TokenIxG", "TokenTM",
-    "layer_gradients",
+    "ALTI", "AttCAT", "AttIxG", "AttnGrad", "AttnGradCAM", "DecompX", "DecompXResult", "GAE",
+    "GlobEnc", "GradCAM", "GradCAMElementWise", "GradCAMPlusPlus", "GradSAM", "HiResCAM",
+    "LayerCAM", "RandomMap", "RawAttention", "Rollout", "ScoreCAM", "TIS", "TokenIxG",
+    "TokenTM", "VanillaGrad", "XGradCAM", "layer_gradients",
 ]

@@ -29,9 +29,15 @@ class AttnGradCAM(ViTGradientAttribution):
     head (``global_pool='map'``) it runs on the pool's attention :math:`A_p` instead of
     the last block (SPEC_NEXT §7.3).
 
+    Layer-local: composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it
+    runs at every block ``l`` with the model's own gradients (SPEC_NEXT §8.5).
+
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
     """
+
+    layer_local = True
+    """PLUS evaluates it on a one-block window: the map at block ``l``."""
 
     @log_usage()
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -9,12 +10,14 @@ from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
+    AGGREGATES,
     SCORES,
     TargetLike,
     ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     gradients_with_pool,
+    readout,
     readout_rows,
     resolve_target,
     target_scores,
@@ -35,9 +38,14 @@ class GAE(ViTGradientAttribution):
     as a vector from the last block down, :math:`r^\top (I+\bar A_{L-1})\cdots(I+\bar
     A_0)`, which equals the matrix recursion.
 
+    Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
+    path (:meth:`plus_maps`): every sub-network's map from one backward.
+
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
     """
+
+    plus_aggregates = AGGREGATES
 
     @log_usage()
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
@@ -79,3 +87,51 @@ class GAE(ViTGradientAttribution):
                 abar = (g.to(dt) * a.to(dt)).clamp(min=0).mean(1)
                 r = r + torch.einsum("bn,bnm->bm", r, abar)
         return r
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): GAE of every sub-network
+        :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,
+        [len(layers), B, N].
+
+        ``aggregate="subnetwork"``: :math:`v_L = w`, :math:`v_k = v_{k+1}(I + \bar A_k)`,
+        the map of :math:`f_l` is :math:`v_l` (GAE's recursion started at block ``l``:
+        :math:`\partial s / \partial A_k` for :math:`k \geq l` is the same in
+        :math:`f_l` and in the model). ``aggregate="layer"``: :math:`w \bar A_l`, whose
+        sum over the blocks is Grad-SAM (SPEC_NEXT §8.4).
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image; ``None`` = predicted.
+            layers (sequence of int): sorted start blocks.
+            aggregate (str): ``"subnetwork"`` or ``"layer"``.
+            score (str): ``"logit"`` (default) or ``"probability"``.
+
+        Returns:
+            Tensor: token maps [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import PLUS
+            >>> gradsam = PLUS(model, "gae", aggregate="layer").attribute(images)
+        """
+        check_choice("aggregate", aggregate, AGGREGATES)
+        check_choice("score", score, SCORES)
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attns = [rec.attn for rec in tr.blocks]
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
+        dt = accumulation_dtype(attns[0])
+        w = readout_rows(tr, pool_grad, dtype=dt, target=t)
+
+        def abar(k: int) -> Tensor:
+            return (grads[k].to(dt) * attns[k].detach().to(dt)).clamp(min=0).mean(1)
+
+        with torch.no_grad():
+            if aggregate == "layer":
+                return torch.stack([readout(w, abar(l)) for l in layers])
+            rows, v = {}, w
+            for k in reversed(range(min(layers), len(attns))):
+                v = v + torch.einsum("bn,bnm->bm", v, abar(k))
+                rows[k] = v
+            return torch.stack([rows[l] for l in layers])

@@ -35,7 +35,14 @@ class RawAttention(ViTGradientAttribution):
         model (torch.nn.Module): a supported Vision Transformer (see
             :func:`captum_vit.adapters.adapt`). It is never modified.
         source (str, optional): ``"pool"`` (default) or ``"last_block"``.
+
+    Layer-local: composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it
+    gives the map at every block ``l``, :math:`\sum_l w \bar A_l` (SPEC_NEXT §8.5; with
+    ``source="pool"`` an attention-pool head's map does not depend on the block).
     """
+
+    layer_local = True
+    """PLUS evaluates it on a one-block window: the map at block ``l``."""
 
     def __init__(self, model: nn.Module, source: str = "pool") -> None:
         self.source = check_choice("source", source, SOURCES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -9,10 +10,13 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
+    AGGREGATES,
     TargetLike,
     ViTGradientAttribution,
     accumulation_dtype,
+    check_choice,
     check_layer,
+    readout,
     readout_rows,
     resolve_target,
 )
@@ -26,11 +30,16 @@ class Rollout(ViTGradientAttribution):
     (:math:`r^\top M_{L-1} \cdots M_s`), which costs :math:`O(N^2)` per block instead
     of a matrix product.
 
+    Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
+    path (:meth:`plus_maps`): the rollout of every sub-network from one trace.
+
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
         start_layer (int, optional): first block ``s`` to include. Default 0;
             Chefer et al.'s evaluation scripts use 1.
     """
+
+    plus_aggregates = AGGREGATES
 
     def __init__(self, model: nn.Module, start_layer: int = 0) -> None:
         super().__init__(model)
@@ -71,3 +80,51 @@ class Rollout(ViTGradientAttribution):
             m = m / m.sum(-1, keepdim=True)
             r = torch.einsum("bn,bnm->bm", r, m)
         return r
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", start_layer: int | None = None) -> Tensor:
+        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the rollout of every sub-network
+        :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].
+
+        ``aggregate="subnetwork"``: suffix row-vector products :math:`v_L = w`,
+        :math:`v_k = v_{k+1} M_k`; the rollout of :math:`f_l` started at its own block
+        ``s`` (``start_layer``, relative to the sub-network) is :math:`v_{l+s}`.
+        ``aggregate="layer"``: :math:`w \bar A_l` (the per-block matrix without identity;
+        needs ``s = 0``).
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image (only for an image-dependent readout).
+            layers (sequence of int): sorted start blocks.
+            aggregate (str): ``"subnetwork"`` or ``"layer"``.
+            start_layer (int, optional): overrides the constructor's ``start_layer``.
+
+        Returns:
+            Tensor: token maps [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import PLUS
+            >>> PLUS(model, "rollout").attribute(images)   # calls this
+        """
+        check_choice("aggregate", aggregate, AGGREGATES)
+        s = self.start_layer if start_layer is None else start_layer
+        L = self.adapter.num_blocks
+        for l in layers:  # the check Rollout makes on each (L - l)-block sub-network
+            check_layer("start_layer", s, L - l)
+        if aggregate == "layer" and s:
+            raise ValueError(f"start_layer must be 0 with aggregate='layer' (the per-block "
+                             f"matrices are summed), got {s}")
+        tr = self.adapter.trace(inputs)
+        dt = accumulation_dtype(tr.blocks[0].attn)
+        w = readout_rows(tr, dtype=dt, target=resolve_target(target, tr.logits))
+        if aggregate == "layer":
+            return torch.stack([readout(w, tr.blocks[l].attn.to(dt).mean(1)) for l in layers])
+        eye = torch.eye(w.shape[-1], dtype=dt, device=w.device)
+        need, rows, v = {l + s for l in layers}, {}, w
+        for k in reversed(range(min(need), L)):
+            m = tr.blocks[k].attn.to(dt).mean(1) + eye
+            v = torch.einsum("bn,bnm->bm", v, m / m.sum(-1, keepdim=True))
+            if k in need:
+                rows[k] = v
+        return torch.stack([rows[l + s] for l in layers])

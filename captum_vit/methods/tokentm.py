@@ -16,6 +16,7 @@ and the token-level contributions are aggregated over the blocks (Eq. 14-19):
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -179,10 +180,15 @@ class TokenTM(ViTGradientAttribution):
     :math:`O(H N^2)` per block and equals the matrix recursion. Maps are accumulated in
     float32 for half-precision inputs (magnitudes grow with depth).
 
+    Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
+    path (:meth:`plus_maps`): every sub-network's map from one backward.
+
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
         variant (str, optional): ``"paper"`` (default) or ``"residual"``.
     """
+
+    plus_aggregates = ("subnetwork",)
 
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
         check_choice("variant", variant, VARIANTS)
@@ -250,9 +256,16 @@ class TokenTM(ViTGradientAttribution):
     def _propagate(self, tr: Trace, grads: list[Tensor], pool_grad: Tensor | None,
                    target: Tensor) -> Tensor:
         """``r^T U_ffn,L-1 U_attn,L-1 ... U_attn,0 C_0`` (Eq. 18-20), [B, N]."""
+        *_, (_, r) = self._suffix_rows(tr, grads, pool_grad, target)  # r at block 0
+        return r * tr.x0.detach().to(r.dtype).norm(dim=-1)  # C_0 = diag(L(x_0,i)), Eq. 18
+
+    def _suffix_rows(self, tr: Trace, grads: list[Tensor], pool_grad: Tensor | None,
+                     target: Tensor, first: int = 0) -> Iterator[tuple[int, Tensor]]:
+        """``(l, r^T U_ffn,L-1 U_attn,L-1 ... U_ffn,l U_attn,l)`` for ``l = L-1`` down to
+        ``first`` (Eq. 19 read from the readout row), each [B, N]."""
         dt = accumulation_dtype(tr.x0)
         r = self._readout(tr, pool_grad, dt, target)
-        for l in reversed(range(len(tr.blocks))):
+        for l in reversed(range(first, len(tr.blocks))):
             rec, p = tr.blocks[l], self.adapter.blocks[l]
             x, mid, a, g = (z.detach().to(dt) for z in (rec.x, rec.mid, rec.attn, grads[l]))
             if self.variant == "paper":
@@ -276,4 +289,46 @@ class TokenTM(ViTGradientAttribution):
                 # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
                 m = a.mean(1) * g.relu().mean(1)
                 r = r + (r[:, None, :] @ m).squeeze(1) * w_attn
-        return r * tr.x0.detach().to(dt).norm(dim=-1)  # C_0 = diag(L(x_0,i)), Eq. 18
+            yield l, r
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str | None = None) -> Tensor:
+        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): TokenTM of every sub-network
+        :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,
+        [len(layers), B, N].
+
+        With :math:`r_L` the readout row and :math:`r_l = r_{l+1} U_{ffn,l} U_{attn,l}`,
+        the map of :math:`f_l` is :math:`r_l\, \mathrm{diag}(L(x_{l,i}))`: Eq. 18 at the
+        sub-network's input :math:`x_l` (the sub-network's gradients are the model's).
+        Only ``aggregate="subnetwork"``: TokenTM's block factor
+        :math:`U_{ffn} U_{attn}` has no identity-free per-block form in SPEC_NEXT §8.5.
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image; ``None`` = predicted.
+            layers (sequence of int): sorted start blocks.
+            aggregate (str): ``"subnetwork"``.
+            score (str, optional): as in :meth:`attribute` (``None`` = the variant's).
+
+        Returns:
+            Tensor: token maps [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> attr = SkipPLUS(model, "tokentm").attribute(images, target=labels)
+        """
+        if aggregate != "subnetwork":
+            raise ValueError(f"aggregate must be 'subnetwork' for TokenTM, got {aggregate!r}: "
+                             "its block factor U_ffn U_attn has no identity-free per-block "
+                             "matrix (SPEC_NEXT §8.5)")
+        score = DEFAULT_SCORE[self.variant] if score is None else score
+        check_choice("score", score, SCORES)
+        tr = self.adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        attns = [rec.attn for rec in tr.blocks]
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
+        with torch.no_grad():
+            rows = dict(self._suffix_rows(tr, grads, pool_grad, t, min(layers)))
+            return torch.stack([rows[l] * tr.blocks[l].x.detach().to(rows[l].dtype).norm(dim=-1)
+                                for l in layers])

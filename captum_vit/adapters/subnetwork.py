@@ -1,0 +1,205 @@
+"""Sub-network views of a model: the ``f_l`` of PLUS / SkipPLUS (SPEC §4, SPEC_NEXT §8.5).
+
+A :class:`SubnetworkAdapter` is a :class:`~captum_vit.adapters.base.ViTAdapter` whose
+blocks are the model's blocks ``start .. stop-1``. Its :meth:`~SubnetworkAdapter.embed`
+turns images into the block input ``x_start`` (the real embedding and blocks
+``0 .. start-1``, without gradient: the sub-network's input is a constant token tensor),
+and its head runs the model's blocks ``stop .. L-1`` (if any) followed by the real final
+norm, pooling and classifier. Everything else (layout with ``num_blocks = stop - start``,
+positions, RoPE and relative-position bias rows, targeting, readout, the self-check) is
+the model's adapter's.
+
+Every method of this package takes an adapter where it takes a model
+(:func:`captum_vit.adapters.adapt` returns an adapter unchanged), so ``GAE(view)`` is GAE
+*of the sub-network*: it reads only blocks ``>= start``, starts its recursion at ``x_start``
+and takes its gradients from the same score (``f_l(x_l)`` reproduces the model's
+activations, so ``d s / d A_k`` and ``d s / d x_k`` for ``k >= l`` are the model's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import (
+    BlockParts,
+    BlockRecord,
+    HeadParts,
+    Layout,
+    Ops,
+    Trace,
+    ViTAdapter,
+    probabilities,
+)
+
+OUTPUT_SCORES = ("logit", "probability")
+
+
+class SubnetworkAdapter(ViTAdapter):
+    r"""The sub-network of ``adapter`` made of blocks ``start .. stop-1``.
+
+    - ``stop = None`` (``L``): :math:`f_l` of PLUS (SPEC §4), blocks ``l .. L-1``, final
+      norm, pooling and head, on the block input :math:`x_l`.
+    - ``stop = start + 1``: a one-block window, block ``l`` alone, the blocks after it
+      folded into the head. A method that acts at the last block of its model (raw
+      attention, attention Grad-CAM, the token CAMs) then acts at block ``l`` with the
+      model's own score: "the map at block l" of the layer-local bases (SPEC_NEXT §8.5).
+
+    The view owns no parameters and changes nothing: its block parts are the model
+    adapter's (re-read at every entry point), its embedding and the blocks before
+    ``start`` run under ``torch.no_grad()``, and the output is detached, so gradients
+    start at :math:`x_l`.
+
+    Called like a model, a view gives the sub-network's output: on token states
+    ``x_l`` [B, N, D] it runs :math:`f_l(x_l)` (the forward function of a Captum
+    attribution applied to the sub-network); on images [B, C, H, W] it runs the whole
+    model (embedding and blocks before ``start`` with gradient). With
+    ``score="probability"`` the output is :func:`~captum_vit.adapters.base.probabilities`
+    of the scores.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter (:func:`captum_vit.adapters.adapt`).
+        start (int): first block ``l`` of the sub-network, in ``[0, L-1]``.
+        stop (int, optional): one past its last explicit block, in ``[start+1, L]``;
+            ``None`` = ``L``.
+        score (str, optional): ``"logit"`` (default) or ``"probability"``: what calling
+            the view returns.
+
+    Examples::
+
+        >>> from captum_vit import GAE
+        >>> from captum_vit.adapters import adapt
+        >>> from captum_vit.adapters.subnetwork import SubnetworkAdapter
+        >>> f_2 = SubnetworkAdapter(adapt(model), 2)
+        >>> x_2 = f_2.embed(images)                       # block-2 input, no gradient
+        >>> torch.allclose(f_2.run(x_2), model(images))   # same logits
+        True
+        >>> gae_2 = GAE(f_2).attribute(images, target=labels)   # GAE of f_2 at x_2
+        >>> from captum.attr import Saliency
+        >>> grad_2 = Saliency(f_2).attribute(x_2.requires_grad_(), target=labels)
+    """
+
+    def __init__(self, adapter: ViTAdapter, start: int, stop: int | None = None, *,
+                 score: str = "logit") -> None:
+        if not isinstance(adapter, ViTAdapter):
+            raise TypeError(f"adapter must be a ViTAdapter (captum_vit.adapters.adapt(model)), "
+                            f"got {type(adapter).__name__}")
+        if isinstance(adapter, SubnetworkAdapter):  # a view of a view: one flat view
+            stop = adapter.stop if stop is None else adapter.start + stop
+            start, adapter = adapter.start + start, adapter.base
+        L = adapter.num_blocks
+        stop = L if stop is None else stop
+        for name, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= start < stop <= L:
+            raise ValueError(f"need 0 <= start < stop <= {L} for this {L}-block model, got "
+                             f"start={start}, stop={stop}")
+        if score not in OUTPUT_SCORES:
+            raise ValueError(f"score must be one of {', '.join(map(repr, OUTPUT_SCORES))}; "
+                             f"got {score!r}")
+        self.base = adapter
+        self.start = start
+        self.stop = stop
+        self.score = score
+        self.model = adapter.model
+
+    def __repr__(self) -> str:
+        return (f"SubnetworkAdapter({type(self.base).__name__}, start={self.start}, "
+                f"stop={self.stop})")
+
+    # -- the sub-network --------------------------------------------------------------------
+    @property
+    def blocks(self) -> list[BlockParts]:  # type: ignore[override]
+        return self.base.blocks[self.start:self.stop]
+
+    def refresh(self) -> None:
+        self.base.refresh()
+
+    def embed(self, inputs: Tensor) -> Tensor:
+        """The block input ``x_start`` of images [B, C, H, W]: the model's embedding and
+        blocks ``0 .. start-1`` (plain forward), without gradient, detached."""
+        with torch.no_grad():
+            x = self.base.embed(inputs)
+            if self.start:
+                x = self.base.run(x, 0, self.start)
+        return x.detach()
+
+    def block(self, x: Any, l: int, ops: Ops, record: list[BlockRecord] | None = None) -> Any:
+        """Block ``l`` of the sub-network (the model's block ``start + l``)."""
+        if not 0 <= l < self.num_blocks:
+            raise IndexError(f"block {l} of a {self.num_blocks}-block sub-network")
+        return self.base.block(x, self.start + l, ops, record)
+
+    def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
+        """The model's blocks ``stop .. L-1`` (none for ``stop = L``), then its head."""
+        for l in range(self.stop, self.base.num_blocks):
+            x = self.base.block(x, l, ops)
+        return self.base.logits(x, ops, record)
+
+    def layout(self, inputs: Tensor) -> Layout:
+        return dataclasses.replace(self.base.layout(inputs), num_blocks=self.num_blocks)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """The sub-network's output: ``f_l(x_l)`` for token states [B, N, D], the whole
+        model for images [B, C, H, W]; probabilities with ``score="probability"``."""
+        if not isinstance(x, Tensor) or x.dim() not in (3, 4):
+            raise ValueError("a sub-network takes token states [B, N, D] or images "
+                             f"[B, C, H, W], got {getattr(x, 'shape', type(x).__name__)}")
+        if x.dim() == 4:
+            x = self.base.run(self.base.embed(x), 0, self.start)
+        out = self.run(x)
+        return probabilities(out) if self.score == "probability" else out
+
+    # -- everything else is the model's ------------------------------------------------------
+    @property
+    def head(self) -> HeadParts:  # type: ignore[override]
+        return self.base.head
+
+    @property
+    def num_prefix(self) -> int:  # type: ignore[override]
+        return self.base.num_prefix
+
+    @property
+    def readout(self) -> str:  # type: ignore[override]
+        return self.base.readout
+
+    @property
+    def in_chans(self) -> int:  # type: ignore[override]
+        return self.base.in_chans
+
+    @property
+    def embedding(self) -> bool:  # type: ignore[override]
+        return self.base.embedding
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.base.input_shape
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        self.base.check_inputs(inputs)
+
+    def is_random(self) -> bool:
+        return self.base.is_random()
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        return self.base.model_outputs(inputs)
+
+    def model_logits(self, inputs: Tensor) -> Tensor:
+        return self.base.model_logits(inputs)
+
+    def self_check(self, inputs: Tensor) -> None:
+        """The model adapter's check (the view composes its parts exactly)."""
+        self.base.self_check(inputs)
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The model's stages of the sub-network: the head stage (with the blocks folded
+        into it, ``stop .. L-1``), then blocks ``stop-1`` down to ``start``; the blocks
+        before ``start`` belong to the embedding (no stage)."""
+        stages = self.base.parameter_stages()  # head, block L-1, ..., block 0
+        L = self.base.num_blocks
+        folded = [p for stage in stages[1:1 + L - self.stop] for p in stage]
+        return [stages[0] + folded, *stages[1 + L - self.stop:1 + L - self.start]]
