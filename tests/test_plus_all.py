@@ -378,3 +378,16 @@ def test_evaluate_compose(tmp_path, capsys):
     assert main(argv[:-2] + ["--compose", "minus", "--out", str(tmp_path / "x")]) == 2
     assert "compose must name combinators" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("family", ["vit", "beit"])
+@pytest.mark.parametrize("name", ["gradcam", "gradcam_pp", "xgradcam", "layercam", "hirescam",
+                                  "gradcam_elementwise", "vanilla_grad"])
+def test_cam_and_vanilla_fast_paths_equal_the_generic_path(name, family):
+    """The CAMs' and VanillaGrad's one-backward ``plus_maps`` == the method run on every
+    sub-network (one-block windows for the layer-local CAMs)."""
+    model, x = make_model(family), make_inputs(family, batch=2)
+    for comp in (PLUS, SkipPLUS):
+        fast = comp(model, name).attribute(x, target=[1, 2], output="tokens")
+        slow = comp(model, name, fast=False).attribute(x, target=[1, 2], output="tokens")
+        torch.testing.assert_close(fast, slow, rtol=0, atol=1e-10 * (1 + slow.abs().max()))

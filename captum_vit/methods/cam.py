@@ -34,6 +34,7 @@ needs no gradient but one forward per channel, is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -66,30 +67,38 @@ def block_layer(name: str, value: Any, num_blocks: int) -> int:
     return num_blocks - 1 if value is None else check_layer(name, value, num_blocks)
 
 
-def block_gradient(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, layer: int, *,
-                   score: str = "logit") -> tuple[Tensor, Tensor, Tensor]:
-    """The block input ``x_l`` and ``g_l = d s_c / d x_l`` from one forward and one backward.
+def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
+                    layers: Sequence[int], *, score: str = "logit"
+                    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Block inputs ``x_l`` and ``g_l = d s_c / d x_l`` of every block in ``layers`` from
+    one forward and one backward.
 
-    Same values as :func:`~captum_vit.methods.ixg.layer_gradients` at block ``l``; the
-    backward asks for ``g_l`` only, so it stops at block ``l`` (blocks below are not
-    back-propagated).
+    Same values as :func:`~captum_vit.methods.ixg.layer_gradients` at those blocks; the
+    backward asks for them only, so it stops at the lowest one.
 
     Args:
         adapter (ViTAdapter): the model's adapter.
         inputs (Tensor): validated images [B, C, H, W].
         target (Tensor or None): class per image; ``None`` = predicted class.
-        layer (int): block index ``l``.
+        layers (sequence of int): block indices (``L`` = the last block's output).
         score (str): ``"logit"`` or ``"probability"``.
 
     Returns:
-        (X [B, N, D] detached, G [B, N, D], resolved target [B]).
+        (X per layer [B, N, D] detached, G per layer [B, N, D], resolved target [B]).
     """
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
         tr = adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
-        x = tr.states[layer]
-        (g,) = gradients(target_scores(tr.logits, t, score), [x])
-    return x.detach(), g.detach(), t
+        xs = [tr.states[l] for l in layers]
+        gs = gradients(target_scores(tr.logits, t, score), xs)
+    return [x.detach() for x in xs], [g.detach() for g in gs], t
+
+
+def block_gradient(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, layer: int, *,
+                   score: str = "logit") -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`block_gradients` of one block: ``(X, G, target)``."""
+    (x,), (g,), t = block_gradients(adapter, inputs, target, [layer], score=score)
+    return x, g, t
 
 
 class _TokenCAM(ViTGradientAttribution):
@@ -138,6 +147,25 @@ class _TokenCAM(ViTGradientAttribution):
                     **_: Any) -> Tensor:
         x, g, _t = block_gradient(self.adapter, inputs, target, self.layer, score=score)
         return self.layer_map(x, g, self.adapter.num_prefix)
+
+    plus_aggregates = ("subnetwork", "layer")
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        """PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): this CAM at every block of
+        ``layers`` (layer-local: both aggregates coincide) from one forward and one
+        backward, [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> maps = SkipPLUS(model, "gradcam").attribute(images)
+        """
+        check_choice("aggregate", aggregate, ("subnetwork", "layer"))
+        check_choice("score", score, SCORES)
+        xs, gs, _t = block_gradients(self.adapter, inputs, target, layers, score=score)
+        k = self.adapter.num_prefix
+        return torch.stack([self.layer_map(x, g, k) for x, g in zip(xs, gs, strict=True)])
 
     def layer_map(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
         """This CAM's token map from any block's ``(x_l, g_l)``: :meth:`cam` in the

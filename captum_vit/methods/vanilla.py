@@ -11,6 +11,7 @@ backward pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,13 +25,13 @@ from captum_vit._base import (
     accumulation_dtype,
     check_choice,
     check_layer,
-    gradients,
     gradients_with_pool,
     readout,
     readout_rows,
     resolve_target,
     target_scores,
 )
+from captum_vit.methods.cam import block_gradients
 
 REDUCTIONS = ("sum", "l2", "l1", "relu_sum")
 VARIANTS = ("plain", "abs", "relu")
@@ -77,6 +78,10 @@ class VanillaGrad(ViTGradientAttribution):
     backward pass. ``reduce="sum"`` summed over ``l = 0 .. L-1`` is PLUS's ``"gradient"``
     base.
 
+    In a pre-LN ViT every path from ``x_l`` to the score passes a LayerNorm, whose input
+    gradient sums to zero over the channels, so ``reduce="sum"`` is zero up to round-off
+    there; ``"l2"`` (the paper's "VanillaGrad:Norm2") or ``"l1"`` carry the signal.
+
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
         layer (int, optional): block index ``l`` in ``[0, L]``. Default 0.
@@ -119,12 +124,29 @@ class VanillaGrad(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        state = tr.states[self.layer]
-        (grad,) = gradients(target_scores(tr.logits, t, score), [state])
+        return self.plus_maps(inputs, target, [0], score=score)[0]
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        """PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the map of every sub-network
+        :math:`f_l`, ``l`` in ``layers`` — its block ``layer`` is the model's block
+        ``l + layer`` — from one forward and one backward, [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import PLUS
+            >>> maps = PLUS(model, "vanilla_grad").attribute(images)
+        """
+        check_choice("aggregate", aggregate, ("subnetwork",))
+        check_choice("score", score, SCORES)
+        at = [l + self.layer for l in layers]
+        if at and max(at) > self.adapter.num_blocks:
+            raise ValueError(f"layer={self.layer} from start block {max(layers)} passes the "
+                             f"last block ({self.adapter.num_blocks}); use a smaller layer")
+        _, gs, _t = block_gradients(self.adapter, inputs, target, at, score=score)
         with torch.no_grad():
-            return reduce_channels(grad.to(accumulation_dtype(state)), self.reduce)
+            return torch.stack([reduce_channels(g.to(accumulation_dtype(g)), self.reduce)
+                                for g in gs])
 
 
 class AttnGrad(ViTGradientAttribution):
