@@ -6,7 +6,9 @@ the gradient :math:`G = \partial s_c / \partial X` of the target score. On a ViT
 features are the channels, the N tokens the positions) and :math:`G = g_l`, both from one
 forward and one backward pass. Every variant below is one rule turning ``(X, G)`` into a
 map over the N tokens (prefix columns are dropped at the output); ``relu=True`` (default,
-the papers) clips the map at 0.
+the papers) clips the map at 0. SPEC_NEXT §8.3 says the SkipPLUS presets call the CAMs with
+``relu=False`` ("verify"): not verified here — the authors' analysis code has no licence
+and was not read for this; pass ``relu=False`` to follow the SPEC's reading of it.
 
 Channel-weight variants compute :math:`w_c` over the token set ``T``
 (``weight_tokens="all"``, the SkipPLUS authors' code, default; ``"patches"``: the patch

@@ -76,17 +76,8 @@ class GAE(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attns = [rec.attn for rec in tr.blocks]
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
-        dt = accumulation_dtype(attns[0])
-        r = readout_rows(tr, pool_grad, dtype=dt, target=t)
-        with torch.no_grad():
-            for a, g in zip(reversed(attns), reversed(grads), strict=True):
-                abar = (g.to(dt) * a.to(dt)).clamp(min=0).mean(1)
-                r = r + torch.einsum("bn,bnm->bm", r, abar)
-        return r
+        # GAE is its recursion started at block 0: the sub-network map of layer 0
+        return self.plus_maps(inputs, target, [0], score=score)[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from captum.log import log_usage
 from torch import Tensor, nn
 
@@ -13,14 +12,9 @@ from captum_vit._base import (
     SCORES,
     TargetLike,
     ViTGradientAttribution,
-    accumulation_dtype,
     check_choice,
-    gradients_with_pool,
-    readout,
-    readout_rows,
-    resolve_target,
-    target_scores,
 )
+from captum_vit.methods.gae import GAE
 
 
 class GradSAM(ViTGradientAttribution):
@@ -76,6 +70,7 @@ class GradSAM(ViTGradientAttribution):
         num = self.adapter.num_blocks
         self.layers = tuple(range(num)) if layers is None else check_layers(layers, num)
         self.average = average
+        self._genatt = GAE(self.adapter)  # same adapter: GenAtt's rows come from GAE
 
     @log_usage()
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
@@ -102,14 +97,7 @@ class GradSAM(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attns = [tr.blocks[l].attn for l in self.layers]
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
-        dt = accumulation_dtype(attns[0])
-        with torch.no_grad():
-            w = readout_rows(tr, pool_grad, dtype=dt, target=t)
-            m = torch.zeros_like(w)
-            for a, g in zip(attns, grads, strict=True):
-                m = m + readout(w, (g.to(dt) * a.detach().to(dt)).clamp(min=0)).mean(1)
-            return m / len(self.layers) if self.average else m
+        # GenAtt's per-layer readout rows, GAE's "layer" aggregate (SPEC_NEXT §8.4-8.5)
+        rows = self._genatt.plus_maps(inputs, target, self.layers, aggregate="layer",
+                                     score=score)
+        return rows.mean(0) if self.average else rows.sum(0)
