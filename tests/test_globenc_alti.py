@@ -226,6 +226,9 @@ def test_every_family(family):
     for cls in (GlobEnc, ALTI):
         method = cls(model)
         mats = method.block_matrices(x)
+        # the one-pass scores (reset_scores) == the N reset sources carried through
+        close(mats, cls(model, fast=False).block_matrices(x))
+        close(cls(model, max_memory=1).block_matrices(x), mats)  # one output row per pass
         assert (mats >= 0).all()
         close(mats.sum(-1), torch.ones_like(mats[..., 0]))
         out = method.attribute(x, target, output="tokens")

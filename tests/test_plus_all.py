@@ -10,7 +10,18 @@ import pytest
 import torch
 from captum.attr import Saliency
 
-from captum_vit import GAE, PLUS, AttCAT, AttnGradCAM, RawAttention, Rollout, SkipPLUS, TokenTM
+from captum_vit import (
+    ALTI,
+    GAE,
+    PLUS,
+    AttCAT,
+    AttnGradCAM,
+    GlobEnc,
+    RawAttention,
+    Rollout,
+    SkipPLUS,
+    TokenTM,
+)
 from captum_vit.adapters import SubnetworkAdapter, adapt
 from captum_vit.cli import main
 from captum_vit.methods.tis import masks_to_map
@@ -118,7 +129,8 @@ def test_view_parameter_stages_and_errors():
 
 # -- fast path == generic path ---------------------------------------------------------------
 BASES = {"rollout": Rollout, "gae": GAE, "tokentm": TokenTM,
-         "tokentm_residual": lambda f: TokenTM(f, variant="residual")}
+         "tokentm_residual": lambda f: TokenTM(f, variant="residual"),
+         "globenc": GlobEnc, "alti": lambda f: ALTI(f, residual_strength=0.5)}
 
 
 @pytest.mark.parametrize("family", ["vit", "beit", "map"])
@@ -135,7 +147,7 @@ def test_fast_paths_equal_the_method_on_every_subnetwork(family, base):
     slow = SkipPLUS(model, base, fast=False).layer_maps(x, TARGETS)
     k = adapt(model).num_prefix
     close(fast[..., k:], slow[..., k:])
-    if base != "rollout":  # a given score reaches the base on both paths
+    if base in ("gae", "tokentm", "tokentm_residual"):  # a score reaches both paths
         score = "logit" if base == "tokentm" else "probability"
         close(tokens(PLUS(model, factory), x, score=score),
               tokens(PLUS(model, factory, fast=False), x, score=score))
@@ -185,6 +197,18 @@ def test_plus_of_att_ixg_is_attcat_on_every_route():
     ref = tokens(AttCAT(model), x)
     for base, fast in (("att_ixg", True), ("att_ixg", False), ("AttIxG", True)):
         close(tokens(PLUS(model, base, fast=fast), x), ref, 1e-12)
+
+
+def test_globenc_alti_layer_aggregate_sums_the_block_rows():
+    """``aggregate="layer"`` of GlobEnc / ALTI is the SkipPLUS authors' sum of ``w T_l``."""
+    model, x = model_of("vit"), make_inputs("vit")
+    for cls in (GlobEnc, ALTI):
+        mats = cls(model).block_matrices(x)  # [L, B, N, N], CLS readout: row 0
+        k = adapt(model).num_prefix
+        skip = SkipPLUS(model, cls, aggregate="layer")
+        assert list(skip.layers) == [2]  # ⌈3/2⌉
+        close(tokens(skip, x), mats[2:, :, 0, k:].sum(0))
+        close(tokens(PLUS(model, cls, aggregate="layer"), x), mats[:, :, 0, k:].sum(0))
 
 
 def test_gae_layer_aggregate_is_grad_sam():

@@ -49,6 +49,7 @@ mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by defau
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ from captum_vit._base import (
     readout_rows,
     resolve_target,
 )
-from captum_vit.adapters import NormParts, Ops, Trace, ViTAdapter
+from captum_vit.adapters import BlockRecord, NormParts, Ops, Trace, ViTAdapter
 from captum_vit.methods.decompx import (
     DEFAULT_MAX_MEMORY,
     Decomposed,
@@ -77,6 +78,9 @@ from captum_vit.methods.decompx import (
 
 MLP_CHOICES = ("ln2", "decompx")
 MEASURES = ("globenc", "alti")
+AGGREGATES = ("subnetwork", "layer")
+CACHE_BYTES = 2 << 20
+"""Size of ALTI's per-chunk work tensors (about a core's share of a CPU cache)."""
 
 
 class _Undecomposed(Decomposed):
@@ -195,14 +199,158 @@ def token_scores(h: Decomposed, measure: str) -> Tensor:
     return t.transpose(1, 2)
 
 
+def _centred_scaled(x: Tensor, p: NormParts) -> Tensor:
+    """``γ ⊙ (x − mean x) / sqrt(var x + eps)`` per token: LayerNorm without its bias (the
+    SPEC §3 rule D1 applied to a source that is the whole token)."""
+    y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True)
+                                                     + p.eps)
+    return y if p.weight is None else y * p.weight.to(y.dtype)
+
+
+@torch.no_grad()
+def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str, *,
+                 max_memory: int | None = DEFAULT_MAX_MEMORY) -> Tensor:
+    r"""Unnormalised ``T_l[i, j]`` [B, N, N] of block ``layer`` under ``mlp="ln2"``, without
+    carrying ``N`` decomposed copies of the sequence through the block's linear layers.
+
+    Equal (to rounding) to :func:`token_scores` of :func:`decompose_block` with
+    ``mlp="ln2"``, and far cheaper: a reset source ``j`` lives at token ``j`` alone until
+    the attention mixes it, so everything before the mix is one ``[B, N, D]`` pass. With
+    ``ũ_j = γ₁ ⊙ (x_j − μ_j)/σ_j`` (LN1 without ``β₁``, whose share goes to the dropped
+    bias source) and ``Z^h_j = ũ_j W_V^h W_O^{h⊤}`` (no value or projection bias),
+
+    .. math::
+
+        x_{mid,i←j} = δ_{ij} x_j + ls_1 ⊙ \sum_h A^h_{ij} Z^h_j, \qquad
+        v_{i←j} = x_{mid,i←j} + ls_2 ⊙ γ_2 ⊙ C(x_{mid,i←j}) / σ_{2,i},
+
+    ``C`` the centring over channels and ``σ_{2,i}`` the LN2 statistic of the real
+    ``x_mid,i``. With EVA-02's inner norm ``N_in`` before ``W_O``, its centring and
+    ``γ_in`` fold into ``Z^h_j`` and its frozen ``1/σ_{in,i}`` scales row ``i``. GlobEnc's
+    norms come from per-source ``H × H`` Gram matrices of the ``Z^h_j`` (no ``[N, N, D]``
+    tensor at all); ALTI's L1 norms need the vectors and hold those of a chunk of output
+    rows, ``[B, rows, N, D]``, at a time.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        rec (BlockRecord): the block's record from :meth:`ViTAdapter.trace` (its input
+            ``x``, ``u = LN1(x)``, probabilities ``attn``, ``mid`` and ``out``).
+        layer (int): the block ``l``.
+        measure (str): ``"globenc"`` or ``"alti"``.
+        max_memory (int or None, optional): bytes of ``[B, rows, N, D]`` work tensors
+            (default 1 GiB); ``None`` = all rows at once.
+
+    Returns:
+        Tensor: ``T[b, i, j]`` [B, N, N] in ``accumulation_dtype(rec.x)``, not
+        row-normalised.
+
+    Examples::
+
+        >>> rec = adapter.trace(images).blocks[0]
+        >>> t = reset_scores(adapter, rec, 0, "globenc")
+        >>> torch.allclose(t, token_scores(decompose_block(adapter, rec.x, 0), "globenc"))
+        True
+    """
+    check_choice("measure", measure, MEASURES)
+    p = adapter.blocks[layer]
+    dt = accumulation_dtype(rec.x)
+    x = rec.x.detach().to(dt)
+    attn = rec.attn.detach().to(dt)
+    b, n, d = x.shape
+    heads, hd = p.num_heads, p.head_dim
+    v = F.linear(_centred_scaled(x, p.norm1), p.v_weight.to(dt)).reshape(b, n, heads, hd)
+    wo = p.proj_weight.to(dt).reshape(d, heads, hd)  # [D, H, d]
+    inv_in = None
+    if p.inner_norm is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
+        if p.inner_norm.weight is not None:
+            wo = wo * p.inner_norm.weight.to(dt).reshape(1, heads, hd)
+        z = torch.einsum("bnhe,dhe->bhnd", v, wo)
+        z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * wo.sum((1, 2))
+        real_mix, _ = p.attention(rec.u.detach(), materialize=True)
+        inv_in = torch.rsqrt(real_mix.to(dt).var(-1, unbiased=False) + p.inner_norm.eps)
+    else:
+        z = torch.einsum("bnhe,dhe->bhnd", v, wo)  # [B, H, N, D]
+    if p.ls1 is not None:
+        z = z * p.ls1.to(dt)
+    if inv_in is not None:  # row i of the mix scaled by 1/σ_in,i: fold it into A
+        attn = attn * inv_in[:, None, :, None]
+    s2 = torch.rsqrt(rec.mid.detach().to(dt).var(-1, unbiased=False) + p.norm2.eps)  # 1/σ_2
+    k2 = torch.ones(d, dtype=dt, device=x.device)
+    if p.norm2.weight is not None:
+        k2 = k2 * p.norm2.weight.to(dt)
+    if p.ls2 is not None:
+        k2 = k2 * p.ls2.to(dt)
+    # v_{i←j} = x_mid,i←j ⊙ (1 + s_i k2) − mean(x_mid,i←j) s_i k2, and the mean of the
+    # attention part is Σ_h A^h_ij mean(Z^h_j): no pass over [B, N, N, D] for it
+    diag = x + torch.einsum("bhi,bhid->bid", attn.diagonal(dim1=-2, dim2=-1), z)
+    v_diag = diag + (diag - diag.mean(-1, keepdim=True)) * (s2[..., None] * k2)  # [B, N, D]
+    if measure == "globenc":
+        t = _globenc_norms(z, attn, s2, k2)
+        t_diag = torch.linalg.vector_norm(v_diag, ord=2, dim=-1)
+    else:
+        o = rec.out.detach().to(dt)
+        t = _alti_scores(z, attn, s2, k2, o, max_memory)
+        t_diag = (torch.linalg.vector_norm(o, ord=1, dim=-1)
+                  - torch.linalg.vector_norm(o - v_diag, ord=1, dim=-1)).clamp_min(0)
+    t.diagonal(dim1=-2, dim2=-1).copy_(t_diag)
+    return t
+
+
+def _globenc_norms(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor) -> Tensor:
+    r"""``‖v_{i←j}‖₂`` [B, N, N] of the off-diagonal pairs (``j ≠ i``, whose vectors are
+    ``P_i Σ_h A^h_ij Z^h_j`` with ``P_i = I + s_i diag(k2) C``) from per-source head Gram
+    matrices, never forming the ``[B, N, N, D]`` vectors: :math:`\|P_i m\|^2 = m^	op
+    (I + s_i Q_1 + s_i^2 Q_2) m`, ``Q_1 = KC + CK``, ``Q_2 = CK^2C``, ``K = diag(k2)``,
+    so ``‖v_{i←j}‖² = Σ_q s_i^q Σ_{h,g} A^h_ij A^g_ij G_q[j, h, g]``."""
+    zc = z - z.mean(-1, keepdim=True)
+    zk = z * k2
+    e = torch.einsum("bhjd,bgjd->bjhg", zk, zc)
+    grams = (torch.einsum("bhjd,bgjd->bjhg", z, z), e + e.transpose(-1, -2),
+             torch.einsum("bhjd,bgjd->bjhg", zc * k2, zc * k2))
+    sq = 0
+    for q, g in enumerate(grams):  # Σ_{h,g} A^h_ij A^g_ij G_q[j, h, g], per q
+        y = (attn * torch.einsum("bgij,bjhg->bhij", attn, g)).sum(1)
+        sq = sq + y * s2[:, :, None] ** q
+    return sq.clamp_min(0).sqrt()
+
+
+def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
+                 max_memory: int | None) -> Tensor:
+    """``max(0, ‖o_i‖₁ − ‖o_i − v_{i←j}‖₁)`` [B, N, N] of the off-diagonal pairs. The L1
+    norm needs the vectors: they are formed one image and a few output rows at a time,
+    ``[rows, N, D]`` of about :data:`CACHE_BYTES` (memory-bound work runs about 3× faster
+    from cache than over the whole ``[B, N, N, D]``), or fewer under ``max_memory``."""
+    b, _, n, d = z.shape
+    zmean = z.mean(-1)  # [B, H, N]
+    per_row = n * d * (torch.finfo(z.dtype).bits // 8)
+    budget = CACHE_BYTES if max_memory is None else min(CACHE_BYTES, max_memory // 3)
+    rows = max(1, min(n, budget // per_row))
+    o_l1 = torch.linalg.vector_norm(o, ord=1, dim=-1)
+    t = z.new_zeros((b, n, n))
+    for bi in range(b):
+        for i0 in range(0, n, rows):
+            i1 = min(i0 + rows, n)
+            a, s = attn[bi, :, i0:i1], s2[bi, i0:i1, None]  # [H, r, N], [r, 1]
+            mu = torch.einsum("hij,hj->ij", a, zmean[bi])  # [r, N]
+            # o_i − v_{i←j} = o_i + μ_ij s_i k2 − (Σ_h A^h_ij Z^h_j) ⊙ (1 + s_i k2)
+            base = o[bi, i0:i1, None] + (mu * s)[..., None] * k2
+            mix = torch.einsum("hij,hjd->ijd", a, z[bi])
+            diff = torch.addcmul(base, mix, 1 + s[..., None] * k2, value=-1)
+            t[bi, i0:i1] = (o_l1[bi, i0:i1, None]
+                            - torch.linalg.vector_norm(diff, ord=1, dim=-1)).clamp_min(0)
+    return t
+
+
 class _GlobALTI(ViTGradientAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
     measure: str = ""
+    plus_aggregates = AGGREGATES
 
     def __init__(self, model: nn.Module, mlp: str = "ln2", residual_strength: float = 0.0,
-                 max_memory: int | None = DEFAULT_MAX_MEMORY) -> None:
+                 max_memory: int | None = DEFAULT_MAX_MEMORY, *, fast: bool = True) -> None:
         super().__init__(model)
+        self.fast = bool(fast)
         self.mlp = check_choice("mlp", mlp, MLP_CHOICES)
         self.residual_strength = float(check_scalar(residual_strength, "residual_strength",
                                                     float, min_val=0.0, max_val=1.0))
@@ -261,28 +409,67 @@ class _GlobALTI(ViTGradientAttribution):
         self.adapter.self_check(images)
         return self._matrices(self.adapter.trace(images))
 
-    def _matrices(self, tr: Trace) -> Tensor:
+    def _matrices(self, tr: Trace, start: int = 0) -> Tensor:
+        """Row-normalised ``T_l`` [L − start, B, N, N] of blocks ``start..L-1``."""
         out = []
-        for l, rec in enumerate(tr.blocks, start=tr.start):
-            x = rec.x
-            b, n, _ = x.shape
-            chunk = sources_per_chunk(self.adapter, x, self.max_memory)
-            t = x.new_zeros((b, n, n), dtype=accumulation_dtype(x))
-            for j0 in range(0, n, chunk):
-                j1 = min(j0 + chunk, n)
-                h = decompose_block(self.adapter, x, l, mlp=self.mlp, sources=range(j0, j1))
-                t[:, :, j0:j1] = token_scores(h, self.measure)
+        for l, rec in enumerate(tr.blocks[start:], start=tr.start + start):
+            if self.mlp == "ln2" and self.fast:
+                t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
+            else:
+                x = rec.x
+                b, n, _ = x.shape
+                chunk = sources_per_chunk(self.adapter, x, self.max_memory)
+                t = x.new_zeros((b, n, n), dtype=accumulation_dtype(x))
+                for j0 in range(0, n, chunk):
+                    j1 = min(j0 + chunk, n)
+                    h = decompose_block(self.adapter, x, l, mlp=self.mlp,
+                                        sources=range(j0, j1))
+                    t[:, :, j0:j1] = token_scores(h, self.measure)
             out.append(t / t.sum(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny))
         return torch.stack(out)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
+        return self.plus_maps(inputs, target, [0])[0]
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork") -> Tensor:
+        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the map of every sub-network
+        :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].
+
+        ``aggregate="subnetwork"``: :math:`v_L = w`, :math:`v_k = v_{k+1} T'_k`, the map
+        of :math:`f_l` is :math:`v_l` (the rollout started at block ``l``; the per-block
+        matrices do not depend on where it starts). ``aggregate="layer"``: the layer rows
+        :math:`w T_l` of the SkipPLUS authors' code (App. E.2). Only blocks
+        ``≥ min(layers)`` are decomposed.
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image; ``None`` = predicted (used only by
+                a class-dependent readout).
+            layers (sequence of int): sorted start blocks.
+            aggregate (str): ``"subnetwork"`` (default) or ``"layer"``.
+
+        Returns:
+            Tensor: token maps [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> attr = SkipPLUS(model, "globenc").attribute(images, output="tokens")
+        """
+        check_choice("aggregate", aggregate, AGGREGATES)
         tr = self.adapter.trace(inputs)
-        mats = self._matrices(tr)
-        rs = self.residual_strength
-        r = readout_rows(tr, dtype=mats.dtype, target=resolve_target(target, tr.logits))
-        for t in mats.flip(0):  # m = w T′_{L−1} ··· T′_0 as a row vector
-            r = (1 - rs) * torch.einsum("bn,bnm->bm", r, t) + rs * r
-        return r
+        first = min(layers)
+        mats = self._matrices(tr, first)
+        w = readout_rows(tr, dtype=mats.dtype, target=resolve_target(target, tr.logits))
+        if aggregate == "layer":
+            return torch.stack([torch.einsum("bn,bnm->bm", w, mats[l - first])
+                                for l in layers])
+        rs, rows, v = self.residual_strength, {}, w
+        for k in reversed(range(first, first + len(mats))):  # v_k = v_{k+1} T′_k
+            v = (1 - rs) * torch.einsum("bn,bnm->bm", v, mats[k - first]) + rs * v
+            rows[k] = v
+        return torch.stack([rows[l] for l in layers])
 
 
 class GlobEnc(_GlobALTI):
@@ -302,8 +489,10 @@ class GlobEnc(_GlobALTI):
     LayerScale), the SkipPLUS authors' ``mlp_decompose_p=False``; ``mlp="decompx"`` uses
     the exact DecompX decomposition of the whole block. The SkipPLUS authors' code (and
     GlobEnc's own demo) roll out the norms without row normalisation; the SPEC
-    row-normalises. Cost: one forward plus one decomposition of each block, ``N·N·W``
-    floats per image and block at MLP width ``W`` (``max_memory`` chunks the sources).
+    row-normalises. Cost with ``mlp="ln2"``: one forward plus, per block, one value
+    projection of the tokens and an ``[N, N, D]`` attention mix per image (chunked by
+    ``max_memory``); ``mlp="decompx"`` carries ``N`` decomposed copies of the sequence
+    through each block (``N·N·W`` floats per image and block at MLP width ``W``).
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
@@ -312,6 +501,9 @@ class GlobEnc(_GlobALTI):
             rollout without identity, the authors also report 0.5.
         max_memory (int or None, optional): bytes of decomposed activations per pass
             (default 1 GiB); ``None`` = all sources in one pass.
+        fast (bool, optional): with ``mlp="ln2"``, compute ``T_l`` from one pass over the
+            block's tokens (:func:`reset_scores`, default True); False carries the ``N``
+            reset sources through the block (:func:`decompose_block`, the reference).
 
     Examples::
 
@@ -350,6 +542,7 @@ class ALTI(_GlobALTI):
         residual_strength (float, optional): ``r`` in ``[0, 1]``; default 0.
         max_memory (int or None, optional): bytes of decomposed activations per pass
             (default 1 GiB); ``None`` = all sources in one pass.
+        fast (bool, optional): as in :class:`GlobEnc` (default True).
 
     Examples::
 
