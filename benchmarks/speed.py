@@ -36,12 +36,18 @@ from timm.models.vision_transformer import VisionTransformer
 
 from captum_vit import (
     ALTI,
+    BTH,
+    BTT,
+    CPLRP,
     GAE,
     PLUS,
+    RISE,
+    TAM,
     TIS,
     AttCAT,
     AttnGrad,
     AttnGradCAM,
+    AttnLRP,
     DecompX,
     FullGradPlus,
     GlobEnc,
@@ -51,11 +57,14 @@ from captum_vit import (
     GradSAM,
     HiResCAM,
     LayerCAM,
+    LeGrad,
     RawAttention,
     Rollout,
     SkipPLUS,
     TokenTM,
+    TransformerAttribution,
     VanillaGrad,
+    ViTCX,
     XGradCAM,
 )
 
@@ -84,14 +93,42 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "LayerCAM": (lambda m: LayerCAM(m).attribute, 1.3),
     "HiResCAM": (lambda m: HiResCAM(m).attribute, 1.3),
     "GradCAMElementWise": (lambda m: GradCAMElementWise(m).attribute, 1.3),
-    "GlobEnc": (lambda m: GlobEnc(m).attribute, None),
+    "GlobEnc": (lambda m: GlobEnc(m).attribute, 3.0),
     "ALTI": (lambda m: ALTI(m).attribute, None),
     "GAE∘SkipPLUS": (lambda m: SkipPLUS(m, "gae").attribute, 1.5),
     "TokenTM∘SkipPLUS": (lambda m: SkipPLUS(m, "tokentm").attribute, 1.5),
     "GradCAM∘SkipPLUS": (lambda m: SkipPLUS(m, "gradcam").attribute, 1.5),
     "VanillaGrad∘PLUS": (lambda m: PLUS(m, "vanilla_grad").attribute, 1.5),
     "GlobEnc∘SkipPLUS": (lambda m: SkipPLUS(m, "globenc").attribute, 3.0),
+    "LeGrad": (lambda m: LeGrad(m).attribute, 1.5),
+    "ALTI∘SkipPLUS": (lambda m: SkipPLUS(m, "alti").attribute, 3.0),
+    # issue 20, n_steps = 20 integration steps: goals per step (BT ≤ 1.5× per step,
+    # TAM ≤ steps + 1)
+    # the issue's BT goal (1.5x) cannot hold with the paper's 20 integrated-gradient
+    # forwards; the table reports it as missed rather than moving the goal
+    "BT-H": (lambda m: BTH(m).attribute, 1.5),
+    "BT-T": (lambda m: BTT(m).attribute, 1.5),
+    "TAM": (lambda m: TAM(m).attribute, 20 + 1),
+    "BT-H∘SkipPLUS": (lambda m: SkipPLUS(m, "bt_h").attribute, None),
+    # issue 20, perturbation methods: goals in PER_FORWARD_GOALS
+    "RISE (n_masks=64)": (lambda m: functools.partial(RISE(m).attribute, n_masks=64), None),
+    "ViT-CX": (lambda m: ViTCX(m).attribute, None),
+    # issue 20, the LRP family
+    "CP-LRP": (lambda m: CPLRP(m).attribute, 1.5),
+    "AttnLRP": (lambda m: AttnLRP(m).attribute, 1.5),
+    "Chefer21": (lambda m: TransformerAttribution(m).attribute, 2.0),
 }
+
+PER_FORWARD_GOALS: dict[str, float] = {"RISE (n_masks=64)": 1.1, "ViT-CX": 1.1}
+"""Goals of methods that report their model evaluations (``num_forwards``): time per call
+over the time of that many plain forwards (batches of :data:`PLAIN_BATCH` images)."""
+PLAIN_BATCH = 64
+
+
+def forwards_of(fn: Callable) -> int:
+    """``num_forwards`` of the method behind ``fn`` (a bound ``attribute`` or a partial)."""
+    method = fn.func.__self__ if isinstance(fn, functools.partial) else fn.__self__
+    return int(method.num_forwards)
 
 
 def vit_s16(img_size: int = 224) -> torch.nn.Module:
@@ -251,7 +288,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = MODELS[args.family]()
     cases = {k: v for k, v in CASES.items() if not args.only or k in args.only}
-    rows = []
+    rows, per_forward, plain = [], [], None
     for b in args.batches:
         x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0))
         score, t = targets_of(model, b)
@@ -263,6 +300,14 @@ def main() -> None:
                                    args.repeats)
             rows.append((b, name, sec, ratio, goal))
             print(f"  batch {b} {name}: {ratio:.2f}x", flush=True)
+            if name in PER_FORWARD_GOALS:
+                if plain is None:  # one image's plain forward, in batches of PLAIN_BATCH
+                    xp = torch.randn(PLAIN_BATCH, 3, 224, 224)
+                    plain = timeit(lambda xp=xp: forward(model, xp), args.repeats) / PLAIN_BATCH
+                n = forwards_of(fn)
+                per_forward.append((b, name, n, sec / (n * plain), PER_FORWARD_GOALS[name]))
+                print(f"  batch {b} {name}: {n} forwards, {per_forward[-1][3]:.2f}x that "
+                      "many plain forwards", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"{args.family} ViT-S/16 float32, median of {args.repeats} alternating pairs")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
@@ -270,6 +315,13 @@ def main() -> None:
     for b, name, sec, ratio, goal in rows:
         g = "" if goal is None else f"≤ {goal:g}× {'ok' if ratio <= goal else 'MISSED'}"
         print(f"| {b} | {name} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} | {ratio:.2f} | {g} |")
+    if per_forward:
+        print(f"\n| batch | method | forwards | ratio vs that many plain forwards "
+              f"(batch {PLAIN_BATCH}) | goal |")
+        print("|---:|---|---:|---:|---:|")
+        for b, name, n, ratio, goal in per_forward:
+            print(f"| {b} | {name} | {n} | {ratio:.2f} | ≤ {goal:g}× "
+                  f"{'ok' if ratio <= goal else 'MISSED'} |")
 
 
 if __name__ == "__main__":

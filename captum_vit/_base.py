@@ -7,7 +7,7 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +249,21 @@ def target_scores(logits: Tensor, target: Tensor, score: str = "logit") -> Tenso
     if score == "probability":
         logits = probabilities(logits)
     return logits.gather(1, target[:, None]).squeeze(1)
+
+
+def score_reduce(target: Tensor, score: str = "probability", dtype: torch.dtype | None = None
+                 ) -> Callable[[Tensor, Tensor], Tensor]:
+    """``reduce(logits [n, classes], images [n]) -> [n]``: the score of each image's target
+    (:func:`target_scores` in ``dtype``), the form the perturbation engines
+    (:func:`~captum_vit.adapters.subsets.subset_logits`,
+    :func:`~captum_vit.adapters.subsets.image_logits`) take, so that they keep one score
+    per perturbed input instead of its logits."""
+
+    def reduce(logits: Tensor, images: Tensor) -> Tensor:
+        return target_scores(logits if dtype is None else logits.to(dtype),
+                             target[images.to(target.device)], score)
+
+    return reduce
 
 
 def gradients(scores: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:

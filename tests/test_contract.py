@@ -30,6 +30,11 @@ METHODS = available_methods(compositions=True) + [
     "plus:ixg", "plus:gradient", "plus:captum:InputXGradient", "skipplus:captum:Saliency"]
 CASES = [pytest.param(m, f, marks=family_marks(f)) for m in METHODS for f in ALL_FAMILIES]
 FAST = {"tis": {"n_masks": 16}}  # TIS: fewer masks than the paper's 1024 (still clustered)
+# BT-H / BT-T / TAM: 3 integration steps instead of 20, and a start block inside the
+# 3-block contract models (the defaults 3 and 4 leave R = I / σ = w Ā_{L-1} there)
+FAST.update({"bt_h": {"n_steps": 3, "start_layer": 1}, "bt_t": {"n_steps": 3, "start_layer": 1},
+             "tam": {"n_steps": 3, "start_layer": 0}})
+FAST["rise"] = {"n_masks": 16}  # RISE: 16 random masks instead of the paper's 4000
 _MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 

@@ -37,7 +37,7 @@ from tests.helpers import (
 
 pytestmark = needs_transformers
 METHODS = available_methods(baselines=True, compositions=True)
-FAST = {"tis": {"n_masks": 16}}
+FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16}}
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -106,8 +106,16 @@ def timm_twin(clip: torch.nn.Module, t: torch.Tensor) -> torch.nn.Module:
     return twin
 
 
+# Chefer'21's α1β0 rule is not invariant to merging two linear maps: the twin's head row is
+# the projection and the target vector in one map, CLIP's are two (its LRP starts one-hot at
+# the score, before the target vector).
+NOT_MERGE_INVARIANT = {"chefer21"}
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_clip_dot_target_equals_a_classifier_whose_logit_is_the_dot_product(name):
+    if name in NOT_MERGE_INVARIANT:
+        pytest.skip("α1β0 LRP depends on how the head is split into linear maps")
     clip = model_of("hf_clip")
     t = vectors(clip, 1)[0]
     twin = timm_twin(clip, t)

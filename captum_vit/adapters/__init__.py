@@ -22,7 +22,7 @@ from captum_vit.adapters.base import (
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
-from captum_vit.adapters.subsets import subset_logits
+from captum_vit.adapters.subsets import image_logits, subset_forwards, subset_logits
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
@@ -126,6 +126,7 @@ __all__ = [
     "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFEmbeddingAdapter", "HFViTAdapter",
     "HeadParts", "Layout", "NormParts", "Ops", "PoolParts", "SubnetworkAdapter", "Trace",
     "TimmBeitAdapter",
-    "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "readout_alpha", "subset_logits",
+    "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "image_logits", "readout_alpha",
+    "subset_forwards", "subset_logits",
     "SUPPORTED",
 ]

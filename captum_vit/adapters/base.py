@@ -131,6 +131,27 @@ def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @dataclass(frozen=True)
+class AttentionRules:
+    """Modified backward rules inside one attention (the LRP family, SPEC_NEXT §8.6).
+
+    Every field is a function whose forward returns exactly the plain computation's value
+    and whose backward is a rule's (:mod:`captum_vit.adapters._lrp`); ``None`` keeps the
+    plain operation. They act in the order of the forward: projections, per-head tensors
+    (after the q/k norms and RoPE), softmax, then the probabilities' product with ``v``.
+    """
+
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    """The q/k/v projections ``(u, weight, bias) -> u Wᵀ + b`` (``F.linear``)."""
+    heads: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None
+    """``(q, k, v) -> (q, k, v)`` per head [B, H, n, d]."""
+    softmax: Callable[[Tensor], Tensor] | None = None
+    """Attention logits -> probabilities (``softmax(-1)``)."""
+    mix: Callable[[Tensor], Tensor] | None = None
+    """Applied to the probabilities where they multiply ``v`` (the probabilities returned
+    and recorded are the tensor before it)."""
+
+
+@dataclass(frozen=True)
 class AttentionParts:
     """The projections of one multi-head attention: ``q``, ``k``, ``v`` weights
     ``[H*d, D]`` (rows head-major) with biases ``[H*d]`` or ``None``, the per-head q/k norms,
@@ -156,11 +177,12 @@ class AttentionParts:
     def inner_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    def _heads(self, u: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    def _heads(self, u: Tensor, weight: Tensor | None, bias: Tensor | None,
+               linear: Callable[..., Tensor] = F.linear) -> Tensor:
         """``u W^T + b`` (``u`` itself for ``weight = None``) split into heads,
         [B, H, N, d]."""
         b, n, _ = u.shape
-        y = u if weight is None else F.linear(u, weight, bias)
+        y = u if weight is None else linear(u, weight, bias)
         return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
 
@@ -200,26 +222,29 @@ class BlockParts(AttentionParts):
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
     ``scale_attn_inner``, SPEC_NEXT §7.0); ``None`` = identity."""
 
-    def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None
-             ) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
+             rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
         weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
         bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
         no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
+        linear = F.linear if rules is None or rules.linear is None else rules.linear
         if weight is not None and (bias is not None or no_bias):
             # one fused matmul, exactly as the model computes it (same rounding forward
             # and backward); the heads then split as in timm's Attention.forward
             b, n, _ = u.shape
-            qkv = F.linear(u, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim)
+            qkv = linear(u, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             q, k = self.q_norm(q), self.k_norm(k)
         else:
-            q = self.q_norm(self._heads(u, self.q_weight, self.q_bias))
-            k = self.k_norm(self._heads(u, self.k_weight, self.k_bias))
-            v = self._heads(u, self.v_weight, self.v_bias)
+            q = self.q_norm(self._heads(u, self.q_weight, self.q_bias, linear))
+            k = self.k_norm(self._heads(u, self.k_weight, self.k_bias, linear))
+            v = self._heads(u, self.v_weight, self.v_bias, linear)
         if self.rotary is not None:  # after q/k norm, before detaching (SPEC_NEXT §7.1)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if detach_qk:
             q, k = q.detach(), k.detach()
+        if rules is not None and rules.heads is not None:
+            q, k, v = rules.heads(q, k, v)
         return q, k, v
 
     def logit_bias(self, n: int, key_mask: Tensor | None = None,
@@ -254,15 +279,18 @@ class BlockParts(AttentionParts):
             bias = pad if bias is None else bias + pad
         return bias
 
-    def _probs(self, q: Tensor, k: Tensor, bias: Tensor | None) -> Tensor:
+    def _probs(self, q: Tensor, k: Tensor, bias: Tensor | None,
+               rules: AttentionRules | None = None) -> Tensor:
         scores = (q * self.scale) @ k.transpose(-2, -1)
         if bias is not None:
             scores = scores + bias.to(scores.dtype)
+        if rules is not None and rules.softmax is not None:
+            return rules.softmax(scores)
         return scores.softmax(dim=-1)
 
     def attention(self, u: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
-                  positions: Tensor | None = None, detach_qk: bool = False
-                  ) -> tuple[Tensor, Tensor | None]:
+                  positions: Tensor | None = None, detach_qk: bool = False,
+                  rules: AttentionRules | None = None) -> tuple[Tensor, Tensor | None]:
         r"""Multi-head self-attention of ``u = LN1(x_l)`` up to the output projection.
 
         The one attention of the package (modelled on timm's ``Attention.forward``): the
@@ -288,17 +316,22 @@ class BlockParts(AttentionParts):
                 embedding is already in ``u``, so a kept token carries its own).
             detach_qk (bool): detach ``q`` and ``k`` (linearised backward, SPEC §3); the
                 forward values are unchanged.
+            rules (AttentionRules, optional): modified backward rules (LRP, SPEC_NEXT
+                §8.6); the forward values are unchanged. Needs ``materialize=True``.
 
         Returns:
             (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
             :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
         """
         b, n, _ = u.shape
-        q, k, v = self._qkv(u, detach_qk, positions)
+        if rules is not None and not materialize:
+            raise ValueError("attention rules need the explicit path (materialize=True)")
+        q, k, v = self._qkv(u, detach_qk, positions, rules)
         bias = self.logit_bias(n, key_mask, positions)
         if materialize:
-            attn: Tensor | None = self._probs(q, k, bias)
-            mix = attn @ v
+            attn: Tensor | None = self._probs(q, k, bias, rules)
+            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
+            mix = mixing @ v
         else:
             attn = None
             mask = None if bias is None else bias.to(q.dtype)
@@ -319,6 +352,43 @@ class BlockParts(AttentionParts):
         v = F.linear(u, self.v_weight).reshape(b, n, self.num_heads, self.head_dim)
         wo = self.proj_weight.reshape(-1, self.num_heads, self.head_dim)  # [D, H, d]
         return torch.einsum("bnhe,dhe->bhnd", v, wo)
+
+    def value_outputs(self, u: Tensor, attn: Tensor | None = None) -> Tensor:
+        r"""Every token's value vector through the output projection, heads concatenated:
+        :math:`(u W_V^\top + b_V) W_O^\top` [B, N, D], the value bias included and the
+        output bias and LayerScale excluded (the ``vproj`` of Beyond Intuition's token-wise
+        BT-T, SPEC_NEXT §8.8).
+
+        With an inner LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02's
+        ``scale_attn_inner``) the value vector passes it linearised, as in TokenTM
+        (SPEC_NEXT §7.1): centred by its own mean, divided by the standard deviation of
+        the real attention output :math:`o = \mathrm{concat}_h A^h v^h` of the same token
+        (frozen) and scaled by :math:`\gamma`; :math:`\beta` excluded. That needs the
+        block's probabilities ``attn``.
+
+        Args:
+            u (Tensor): ``LN1(x_l)`` [B, N, D].
+            attn (Tensor, optional): the block's probabilities [B, H, N, N] (only read with
+                an inner norm).
+
+        Returns:
+            Tensor [B, N, D].
+        """
+        dt = u.dtype  # parameters follow u (maps accumulate in float32 for half models)
+        v = F.linear(u, self.v_weight.to(dt), None if self.v_bias is None
+                     else self.v_bias.to(dt))  # [B, N, H*d]
+        if self.inner_norm is not None:
+            if attn is None:
+                raise ValueError("value_outputs of a block with an inner attention norm "
+                                 "needs the block's attention probabilities (attn=)")
+            b, n, a = v.shape
+            o = attn.to(v.dtype) @ v.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+            o = o.transpose(1, 2).reshape(b, n, a)
+            inv = torch.rsqrt(o.var(-1, unbiased=False, keepdim=True) + self.inner_norm.eps)
+            v = (v - v.mean(-1, keepdim=True)) * inv
+            if self.inner_norm.weight is not None:
+                v = v * self.inner_norm.weight.to(dt)
+        return F.linear(v, self.proj_weight.to(dt))
 
 
 @dataclass(frozen=True)
@@ -346,7 +416,8 @@ class PoolParts(AttentionParts):
     ``pool_include_prefix``); their probabilities are exactly 0."""
 
     def attention(self, x: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
-                  detach_k: bool = False) -> tuple[Tensor, Tensor | None]:
+                  detach_k: bool = False, rules: AttentionRules | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
         """The pool's attention of the latent over ``x`` [B, N, D].
 
         Args:
@@ -357,17 +428,24 @@ class PoolParts(AttentionParts):
                 are no keys.
             detach_k (bool): detach ``k`` (linearised backward; ``q`` depends on the
                 latent only).
+            rules (AttentionRules, optional): modified backward rules (LRP, SPEC_NEXT
+                §8.6), as in :meth:`BlockParts.attention`; needs ``materialize=True``.
 
         Returns:
             (mix [B, Q, H*d] before ``W_p``, probabilities [B, H, Q, N] or ``None``).
         """
+        if rules is not None and not materialize:
+            raise ValueError("attention rules need the explicit path (materialize=True)")
         b = x.shape[0]
         lat = self.latent.to(x.dtype).expand(b, -1, -1)
-        q = self.q_norm(self._heads(lat, self.q_weight, self.q_bias))
-        k = self.k_norm(self._heads(x, self.k_weight, self.k_bias))
-        v = self._heads(x, self.v_weight, self.v_bias)
+        linear = F.linear if rules is None or rules.linear is None else rules.linear
+        q = self.q_norm(self._heads(lat, self.q_weight, self.q_bias, linear))
+        k = self.k_norm(self._heads(x, self.k_weight, self.k_bias, linear))
+        v = self._heads(x, self.v_weight, self.v_bias, linear)
         if detach_k:
             k = k.detach()
+        if rules is not None and rules.heads is not None:
+            q, k, v = rules.heads(q, k, v)
         bias = None
         if key_mask is not None or self.skip_prefix:
             real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
@@ -377,8 +455,11 @@ class PoolParts(AttentionParts):
             bias = key_padding_bias(real, x.dtype)
         if materialize:
             scores = (q * self.scale) @ k.transpose(-2, -1)
-            attn: Tensor | None = (scores if bias is None else scores + bias).softmax(-1)
-            mix = attn @ v
+            scores = scores if bias is None else scores + bias
+            softmax = None if rules is None else rules.softmax
+            attn: Tensor | None = scores.softmax(-1) if softmax is None else softmax(scores)
+            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
+            mix = mixing @ v
         else:
             attn = None
             mix = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
@@ -666,6 +747,13 @@ class ViTAdapter:
         :meth:`trace`); adapters whose parts are the parameters themselves need nothing.
         """
 
+    def embedding_norms(self) -> tuple[str, ...]:
+        """Names of the normalisations inside :meth:`embed` (a pre-norm such as CLIP's
+        ``pre_layrnorm``); empty when the embedding is affine in the pixels (patch
+        projection, prefix tokens, position embedding). Pixel-level LRP (SPEC_NEXT §8.6)
+        has no rule for them: it runs the embedding with its true gradient."""
+        return ()
+
     def check_inputs(self, inputs: Tensor) -> None:
         """Raise a clear error for inputs the model cannot take (subclasses add their size
         rules).
@@ -826,7 +914,49 @@ class ViTAdapter:
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
         """Final norm, pooling and head(s) on the last residual state (``record``: a
         trace that keeps the attention pool's probabilities)."""
+        return self._head_logits(x, ops, record, self.head)
+
+    def readout_logits(self, x: Any, ops: Ops | None = None, record: Trace | None = None, *,
+                       final_norm: bool = True, pool: str = "model") -> Any:
+        r"""The model's readout applied to the token states ``x`` [B, N, D] of any block
+        (LeGrad's per-layer scores :math:`s^l` on :math:`z^l = x_{l+1}`, SPEC_NEXT §8.7).
+
+        With the defaults this is :meth:`logits`: final norm, pooling (class token,
+        average, attention pool, ...), ``fc_norm``, head(s) and, inside
+        :meth:`targeting`, the scores against the target embeddings.
+
+        Args:
+            x: token states [B, N, D].
+            ops (Ops, optional): primitive operations (default: plain forward).
+            record (Trace, optional): receives the attention pool's probabilities
+                (``record.pool_attn``) when the pool is used.
+            final_norm (bool): apply the model's final norm (``False``: LeGrad's SigLIP
+                reference pools the block output directly).
+            pool (str): ``"model"`` (the model's own pooling) or ``"mean"``: the mean of
+                all N rows (prefix included) first, then the final norm, ``fc_norm`` and
+                every head on that one vector (LeGrad's CLIP reference,
+                :math:`\mathrm{LN}_{post}(\mathrm{mean}_i z_i) W_{proj}`); an attention
+                pool is not used.
+
+        Returns:
+            Logits [B, classes] (or scores [B, T] against target embeddings).
+        """
+        if pool not in ("model", "mean"):
+            raise ValueError(f"pool must be 'model' or 'mean'; got {pool!r}")
+        ops = ops or Ops()
+        if pool == "model" and final_norm:
+            return self.logits(x, ops, record)
         h = self.head
+        if pool == "mean":
+            x = x.mean(1, keepdim=True)  # one token: the mean of all rows
+            h = dataclasses.replace(h, heads=tuple((0, w, b) for _, w, b in h.heads),
+                                    attn_pool=None)
+        if not final_norm:
+            h = dataclasses.replace(h, norm=None)
+        return self._head_logits(x, ops, record, h)
+
+    def _head_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts) -> Any:
+        """Final norm, pooling and head(s) of ``h`` on the token states ``x``."""
         if h.norm is not None:
             x = ops.norm(x, h.norm)
         pooled = None
@@ -921,8 +1051,9 @@ class ViTAdapter:
         return out, torch.cat([prefix, k + keep], dim=1)
 
     def trace(self, inputs: Tensor | None = None, *, x: Tensor | None = None, start: int = 0,
-              linearize: bool = False, grad: bool = False) -> Trace:
-        """One forward pass recording every block (SPEC §0 names).
+              linearize: bool = False, grad: bool = False, cut_blocks: bool = False,
+              ops: Ops | None = None) -> Trace:
+        r"""One forward pass recording every block (SPEC §0 names).
 
         Args:
             inputs (Tensor, optional): images [B, C, H, W]; embedded first.
@@ -931,6 +1062,15 @@ class ViTAdapter:
             linearize (bool): linearised backward (LN variance, q/k, GELU gate detached).
             grad (bool): build the autograd graph so gradients w.r.t. recorded tensors
                 can be taken (:func:`captum_vit.methods._core.grads`).
+            cut_blocks (bool): every block after the first takes a detached copy of the
+                previous block's output (a leaf, with ``requires_grad`` under ``grad``):
+                the values are unchanged, but a score computed from block ``l``'s output
+                reaches the earlier blocks only through block ``l``'s input, so ONE
+                backward of :math:`\sum_l s^l(x_{l+1})` gives every
+                :math:`\partial s^l / \partial A_l` (LeGrad, SPEC_NEXT §8.7). The trace's
+                logits then carry gradients into the last block only.
+            ops (Ops, optional): the primitive operations of the forward, e.g. an LRP
+                rule set (:mod:`captum_vit.adapters._lrp`); default ``Ops(linearize)``.
 
         Returns:
             :class:`Trace`.
@@ -946,9 +1086,11 @@ class ViTAdapter:
             if grad and not x.requires_grad:
                 x = x.detach().requires_grad_()
             tr = Trace(layout=layout, x0=x, start=start)
-            ops = Ops(linearize=linearize)
+            ops = Ops(linearize=linearize) if ops is None else ops
             h = x
             for l in range(start, self.num_blocks):
+                if cut_blocks and l > start:
+                    h = h.detach().requires_grad_(grad)
                 h = self.block(h, l, ops, tr.blocks)
             tr.logits = self.logits(h, ops, tr)
         return tr

@@ -119,6 +119,11 @@ class HFEmbeddingAdapter(HFViTAdapter):
         pre = getattr(self.backbone, "pre_layrnorm", None)
         return x if pre is None else pre(x)
 
+    def embedding_norms(self) -> tuple[str, ...]:
+        """CLIP's ``pre_layrnorm`` (SigLIP has none)."""
+        return ("pre_layrnorm",) if getattr(self.backbone, "pre_layrnorm", None) is not None \
+            else ()
+
     def model_outputs(self, inputs: Tensor) -> Tensor:
         kw = self._size_kwargs(inputs)
         if hasattr(self.model, "get_image_features"):  # the dual CLIPModel / SiglipModel

@@ -140,6 +140,15 @@ class SubnetworkAdapter(ViTAdapter):
             x = self.base.block(x, l, ops)
         return self.base.logits(x, ops, record)
 
+    def readout_logits(self, x: Any, ops: Ops | None = None, record: Trace | None = None,
+                       **options: Any) -> Any:
+        """The model's blocks ``stop .. L-1`` (none for ``stop = L``), then its
+        :meth:`~captum_vit.adapters.base.ViTAdapter.readout_logits` with ``options``."""
+        ops = ops or Ops()
+        for l in range(self.stop, self.base.num_blocks):
+            x = self.base.block(x, l, ops)
+        return self.base.readout_logits(x, ops, record, **options)
+
     def layout(self, inputs: Tensor) -> Layout:
         return dataclasses.replace(self.base.layout(inputs), num_blocks=self.num_blocks)
 

@@ -17,6 +17,10 @@ costs less than the forwards it saves. Shorter sequences of a mixed chunk are pa
 the padding masked out as attention keys and from average pooling
 (:class:`~captum_vit.adapters.base.FusedOps`), which gives the same logits as running
 every job alone.
+
+Its pixel-side twin, :func:`image_logits`, runs the model's own forward on many perturbed
+copies of the images (ScoreCAM's masked images, RISE's random masks, ViT-CX's cluster masks
+with noise), ``batch_size`` images per forward.
 """
 
 from __future__ import annotations
@@ -135,6 +139,31 @@ def _forward_chunk(adapter: ViTAdapter, x0: Tensor, images: Tensor, keep: Tensor
     return adapter.run(x, ops=FusedOps(key_mask=key_mask, positions=positions))
 
 
+def _without_forward(kept: Tensor, num_patches: int, num_prefix: int,
+                     reuse_full: bool) -> tuple[Tensor, Tensor]:
+    """The jobs :func:`subset_logits` answers without a forward: ``(reused, empty)``, those
+    keeping every patch (given the full logits) and those keeping no token at all."""
+    reused = kept == num_patches if reuse_full else torch.zeros_like(kept, dtype=torch.bool)
+    return reused, kept + num_prefix == 0
+
+
+def subset_forwards(keep: Tensor, num_prefix: int, *, reuse_full: bool) -> int:
+    """How many sequences :func:`subset_logits` runs through the model for ``keep``
+    [B, S, P] (with ``reuse_full``: ``full_logits`` given; expand masks shared by the
+    batch to B first), for reporting a method's forwards (``num_forwards``).
+
+    Examples::
+
+        >>> keep = torch.tensor([[[True, True], [True, False], [False, False]]])
+        >>> subset_forwards(keep, 1, reuse_full=True)   # the full subset reuses the logits
+        2
+        >>> subset_forwards(keep, 0, reuse_full=True)   # and the empty one has no tokens
+        1
+    """
+    reused, empty = _without_forward(keep.sum(-1), keep.shape[-1], num_prefix, reuse_full)
+    return int((~(reused | empty)).sum())
+
+
 def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
                   batch_size: int | None = None, full_logits: Tensor | None = None,
                   reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
@@ -195,8 +224,7 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
         out[ii, jj] = values
 
     run = torch.ones_like(kept, dtype=torch.bool)
-    reused = (kept == n - k) if full_logits is not None else torch.zeros_like(run)
-    empty = kept + k == 0
+    reused, empty = _without_forward(kept, n - k, k, full_logits is not None)
     with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="seq",
                                disable=not show_progress) as bar:
         for done, logits_of in ((reused, lambda i: full_logits[i]),
@@ -219,4 +247,66 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
         empty_rows = torch.zeros(0, dtype=torch.long, device=x0.device)
         store(empty_rows, empty_rows, x0.new_zeros(0, adapter.num_classes))
     assert out is not None
+    return out
+
+
+def image_logits(adapter: ViTAdapter, num_jobs: int,
+                 make: Callable[[Tensor], tuple[Tensor, Tensor]], *,
+                 batch_size: int | None = None,
+                 reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 show_progress: bool = False, desc: str = "images",
+                 device: torch.device | str | None = None) -> Tensor:
+    """Logits of the model's own forward on many perturbed images (the pixel engine).
+
+    Jobs ``0 .. num_jobs-1`` are run in order, ``batch_size`` per forward; ``make(jobs)``
+    builds the perturbed images of a chunk of job indices only when it is run, so masks
+    and noise never have to be held for all jobs at once. No gradients.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter (:meth:`ViTAdapter.model_logits` runs
+            the model's own forward; inside :meth:`ViTAdapter.targeting` it gives the
+            scores against the target embeddings).
+        num_jobs (int): number of perturbed images.
+        make (callable): ``make(jobs [n] int64) -> (images [n, C, H, W], owners [n])``,
+            ``owners`` = the index of the original image of each job (passed to
+            ``reduce``).
+        batch_size (int, optional): most images per forward; ``None`` = all at once.
+        reduce (callable, optional): ``reduce(logits [n, classes], owners [n]) -> values
+            [n, ...]`` applied to every forward's logits (e.g. the target probability of
+            each job), stored instead of the logits.
+        show_progress (bool): tqdm progress bar over the jobs.
+        desc (str): the progress bar's label.
+        device (torch.device, optional): device of the job indices passed to ``make``
+            (default: the CPU).
+
+    Returns:
+        Tensor: logits [num_jobs, classes] (or ``reduce``'s values [num_jobs, ...]).
+
+    Examples::
+
+        >>> masks = torch.rand(16, 1, *images.shape[-2:]) < 0.5
+        >>> def make(jobs):   # image b under mask i for job b * 16 + i
+        ...     return images[jobs // 16] * masks[jobs % 16], jobs // 16
+        >>> logits = image_logits(adapter, len(images) * 16, make, batch_size=64)
+    """
+    from tqdm.auto import tqdm
+
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    step = max(num_jobs, 1) if batch_size is None else batch_size
+    out: Tensor | None = None
+    with torch.no_grad(), tqdm(total=num_jobs, desc=desc, unit="img",
+                               disable=not show_progress) as bar:
+        for lo in range(0, num_jobs, step):
+            jobs = torch.arange(lo, min(lo + step, num_jobs), device=device)
+            images, owners = make(jobs)
+            logits = adapter.model_logits(images)
+            values = logits if reduce is None else reduce(logits, owners)
+            if out is None:
+                out = values.new_empty((num_jobs,) + tuple(values.shape[1:]))
+            out[lo:lo + len(jobs)] = values
+            bar.update(len(jobs))
+    if out is None:
+        raise ValueError("image_logits needs at least one job (num_jobs >= 1)")
     return out

@@ -187,6 +187,15 @@ class TimmViTAdapter(ViTAdapter):
         x = m.patch_drop(x)
         return m.norm_pre(x)
 
+    def embedding_norms(self) -> tuple[str, ...]:
+        """The non-identity ``patch_embed.norm`` and ``norm_pre`` (e.g. timm's CLIP ViTs,
+        ``pre_norm=True``); the same for BEiT and Eva, which subclass this adapter."""
+        m = self.model
+        found = (("patch_embed.norm", getattr(m.patch_embed, "norm", None)),
+                 ("norm_pre", getattr(m, "norm_pre", None)))
+        return tuple(name for name, mod in found
+                     if mod is not None and not isinstance(mod, nn.Identity))
+
 
 def timm_attention_fields(blk: nn.Module, where: str) -> dict:
     """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,

@@ -30,9 +30,16 @@ from captum_vit._base import (
     check_scalar,
     format_output,
     resolve_target,
-    target_scores,
+    score_reduce,
 )
-from captum_vit.adapters import FusedOps, Layout, ViTAdapter, subset_logits
+from captum_vit.adapters import (
+    FusedOps,
+    Layout,
+    ViTAdapter,
+    image_logits,
+    subset_forwards,
+    subset_logits,
+)
 from captum_vit.methods.cam import block_layer
 
 REMOVALS = ("pixels", "tokens")
@@ -71,7 +78,8 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
 
     Job ``(b, s)`` is ``inputs[b] * up(masks[b, s])`` (``up`` = nearest upsampling of the
     patch grid to pixels, as :func:`~captum_vit._base.format_output`); jobs of all images
-    and masks are batched, ``batch_size`` images per forward.
+    and masks are batched, ``batch_size`` images per forward, by the pixel engine
+    :func:`~captum_vit.adapters.subsets.image_logits`.
 
     Args:
         adapter (ViTAdapter): the model's adapter (``adapter.model_logits`` runs them).
@@ -86,24 +94,17 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
     Returns:
         Tensor: ``reduce``'s values [B, S].
     """
-    from tqdm.auto import tqdm
-
     b, s, _ = masks.shape
-    out: Tensor | None = None
-    with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="img",
-                               disable=not show_progress) as bar:
-        for lo in range(0, b * s, batch_size):
-            jobs = torch.arange(lo, min(lo + batch_size, b * s), device=inputs.device)
-            ii, jj = jobs // s, jobs % s
-            images = inputs[ii]
-            up = format_output(masks[ii, jj].to(images.dtype), layout, images, "pixels")
-            values = reduce(adapter.model_logits(images * up), ii)
-            if out is None:
-                out = values.new_empty(b, s)
-            out[ii, jj] = values
-            bar.update(len(jobs))
-    assert out is not None
-    return out
+
+    def make(jobs: Tensor) -> tuple[Tensor, Tensor]:
+        ii, jj = jobs // s, jobs % s
+        images = inputs[ii]
+        up = format_output(masks[ii, jj].to(images.dtype), layout, images, "pixels")
+        return images * up, ii
+
+    return image_logits(adapter, b * s, make, batch_size=batch_size, reduce=reduce,
+                        show_progress=show_progress, desc=desc,
+                        device=inputs.device).reshape(b, s)
 
 
 class ScoreCAM(ViTPerturbationAttribution):
@@ -228,9 +229,7 @@ class ScoreCAM(ViTPerturbationAttribution):
         masks = channel_masks(x, k)  # [B, D, P]
         b, d, _ = masks.shape
 
-        def scores(lg: Tensor, images: Tensor) -> Tensor:
-            return target_scores(lg.to(dt), t[images], score)
-
+        scores = score_reduce(t, score, dt)
         if self.removal == "pixels":
             s = masked_image_scores(adapter, inputs, masks, layout, scores,
                                     batch_size=self.batch_size, show_progress=self.progress)
@@ -240,7 +239,7 @@ class ScoreCAM(ViTPerturbationAttribution):
             s = subset_logits(adapter, x0, keep, batch_size=self.batch_size,
                               full_logits=logits, reduce=scores,
                               show_progress=self.progress, desc="ScoreCAM")
-            self.num_forwards = b * (1 + d) - int(keep.all(-1).sum())
+            self.num_forwards = b + subset_forwards(keep, k, reuse_full=True)
         with torch.no_grad():
             m = torch.einsum("bnd,bd->bn", x, s.softmax(-1))
             return m.clamp(min=0) if self.relu else m

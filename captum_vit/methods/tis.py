@@ -38,7 +38,7 @@ from captum_vit._base import (
     check_choice,
     check_scalar,
     resolve_target,
-    target_scores,
+    score_reduce,
 )
 from captum_vit.adapters import FusedOps, ViTAdapter, subset_logits
 
@@ -185,12 +185,7 @@ def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, 
     Returns:
         Tensor: ``w`` [B, M], in the accumulation dtype of ``x0``.
     """
-    dt = accumulation_dtype(x0)
-    target = target.to(x0.device)
-
-    def scores(logits: Tensor, images: Tensor) -> Tensor:
-        return target_scores(logits.to(dt), target[images], score)
-
+    scores = score_reduce(target.to(x0.device), score, accumulation_dtype(x0))
     return subset_logits(adapter, x0, masks.to(x0.device), batch_size=internal_batch_size,
                          full_logits=full_logits, reduce=scores, show_progress=show_progress,
                          desc="TIS")

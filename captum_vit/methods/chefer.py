@@ -1,0 +1,227 @@
+r"""Transformer Attribution of Chefer, Gur & Wolf, "Transformer Interpretability Beyond
+Attention Visualization" (CVPR 2021), SPEC_NEXT §8.6.1; reference code
+hila-chefer/Transformer-Explainability (MIT), ``baselines/ViT/ViT_LRP.py`` and
+``modules/layers_ours.py``.
+
+1. A plain backward of the score gives :math:`\nabla A_l^h`.
+2. An LRP backward from the head with initial relevance one-hot at the explained class
+   (:class:`~captum_vit.adapters._lrp.CheferOps`: α1β0 linear maps, identity LayerNorm /
+   GELU / softmax, halved LRP-0 attention matmuls, rescaled residual adds) gives the
+   relevance :math:`R^{A_l^h}` of every block's post-softmax attention (after the halving).
+3. :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` and the
+   rollout without row normalisation :math:`R = (I + \bar A_{L-1}) \cdots (I + \bar A_s)`,
+   :math:`m = w R` (the paper's Eq. 13–14 as numbered in arXiv:2012.09838v2, recalled, not
+   re-read here; SPEC_NEXT cites Eq. 9–13 for the whole method).
+
+LRP is patented (Fraunhofer); see :class:`~captum_vit.methods.lrp.AttnLRP`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    AGGREGATES,
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_layer,
+    readout,
+    readout_rows,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import Trace, ViTAdapter
+from captum_vit.adapters._lrp import CheferOps
+from captum_vit.adapters._lrp import divide as _divide
+
+
+def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
+                score: str = "logit", start: int = 0
+                ) -> tuple[Trace, Tensor, list[Tensor], list[Tensor], Tensor | None,
+                           Tensor | None]:
+    r"""One forward with Chefer's rules (:class:`~captum_vit.adapters._lrp.CheferOps`) and
+    two backward passes through it: the true gradient of the score gives
+    :math:`\nabla A_l`, the LRP backward from initial relevance one-hot at the class
+    (:math:`R = 1`, not the logit) gives :math:`R^{A_l}`, for blocks ``start .. L-1``.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        target (Tensor or None): class per image; ``None`` = predicted.
+        score (str): what :math:`\nabla A` differentiates, ``"logit"`` or
+            ``"probability"``.
+        start (int): first block whose matrices are needed.
+
+    Returns:
+        (trace, resolved target [B], :math:`\nabla A_l` and :math:`R^{A_l}` of blocks
+        ``start..L-1`` [B, H, N, N], the attention pool's :math:`\nabla A_p` and
+        :math:`R^{A_p}` or ``None``).
+    """
+    ops = CheferOps()
+    with torch.enable_grad():
+        tr = adapter.trace(inputs, grad=True, ops=ops)
+        t = resolve_target(target, tr.logits)
+        logits = tr.logits
+        wrt = [rec.attn for rec in tr.blocks[start:]]
+        pool = tr.pool_attn is not None
+        if pool:
+            wrt.append(tr.pool_attn)
+        ops.mode.lrp = False  # the true gradient through the same graph
+        grads = torch.autograd.grad(target_scores(logits, t, score).sum(), wrt,
+                                    retain_graph=True)
+        ops.mode.lrp = True
+        onehot = torch.zeros_like(logits).scatter_(1, t.to(logits.device)[:, None], 1.0)
+        # relevance as gradient: the head's relevance y ⊙ g̃ is the one-hot vector
+        lrp = torch.autograd.grad(logits, wrt, grad_outputs=_divide(onehot, logits.detach()))
+    with torch.no_grad():
+        rel = [a.detach() * g for a, g in zip(wrt, lrp, strict=True)]
+    n = len(wrt) - pool
+    return (tr, t, list(grads[:n]), rel[:n], grads[-1] if pool else None,
+            rel[-1] if pool else None)
+
+
+class TransformerAttribution(ViTGradientAttribution):
+    r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
+
+    :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` with
+    :math:`\nabla A_l^h` from one backward of the score and :math:`R^{A_l^h}` the LRP
+    relevance of the attention probabilities (one-hot start, α1β0 on linear maps, identity
+    on LayerNorm/GELU/softmax, halved LRP-0 on the attention matmuls, rescaled residual
+    adds; :class:`~captum_vit.adapters._lrp.CheferOps`); the map is the readout row of
+    :math:`(I + \bar A_{L-1}) \cdots (I + \bar A_s)` (no row normalisation).
+
+    Differences from the reference code (``ViT_LRP.py``, batch size 1): batched, the
+    residual rule's sums taken per image; the LRP-0 steps (matmuls, residual split, the
+    token used twice, the class-token selection) divide exactly where the reference's
+    ``safe_divide`` adds its stabiliser :math:`10^{-9}` (kept in the α1β0 rule and the
+    residual rescaling): on the test models the maps differ from a transcription of the
+    reference by at most :math:`4 \cdot 10^{-8}` relative, and equal the same
+    transcription with exact LRP-0 divisions to :math:`10^{-14}`. Readouts other than the
+    class token use the readout weights :math:`w` (average pooling: the patch mean); an
+    attention-pool head (``"map"``) reads
+    :math:`w = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_p \odot R^{A_p})[0, :]` (the pool as one
+    more attention without identity). Model families beyond the reference ViT use the
+    rules documented in :class:`~captum_vit.adapters._lrp.CheferOps`.
+
+    Cost: one forward (with the rules) and two backward passes through it, the true
+    gradient (:math:`\nabla A`) and the LRP backward; the α1β0 rule costs two matrix
+    products of twice the width per linear map (about 3× a forward+backward on CPU for
+    ViT-S/16).
+
+    ``start_layer`` :math:`s` defaults to 0 (the paper); Chefer's evaluation scripts use
+    ``start_layer=1`` (the ``chefer21_perturbation`` preset, SPEC_NEXT §9.6). Composed
+    with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a suffix-product
+    fast path (:meth:`plus_maps`).
+
+    LRP is patented (LXT README: "LRP is a patented technology that can only be used free
+    of charge for personal and scientific purposes").
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        start_layer (int, optional): first block :math:`s` of the rollout, in
+            ``[0, L-1]``. Default 0.
+
+    Examples::
+
+        >>> from captum_vit import TransformerAttribution
+        >>> attr = TransformerAttribution(model).attribute(images, target=labels)
+        >>> paper_eval = TransformerAttribution(model, start_layer=1)
+    """
+
+    plus_aggregates = AGGREGATES
+
+    def __init__(self, model: nn.Module, start_layer: int = 0) -> None:
+        super().__init__(model)
+        self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): what the gradient :math:`\nabla A` differentiates:
+                ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
+                always starts one-hot.
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: the attribution map (non-negative) in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import TransformerAttribution
+            >>> attr = TransformerAttribution(model).attribute(images, target=labels,
+            ...                                                output="grid")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        return self.plus_maps(inputs, target, [0], score=score)[0]
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the map of every sub-network
+        :math:`f_l`, ``l`` in ``layers``, [len(layers), B, N], from one gradient pass and one
+        LRP pass.
+
+        ``aggregate="subnetwork"``: :math:`v_L = w`,
+        :math:`v_k = v_{k+1}(I + \bar A_k)`; :math:`f_l` with its own
+        ``start_layer`` :math:`s` is :math:`v_{l+s}` (the gradients and the LRP relevances of
+        blocks :math:`\geq l` are the same in :math:`f_l` and in the model).
+        ``aggregate="layer"``: :math:`w \bar A_l` (``start_layer`` unused).
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image; ``None`` = predicted.
+            layers (sequence of int): sorted start blocks.
+            aggregate (str): ``"subnetwork"`` or ``"layer"``.
+            score (str): ``"logit"`` (default) or ``"probability"``.
+
+        Returns:
+            Tensor: token maps [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> attr = SkipPLUS(model, "chefer21").attribute(images, target=labels)
+        """
+        check_choice("aggregate", aggregate, AGGREGATES)
+        check_choice("score", score, SCORES)
+        L = self.adapter.num_blocks
+        s = self.start_layer if aggregate == "subnetwork" else 0
+        for l in layers:  # the check the method makes on each (L - l)-block sub-network
+            check_layer("start_layer", s, L - l)
+        first = min(layers) + s
+        tr, t, grads, rel, pool_grad, pool_rel = chefer_pass(
+            self.adapter, inputs, target, score=score, start=first)
+        dt = accumulation_dtype(rel[0])
+        with torch.no_grad():
+            if pool_rel is not None:  # the pool's row: mean_h ReLU(∇A_p ⊙ R^{A_p})[0]
+                w = (pool_grad.to(dt) * pool_rel.to(dt)).clamp(min=0).mean(1)[:, 0]
+            else:
+                w = readout_rows(tr, dtype=dt, target=t)
+
+            def abar(k: int) -> Tensor:  # block first + k
+                return (grads[k].to(dt) * rel[k].to(dt)).clamp(min=0).mean(1)
+
+            if aggregate == "layer":
+                return torch.stack([readout(w, abar(l - first)) for l in layers])
+            rows, v = {}, w
+            for k in reversed(range(len(rel))):
+                v = v + torch.einsum("bn,bnm->bm", v, abar(k))
+                rows[first + k] = v
+            return torch.stack([rows[l + s] for l in layers])

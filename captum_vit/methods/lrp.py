@@ -1,0 +1,329 @@
+r"""Conservative LRP for Vision Transformers: CP-LRP (Ali et al., "XAI for Transformers:
+Better Explanations through Conservative Propagation", ICML 2022) and AttnLRP (Achtibat et
+al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers", ICML
+2024), SPEC_NEXT §8.6.2–8.6.3.
+
+Both are one forward and one backward pass in the "relevance as gradient" form (Arras et
+al. 2025, LXT's ``efficient`` module): every rule is a custom backward
+(:mod:`captum_vit.adapters._lrp`), and the relevance of a tensor :math:`z` is
+:math:`R_z = z \odot \tilde g_z`. The token map is :math:`m_j = \sum_c R_{x_0}[j, c]`
+(``at="tokens"``) or the pixel relevance :math:`\sum_{\mathrm{channels}} X \odot \tilde
+g_X` summed over each patch (``at="pixels"``; it differs from the tokens by the relevance
+the position embedding, prefix tokens and patch bias absorb).
+
+**Patent note** (from the LXT README, rachtibat/LRP-eXplains-Transformers): "LRP is a
+patented technology that can only be used free of charge for personal and scientific
+purposes." The code here is written from the papers (LXT's Clear BSD licence grants no
+patent rights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from captum.log import log_usage
+from torch import Tensor, nn
+
+from captum_vit._base import (
+    SCORES,
+    TargetLike,
+    ViTGradientAttribution,
+    accumulation_dtype,
+    check_choice,
+    check_scalar,
+    gradients,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import Layout, Trace, ViTAdapter
+from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
+
+SITES = ("tokens", "pixels")
+
+
+def patch_sums(pixels: Tensor, layout: Layout) -> Tensor:
+    """Per-patch sums [B, P] of a pixel map [B, H, W] (zero-padded or cropped to the
+    patch grid, as the patch embedding sees the image)."""
+    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
+    h, w = gh * ph, gw * pw
+    pixels = pixels[:, :h, :w]
+    pixels = F.pad(pixels, (0, w - pixels.shape[-1], 0, h - pixels.shape[-2]))
+    b = pixels.shape[0]
+    return pixels.reshape(b, gh, ph, gw, pw).sum((2, 4)).reshape(b, gh * gw)
+
+
+def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, ops: LRPOps, *,
+                  score: str = "logit", at: str = "tokens",
+                  layers: Sequence[int] = (0,)) -> tuple[Tensor, Trace, Tensor]:
+    r"""One forward with the rules ``ops`` and ONE backward of the score.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter (or a sub-network view).
+        inputs (Tensor): validated images [B, C, H, W].
+        target (Tensor or None): class per image; ``None`` = predicted.
+        ops (LRPOps): the rule set.
+        score (str): ``"logit"`` (default) or ``"probability"``.
+        at (str): ``"tokens"``: :math:`\sum_c R_{x_l}` at the input of every block in
+            ``layers``; ``"pixels"``: the per-patch pixel relevance (prefix columns 0).
+        layers (sequence of int): the blocks whose input relevance is returned (tokens).
+
+    Returns:
+        (maps [len(layers), B, N] (``at="pixels"``: [1, B, N]), the trace, the resolved
+        target [B]).
+
+    Raises:
+        TypeError: ``at="pixels"`` on a model whose embedding holds a normalisation.
+        ValueError: ``at="pixels"`` on an adapter whose embedding is not differentiable
+            (a PLUS sub-network).
+    """
+    with torch.enable_grad():
+        if at == "pixels":
+            norms = adapter.embedding_norms()
+            if norms:
+                raise TypeError(
+                    f"at='pixels' needs LRP rules inside the embedding of this "
+                    f"{type(adapter.model).__name__}, which normalises it "
+                    f"({', '.join(norms)}) and has none; use at='tokens'")
+            images = inputs.detach().requires_grad_()
+            x0 = adapter.embed(images)
+            if not x0.requires_grad:
+                raise ValueError("at='pixels' needs the model's own differentiable embedding; "
+                                 "this adapter (a PLUS sub-network) starts at token states: "
+                                 "use at='tokens'")
+            tr = adapter.trace(images, x=x0, grad=True, ops=ops)
+            wrt = [images]
+        else:
+            tr = adapter.trace(inputs, grad=True, ops=ops)
+            states = tr.states
+            wrt = [states[l] for l in layers]
+        t = resolve_target(target, tr.logits)
+        grads = gradients(target_scores(tr.logits, t, score), wrt)
+    dt = accumulation_dtype(inputs)
+    with torch.no_grad():
+        if at == "pixels":
+            pix = (images.detach().to(dt) * grads[0].to(dt)).sum(1)
+            lay = tr.layout
+            m = pix.new_zeros(pix.shape[0], lay.num_tokens)
+            m[:, lay.num_prefix:] = patch_sums(pix, lay)
+            return m[None], tr, t
+        maps = torch.stack([(x.detach().to(dt) * g.to(dt)).sum(-1)
+                            for x, g in zip(wrt, grads, strict=True)])
+    return maps, tr, t
+
+
+class _LRPAttribution(ViTGradientAttribution):
+    """Shared front of CP-LRP and AttnLRP: the rule set, ``attribute`` and the PLUS hook."""
+
+    plus_aggregates = ("subnetwork",)
+
+    def __init__(self, model: nn.Module, ops: LRPOps, at: str) -> None:
+        super().__init__(model)
+        self.ops = ops
+        self.at = check_choice("at", at, SITES)
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            target (int, list, Tensor, optional): class per image. ``None`` (default)
+                explains the predicted class of each image (Captum's ``None`` means a
+                scalar output; here it means "predicted").
+            score (str, optional): ``"logit"`` (default, the papers) or
+                ``"probability"`` (the softmax then keeps its true Jacobian).
+            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+
+        Returns:
+            Tensor: signed relevance per patch in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import AttnLRP, CPLRP
+            >>> attr = AttnLRP(model).attribute(images, target=labels)
+            >>> cp = CPLRP(model).attribute(images, target=labels, output="tokens")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score)
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        maps, _, _ = lrp_relevance(self.adapter, inputs, target, self.ops, score=score,
+                                   at=self.at)
+        return maps[0]
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5, gradient route): the map of every
+        sub-network :math:`f_l`, :math:`m_l = \sum_c x_l \odot \tilde g_{x_l}`, from one
+        forward and one backward, [len(layers), B, N] (the rules of blocks :math:`\geq l`
+        are the same in :math:`f_l` and in the model).
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image; ``None`` = predicted.
+            layers (sequence of int): sorted start blocks.
+            aggregate (str): ``"subnetwork"`` only (no per-block matrix).
+            score (str): ``"logit"`` (default) or ``"probability"``.
+
+        Returns:
+            Tensor: token maps [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> attr = SkipPLUS(model, "attnlrp").attribute(images, target=labels)
+        """
+        if aggregate != "subnetwork":
+            raise ValueError(f"aggregate={aggregate!r} is not defined for "
+                             f"{type(self).__name__} (no per-block matrix); use "
+                             "aggregate='subnetwork'")
+        check_choice("score", score, SCORES)
+        if self.at != "tokens":
+            raise ValueError("PLUS/SkipPLUS sum the relevance at every block's input "
+                             f"tokens; build the base with at='tokens' (got at={self.at!r})")
+        maps, _, _ = lrp_relevance(self.adapter, inputs, target, self.ops, score=score,
+                                   layers=layers)
+        return maps
+
+
+class CPLRP(_LRPAttribution):
+    r"""CP-LRP, conservative propagation for Transformers (Ali et al., ICML 2022, the
+    "AH-rule" and "LN-rule"; SPEC_NEXT §8.6.2).
+
+    Gradient × Input with a modified backward:
+
+    - attention heads (AH-rule): the probabilities :math:`A^h` are constants (q and k
+      detached), relevance flows through the values only;
+    - LayerNorm (LN-rule): the standard deviation detached, the centring kept (their
+      ``detach_mean=False`` variant, as LXT);
+    - element-wise activations: the identity rule
+      :math:`\tilde g_z = \tilde g_y\, \mathrm{act}(z)/z` (``act_rule="identity"``, LXT's
+      CP-LRP preset for ViTs; the exact ratio, its limit ½ at :math:`z = 0`, where LXT
+      divides by :math:`z + 10^{-10}`) or the true gradient (``"gradient"``);
+    - a gated MLP's activated gate is a constant (LXT's ``cp_gated_mlp_forward``);
+    - linear maps: the :math:`\varepsilon`-rule, the plain gradient for ``epsilon=0``.
+
+    With the defaults the relevance at the input tokens :math:`x_s` of block :math:`s` is
+    DecompX started at :math:`s` (SPEC §3): the same linearised forward
+    (``LRPOps() == Ops(linearize=True)``), so ``CPLRP(model)`` and ``DecompX(model)``
+    give the same numbers, and without biases the relevance of all tokens (prefix tokens
+    included) sums to the logit.
+
+    *Verified against AmeenAli/XAI_Transformers (MIT; its attention-only BERT-like model
+    has no MLP):* the softmax output is detached (= q, k detached), the LayerNorm's
+    standard deviation (and optionally mean) detached, and the only element-wise
+    non-linearity (the pooler's tanh) keeps its true gradient, which is
+    ``act_rule="gradient"``; ``"identity"`` follows LXT's ViT preset.
+
+    Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it is a
+    gradient-route base: one backward gives every block's map (:meth:`plus_maps`).
+
+    LRP is patented (LXT README: "LRP is a patented technology that can only be used free
+    of charge for personal and scientific purposes").
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        act_rule (str, optional): ``"identity"`` (default) or ``"gradient"``.
+        epsilon (float, optional): ε of the linear maps' ε-rule,
+            :math:`R_x = x \odot W^\top (R_y / (y + \varepsilon\,\mathrm{sign}\,y))`;
+            default 0 (the plain gradient).
+        at (str, optional): ``"tokens"`` (default, relevance of the embedding output
+            :math:`x_0`) or ``"pixels"`` (image relevance summed per patch).
+
+    Examples::
+
+        >>> from captum_vit import CPLRP, DecompX
+        >>> cp = CPLRP(model).attribute(images, target=labels, output="tokens")
+        >>> torch.allclose(cp, DecompX(model).attribute(images, target=labels,
+        ...                                             output="tokens"))
+        True
+        >>> pix = CPLRP(model, act_rule="gradient", at="pixels").attribute(images)
+    """
+
+    def __init__(self, model: nn.Module, act_rule: str = "identity", epsilon: float = 0.0,
+                 at: str = "tokens") -> None:
+        act_rule = check_choice("act_rule", act_rule, ACT_RULES)
+        epsilon = check_scalar(epsilon, "epsilon", float, min_val=0)
+        super().__init__(model, LRPOps(method="cp", attention="cp", act_rule=act_rule,
+                                       epsilon=epsilon), at)
+        self.act_rule, self.epsilon = act_rule, float(epsilon)
+
+
+class AttnLRP(_LRPAttribution):
+    r"""AttnLRP, attention-aware LRP (Achtibat et al., ICML 2024; efficient
+    Gradient × Input form of Arras et al. 2025 / LXT; SPEC_NEXT §8.6.3).
+
+    Rules (each a modified backward, the forward is the model's):
+
+    ====================================  ===============================================
+    LayerNorm, q/k norms, cosine target   identity rule on the normalisation: σ detached
+    GELU, SiLU, QuickGELU, tanh-GELU       identity rule (Eq. 9),
+                                          :math:`\tilde g_z = \tilde g_y\,\mathrm{act}(z)/z`
+                                          (exact ratio; LXT divides by
+                                          :math:`z + 10^{-10}`)
+    softmax                               true Jacobian = the bias-absorbing softmax rule
+                                          :math:`R_x = x \odot (R_s - s\,\Sigma R_s)`
+                                          (Prop. 3.1)
+    ``q kᵀ``, ``A v``                     uniform rule (Eq. 7): gradient × ¼ into q, k,
+                                          × ½ into v
+    gated MLP product                     uniform rule (× ½ into both factors), gate
+                                          activation by the identity rule
+    RoPE, rel. bias, LayerScale, adds     unmodified
+    linear maps                           ε-rule (``gamma=0``) or γ-rule
+    ====================================  ===============================================
+
+    The softmax rule is not conservative: per attention row it passes on
+    :math:`\Sigma_i x_i R_{s,i} - (\Sigma_i x_i s_i)\,\Sigma_j R_{s,j}` instead of
+    :math:`\Sigma_j R_{s,j}` (the rest is absorbed like a bias), nor are linear biases; the
+    map therefore sums to the logit only approximately (without biases: the logit minus
+    exactly the softmax's share, tested). ``attention="cp"`` is LXT's own ViT preset
+    ("AttnLRP outside the attention, CP-LRP inside", easier to tune with γ): q and k
+    detached, v unscaled.
+
+    γ-rule (zennit's generalised ``Gamma``, which LXT plugs in for ViTs): for an output
+    :math:`y_j > 0` the weights :math:`W + \gamma W^+` act on positive inputs and
+    :math:`W + \gamma W^-` on negative ones (bias :math:`b + \gamma b^+` in the
+    denominator), for :math:`y_j < 0` the other way round. It applies to every linear map
+    of the blocks, of the q/k/v projections and of the head; the patch embedding (the
+    model's own convolution, ``at="pixels"``) keeps its gradient (ε-rule). *Verify
+    finding:* LXT's documentation tunes γ per layer by eye (its ViT example sweeps
+    conv γ ∈ {0.1, 0.25, 100} × linear γ ∈ {0, 0.01, 0.05, 0.1, 1}) and states no fixed
+    values; the paper's appendix values could not be checked here, so there is no preset
+    and the default is γ = 0. LXT's torchvision preset applies γ to ``nn.Linear`` modules,
+    which leaves torchvision's fused q/k/v in-projection (not an ``nn.Linear``) at γ = 0;
+    here the q/k/v projections take γ too.
+
+    **Patent note** (LXT README): "LRP is a patented technology that can only be used
+    free of charge for personal and scientific purposes." Implemented from the papers.
+
+    Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it is a
+    gradient-route base (:meth:`plus_maps`).
+
+    Args:
+        model (torch.nn.Module): a supported Vision Transformer.
+        attention (str, optional): ``"attnlrp"`` (default, the table) or ``"cp"``.
+        gamma (float, optional): γ of the linear maps' γ-rule; default 0 (ε-rule).
+        epsilon (float, optional): ε stabiliser of the linear maps' rule (ε-rule, or the
+            γ-rule's denominators); default 0.
+        at (str, optional): ``"tokens"`` (default) or ``"pixels"``.
+
+    Examples::
+
+        >>> from captum_vit import AttnLRP
+        >>> attr = AttnLRP(model).attribute(images, target=labels)
+        >>> lxt_vit = AttnLRP(model, attention="cp", gamma=0.05, at="pixels")
+        >>> pix = lxt_vit.attribute(images, target=labels)
+    """
+
+    def __init__(self, model: nn.Module, attention: str = "attnlrp", gamma: float = 0.0,
+                 epsilon: float = 0.0, at: str = "tokens") -> None:
+        attention = check_choice("attention", attention, ATTENTION_RULES)
+        gamma = check_scalar(gamma, "gamma", float, min_val=0)
+        epsilon = check_scalar(epsilon, "epsilon", float, min_val=0)
+        super().__init__(model, LRPOps(method="attnlrp", attention=attention, gamma=gamma,
+                                       epsilon=epsilon), at)
+        self.attention, self.gamma, self.epsilon = attention, float(gamma), float(epsilon)
