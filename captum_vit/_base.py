@@ -7,7 +7,7 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -398,3 +398,27 @@ def check_layer(name: str, value: Any, num_blocks: int, *, allow_end: bool = Fal
     except ValueError:
         raise ValueError(f"{name} must be in [0, {hi}] for this {num_blocks}-block "
                          f"model, got {value}") from None
+
+
+def check_layers(layers: Iterable[int], num_blocks: int) -> tuple[int, ...]:
+    """Validate a non-empty collection of distinct block indices in ``[0, L-1]``
+    (PLUS/SkipPLUS start layers, GradSAM's and LeGrad's blocks); returned sorted.
+
+    Examples::
+
+        >>> check_layers([3, 1], num_blocks=12)
+        (1, 3)
+    """
+    if isinstance(layers, int | str) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be a list/range of block indices (e.g. "
+                        f"range({max(num_blocks - 2, 0)}, {num_blocks})), got "
+                        f"{type(layers).__name__}")
+    out = tuple(layers)
+    if not out:
+        raise ValueError("layers is empty; give at least one block index in "
+                         f"[0, {num_blocks - 1}]")
+    for l in out:
+        check_layer("layers", l, num_blocks)
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers has repeated entries {list(out)}; each block counts once")
+    return tuple(sorted(out))

@@ -62,6 +62,7 @@ from captum_vit._base import (
     accumulation_dtype,
     check_choice,
     check_layer,
+    check_layers,
     check_scalar,
     gradients,
     resolve_target,
@@ -85,22 +86,6 @@ def skip_start(num_blocks: int) -> int:
     """SkipPLUS's first layer ``m = ceil(L/2)`` (Eq. 4; the authors' code uses ``L // 2``,
     which is the same for even ``L`` and one block earlier for odd ``L``)."""
     return math.ceil(num_blocks / 2)
-
-
-def check_layers(layers: Iterable[int], num_blocks: int) -> tuple[int, ...]:
-    """Validate a non-empty collection of distinct block indices in ``[0, L-1]``."""
-    if isinstance(layers, int | str) or not isinstance(layers, Iterable):
-        raise TypeError(f"layers must be a list/range of block indices, got "
-                        f"{type(layers).__name__}")
-    out = tuple(layers)
-    if not out:
-        raise ValueError("layers is empty; give at least one block index in "
-                         f"[0, {num_blocks - 1}]")
-    for l in out:
-        check_layer("layers", l, num_blocks)
-    if len(set(out)) != len(out):
-        raise ValueError(f"layers has repeated entries {list(out)}; each block counts once")
-    return tuple(sorted(out))
 
 
 def per_layer_fast(kind: str, adapter: Any, inputs: Tensor, target: Tensor | None,

@@ -64,16 +64,22 @@ def interpolation_matrix(n_in: int, n_out: int, edge: str = "clamp", *,
     return u.to(dtype=dtype, device=device)
 
 
+def patch_sums(pixels: Tensor, layout: Layout) -> Tensor:
+    """Per-patch sums [B, P] (raster order) of a pixel map [B, H, W], cropped or
+    zero-padded to the patch grid as the patch embedding sees the image."""
+    b = pixels.shape[0]
+    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
+    h, w = gh * ph, gw * pw
+    pixels = pixels[:, :h, :w]
+    pixels = F.pad(pixels, (0, w - pixels.shape[-1], 0, h - pixels.shape[-2]))
+    return pixels.reshape(b, gh, ph, gw, pw).sum((2, 4)).reshape(b, gh * gw)
+
+
 def patch_means(pixels: Tensor, layout: Layout) -> Tensor:
     """The mean of a pixel map [B, H, W] over every patch -> patch scores [B, P] (raster
     order); a patch partly outside the image averages its pixels inside."""
-    b, h, w = pixels.shape
-    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
-    hh, ww = min(h, gh * ph), min(w, gw * pw)
-    pad = (0, gw * pw - ww, 0, gh * ph - hh)
-    total = F.pad(pixels[:, :hh, :ww], pad).reshape(b, gh, ph, gw, pw).sum((2, 4))
-    count = F.pad(pixels.new_ones(1, hh, ww), pad).reshape(1, gh, ph, gw, pw).sum((2, 4))
-    return (total / count).reshape(b, gh * gw)
+    return patch_sums(pixels, layout) / patch_sums(pixels.new_ones(1, *pixels.shape[1:]),
+                                                   layout)
 
 
 def resolve_removal(adapter: ViTAdapter, removal: Any) -> str:

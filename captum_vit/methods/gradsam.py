@@ -13,6 +13,7 @@ from captum_vit._base import (
     TargetLike,
     ViTGradientAttribution,
     check_choice,
+    check_layers,
 )
 from captum_vit.methods.gae import GAE
 
@@ -64,9 +65,6 @@ class GradSAM(ViTGradientAttribution):
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool, got {type(average).__name__}")
         super().__init__(model)
-        # imported here: captum_vit.combinators imports captum_vit.methods
-        from captum_vit.combinators import check_layers
-
         num = self.adapter.num_blocks
         self.layers = tuple(range(num)) if layers is None else check_layers(layers, num)
         self.average = average

@@ -36,7 +36,7 @@ from captum_vit._base import (
     ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    check_layer,
+    check_layers,
     check_scalar,
     resolve_target,
     target_scores,
@@ -47,22 +47,6 @@ from captum_vit.targets import embedding_target
 
 READOUTS = ("model", "mean")
 """Per-layer readouts: the model's own, or the mean of all tokens (LeGrad's CLIP code)."""
-
-
-def _check_layers(layers: Iterable[int], num_blocks: int) -> tuple[int, ...]:
-    if isinstance(layers, int | str) or not isinstance(layers, Iterable):
-        raise TypeError(f"layers must be a list/range of block indices (e.g. "
-                        f"range({max(num_blocks - 2, 0)}, {num_blocks})), got "
-                        f"{type(layers).__name__}")
-    out = tuple(layers)
-    if not out:
-        raise ValueError(f"layers is empty; give at least one block index in "
-                         f"[0, {num_blocks - 1}]")
-    for l in out:
-        check_layer("layers", l, num_blocks)
-    if len(set(out)) != len(out):
-        raise ValueError(f"layers has repeated entries {list(out)}; each block counts once")
-    return tuple(sorted(out))
 
 
 def min_max(maps: Tensor, num_prefix: int) -> Tensor:
@@ -162,7 +146,7 @@ class LeGrad(ViTGradientAttribution):
         self.skip_final_norm = check_scalar(skip_final_norm, "skip_final_norm", bool)
         self.normalize = check_scalar(normalize, "normalize", bool)
         super().__init__(model)
-        self.layers = None if layers is None else _check_layers(layers,
+        self.layers = None if layers is None else check_layers(layers,
                                                                 self.adapter.num_blocks)
 
     @log_usage()

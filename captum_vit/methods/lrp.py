@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from captum.log import log_usage
 from torch import Tensor, nn
 
@@ -38,21 +37,11 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Layout, Trace, ViTAdapter
+from captum_vit.adapters import Trace, ViTAdapter
 from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
+from captum_vit.methods._masks import patch_sums
 
 SITES = ("tokens", "pixels")
-
-
-def patch_sums(pixels: Tensor, layout: Layout) -> Tensor:
-    """Per-patch sums [B, P] of a pixel map [B, H, W] (zero-padded or cropped to the
-    patch grid, as the patch embedding sees the image)."""
-    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
-    h, w = gh * ph, gw * pw
-    pixels = pixels[:, :h, :w]
-    pixels = F.pad(pixels, (0, w - pixels.shape[-1], 0, h - pixels.shape[-2]))
-    b = pixels.shape[0]
-    return pixels.reshape(b, gh, ph, gw, pw).sum((2, 4)).reshape(b, gh * gw)
 
 
 def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, ops: LRPOps, *,
