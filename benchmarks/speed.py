@@ -60,6 +60,7 @@ from captum_vit import (
     LeGrad,
     RawAttention,
     Rollout,
+    ScoreCAM,
     SkipPLUS,
     TokenTM,
     TransformerAttribution,
@@ -110,7 +111,9 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "BT-T": (lambda m: BTT(m).attribute, 1.5),
     "TAM": (lambda m: TAM(m).attribute, 20 + 1),
     "BT-H∘SkipPLUS": (lambda m: SkipPLUS(m, "bt_h").attribute, None),
-    # issue 20, perturbation methods: goals in PER_FORWARD_GOALS
+    # perturbation methods: goals in PER_FORWARD_GOALS
+    "ScoreCAM (max_channels=32)": (
+        lambda m: functools.partial(ScoreCAM(m).attribute, max_channels=32), None),
     "RISE (n_masks=64)": (lambda m: functools.partial(RISE(m).attribute, n_masks=64), None),
     "ViT-CX": (lambda m: ViTCX(m).attribute, None),
     # issue 20, the LRP family
@@ -119,7 +122,8 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "Chefer21": (lambda m: TransformerAttribution(m).attribute, 2.0),
 }
 
-PER_FORWARD_GOALS: dict[str, float] = {"RISE (n_masks=64)": 1.1, "ViT-CX": 1.1}
+PER_FORWARD_GOALS: dict[str, float] = {"ScoreCAM (max_channels=32)": 1.1,
+                                       "RISE (n_masks=64)": 1.1, "ViT-CX": 1.1}
 """Goals of methods that report their model evaluations (``num_forwards``): time per call
 over the time of that many plain forwards (batches of :data:`PLAIN_BATCH` images)."""
 PLAIN_BATCH = 64
