@@ -165,7 +165,8 @@ def test_parity_with_authors_decompx_gradient_route(parity):
                                    rtol=0, atol=1e-9)
     for s in (0, 3):
         res = DecompX(model, start_layer=s).decompose(x, t)
-        assert torch.equal(res.tokens, ixg[s])
+        # DecompX streams a fused-attention trace: the same numbers up to rounding
+        torch.testing.assert_close(res.tokens, ixg[s], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(res.bias, maps["decompx_bias_from_layer"][s],
                                    rtol=0, atol=1e-9)
         torch.testing.assert_close(res.logit, y, rtol=0, atol=1e-12)

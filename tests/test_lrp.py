@@ -320,11 +320,12 @@ def test_softmax_rule_equals_lxts_explicit_rule():
     "vit", "eva02", "map", "beit_swiglu", "hf_dinov2")])
 def test_cp_lrp_is_decompx(family):
     """CP-LRP at the tokens (identity rule, ε = 0) is DecompX's gradient route (the same
-    linearised forward, bit for bit) and its explicit decomposition (float precision); the
-    same holds for every start block through SkipPLUS."""
+    linearised backward; DecompX streams it through the fused attention kernel, so equal
+    up to rounding) and its explicit decomposition (float precision); the same holds for
+    every start block through SkipPLUS."""
     model, x = model_of(family, 3), make_inputs(family, batch=2)
     cp = tokens(CPLRP(model), x)
-    assert torch.equal(cp, tokens(DecompX(model), x))
+    close(cp, tokens(DecompX(model), x), 1e-12)
     close(cp, tokens(DecompX(model, route="explicit"), x), 1e-10)
     close(tokens(SkipPLUS(model, "cp_lrp"), x), tokens(SkipPLUS(model, "decompx"), x), 1e-12)
 

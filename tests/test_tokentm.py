@@ -215,11 +215,14 @@ def test_zero_attention_gradients_leave_only_ffn_weights():
     """With ∇A = 0, U_attn = I (Eq. 15): the readout row is prod_l (1 + W_ffn,l) * L(x_0)."""
     model, x = make_model("vit"), make_inputs("vit", batch=1)
     method = TokenTM(model)
-    tr = method.adapter.trace(x)
+    tr = method.adapter.trace(x, attention="fused")
     norms = tr.x0.norm(dim=-1)
-    grads = [torch.zeros_like(rec.attn) for rec in tr.blocks]
     with torch.no_grad():
-        r = method._propagate(tr, grads, None, tr.logits.argmax(-1))
+        r = method._readout(tr, None, x.dtype, tr.logits.argmax(-1))
+        for l in reversed(range(len(tr.blocks))):  # ∇o_l = 0, so ∇A_l = 0
+            terms = method._block_terms(tr.blocks[l], l)
+            r = method._block_row(r, terms, torch.zeros_like(terms.heads.o), x.dtype)
+        r = r * norms
     # Only U_ffn acts on the readout row (no attention term): r_0 = prod_l (1 + w_ffn,l)[0]
     expected = torch.zeros_like(r)
     w = torch.ones(1, dtype=r.dtype)

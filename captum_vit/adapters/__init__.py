@@ -12,6 +12,8 @@ from captum_vit.adapters.base import (
     BlockRecord,
     FusedOps,
     HeadParts,
+    Heads,
+    HeadsOps,
     Layout,
     NormParts,
     Ops,
@@ -124,7 +126,8 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
 
 __all__ = [
     "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFEmbeddingAdapter", "HFViTAdapter",
-    "HeadParts", "Layout", "NormParts", "Ops", "PoolParts", "SubnetworkAdapter", "Trace",
+    "HeadParts", "Heads", "HeadsOps", "Layout", "NormParts", "Ops", "PoolParts",
+    "SubnetworkAdapter", "Trace",
     "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "image_logits", "readout_alpha",
     "subset_forwards", "subset_logits",

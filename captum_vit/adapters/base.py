@@ -290,7 +290,8 @@ class BlockParts(AttentionParts):
 
     def attention(self, u: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
                   positions: Tensor | None = None, detach_qk: bool = False,
-                  rules: AttentionRules | None = None) -> tuple[Tensor, Tensor | None]:
+                  rules: AttentionRules | None = None, heads: list[Heads] | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
         r"""Multi-head self-attention of ``u = LN1(x_l)`` up to the output projection.
 
         The one attention of the package (modelled on timm's ``Attention.forward``): the
@@ -318,15 +319,30 @@ class BlockParts(AttentionParts):
                 forward values are unchanged.
             rules (AttentionRules, optional): modified backward rules (LRP, SPEC_NEXT
                 §8.6); the forward values are unchanged. Needs ``materialize=True``.
+            heads (list, optional): receives this call's :class:`Heads` (per-head ``q``,
+                ``k``, ``v``, output and logit bias), from which the probabilities can be
+                recomputed later (:meth:`Heads.probs`) when the fused path kept none.
 
         Returns:
             (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
             :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
         """
-        b, n, _ = u.shape
         if rules is not None and not materialize:
             raise ValueError("attention rules need the explicit path (materialize=True)")
         q, k, v = self._qkv(u, detach_qk, positions, rules)
+        return self.attend(q, k, v, materialize=materialize, key_mask=key_mask,
+                           positions=positions, rules=rules, heads=heads)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, materialize: bool,
+               key_mask: Tensor | None = None, positions: Tensor | None = None,
+               rules: AttentionRules | None = None, heads: list[Heads] | None = None
+               ) -> tuple[Tensor, Tensor | None]:
+        """The second half of :meth:`attention`, from its heads ``q``, ``k``, ``v``
+        [B, H, N, d] (after q/k norms and rotary embedding) on: for callers that compute
+        the token-wise projections once and gather them (TIS's shared first block,
+        :mod:`~captum_vit.adapters.subsets`). Arguments and returns as in
+        :meth:`attention`."""
+        b, _, n, _ = q.shape
         bias = self.logit_bias(n, key_mask, positions)
         if materialize:
             attn: Tensor | None = self._probs(q, k, bias, rules)
@@ -336,6 +352,8 @@ class BlockParts(AttentionParts):
             attn = None
             mask = None if bias is None else bias.to(q.dtype)
             mix = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        if heads is not None:
+            heads.append(Heads(q, k, v, mix, bias, self))
         return mix.transpose(1, 2).reshape(b, n, self.inner_dim), attn
 
     def attention_probs(self, u: Tensor, *, detach_qk: bool = False,
@@ -389,6 +407,35 @@ class BlockParts(AttentionParts):
             if self.inner_norm.weight is not None:
                 v = v * self.inner_norm.weight.to(dt)
         return F.linear(v, self.proj_weight.to(dt))
+
+
+@dataclass(frozen=True)
+class Heads:
+    r"""The per-head tensors of one :meth:`BlockParts.attention` call, [B, H, N, d]:
+    ``q`` and ``k`` as the softmax saw them (after the q/k norms and RoPE), ``v``, the
+    output :math:`o^h = A^h v^h` and the logit ``bias`` (``None`` = none).
+
+    A fused forward keeps these instead of the probabilities (the kernel saves them for
+    its backward anyway), so a method that needs :math:`A_l` and
+    :math:`\partial s / \partial A_l` only block by block recomputes them:
+    :math:`A = ` :meth:`probs` and :math:`\partial s / \partial A^h = (\partial s /
+    \partial o^h)\, v^{h\top}` (:meth:`probs_grad`), one ``[B, H, N, N]`` at a time.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    bias: Tensor | None
+    parts: BlockParts
+
+    def probs(self) -> Tensor:
+        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation)."""
+        return self.parts._probs(self.q, self.k, self.bias)
+
+    def probs_grad(self, grad_o: Tensor) -> Tensor:
+        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``)."""
+        return grad_o @ self.v.detach().transpose(-2, -1)
 
 
 @dataclass(frozen=True)
@@ -481,6 +528,34 @@ that model scores against them (:meth:`ViTAdapter.targeting`)."""
 _ALPHAS: contextvars.ContextVar[tuple[tuple[nn.Module, float | str], ...]] = \
     contextvars.ContextVar("alphas", default=())
 """The ``"cls_mean"`` readout's ``α`` in force, per model object (innermost last)."""
+
+
+_FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("frozen", default=False)
+"""Inside a gradient trace: the blocks and the head run on detached views of the model's
+parameters (:func:`_detached`), so autograd saves only what input gradients need."""
+
+
+def _detached(parts: Any) -> Any:
+    """A copy of frozen parts (:class:`BlockParts`, :class:`HeadParts`, ...) whose tensors
+    are detached views of the same storage (same values, strides and offsets, so fused
+    projections stay fused) and whose logit-bias function returns a detached bias.
+
+    Gradients then reach the token states and the recorded tensors but never the
+    model's parameters, which nothing in a trace asks for: autograd no longer keeps
+    every projection's input alive for a weight gradient.
+    """
+    if isinstance(parts, Tensor):
+        return parts.detach()
+    if isinstance(parts, tuple):
+        return tuple(_detached(p) for p in parts)
+    if not dataclasses.is_dataclass(parts) or isinstance(parts, type):
+        return parts
+    changes = {f.name: _detached(getattr(parts, f.name))
+               for f in dataclasses.fields(parts) if f.init}
+    bias = changes.get("attn_bias")
+    if bias is not None:
+        changes["attn_bias"] = lambda: bias().detach()
+    return dataclasses.replace(parts, **changes)
 
 
 def probabilities(logits: Tensor) -> Tensor:
@@ -665,17 +740,35 @@ class FusedOps(Ops):
         return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
 
 
+class HeadsOps(Ops):
+    """The plain forward with fused attention that hands each block's :class:`Heads` to
+    the trace instead of materialised probabilities (``trace(attention="fused")``): no
+    ``[B, H, N, N]`` tensor is kept for the backward.
+
+    Args:
+        linearize (bool): as in :class:`Ops` (``q``, ``k`` detached in the attention).
+    """
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:  # type: ignore[override]
+        heads: list[Heads] = []
+        mix, _ = p.attention(u, materialize=False, positions=self.positions,
+                             detach_qk=self.linearize, heads=heads)
+        return mix, heads[0]
+
+
 @dataclass
 class BlockRecord:
-    """What one block saw and produced (SPEC §0 names)."""
+    """What one block saw and produced (SPEC §0 names). An attention-only record
+    (:meth:`ViTAdapter.block`) has ``None`` after ``attn``/``heads``."""
 
     x: Tensor  # x_l, the block input
     u: Tensor  # LN1(x_l)
-    attn: Tensor  # A_l [B, H, N, N]
+    attn: Tensor | None  # A_l [B, H, N, N]; None for a fused trace (see heads)
     attn_out: Tensor  # ls1(a_l)
     mid: Tensor  # x_mid,l
     ffn_out: Tensor  # ls2(MLP(LN2(x_mid,l)))
     out: Tensor  # x_{l+1}
+    heads: Heads | None = None  # a fused trace's per-head q, k, v, o (attn is None)
 
 
 @dataclass
@@ -863,6 +956,24 @@ class ViTAdapter:
 
     # -- what the model is -------------------------------------------------------------------
     @property
+    def readout_row_count(self) -> int | None:
+        """How many leading token rows of the last state the logits read: the prefix
+        tokens for a class-token (or distilled) readout, ``None`` when they read the
+        patch rows too (average pooling, CLS+mean, an attention pool)."""
+        h = self.head
+        if h.attn_pool is not None or not all(isinstance(row, int) for row, _, _ in h.heads):
+            return None
+        return max(row for row, _, _ in h.heads) + 1
+
+    @property
+    def fixed_readout(self) -> bool:
+        """Whether the readout weights are the same for every image
+        (:meth:`Layout.readout_weights`): no attention-pool head and no per-image CLS
+        share (``alpha="logit"``), so a gradient-free map needs no logits."""
+        return self.head.attn_pool is None and not (self.readout == "cls_mean"
+                                                    and self.cls_alpha == "logit")
+
+    @property
     def num_classes(self) -> int:
         """Number of scores: classes (rows of the classifier head), the embedding size of
         a head-less model, or the number ``T`` of target embeddings in force."""
@@ -882,12 +993,31 @@ class ViTAdapter:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def block(self, x: Any, l: int, ops: Ops,
-              record: list[BlockRecord] | None = None) -> Any:
-        """Block ``l`` on ``x`` (SPEC §0): attention sublayer then FFN sublayer."""
+    def block(self, x: Any, l: int, ops: Ops, record: list[BlockRecord] | None = None, *,
+              attention_only: bool = False, rows: int | None = None) -> Any:
+        """Block ``l`` on ``x`` (SPEC §0): attention sublayer then FFN sublayer.
+
+        With ``attention_only`` the block stops once it has its attention (for methods
+        that read nothing else of it): it returns ``None`` and its record has ``x``,
+        ``u`` and ``attn`` (or ``heads``), ``None`` in the other fields. With ``rows``
+        (plain-tensor ops) everything after the attention is computed for the first
+        ``rows`` tokens only, so the output and the record's later fields have ``rows``
+        rows: the last block under a readout of the prefix rows
+        (:attr:`readout_row_count`)."""
         p = self.blocks[l]
+        if _FROZEN.get():
+            p = _detached(p)
         u = ops.norm(x, p.norm1)
         a, attn = ops.attention(u, p)
+        heads = attn if isinstance(attn, Heads) else None
+        if attention_only:
+            if record is not None:
+                record.append(BlockRecord(  # type: ignore[arg-type]
+                    ops.value(x), ops.value(u), None if heads is not None else attn,
+                    None, None, None, None, heads))
+            return None
+        if rows is not None:  # only these rows reach the readout
+            a, x = a[:, :rows], x[:, :rows]
         if p.inner_norm is not None:  # N_in (EVA-02's scale_attn_inner), SPEC_NEXT §7.0
             a = ops.norm(a, p.inner_norm)
         a = ops.linear(a, p.proj_weight, p.proj_bias)
@@ -908,7 +1038,8 @@ class ViTAdapter:
         out = ops.add(mid, f)
         if record is not None:
             v = ops.value
-            record.append(BlockRecord(v(x), v(u), attn, v(a), v(mid), v(f), v(out)))
+            record.append(BlockRecord(v(x), v(u), None if heads is not None else attn, v(a),
+                                      v(mid), v(f), v(out), heads))
         return out
 
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
@@ -957,6 +1088,8 @@ class ViTAdapter:
 
     def _head_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts) -> Any:
         """Final norm, pooling and head(s) of ``h`` on the token states ``x``."""
+        if _FROZEN.get():
+            h = _detached(h)
         if h.norm is not None:
             x = ops.norm(x, h.norm)
         pooled = None
@@ -1052,8 +1185,15 @@ class ViTAdapter:
 
     def trace(self, inputs: Tensor | None = None, *, x: Tensor | None = None, start: int = 0,
               linearize: bool = False, grad: bool = False, cut_blocks: bool = False,
-              ops: Ops | None = None) -> Trace:
+              ops: Ops | None = None, attention: str = "explicit",
+              on_block: Callable[[int, BlockRecord], None] | None = None,
+              logits: bool = True, last_rows: int | None = None) -> Trace:
         r"""One forward pass recording every block (SPEC §0 names).
+
+        With ``grad`` the blocks and the head run on detached views of the model's
+        parameters: gradients reach the token states and every recorded tensor (the
+        embedding keeps its own graph, so the inputs can require grad), never the
+        parameters, and autograd keeps no activation alive for a weight gradient.
 
         Args:
             inputs (Tensor, optional): images [B, C, H, W]; embedded first.
@@ -1071,11 +1211,54 @@ class ViTAdapter:
                 logits then carry gradients into the last block only.
             ops (Ops, optional): the primitive operations of the forward, e.g. an LRP
                 rule set (:mod:`captum_vit.adapters._lrp`); default ``Ops(linearize)``.
+            attention (str): ``"explicit"`` (default): records carry the probabilities
+                ``attn`` [B, H, N, N]; ``"fused"``: the fused kernel, records carry
+                :class:`Heads` instead (``attn`` is ``None``), so no ``[B, H, N, N]``
+                tensor lives beyond its block (:meth:`Heads.probs` recomputes it).
+            on_block (callable, optional): ``on_block(l, record)`` is called with each
+                block's record as soon as the block has run, and the record is NOT kept
+                in ``Trace.blocks`` (streaming: the method keeps what it needs, the rest
+                is freed block by block).
+            logits (bool): ``False``: stop once the last block has its attention (its
+                record as in :meth:`block` with ``attention_only``) and compute no
+                logits (``Trace.logits`` is ``None``): for methods that read only
+                attention probabilities under a :attr:`fixed_readout`.
+            last_rows (int, optional): the last block computes its output (after its
+                attention) for the first ``last_rows`` tokens only
+                (:attr:`readout_row_count`): the logits and every gradient are those of
+                the full forward up to rounding; the last record's ``attn_out``,
+                ``mid``, ``ffn_out`` and ``out`` have ``last_rows`` rows. Not with
+                ``ops``.
 
         Returns:
             :class:`Trace`.
+
+        Examples::
+
+            >>> means = []   # head-mean attention per block, [B, N, N] each
+            >>> tr = adapter.trace(images, on_block=lambda l, rec: means.append(
+            ...     rec.attn.mean(1)))
         """
+        if attention not in ("explicit", "fused"):
+            raise ValueError(f"attention must be 'explicit' or 'fused'; got {attention!r}")
+        if last_rows is not None and ops is not None:
+            raise ValueError("last_rows needs the plain forward; do not pass ops with it")
+        if attention == "fused" and ops is not None:
+            raise ValueError("attention='fused' uses its own ops; pass ops only with "
+                             "attention='explicit'")
         self.refresh()
+        frozen = _FROZEN.set(grad)
+        try:
+            return self._trace(inputs, x, start, linearize, grad, cut_blocks,
+                               HeadsOps(linearize) if attention == "fused" else ops, on_block,
+                               logits, last_rows)
+        finally:
+            _FROZEN.reset(frozen)
+
+    def _trace(self, inputs: Tensor | None, x: Tensor | None, start: int, linearize: bool,
+               grad: bool, cut_blocks: bool, ops: Ops | None,
+               on_block: Callable[[int, BlockRecord], None] | None, logits: bool,
+               last_rows: int | None) -> Trace:
         with torch.set_grad_enabled(grad):
             if x is None:
                 assert inputs is not None
@@ -1091,8 +1274,14 @@ class ViTAdapter:
             for l in range(start, self.num_blocks):
                 if cut_blocks and l > start:
                     h = h.detach().requires_grad_(grad)
-                h = self.block(h, l, ops, tr.blocks)
-            tr.logits = self.logits(h, ops, tr)
+                records = tr.blocks if on_block is None else []
+                last = l == self.num_blocks - 1
+                h = self.block(h, l, ops, records, attention_only=not logits and last,
+                               rows=last_rows if last else None)
+                if on_block is not None:
+                    on_block(l, records.pop())
+            if logits:
+                tr.logits = self.logits(h, ops, tr)
         return tr
 
     def _layout_of_tokens(self, x: Tensor, inputs: Tensor | None) -> Layout:
@@ -1112,7 +1301,9 @@ class ViTAdapter:
         checked = _CHECKED.setdefault(self.model, set())
         if key in checked:
             return
-        with torch.no_grad():
+        # full precision even under an enclosing autocast (--autocast bf16 builds the
+        # randomisation metric's model copies inside it)
+        with torch.no_grad(), torch.autocast(inputs.device.type, enabled=False):
             ref = self.model_logits(inputs[:2])
             ours = self.run(self.embed(inputs[:2]))
         if not isinstance(ref, Tensor) or ref.shape != ours.shape:

@@ -128,11 +128,13 @@ class SubnetworkAdapter(ViTAdapter):
                 x = self.base.run(x, 0, self.start)
         return x.detach()
 
-    def block(self, x: Any, l: int, ops: Ops, record: list[BlockRecord] | None = None) -> Any:
-        """Block ``l`` of the sub-network (the model's block ``start + l``)."""
+    def block(self, x: Any, l: int, ops: Ops, record: list[BlockRecord] | None = None,
+              **options: Any) -> Any:
+        """Block ``l`` of the sub-network (the model's block ``start + l``); ``options``
+        as in :meth:`~captum_vit.adapters.base.ViTAdapter.block`."""
         if not 0 <= l < self.num_blocks:
             raise IndexError(f"block {l} of a {self.num_blocks}-block sub-network")
-        return self.base.block(x, self.start + l, ops, record)
+        return self.base.block(x, self.start + l, ops, record, **options)
 
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
         """The model's blocks ``stop .. L-1`` (none for ``stop = L``), then its head."""

@@ -46,14 +46,14 @@ from captum_vit._base import (
     check_choice,
     check_layer,
     check_scalar,
+    gradients,
     prepare,
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts, ViTAdapter
+from captum_vit.adapters import BlockParts, BlockRecord, NormParts, Ops, PoolParts, ViTAdapter
 from captum_vit.adapters._linearize import activation_gate
 from captum_vit.adapters.base import AttentionParts
-from captum_vit.methods.ixg import layer_gradients
 
 ROUTES = ("gradient", "explicit")
 DEFAULT_MAX_MEMORY = 1 << 30  # bytes of decomposed activations per chunk of sources
@@ -320,10 +320,7 @@ class DecompX(ViTGradientAttribution):
     def _decompose(self, images: Tensor, target: Tensor | None) -> DecompXResult:
         s = self.start_layer
         if self.route == "gradient":
-            lg = layer_gradients(self.adapter, images, target, score="logit", linearize=True)
-            tokens = lg.ixg()[s]
-            logit = target_scores(lg.trace.logits.detach(), lg.target).to(tokens.dtype)
-            return DecompXResult(tokens, logit - tokens.sum(-1), logit, lg.target)
+            return self._gradient_route(images, target)
         with torch.no_grad():
             x = self.adapter.embed(images)
             x_s = self.adapter.run(x, 0, s)
@@ -331,6 +328,28 @@ class DecompX(ViTGradientAttribution):
         t = resolve_target(target, logits)
         tokens, bias = decompose_explicit(self.adapter, x_s, s, t, self.max_memory)
         return DecompXResult(tokens, bias, target_scores(logits, t).to(tokens.dtype), t)
+
+    def _gradient_route(self, images: Tensor, target: Tensor | None) -> DecompXResult:
+        """Token IxG at ``x_s`` with the linearised backward, streamed: a fused-attention
+        forward that keeps only ``x_s`` (no ``[B, H, N, N]`` tensor, no other record) and
+        one backward that stops at block ``s``."""
+        s = self.start_layer
+        kept: list[Tensor] = []
+
+        def keep(l: int, rec: BlockRecord) -> None:
+            if l == s:
+                kept.append(rec.x)
+
+        with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, ...)
+            tr = self.adapter.trace(images, linearize=True, grad=True, attention="fused",
+                                    on_block=keep)
+            t = resolve_target(target, tr.logits)
+            scores = target_scores(tr.logits, t)
+            (g,) = gradients(scores, kept)
+        dt = accumulation_dtype(kept[0])
+        tokens = (kept[0].detach().to(dt) * g.to(dt)).sum(-1)
+        logit = scores.detach().to(dt)
+        return DecompXResult(tokens, logit - tokens.sum(-1), logit, t)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         return self._decompose(inputs, target).tokens

@@ -22,6 +22,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
+from captum_vit.adapters import BlockRecord, Heads
 
 
 class GAE(ViTGradientAttribution):
@@ -32,7 +33,11 @@ class GAE(ViTGradientAttribution):
     head, then the head mean; Eq. 5 of the paper) and :math:`R \leftarrow R + \bar A_l R`
     (Eq. 6), the map is the readout row of :math:`R`. No row normalisation.
 
-    Gradients of all blocks come from one backward pass of the target score. Heads are
+    Gradients of all blocks come from one backward pass of the target score. The
+    forward uses the fused attention kernel and keeps no ``[B, H, N, N]`` tensor for the
+    backward; each block's :math:`A_l` and :math:`\nabla A_l = (\nabla o_l) v_l^\top`
+    (:math:`o_l = A_l v_l`) are recomputed one block at a time, from the top block down,
+    so memory stays that of a plain forward and backward. Heads are
     averaged per image (the authors' notebook reshapes batch and heads together, which
     mixes images in a batch; this implementation does not). The readout row is carried
     as a vector from the last block down, :math:`r^\top (I+\bar A_{L-1})\cdots(I+\bar
@@ -108,21 +113,36 @@ class GAE(ViTGradientAttribution):
         """
         check_choice("aggregate", aggregate, AGGREGATES)
         check_choice("score", score, SCORES)
-        tr = self.adapter.trace(inputs, grad=True)
+        first = min(layers)
+        need = layers if aggregate == "layer" else range(first, self.adapter.num_blocks)
+        heads: dict[int, Heads] = {}
+
+        def keep(l: int, rec: BlockRecord) -> None:  # q, k, v, o of the blocks needed
+            if l in need:
+                heads[l] = rec.heads
+
+        # fused attention: no [B, H, N, N] is kept for the backward; A_k and dA_k are
+        # recomputed block by block below (Heads.probs / probs_grad). Under a class-token
+        # readout the last block's FFN runs on the rows the head reads only.
+        tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep,
+                                last_rows=self.adapter.readout_row_count)
         t = resolve_target(target, tr.logits)
-        attns = [rec.attn for rec in tr.blocks]
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
-        dt = accumulation_dtype(attns[0])
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+                                               [heads[k].o for k in need])
+        grad_o = dict(zip(need, grads, strict=True))
+        dt = accumulation_dtype(tr.x0)
         w = readout_rows(tr, pool_grad, dtype=dt, target=t)
 
         def abar(k: int) -> Tensor:
-            return (grads[k].to(dt) * attns[k].detach().to(dt)).clamp(min=0).mean(1)
+            h = heads.pop(k)
+            g = h.probs_grad(grad_o.pop(k))
+            return (g.to(dt) * h.probs().to(dt)).clamp(min=0).mean(1)
 
         with torch.no_grad():
             if aggregate == "layer":
                 return torch.stack([readout(w, abar(l)) for l in layers])
             rows, v = {}, w
-            for k in reversed(range(min(layers), len(attns))):
+            for k in reversed(need):
                 v = v + torch.einsum("bn,bnm->bm", v, abar(k))
                 rows[k] = v
             return torch.stack([rows[l] for l in layers])

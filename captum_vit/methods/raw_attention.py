@@ -15,6 +15,7 @@ from captum_vit._base import (
     readout_rows,
     resolve_target,
 )
+from captum_vit.adapters import BlockRecord
 
 SOURCES = ("pool", "last_block")
 
@@ -23,7 +24,8 @@ class RawAttention(ViTGradientAttribution):
     r"""Attention probabilities of the last block, averaged over heads, read at the
     classifier's readout row: :math:`m = \mathrm{mean}_h A_{L-1}^h[r, :]`.
 
-    No gradient is used, so the map does not depend on ``target``.
+    No gradient is used, so the map does not depend on ``target``; the forward builds no
+    autograd graph and keeps no block's probabilities but the last one's head mean.
 
     With an attention-pool head (``global_pool='map'``, SigLIP) the classifier reads the
     pool's attention :math:`w = \mathrm{mean}_h A_p^h[0, :]` over the tokens; by default
@@ -75,8 +77,16 @@ class RawAttention(ViTGradientAttribution):
         return self._attribute(inputs, target, output)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
-        tr = self.adapter.trace(inputs)
-        w = readout_rows(tr, target=resolve_target(target, tr.logits))
+        last = self.adapter.num_blocks - 1
+        kept: list[Tensor] = []
+
+        def keep(l: int, rec: BlockRecord) -> None:  # stream: only the last block's mean
+            if l == last:
+                kept.append(rec.attn.mean(1))
+
+        tr = self.adapter.trace(inputs, on_block=keep, logits=not self.adapter.fixed_readout)
+        w = readout_rows(tr, target=None if tr.logits is None
+                         else resolve_target(target, tr.logits))
         if tr.pool_attn is not None and self.source == "pool":
             return w
-        return readout(w, tr.blocks[-1].attn.mean(1))
+        return readout(w, kept[0])

@@ -20,6 +20,7 @@ from captum_vit._base import (
     readout_rows,
     resolve_target,
 )
+from captum_vit.adapters import BlockRecord, Trace
 
 
 class Rollout(ViTGradientAttribution):
@@ -28,7 +29,9 @@ class Rollout(ViTGradientAttribution):
 
     Only the readout row is needed, so it is propagated as a vector
     (:math:`r^\top M_{L-1} \cdots M_s`), which costs :math:`O(N^2)` per block instead
-    of a matrix product.
+    of a matrix product. The forward builds no autograd graph and streams: each block's
+    ``[B, H, N, N]`` probabilities are reduced to their head mean ``[B, N, N]`` as soon
+    as the block has run.
 
     Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
     path (:meth:`plus_maps`): the rollout of every sub-network from one trace.
@@ -70,16 +73,24 @@ class Rollout(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, start_layer: int = 0,
                     **_: Any) -> Tensor:
-        tr = self.adapter.trace(inputs)
-        a0 = tr.blocks[0].attn
-        dt = accumulation_dtype(a0)
-        eye = torch.eye(a0.shape[-1], dtype=dt, device=a0.device)
-        r = readout_rows(tr, dtype=dt, target=resolve_target(target, tr.logits))
-        for rec in reversed(tr.blocks[start_layer:]):
-            m = rec.attn.to(dt).mean(1) + eye
-            m = m / m.sum(-1, keepdim=True)
-            r = torch.einsum("bn,bnm->bm", r, m)
-        return r
+        # the rollout of the whole model is the sub-network map of layer 0
+        return self.plus_maps(inputs, target, [0], start_layer=start_layer)[0]
+
+    def _head_means(self, inputs: Tensor, blocks: Sequence[int] | range
+                    ) -> tuple[Trace, dict[int, Tensor]]:
+        r"""One gradient-free trace keeping only the head means :math:`\bar A_k`
+        [B, N, N] of ``blocks``: each block's [B, H, N, N] probabilities are freed as soon
+        as the block has run (streamed, :meth:`ViTAdapter.trace`'s ``on_block``)."""
+        want, means = set(blocks), {}
+
+        def keep(l: int, rec: BlockRecord) -> None:
+            if l in want:
+                means[l] = rec.attn.to(accumulation_dtype(rec.attn)).mean(1)
+
+        # class-agnostic with fixed readout weights: the last block stops at its
+        # attention and no logits are computed
+        return self.adapter.trace(inputs, on_block=keep,
+                                  logits=not self.adapter.fixed_readout), means
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None) -> Tensor:
@@ -115,15 +126,18 @@ class Rollout(ViTGradientAttribution):
         if aggregate == "layer" and s:
             raise ValueError(f"start_layer must be 0 with aggregate='layer' (the per-block "
                              f"matrices are summed), got {s}")
-        tr = self.adapter.trace(inputs)
-        dt = accumulation_dtype(tr.blocks[0].attn)
-        w = readout_rows(tr, dtype=dt, target=resolve_target(target, tr.logits))
+        need = {l + s for l in layers}
+        tr, means = self._head_means(inputs, layers if aggregate == "layer"
+                                     else range(min(need), L))
+        dt = accumulation_dtype(tr.x0)
+        w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
+                         else resolve_target(target, tr.logits))
         if aggregate == "layer":
-            return torch.stack([readout(w, tr.blocks[l].attn.to(dt).mean(1)) for l in layers])
+            return torch.stack([readout(w, means[l]) for l in layers])
         eye = torch.eye(w.shape[-1], dtype=dt, device=w.device)
-        need, rows, v = {l + s for l in layers}, {}, w
-        for k in reversed(range(min(need), L)):
-            m = tr.blocks[k].attn.to(dt).mean(1) + eye
+        rows, v = {}, w
+        for k in reversed(range(min(need), L)):  # r^T M_{L-1} ... M_k, one vector
+            m = means.pop(k) + eye
             v = torch.einsum("bn,bnm->bm", v, m / m.sum(-1, keepdim=True))
             if k in need:
                 rows[k] = v

@@ -16,7 +16,8 @@ and the token-level contributions are aggregated over the blocks (Eq. 14-19):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,9 +35,19 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import NormParts, Ops, Trace
+from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace
 
 VARIANTS = ("paper", "residual")
+
+
+@dataclass
+class _Terms:
+    """What TokenTM keeps of one block after it has run (the rest is freed)."""
+
+    heads: Heads  # q, k, v, o: A_l and ∇A_l are recomputed from them
+    w_ffn: Tensor  # W_ffn [B, N] (Eq. 16)
+    w_attn: Tensor  # W^h [B, H, N] ("paper") or W_attn [B, N] ("residual")
+    x_norm: Tensor  # L(x_l,i) [B, N] (Eq. 18 at block l)
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
 
@@ -227,25 +238,43 @@ class TokenTM(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attns = [rec.attn for rec in tr.blocks]
-        # ∇A_l^h (and ∇A_p of an attention-pool head), one backward
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
-        with torch.no_grad():
-            return self._propagate(tr, grads, pool_grad, t)
+        # Eq. 18-20: the sub-network map of layer 0 is r_0 diag(L(x_0,i))
+        return self._maps(inputs, target, [0], score)[0]
 
-    def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype,
-                 target: Tensor) -> Tensor:
+    def _block_terms(self, rec: BlockRecord, l: int) -> _Terms:
+        """What the propagation needs of block ``l``, computed as soon as the block has run
+        (no gradient involved): ``W^h`` / ``W_attn`` and ``W_ffn`` (Eq. 12-13, 16) and
+        ``L(x_l,i)`` (Eq. 18); the block's other tensors are then freed."""
+        p = self.adapter.blocks[l]
+        dt = accumulation_dtype(rec.x)
+        x, mid = rec.x.detach().to(dt), rec.mid.detach().to(dt)
+        if self.variant == "residual":
+            return _Terms(rec.heads, transformation_weights(mid, rec.out.detach().to(dt)),
+                          transformation_weights(x, mid), x.norm(dim=-1))
+        w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
+        u = rec.u.detach().to(dt)
+        if p.inner_norm is None:
+            w = head_weights(x, u, p.v_weight.detach().to(dt), p.proj_weight.detach().to(dt),
+                             p.num_heads)  # [B, H, N]
+        else:  # N_in before W_O (EVA-02), SPEC_NEXT §7.1
+            w = head_weights_inner_norm(
+                x, u, rec.heads.probs().detach().to(dt), p.v_weight.detach().to(dt),
+                None if p.v_bias is None else p.v_bias.detach().to(dt),
+                p.proj_weight.detach().to(dt), p.inner_norm, p.num_heads)
+        return _Terms(rec.heads, w_ffn, w, x.norm(dim=-1))
+
+    def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype, target: Tensor,
+                 last_out: Tensor | None = None) -> Tensor:
         """The row ``r`` that starts the propagation, [B, N]. An attention-pool head
         (SPEC_NEXT §7.3) is one more attention layer without identity:
         ``u = mean_h[ReLU(∇A_p^h) ⊙ (A_p^h W_p^h)][0, :]`` with ``W_p^h`` from
-        ``(E, Ẽ^h) = (x̂, x̂ W_v^h W_p^h)``, ``x̂`` the normed last state."""
+        ``(E, Ẽ^h) = (x̂, x̂ W_v^h W_p^h)``, ``x̂`` the normed last state ``last_out``
+        (default: the trace's last record)."""
         if pool_grad is None or self.variant == "residual":
             return readout_rows(tr, pool_grad, dtype=dt, target=target)
         head = self.adapter.head
         pool = head.attn_pool
-        xh = tr.blocks[-1].out.detach().to(dt)
+        xh = (tr.blocks[-1].out if last_out is None else last_out).detach().to(dt)
         if head.norm is not None:
             xh = Ops().norm(xh, head.norm)
         w = head_weights(xh, xh, pool.v_weight.detach().to(dt),
@@ -253,43 +282,54 @@ class TokenTM(ViTGradientAttribution):
         rh = (pool_grad.to(dt).relu() * tr.pool_attn.detach().to(dt))[:, :, 0]
         return (rh * w).mean(1)
 
-    def _propagate(self, tr: Trace, grads: list[Tensor], pool_grad: Tensor | None,
-                   target: Tensor) -> Tensor:
-        """``r^T U_ffn,L-1 U_attn,L-1 ... U_attn,0 C_0`` (Eq. 18-20), [B, N]."""
-        *_, (_, r) = self._suffix_rows(tr, grads, pool_grad, target)  # r at block 0
-        return r * tr.x0.detach().to(r.dtype).norm(dim=-1)  # C_0 = diag(L(x_0,i)), Eq. 18
+    def _maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int],
+              score: str) -> Tensor:
+        """``r_l diag(L(x_l,i))`` for ``l`` in ``layers`` (Eq. 18-20 started at block
+        ``l``), [len(layers), B, N], from one streamed forward and one backward.
 
-    def _suffix_rows(self, tr: Trace, grads: list[Tensor], pool_grad: Tensor | None,
-                     target: Tensor, first: int = 0) -> Iterator[tuple[int, Tensor]]:
-        """``(l, r^T U_ffn,L-1 U_attn,L-1 ... U_ffn,l U_attn,l)`` for ``l = L-1`` down to
-        ``first`` (Eq. 19 read from the readout row), each [B, N]."""
-        dt = accumulation_dtype(tr.x0)
-        r = self._readout(tr, pool_grad, dt, target)
-        for l in reversed(range(first, len(tr.blocks))):
-            rec, p = tr.blocks[l], self.adapter.blocks[l]
-            x, mid, a, g = (z.detach().to(dt) for z in (rec.x, rec.mid, rec.attn, grads[l]))
-            if self.variant == "paper":
-                w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
-                r = r * (1 + w_ffn)  # r^T U_ffn, Eq. 17
-                if p.inner_norm is None:
-                    w = head_weights(x, rec.u.detach().to(dt), p.v_weight.detach().to(dt),
-                                     p.proj_weight.detach().to(dt), p.num_heads)  # [B, H, N]
-                else:  # N_in before W_O (EVA-02), SPEC_NEXT §7.1
-                    w = head_weights_inner_norm(
-                        x, rec.u.detach().to(dt), a, p.v_weight.detach().to(dt),
-                        None if p.v_bias is None else p.v_bias.detach().to(dt),
-                        p.proj_weight.detach().to(dt), p.inner_norm, p.num_heads)
-                # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
-                rh = (r[:, None, None, :] @ g.relu().mul_(a)).squeeze(2)  # [B, H, N]
-                r = r + (rh * w).mean(1)
-            else:
-                w_ffn = transformation_weights(mid, rec.out.detach().to(dt))
-                r = r * (1 + w_ffn)
-                w_attn = transformation_weights(x, mid)
-                # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
-                m = a.mean(1) * g.relu().mean(1)
-                r = r + (r[:, None, :] @ m).squeeze(1) * w_attn
-            yield l, r
+        The forward uses the fused attention (no ``[B, H, N, N]`` kept for the
+        backward) and keeps per block only its weights and its heads; ``A_l`` and
+        ``∇A_l`` are recomputed one block at a time in the propagation."""
+        L = self.adapter.num_blocks
+        first = min(layers)
+        terms: dict[int, _Terms] = {}
+        last: list[Tensor] = []
+
+        def keep(l: int, rec: BlockRecord) -> None:
+            if l == L - 1:
+                last.append(rec.out)
+            if l >= first:
+                with torch.no_grad():
+                    terms[l] = self._block_terms(rec, l)
+
+        tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep)
+        t = resolve_target(target, tr.logits)
+        # ∇o_l of every needed block (and ∇A_p of an attention-pool head), one backward
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+                                               [terms[l].heads.o for l in range(first, L)])
+        with torch.no_grad():
+            dt = accumulation_dtype(tr.x0)
+            r = self._readout(tr, pool_grad, dt, t, last[0])
+            rows = {}
+            for l in reversed(range(first, L)):
+                tm = terms.pop(l)
+                r = self._block_row(r, tm, grads.pop(), dt)
+                rows[l] = r * tm.x_norm  # C_0 = diag(L(x_l,i)) at the start block, Eq. 18
+            return torch.stack([rows[l] for l in layers])
+
+    def _block_row(self, r: Tensor, terms: _Terms, grad_o: Tensor, dt: torch.dtype) -> Tensor:
+        """The running row times block ``l``'s factor, ``r^T U_ffn,l U_attn,l`` [B, N]
+        (Eq. 14-17 read from the row)."""
+        h = terms.heads
+        a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)  # A_l, ∇A_l [B, H, N, N]
+        r = r * (1 + terms.w_ffn)  # r^T U_ffn, Eq. 17
+        if self.variant == "paper":
+            # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
+            rh = (r[:, None, None, :] @ g.relu_().mul_(a)).squeeze(2)  # [B, H, N]
+            return r + (rh * terms.w_attn).mean(1)
+        # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
+        m = a.mean(1) * g.relu_().mean(1)
+        return r + (r[:, None, :] @ m).squeeze(1) * terms.w_attn
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str | None = None) -> Tensor:
@@ -324,11 +364,4 @@ class TokenTM(ViTGradientAttribution):
                              "matrix (SPEC_NEXT §8.5)")
         score = DEFAULT_SCORE[self.variant] if score is None else score
         check_choice("score", score, SCORES)
-        tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attns = [rec.attn for rec in tr.blocks]
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score), attns)
-        with torch.no_grad():
-            rows = dict(self._suffix_rows(tr, grads, pool_grad, t, min(layers)))
-            return torch.stack([rows[l] * tr.blocks[l].x.detach().to(rows[l].dtype).norm(dim=-1)
-                                for l in layers])
+        return self._maps(inputs, target, layers, score)
