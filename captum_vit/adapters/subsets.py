@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from captum_vit.adapters.base import FusedOps, ViTAdapter
+from captum_vit.adapters.base import BlockParts, FusedOps, NormParts, ViTAdapter
 
 FORWARD_OVERHEAD_TOKENS: dict[str, float] = {"cpu": 32.0, "cuda": 1024.0}
 """Fixed cost of one forward pass in token units (token-forwards of the same model), per
@@ -120,10 +120,70 @@ def _check_keep(keep: Tensor, batch: int, num_patches: int) -> Tensor:
     return keep.expand(batch, -1, -1)
 
 
+class FirstBlockShared(FusedOps):
+    """:class:`FusedOps` whose first block reads its token-wise work from a cache.
+
+    In the first block, everything up to the attention is per token: ``u = LN1(x)`` and
+    the heads ``q, k, v`` (projections, q/k norms, rotary embedding at each token's
+    original position). For many subsets of the same images these are computed once per
+    image (:meth:`prepare`) and gathered for every subset (:meth:`for_chunk`), instead
+    of recomputed for every shortened sequence; the attention itself, which mixes the
+    kept tokens, runs per subset (:meth:`BlockParts.attend`). Same values as the plain
+    forward: the gathered rows are the rows the shortened sequence would compute.
+
+    Examples::
+
+        >>> shared = FirstBlockShared.prepare(adapter, x0)
+        >>> ops = shared.for_chunk(images, positions, key_mask)   # one chunk of subsets
+        >>> logits = adapter.run(tokens, ops=ops)
+    """
+
+    def __init__(self, first: BlockParts, u: Tensor, heads: tuple[Tensor, Tensor, Tensor],
+                 key_mask: Tensor | None = None, positions: Tensor | None = None,
+                 images: Tensor | None = None) -> None:
+        super().__init__(key_mask=key_mask, positions=positions)
+        self.first, self.u, self.heads, self.images = first, u, heads, images
+
+    @classmethod
+    def prepare(cls, adapter: ViTAdapter, x0: Tensor) -> FirstBlockShared:
+        """The first block's token-wise tensors of the full sequences ``x0`` [B, N, D]:
+        ``u`` [B, N, D] and the heads stored token-major, [B, N, H, d] each."""
+        adapter.refresh()
+        first = adapter.blocks[0]
+        ops = FusedOps()
+        u = ops.norm(x0, first.norm1)
+        q, k, v = first._qkv(u, False)  # positions None = the full sequence 0..N-1
+        return cls(first, u, tuple(t.transpose(1, 2) for t in (q, k, v)))  # type: ignore[arg-type]
+
+    def for_chunk(self, images: Tensor, positions: Tensor,
+                  key_mask: Tensor | None) -> FirstBlockShared:
+        """The ops of one chunk: sequence ``c`` holds the tokens ``positions[c]`` [C, n]
+        (original indices) of image ``images[c]``; ``key_mask`` as in :class:`FusedOps`."""
+        return FirstBlockShared(self.first, self.u, self.heads, key_mask, positions,
+                                images[:, None])
+
+    def _gather(self, t: Tensor) -> Tensor:
+        return t[self.images, self.positions]
+
+    def norm(self, x: Tensor, p: NormParts) -> Tensor:
+        if p is self.first.norm1 and self.images is not None:
+            return self._gather(self.u)
+        return super().norm(x, p)
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
+        if p is not self.first or self.images is None:
+            return super().attention(u, p)
+        q, k, v = (self._gather(t).transpose(1, 2) for t in self.heads)  # [C, H, n, d]
+        mix, _ = p.attend(q, k, v, materialize=False, key_mask=self.key_mask,
+                          positions=self.positions)
+        return mix, None
+
+
 def _forward_chunk(adapter: ViTAdapter, x0: Tensor, images: Tensor, keep: Tensor,
-                   kept: Tensor) -> Tensor:
+                   kept: Tensor, shared: FirstBlockShared | None = None) -> Tensor:
     """Logits of one chunk: image ``images[c]`` with the patches ``keep[c]`` [C, P], of
-    which there are ``kept[c]``; padded with key masks when the counts differ."""
+    which there are ``kept[c]``; padded with key masks when the counts differ; with
+    ``shared``, the first block's token-wise work is gathered from it."""
     k, c = adapter.num_prefix, len(images)
     n_max = int(kept.max())
     if int(kept.min()) == n_max:
@@ -136,7 +196,9 @@ def _forward_chunk(adapter: ViTAdapter, x0: Tensor, images: Tensor, keep: Tensor
     prefix = torch.arange(k, device=idx.device).expand(c, k)
     positions = torch.cat([prefix, k + idx], dim=1)  # original token indices
     x = torch.cat([x0[images, :k], x0[images[:, None], k + idx]], dim=1)
-    return adapter.run(x, ops=FusedOps(key_mask=key_mask, positions=positions))
+    ops = (FusedOps(key_mask=key_mask, positions=positions) if shared is None
+           else shared.for_chunk(images, positions, key_mask))
+    return adapter.run(x, ops=ops)
 
 
 def _without_forward(kept: Tensor, num_patches: int, num_prefix: int,
@@ -167,7 +229,8 @@ def subset_forwards(keep: Tensor, num_prefix: int, *, reuse_full: bool) -> int:
 def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
                   batch_size: int | None = None, full_logits: Tensor | None = None,
                   reduce: Callable[[Tensor, Tensor], Tensor] | None = None,
-                  show_progress: bool = False, desc: str = "subsets") -> Tensor:
+                  show_progress: bool = False, desc: str = "subsets",
+                  progress_delay: float = 0.0, share_first_block: bool = True) -> Tensor:
     """Logits of the model on many kept-token subsets of every image (one engine).
 
     Job ``(b, s)`` runs the prefix tokens plus the patch tokens ``keep[b, s]`` of image
@@ -175,7 +238,9 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
     by :func:`plan_chunks`; a chunk mixing lengths is padded with key masks, which equals
     running every job alone. A job that keeps no token at all (no prefix tokens and no
     patch kept) has no output; its logits are defined as 0 (uniform probabilities).
-    No gradients.
+    No gradients. The first block's token-wise work (``LN1`` and the ``q``, ``k``, ``v``
+    heads) is computed once per image and gathered for every job
+    (:class:`FirstBlockShared`).
 
     Args:
         adapter (ViTAdapter): the model's adapter.
@@ -191,6 +256,11 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
             target score per job, so the logits of all jobs are never held at once).
         show_progress (bool): tqdm progress bar over the jobs.
         desc (str): the progress bar's label.
+        progress_delay (float): seconds before the bar appears (tqdm's ``delay``): a
+            short run shows none.
+        share_first_block (bool): gather the first block's token-wise work from one
+            computation per image (``False``: every job recomputes it; the same logits,
+            up to the BLAS kernel's choice for very small matrices).
 
     Returns:
         Tensor: logits [B, S, classes] (or ``reduce``'s values [B, S, ...]).
@@ -225,7 +295,7 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
 
     run = torch.ones_like(kept, dtype=torch.bool)
     reused, empty = _without_forward(kept, n - k, k, full_logits is not None)
-    with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="seq",
+    with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="seq", delay=progress_delay,
                                disable=not show_progress) as bar:
         for done, logits_of in ((reused, lambda i: full_logits[i]),
                                 (empty, lambda i: x0.new_zeros(len(i), adapter.num_classes))):
@@ -238,10 +308,11 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
         lengths = (kept[ii, jj] + k).tolist()
         plan = plan_chunks(lengths, batch_size, overhead=forward_overhead(x0.device),
                            attention_width=_attention_width(adapter, d))
+        shared = FirstBlockShared.prepare(adapter, x0) if share_first_block and plan else None
         for chunk in plan:
             c = torch.as_tensor(chunk, device=x0.device)
             ci, cj = ii[c], jj[c]
-            store(ci, cj, _forward_chunk(adapter, x0, ci, keep[ci, cj], kept[ci, cj]))
+            store(ci, cj, _forward_chunk(adapter, x0, ci, keep[ci, cj], kept[ci, cj], shared))
             bar.update(len(chunk))
     if out is None:  # no job at all (S == 0)
         empty_rows = torch.zeros(0, dtype=torch.long, device=x0.device)
