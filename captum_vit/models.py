@@ -4,6 +4,8 @@
 * ``timm:NAME`` — ``timm.create_model(NAME)``: random weights seeded by ``seed``, or with
   ``pretrained=True`` the weights already in the local Hugging Face / torch hub cache
   (nothing is downloaded; :func:`cached_timm_weights` names the folders searched);
+  normalisation from its ``pretrained_cfg`` (mean, std; input size from the model), class
+  names for ImageNet heads (:func:`timm_class_names`);
 * ``file:PATH.safetensors`` — the state dict at ``PATH.safetensors`` and the model card
   ``PATH.json`` beside it, in the zoo's card format (:func:`read_card`);
 * ``hf:NAME_OR_PATH`` — a Hugging Face image classifier (extra ``hf``) from a local folder
@@ -385,7 +387,37 @@ def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
             file=path, custom_load=path.endswith(".npz")))
     cfg = model.pretrained_cfg
     return _finish(model.eval(), cfg.get("mean", (0.5, 0.5, 0.5)), cfg.get("std", (0.5, 0.5, 0.5)),
-                   None, random_weights=not pretrained)
+                   timm_class_names(model), random_weights=not pretrained)
+
+
+def timm_class_names(model: nn.Module) -> tuple[str, ...] | None:
+    r"""The class names of a timm model whose head is an ImageNet label set (timm's
+    ``infer_imagenet_subset`` from its ``pretrained_cfg``): the ``ImageNetInfo``
+    descriptions (``"tench, Tinca tinca"``), whose positions give the WNIDs
+    (:func:`captum_vit.data.imagenet.model_wnids`); ``None`` for other heads.
+
+    Args:
+        model (nn.Module): a timm model.
+
+    Returns:
+        tuple[str, ...] or None: one name per class.
+
+    Examples::
+
+        >>> import timm
+        >>> from captum_vit.models import timm_class_names
+        >>> timm_class_names(timm.create_model("deit_tiny_patch16_224"))[0]
+        'tench, Tinca tinca'
+    """
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+
+    subset = infer_imagenet_subset(model)
+    if not subset:
+        return None
+    info = ImageNetInfo(subset)
+    if info.num_classes() != getattr(model, "num_classes", None):
+        return None
+    return tuple(info.label_descriptions())
 
 
 def _hf(name: str) -> LoadedModel:
@@ -470,4 +502,5 @@ def cached_timm_weights(cfg: Any) -> str:
 
 
 __all__ = ["LoadedModel", "Preprocess", "RANDOM_MODELS", "SPEC_HELP",
-           "cached_timm_weights", "from_card", "load_model", "read_card", "read_class_names"]
+           "cached_timm_weights", "from_card", "load_model", "read_card", "read_class_names",
+           "timm_class_names"]

@@ -6,21 +6,43 @@
   sub-folder of ``PATH`` (``PATH/dress/001.png``), matched to the model's class names
   (:func:`match_class_names`); no masks;
 * ``synthetic`` — images with a brighter random rectangle and its mask, drawn from the
-  seed and the example index; no download (tests, demos).
+  seed and the example index; no download (tests, demos);
+* ``imagenet-seg:PATH`` — :class:`~captum_vit.data.imagenet_seg.ImageNetSegmentation`,
+  ``PATH`` = ``gtsegs_ijcv.mat`` (extra ``data``: h5py); foreground masks, no labels;
+* ``imagenet-val:PATH`` — :class:`~captum_vit.data.imagenet.ImageNetVal`: ``PATH`` holds
+  ``ILSVRC2012_val_*.JPEG`` (devkit beside it) or class folders ``<WNID>/*.JPEG``; box
+  masks from ``.xml`` annotations beside the images, if any;
+* ``cifar10:PATH`` / ``cifar100:PATH`` — :class:`~captum_vit.data.cifar.CIFAR10` /
+  :class:`~captum_vit.data.cifar.CIFAR100`, test split, ``PATH`` = ``cifar-10-batches-py``
+  / ``cifar-100-python`` (python version) or the folder holding it; no masks;
+* ``imagenet-s:PATH`` — :class:`~captum_vit.data.imagenet_s.ImageNetS`: ``PATH`` =
+  ``ImageNetS919`` (``validation/``, ``validation-segmentation/``, category list); the
+  mask of each image's main class.
 
-Labels are always indices of the **model's** classes: a data set's own class names are
-matched by name to the model's (``fmnist-loc`` and ``sample`` name Fashion-MNIST's
-classes; a folder names its sub-folders). When the model's class names are unknown
-the labels are unknown (``-1``) and asking for them (``need_labels=True``, i.e.
-``--target label``) is an error that says to pass ``--classes FILE``. ``synthetic`` labels
-are model class indices by construction.
+Nothing is downloaded: a missing path raises ``FileNotFoundError`` saying what to put where.
+
+Labels are always indices of the **model's** classes (SPEC_NEXT §9.5): an explicit
+``class_map`` (``{data class name: model index}``, ``--class-map FILE``) wins; otherwise a
+data set's own class names are matched by name to the model's (``fmnist-loc`` and
+``sample`` name Fashion-MNIST's classes, a folder its sub-folders, CIFAR its meta file),
+each to exactly one model class (:func:`match_class_names`); WNIDs (ImageNet data, folders
+named ``n01440764``) are matched through the model's WNIDs
+(:func:`captum_vit.data.imagenet.model_wnids`: timm / Hugging Face ImageNet heads). When the
+model's class names are unknown the labels are unknown (``-1``) and asking for them
+(``need_labels=True``, i.e. ``--target label``) is an error that says to pass
+``--classes FILE``. ``synthetic`` labels are model class indices by construction.
+
+``subset=N`` (``--subset N --subset-seed S``) draws a seeded random subset of N examples
+(:func:`subset_indices`); :attr:`Examples.indices` records which.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,8 +51,11 @@ from torch import Tensor
 
 from captum_vit.data.images import conform, conform_mask, is_image_file, read_image
 
-SPEC_HELP = "fmnist-loc | sample | folder:PATH | synthetic"
+SPEC_HELP = ("fmnist-loc | sample | folder:PATH | synthetic | imagenet-seg:gtsegs_ijcv.mat | "
+             "imagenet-val:PATH | cifar10:PATH | cifar100:PATH | imagenet-s:PATH")
 """One-line summary of the data specs (command-line help)."""
+
+log = logging.getLogger(__name__)
 
 
 class Example(NamedTuple):
@@ -57,20 +82,23 @@ def class_key(name: str) -> str:
 def match_class_names(names: Sequence[str], class_names: Sequence[str], *,
                       what: str = "class", strict: bool = True) -> list[int]:
     r"""The index in ``class_names`` of each of ``names``, matched case-insensitively and
-    ignoring everything but letters and digits (:func:`class_key`).
+    ignoring everything but letters and digits (:func:`class_key`); a name that matches
+    no whole class name may match the first synonym of one (``"tench"`` matches
+    ``"tench, Tinca tinca"``). Each name must match exactly one class.
 
     Args:
         names (Sequence[str]): the data set's class names (e.g. folder names).
         class_names (Sequence[str]): the model's class names.
         what (str, optional): what a name is, for the error message. Default ``"class"``.
-        strict (bool, optional): raise for a name that matches no class; otherwise its
-            index is ``-1``. Default True.
+        strict (bool, optional): raise for a name that matches no class or several;
+            otherwise its index is ``-1``. Default True.
 
     Returns:
-        list[int]: one index per name (the first matching class).
+        list[int]: one index per name.
 
     Raises:
-        ValueError: (``strict``) naming the unmatched names and the known classes.
+        ValueError: (``strict``) listing the unmatched names (and the known classes) and
+            the ambiguous ones (with their candidates); the fix: ``--class-map FILE``.
 
     Examples::
 
@@ -78,17 +106,65 @@ def match_class_names(names: Sequence[str], class_names: Sequence[str], *,
         >>> match_class_names(["t-shirt_top", "DRESS"], ["T-shirt/top", "Trouser", "Dress"])
         [0, 2]
     """
-    keys: dict[str, int] = {}
+    whole: dict[str, list[int]] = {}
+    first: dict[str, list[int]] = {}
     for i, c in enumerate(class_names):
-        keys.setdefault(class_key(c), i)
-    idx = [keys.get(class_key(n), -1) for n in names]
-    missing = [n for n, i in zip(names, idx, strict=True) if i < 0]
-    if strict and missing:
-        raise ValueError(
-            f"{what} {', '.join(map(repr, missing))} matches no class of the model (names are "
-            "compared ignoring case and non-alphanumerics); known classes: "
-            f"{', '.join(class_names)}")
+        whole.setdefault(class_key(c), []).append(i)
+        first.setdefault(class_key(str(c).split(",")[0]), []).append(i)
+    found = [whole.get(class_key(n)) or first.get(class_key(n), []) for n in names]
+    idx = [f[0] if len(f) == 1 else -1 for f in found]
+    missing = [n for n, f in zip(names, found, strict=True) if not f]
+    double = [f"{n!r} ({', '.join(repr(class_names[i]) for i in f)})"
+              for n, f in zip(names, found, strict=True) if len(f) > 1]
+    if strict and (missing or double):
+        parts = []
+        if missing:
+            parts.append(f"{what} {', '.join(map(repr, missing))} matches no class of the model "
+                         "(names are compared ignoring case and non-alphanumerics); known "
+                         f"classes: {_listing(class_names)}")
+        if double:
+            parts.append(f"{what} {', '.join(double)} matches several classes of the model")
+        raise ValueError("; ".join(parts) + "; rename them or give --class-map FILE (JSON "
+                         '{"name": model_index})')
     return idx
+
+
+def _listing(names: Sequence[str], most: int = 30) -> str:
+    """``names`` joined by commas, the first ``most`` of them."""
+    more = f", ... ({len(names)} in all)" if len(names) > most else ""
+    return ", ".join(str(n) for n in names[:most]) + more
+
+
+def subset_indices(length: int, size: int, seed: int = 0) -> list[int]:
+    r"""A seeded random subset of ``range(length)``: the first ``size`` entries of the
+    permutation ``numpy.random.default_rng(seed).permutation(length)`` (so the subset of
+    size ``k`` starts the subset of size ``k + 1`` for the same seed).
+
+    Args:
+        length (int): size of the data set.
+        size (int): size of the subset, at most ``length``.
+        seed (int, optional): the seed (``--subset-seed``). Default 0.
+
+    Returns:
+        list[int]: ``size`` distinct indices, in drawn order.
+
+    Raises:
+        ValueError: ``size`` is not in ``1 .. length``.
+
+    Examples::
+
+        >>> from captum_vit.data.specs import subset_indices
+        >>> len(subset_indices(50_000, 5_000, seed=0))
+        5000
+        >>> subset_indices(10, 3, seed=1) == subset_indices(10, 3, seed=1)
+        True
+    """
+    import numpy as np
+
+    if not 1 <= int(size) <= length:
+        raise ValueError(f"subset (--subset) must be in 1 .. {length} (the data set's size), "
+                         f"got {size}")
+    return [int(i) for i in np.random.default_rng(seed).permutation(length)[:int(size)]]
 
 
 class SyntheticLoc:
@@ -191,8 +267,9 @@ class _Sample:
 
 
 class Examples:
-    """The first ``n`` items of a data set as :class:`Example` s, labels mapped to the
-    model's classes (what :func:`load_data` returns).
+    """The first ``n`` items of a data set (or of a list of its indices) as
+    :class:`Example` s, labels mapped to the model's classes (what :func:`load_data`
+    returns).
 
     Args:
         source (Sequence): items ``(image, label, mask)``, ``(image, label)`` or dicts
@@ -200,6 +277,11 @@ class Examples:
         n (int, optional): keep the first ``n`` items. Default None (all).
         label_map (Sequence[int], optional): model class of each source label
             (``-1`` unknown); ``None`` keeps the source labels.
+        indices (Sequence[int], optional): the source items to use, in this order
+            (e.g. :func:`subset_indices`); default all. Recorded in :attr:`indices`.
+        transform (Callable, optional): applied to each image (e.g.
+            :func:`captum_vit.data.transforms.seed_transforms`'s ``image``).
+        mask_transform (Callable, optional): applied to each mask.
 
     Examples::
 
@@ -209,10 +291,17 @@ class Examples:
     """
 
     def __init__(self, source: Sequence[Any], n: int | None = None,
-                 label_map: Sequence[int] | None = None) -> None:
+                 label_map: Sequence[int] | None = None, *,
+                 indices: Sequence[int] | None = None,
+                 transform: Callable[[Any], Any] | None = None,
+                 mask_transform: Callable[[Any], Any] | None = None) -> None:
         self.source = source
-        self.n = len(source) if n is None else min(int(n), len(source))
+        base = list(range(len(source))) if indices is None else [int(i) for i in indices]
+        self.indices: list[int] = base if n is None else base[:int(n)]
+        """The source index of each example."""
+        self.n = len(self.indices)
         self.label_map = None if label_map is None else list(label_map)
+        self.transform, self.mask_transform = transform, mask_transform
 
     def __len__(self) -> int:
         return self.n
@@ -220,7 +309,7 @@ class Examples:
     def __getitem__(self, i: int) -> Example:
         if not 0 <= i < self.n:
             raise IndexError(f"index {i} out of range for {self.n} examples")
-        raw = self.source[i]
+        raw = self.source[self.indices[i]]
         if isinstance(raw, dict):
             img, label, mask = raw["image"], raw.get("label", -1), raw.get("mask")
         else:
@@ -229,6 +318,10 @@ class Examples:
         label = int(label)
         if self.label_map is not None:
             label = self.label_map[label] if 0 <= label < len(self.label_map) else -1
+        if self.transform is not None:
+            img = self.transform(img)
+        if mask is not None and self.mask_transform is not None:
+            mask = self.mask_transform(mask)
         return Example(torch.as_tensor(img), label,
                        None if mask is None else torch.as_tensor(mask))
 
@@ -238,14 +331,70 @@ class Examples:
         return self.n > 0 and self[0].mask is not None
 
 
-def load_data(spec: str, *, n: int, input_shape: tuple[int, tuple[int, int]],
-              num_classes: int, class_names: Sequence[str] | None = None, seed: int = 0,
-              need_labels: bool = False) -> Examples:
-    r"""The first ``n`` examples of the data named by ``spec`` (see the module docstring).
+DATASETS: dict[str, tuple[str, str]] = {
+    "imagenet-seg": ("captum_vit.data.imagenet_seg", "ImageNetSegmentation"),
+    "imagenet-val": ("captum_vit.data.imagenet", "ImageNetVal"),
+    "cifar10": ("captum_vit.data.cifar", "CIFAR10"),
+    "cifar100": ("captum_vit.data.cifar", "CIFAR100"),
+    "imagenet-s": ("captum_vit.data.imagenet_s", "ImageNetS"),
+}
+"""``KIND:PATH`` specs read by a data set class ``(module, class)`` taking the path; its
+:attr:`classes` (or ``None``) name its labels."""
+
+
+def read_class_map(path: str | os.PathLike | Mapping[str, int]) -> dict[str, int]:
+    r"""A class map ``{data class name: model class index}`` (``--class-map FILE``: a JSON
+    object).
 
     Args:
-        spec (str): ``fmnist-loc``, ``sample``, ``folder:PATH`` or ``synthetic``.
-        n (int): number of examples (fewer when the data set is smaller).
+        path (str, os.PathLike or Mapping): the JSON file, or the mapping itself.
+
+    Returns:
+        dict[str, int]: the map.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: not a JSON object of integers.
+
+    Examples::
+
+        >>> from captum_vit.data.specs import read_class_map
+        >>> read_class_map({"kitty": 3})
+        {'kitty': 3}
+    """
+    if isinstance(path, Mapping):
+        raw: Any = dict(path)
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"--class-map {p}: no such file (a JSON object "
+                                    '{"data class name": model_index})')
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--class-map {p} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in raw.values()):
+        raise ValueError('class_map must map each data class name to a model class index, '
+                         'e.g. {"kitty": 3}')
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def load_data(spec: str, *, n: int | None = None, input_shape: tuple[int, tuple[int, int]],
+              num_classes: int, class_names: Sequence[str] | None = None, seed: int = 0,
+              need_labels: bool = False, subset: int | None = None, subset_seed: int = 0,
+              class_map: Mapping[str, int] | str | os.PathLike | None = None,
+              transform: Callable[[Any], Any] | None = None,
+              mask_transform: Callable[[Any], Any] | None = None) -> Examples:
+    r"""The examples of the data named by ``spec`` (see the module docstring): the first
+    ``n``, or of a seeded random subset.
+
+    Args:
+        spec (str): ``fmnist-loc``, ``sample``, ``folder:PATH``, ``synthetic``,
+            ``imagenet-seg:PATH``, ``imagenet-val:PATH``, ``cifar10:PATH``,
+            ``cifar100:PATH`` or ``imagenet-s:PATH``.
+        n (int, optional): number of examples (fewer when the data set or subset is
+            smaller); ``None`` = all (``synthetic``: 100, or ``subset``). Default None.
         input_shape (tuple): the model's ``(channels, (H, W))`` (``synthetic`` is drawn
             at this shape; others are converted by :func:`model_batch`).
         num_classes (int): the model's number of classes.
@@ -255,15 +404,25 @@ def load_data(spec: str, *, n: int, input_shape: tuple[int, tuple[int, int]],
         need_labels (bool, optional): labels will be used (``--target label``): every
             example must have a label of the model's classes, checked here before any
             work. Default False.
+        subset (int, optional): use a random subset of this size
+            (:func:`subset_indices`, ``--subset``); ``n`` then takes its first ``n``.
+        subset_seed (int, optional): seed of the subset (``--subset-seed``). Default 0.
+        class_map (Mapping or path, optional): ``{data class name: model index}`` or a
+            JSON file of it (:func:`read_class_map`), instead of matching names.
+        transform (Callable, optional): applied to each raw image (a preset's resizing,
+            :func:`captum_vit.data.transforms.seed_transforms`).
+        mask_transform (Callable, optional): applied to each raw mask.
 
     Returns:
-        Examples: a sequence of :class:`Example`, with ``has_masks``.
+        Examples: a sequence of :class:`Example`, with ``has_masks`` and ``indices``.
 
     Raises:
-        ValueError: unknown spec; an empty data set; with ``need_labels``, class names
-            that match none of the model's, files without a class folder, or unknown
-            model class names (pass ``--classes FILE`` or use ``--target predicted``).
-        FileNotFoundError: a missing folder or data set.
+        ValueError: unknown spec; an empty data set; a bad subset size or class map; with
+            ``need_labels``, class names that match none or several of the model's,
+            files without a class folder, or unknown model class names (pass
+            ``--classes FILE`` or use ``--target predicted``).
+        FileNotFoundError: a missing folder or data set (the message says what to put
+            where).
 
     Examples::
 
@@ -272,12 +431,17 @@ def load_data(spec: str, *, n: int, input_shape: tuple[int, tuple[int, int]],
         ...                  num_classes=3, class_names=["cat", "dog", "bird"],
         ...                  need_labels=True)
         >>> image, label, mask = data[0]
+        >>> val = load_data("imagenet-val:/data/val", subset=5000, subset_seed=0,
+        ...                 input_shape=(3, (224, 224)), num_classes=1000)
+        >>> val.indices[:3]
+        [...]
     """
     channels, size = input_shape
     kind, _, arg = spec.partition(":")
     names: Sequence[str] | None
     if spec == "synthetic":
-        source: Sequence[Any] = SyntheticLoc(n, channels, tuple(size), num_classes, seed)
+        total = n if n is not None else (subset if subset is not None else 100)
+        source: Sequence[Any] = SyntheticLoc(total, channels, tuple(size), num_classes, seed)
         names = None
     elif spec == "fmnist-loc":
         from captum_vit.data.fashion_mnist import CLASS_NAMES
@@ -291,34 +455,83 @@ def load_data(spec: str, *, n: int, input_shape: tuple[int, tuple[int, int]],
     elif kind == "folder" and arg:
         source = FolderImages(arg)
         names = source.classes
+    elif kind in DATASETS and arg:
+        import importlib
+
+        module, cls = DATASETS[kind]
+        source = getattr(importlib.import_module(module), cls)(arg)
+        names = getattr(source, "classes", None)
     else:
         raise ValueError(f"unknown data {spec!r}; use {SPEC_HELP}")
-    data = Examples(source, n, _label_map(spec, source, names, class_names, need_labels))
-    if len(data) == 0:
+    if len(source) == 0:
         raise ValueError(f"the dataset {spec!r} is empty; nothing to evaluate")
-    return data
+    indices = None if subset is None else subset_indices(len(source), subset, subset_seed)
+    cmap = None if class_map is None else read_class_map(class_map)
+    label_map = _label_map(spec, source, names, class_names, need_labels, cmap, num_classes)
+    return Examples(source, n, label_map, indices=indices, transform=transform,
+                    mask_transform=mask_transform)
+
+
+def _used(source: Any, names: Sequence[str]) -> list[int]:
+    """Indices of the names a source's items use (all when it does not say)."""
+    labels = getattr(source, "labels", None)
+    if labels is None:
+        labels = getattr(source, "folder_index", None)
+    if labels is None:
+        return list(range(len(names)))
+    return sorted({int(k) for k in labels} & set(range(len(names))))
 
 
 def _label_map(spec: str, source: Any, names: Sequence[str] | None,
-               class_names: Sequence[str] | None, need_labels: bool) -> list[int] | None:
+               class_names: Sequence[str] | None, need_labels: bool,
+               class_map: dict[str, int] | None = None, num_classes: int = 0
+               ) -> list[int] | None:
+    """The model class of each of the source's class ``names`` (SPEC_NEXT §9.5)."""
     if names is None:
         return None
-    if need_labels:
-        if isinstance(source, FolderImages) and -1 in source.folder_index:
-            loose = source.files[source.folder_index.index(-1)]
-            raise ValueError(f"--data {spec}: {loose} is not in a class sub-folder, so it has "
-                             "no label; put every image in a folder named after its class or "
-                             "use --target predicted")
-        if class_names is None:
+    if need_labels and isinstance(source, FolderImages) and -1 in source.folder_index:
+        loose = source.files[source.folder_index.index(-1)]
+        raise ValueError(f"--data {spec}: {loose} is not in a class sub-folder, so it has "
+                         "no label; put every image in a folder named after its class or "
+                         "use --target predicted")
+    what = "class folder" if isinstance(source, FolderImages) else f"--data {spec} class"
+    used = _used(source, names)
+    out = [-1] * len(names)
+    if class_map is not None:
+        bad = {k: v for k, v in class_map.items() if not 0 <= v < num_classes}
+        missing = [names[j] for j in used if names[j] not in class_map]
+        if bad or (need_labels and missing):
+            raise ValueError(
+                "--class-map: " + (f"indices {bad} are not classes of the model (0 .. "
+                                    f"{num_classes - 1}); " if bad else "")
+                + (f"{what} {', '.join(map(repr, missing))} not in the map; " if missing
+                   and need_labels else "") + "give every data class a model class index")
+        return [class_map.get(name, -1) for name in names]
+    from captum_vit.data.imagenet import WNID, model_wnids, wnid_descriptions
+
+    known = None if class_names is None else list(class_names)
+    if names and all(WNID.match(str(w)) for w in names):
+        wnids = model_wnids(class_names, num_classes)
+        if wnids is not None:  # WNIDs matched to the model's WNIDs
+            known = list(wnids)
+        elif known is not None:  # WNIDs -> descriptions, matched to the model's names
+            desc = wnid_descriptions(names)
+            names = [desc[j] if j in used else w for j, w in enumerate(names)]
+    if known is None:
+        if need_labels:
             raise ValueError(
                 f"labels are needed (--target label) but the model's class names are unknown, "
                 f"so the labels of --data {spec} cannot be matched to its classes; pass "
                 "--classes FILE (one class name per line, in the model's class order) or use "
                 "--target predicted")
-    if class_names is None:
-        return [-1] * len(names)
-    what = "class folder" if isinstance(source, FolderImages) else f"--data {spec} class"
-    return match_class_names(names, class_names, what=what, strict=need_labels)
+        return out
+    if known == sorted(names):
+        log.info("--data %s: the model's class names are the data set's sorted class names: "
+                 "labels are alphabetical positions", spec)
+    matched = match_class_names([names[j] for j in used], known, what=what, strict=need_labels)
+    for j, k in zip(used, matched, strict=True):
+        out[j] = k
+    return out
 
 
 def model_batch(data: Sequence[Any], indices: Sequence[int], *,
@@ -368,5 +581,6 @@ def model_batch(data: Sequence[Any], indices: Sequence[int], *,
     return x, torch.tensor(labels, dtype=torch.long, device=device), m
 
 
-__all__ = ["Example", "Examples", "FolderImages", "SPEC_HELP", "SyntheticLoc", "class_key",
-           "load_data", "match_class_names", "model_batch"]
+__all__ = ["DATASETS", "Example", "Examples", "FolderImages", "SPEC_HELP", "SyntheticLoc",
+           "class_key", "load_data", "match_class_names", "model_batch", "read_class_map",
+           "subset_indices"]
