@@ -3,6 +3,7 @@
 from captum_vit import metrics
 from captum_vit.adapters import adapt
 from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
+from captum_vit.interop import export_quantus, quantus_explain_func
 from captum_vit.methods import (
     ALTI,
     BTH,
@@ -47,5 +48,5 @@ __all__ = [
     "EmbeddingTarget", "__version__", "ALTI", "AttnGrad", "GlobEnc", "GradCAM",
     "GradCAMElementWise", "GradCAMPlusPlus", "GradSAM", "HiResCAM", "LayerCAM", "LeGrad",
     "ScoreCAM", "VanillaGrad", "XGradCAM", "RISE", "ViTCX", "BTH", "BTT", "TAM",
-    "CPLRP", "AttnLRP", "TransformerAttribution",
+    "CPLRP", "AttnLRP", "TransformerAttribution", "export_quantus", "quantus_explain_func",
 ]

@@ -78,7 +78,7 @@ def test_evaluate_errors(tmp_path, capsys):
 
 
 def test_name_resolution_and_synthetic_data():
-    assert parse_metrics(["all"])[0] == "perturbation" and len(parse_metrics(["all"])) == 11
+    assert parse_metrics(["all"])[0] == "perturbation" and len(parse_metrics(["all"])) == 12
     assert parse_metrics(["aopc,lodds", "aopc"]) == ["aopc", "lodds"]
     assert "pointing_game" not in parse_metrics("all", has_masks=False)
     with pytest.raises(ValueError, match="pointing_game need ground-truth masks"):

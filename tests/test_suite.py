@@ -26,7 +26,7 @@ def batch():
 
 def test_table_rows_and_flags():
     assert list(suite.METRICS) == [
-        "perturbation", "aopc", "lodds", "deletion", "insertion", "token_ratio",
+        "perturbation", "aopc", "lodds", "deletion", "insertion", "token_ratio", "saco",
         "pointing_game", "segmentation", "max_sensitivity", "sparseness", "randomization"]
     assert {m for m, s in suite.METRICS.items() if s.needs_masks} == {"pointing_game",
                                                                      "segmentation"}

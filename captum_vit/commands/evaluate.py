@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
 from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
 from captum_vit.data.specs import SPEC_HELP as DATA_HELP
 from captum_vit.data.specs import load_data
-from captum_vit.metrics import report, suite
+from captum_vit.metrics import protocols, report, suite
 from captum_vit.metrics.removal import REMOVALS
 from captum_vit.models import SPEC_HELP as MODEL_HELP
 from captum_vit.models import load_model
@@ -57,9 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "after each method m (not after compositions, FullGrad+ or random)")
     p.add_argument("--metrics", nargs="+", default=["all"],
                    help=f"{', '.join(suite.METRICS)} or 'all'")
-    p.add_argument("--n", "--num-examples", dest="n", type=positive_int, default=100,
-                   help="number of examples (write --num-examples under torchrun, whose own "
-                        "parser mistakes --n for an abbreviation of its options)")
+    p.add_argument("--n", "--num-examples", dest="n", type=positive_int, default=None,
+                   help="number of examples: 100 by default, all of --subset with it (write "
+                        "--num-examples under torchrun, whose own parser mistakes --n for an "
+                        "abbreviation of its options)")
+    p.add_argument("--subset", type=positive_int, default=None, metavar="N",
+                   help="a seeded random subset of N examples of --data (the seeds' fixed "
+                        "subsets); its indices are saved in results.json")
+    p.add_argument("--subset-seed", type=int, default=0, metavar="S",
+                   help="seed of --subset (default 0)")
+    p.add_argument("--class-map", default=None, metavar="FILE",
+                   help='JSON {"data class name": model class index}: labels of --data by '
+                        "this map instead of matching class names")
     p.add_argument("--batch-size", type=positive_int, default=16, help="images per batch")
     p.add_argument("--seed", type=int, default=0, help="seed of data, baselines and noise")
     p.add_argument("--removal", default="token", choices=REMOVALS, help="patch removal")
@@ -69,38 +79,94 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_embedding_arguments(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--autocast", default="none", choices=tuple(suite.AUTOCAST),
+                   help="bf16: run forwards and backwards under torch.autocast in bfloat16 "
+                        "(GPU throughput; maps and metrics stay float32; --dtype float32)")
+    p.add_argument("--protocol", default=None, choices=tuple(protocols.PROTOCOLS),
+                   help="a seed's evaluation protocol (SPEC_NEXT §9.6): fixes the metrics, "
+                        "removal, steps, explained class and normalisation, prints them and "
+                        "also writes protocol.md in the seed's table layout")
     p.add_argument("--out", default="evaluation", help="output folder (created at once)")
+
+
+def subset_config(args: argparse.Namespace, data: Any) -> dict[str, Any]:
+    """The ``--subset`` / ``--class-map`` entries of the saved config: the subset's size,
+    seed and the source index of every example (``{}`` without them)."""
+    out: dict[str, Any] = {}
+    if args.subset is not None:
+        out.update(subset=args.subset, subset_seed=args.subset_seed, indices=list(data.indices))
+    if args.class_map is not None:
+        out["class_map"] = args.class_map
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``captum-vit evaluate``; returns the exit status (files written by rank 0)."""
     methods = parse_methods(args.methods, compose=args.compose)
-    suite.parse_metrics(args.metrics)  # names checked before any work
+    proto = None if args.protocol is None else protocols.get_protocol(args.protocol)
+    if proto is not None:  # the preset's options replace --metrics/--removal/--steps/--target
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
+        protocols.check_fixed_options(proto, vars(args), vars(defaults.parse_args([])))
+        args.metrics, args.target = [proto.name], "label" if proto.needs_labels else "predicted"
+    else:
+        suite.parse_metrics(args.metrics)  # names checked before any work
     report.ensure_folder(args.out)
     with suite.distributed(args.device) as (device, rank, _):
         lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
                         class_names=args.classes, targets=target_embeddings(args))
         model = lm.model.to(device=device, dtype=getattr(torch, args.dtype))
         scoring = lm.scoring()  # embedding models: scored against --target-embeddings
-        data = load_data(args.data, n=args.n, seed=args.seed,
+        data = load_data(args.data, n=args.n if args.n or args.subset else 100, seed=args.seed,
                          input_shape=lm.input_shape, num_classes=lm.num_classes,
-                         class_names=lm.class_names, need_labels=args.target == "label")
+                         class_names=lm.class_names, need_labels=args.target == "label",
+                         subset=args.subset, subset_seed=args.subset_seed,
+                         class_map=args.class_map)
+        if proto is not None:
+            return _run_protocol(args, proto, lm, model, data, methods, scoring, rank)
         metrics = suite.parse_metrics(args.metrics, has_masks=data.has_masks)
         factories = {m: method_factory(m, seed=args.seed) for m in methods}
         with scoring:
             results = suite.evaluate(model, data, factories, metrics, preprocess=lm.preprocess,
                                      batch_size=args.batch_size, target=args.target,
                                      removal=args.removal, n_steps=args.steps, seed=args.seed,
-                                     progress=True)
+                                     progress=True, autocast=args.autocast)
         if rank == 0:
             config = {"model": args.model, "data": args.data, "methods": methods,
                       "metrics": metrics, "n": len(data), "batch_size": args.batch_size,
                       "seed": args.seed, "removal": args.removal, "steps": args.steps,
                       "target": args.target, "dtype": args.dtype}
+            if args.autocast != "none":
+                config["autocast"] = args.autocast
+            config.update(subset_config(args, data))
             if args.target_embeddings is not None:
                 config.update(target_embeddings=args.target_embeddings,
                               similarity=args.similarity, embedding_scale=args.embedding_scale,
                               embedding_bias=args.embedding_bias)
             report.write_outputs(args.out, results, config)
             print(f"wrote {args.out}/results.md, results.csv, results.json", file=sys.stderr)
+    return 0
+
+
+def _run_protocol(args: argparse.Namespace, proto: protocols.Protocol, lm: Any, model: Any,
+                  data: Any, methods: list[str], scoring: Any, rank: int) -> int:
+    """``--protocol``: print the preset's settings, evaluate, write results.* and protocol.md."""
+    preprocess = proto.preprocess(lm.preprocess)
+    if rank == 0:
+        print(proto.summary(preprocess), file=sys.stderr)
+    with scoring:
+        results = protocols.run_protocol(proto, model, data, methods, preprocess=preprocess,
+                                         batch_size=args.batch_size, seed=args.seed,
+                                         progress=True, has_masks=data.has_masks,
+                                         autocast=args.autocast)
+    if rank == 0:
+        config = {"model": args.model, "data": args.data, "methods": methods,
+                  "protocol": proto.name, "settings": dict(proto.settings),
+                  "normalization": [preprocess.mean, preprocess.std], "n": len(data),
+                  "batch_size": args.batch_size, "seed": args.seed, "removal": "protocol",
+                  "dtype": args.dtype, **subset_config(args, data)}
+        report.write_outputs(args.out, results, config)
+        protocols.write_protocol_table(args.out, proto, results, config)
+        print(f"wrote {args.out}/protocol.md, results.md, results.csv, results.json",
+              file=sys.stderr)
     return 0

@@ -21,12 +21,13 @@ from captum_vit.metrics.localization import pointing_game, segmentation, upsampl
 from captum_vit.metrics.removal import REMOVALS, RemovalEngine, patch_maps, ranking
 from captum_vit.metrics.results import MetricResult, plot_curves
 from captum_vit.metrics.robustness import gini, max_sensitivity, sparseness
+from captum_vit.metrics.saco import saco
 from captum_vit.metrics.sanity import randomization, spearman
 
 __all__ = [
     "REMOVALS", "MetricResult", "RemovalEngine", "aopc", "deletion", "gini",
     "insertion", "insertion_minus_deletion", "lodds", "max_sensitivity", "patch_maps",
     "perturbation_test", "plot_curves", "pointing_game", "randomization", "ranking",
-    "segmentation", "sparseness", "spearman", "token_ratio", "trapezoid_auc",
+    "saco", "segmentation", "sparseness", "spearman", "token_ratio", "trapezoid_auc",
     "upsampled_maps",
 ]

@@ -3,6 +3,10 @@
 Every function takes ``(model, inputs, attribution)``: ``attribution`` is precomputed maps
 or any Captum-style attribution (see :func:`captum_vit.metrics.removal.patch_maps`), and
 patches are removed with true token masking by default (``removal``, SPEC §6.3).
+Every removal metric also takes ``unit="pixel"`` (rank the single pixels of the bilinearly
+upsampled map, Chefer et al. / TIS) with a pixel baseline or fill callable, and
+``rounding`` (``"round"``: ``round(k·n)`` units, default; ``"floor"``: ``int(k·n)``, as the
+seeds' scripts compute ``int(base_size * step)`` / ``int(r * P)``).
 The maps explain ``target`` (``None``: the predicted class of each unperturbed image).
 On a model that outputs an image embedding, ``target`` is a vector target (SPEC_NEXT
 §7.5) and the scores and probabilities are the target's: softmax over a set of target
@@ -12,6 +16,7 @@ explained vector itself, and which define no accuracy).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,12 +32,14 @@ from captum_vit.metrics.removal import (
     patch_maps,
     prepare_metric,
     ranking,
+    upsample,
     vector_targets,
 )
 from captum_vit.metrics.results import MetricResult
 
 PERTURBATION_FRACTIONS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1.0
 RATIOS = tuple(i / 10 for i in range(1, 10))  # 0.1 ... 0.9
+ROUNDINGS = ("round", "floor")
 
 
 def trapezoid_auc(curves: Tensor, x: Tensor) -> Tensor:
@@ -59,39 +66,54 @@ class _Setup:
     """Shared preparation: logits, labels, patch ranking and the removal engine."""
 
     def __init__(self, model: nn.Module, inputs: Tensor, attribution: AttributionLike,
-                 target: TargetLike, removal: str, batch_size: int, pixel_reduce: str,
-                 attribute_kwargs: dict | None, example_ids: Any, seed: int) -> None:
+                 target: TargetLike, removal: Any, batch_size: int, pixel_reduce: str,
+                 attribute_kwargs: dict | None, example_ids: Any, seed: int,
+                 unit: str = "patch", rounding: str = "round") -> None:
+        check_choice("rounding", rounding, ROUNDINGS)
         adapter, prep = prepare_metric(model, inputs, target)
         self.inputs, self.layout, self.logits = prep.images, prep.layout, prep.logits
-        self.engine = RemovalEngine(model, removal, batch_size, adapter=adapter)
+        self.engine = RemovalEngine(model, removal, batch_size, adapter=adapter, unit=unit)
+        self.rounding = rounding
         self.target = prep.target
         # the "prediction" of AOPC/LOdds: the arg-max class, or, for independent scores
         # against single target vectors (SPEC_NEXT §7.5), the explained vector itself
         self.pred = self.logits.argmax(-1) if scores_are_classes() else self.target
         self.scores = patch_maps(attribution, self.inputs, self.target, self.layout,
                                  pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
-        self.order = ranking(self.scores)
+        ranked = self.scores
+        if unit == "pixel":  # the bilinearly upsampled map, one score per pixel
+            ranked = upsample(self.scores, self.layout.grid, self.layout.patch_size,
+                              self.inputs.shape[-2:]).reshape(len(self.scores), -1)
+        self.order = ranking(ranked)
+        # LeRF ranks the negated map (Chefer's ``vis = -vis``): ties keep the lower index
+        # first, as in MoRF, rather than the reverse the flipped order would give
+        self.order_lerf = ranking(-ranked)
         self.seeds = example_seeds(example_ids, self.inputs.shape[0], seed)
 
     @property
-    def num_patches(self) -> int:
-        return self.layout.num_patches
+    def num_units(self) -> int:
+        """Patches (``unit="patch"``) or pixels (``unit="pixel"``) that can be removed."""
+        return self.order.shape[1]
 
     def counts(self, fractions: Tensor) -> list[int]:
-        return [int(round(float(f) * self.num_patches)) for f in fractions]
+        if self.rounding == "floor":
+            return [int(float(f) * self.num_units) for f in fractions]
+        return [int(round(float(f) * self.num_units)) for f in fractions]
 
-    def run(self, fractions: Tensor, *, lerf: bool = False, mode: str = "delete") -> Tensor:
-        order = self.order.flip(1) if lerf else self.order
-        return self.engine.logits(self.inputs, order, self.counts(fractions), mode=mode,
-                                  full_logits=self.logits,
-                                  seeds=self.seeds)
+    def run(self, fractions: Tensor, *, lerf: bool = False, mode: str = "delete",
+            counts: Sequence[int] | None = None) -> Tensor:
+        order = self.order_lerf if lerf else self.order
+        counts = self.counts(fractions) if counts is None else counts
+        return self.engine.logits(self.inputs, order, counts, mode=mode,
+                                  full_logits=self.logits, seeds=self.seeds)
 
 
 def _common(kw: dict) -> dict:
     return dict(removal=kw.pop("removal", "token"), batch_size=kw.pop("batch_size", 64),
                 pixel_reduce=kw.pop("pixel_reduce", "abs"),
                 attribute_kwargs=kw.pop("attribute_kwargs", None),
-                example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", 0))
+                example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", 0),
+                unit=kw.pop("unit", "patch"), rounding=kw.pop("rounding", "round"))
 
 
 @vector_targets
@@ -116,7 +138,8 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
         target (optional): class the maps explain (``None``: predicted class).
         fractions (Sequence[float]): removed fractions (default 0, 0.05, ..., 1).
         **kwargs: ``removal``, ``batch_size``, ``pixel_reduce``, ``attribute_kwargs``,
-            ``example_ids``, ``seed`` (see :class:`RemovalEngine`).
+            ``example_ids``, ``seed``, ``unit``, ``rounding`` (see :class:`RemovalEngine`
+            and the module docstring).
 
     Returns:
         MetricResult: ``per_example`` AUC in percent, ``curves`` 0/1 correctness [B, S].
@@ -158,7 +181,7 @@ def _ratio_log_probs(model: nn.Module, inputs: Tensor, attribution: AttributionL
     """Shared part of AOPC and LOdds: the ratios ``x`` [S], ``log p(y|x)`` [B] and
     ``log p(y|x_k)`` [B, S] with the top ratio removed (``"remove"``) or kept (``"keep"``)."""
     check_choice("mode", mode, ("remove", "keep"))
-    x = check_fractions("fractions", fractions, closed=False)
+    x = check_fractions("fractions", fractions, closed=True)
     st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
     _no_extra(kwargs)
     return (x, *_log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert"))
@@ -170,7 +193,8 @@ def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     r"""AOPC (SPEC §6.2, Eq. 1): :math:`\mathrm{mean}_k\,[p(y|x) - p(y|x_k)]`, y predicted.
 
     ``x_k`` removes (``mode="remove"``, higher is better) or keeps only (``"keep"``,
-    lower is better) the top fraction ``k`` of patches. Default ``k = 0.1, ..., 0.9``.
+    lower is better) the top fraction ``k`` of patches. Default ``k = 0.1, ..., 0.9``;
+    any fractions in ``[0, 1]`` (seed 000's ``k = 0, 0.05, ..., 1``).
 
     Returns:
         MetricResult: per-example AOPC, curves ``p(y|x) - p(y|x_k)`` [B, S].
@@ -209,10 +233,17 @@ def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
                         attribution: AttributionLike, n_steps: int, target: TargetLike,
                         kwargs: dict) -> MetricResult:
     check_scalar(n_steps, "n_steps", int, min_val=1)
+    start_point = kwargs.pop("start_point", True)
     st = _Setup(model, inputs, attribution, target, **_common(kwargs))
     _no_extra(kwargs)
-    x = torch.linspace(0, 1, n_steps + 1, dtype=torch.float64)
-    probs = probabilities(st.run(x, mode=mode).double())
+    counts = None
+    if start_point:
+        x = torch.linspace(0, 1, n_steps + 1, dtype=torch.float64)
+    else:  # TIS: ceil(n / n_steps) units per step, no unperturbed point
+        step = math.ceil(st.num_units / n_steps)
+        x = torch.arange(1, n_steps + 1, dtype=torch.float64) / n_steps
+        counts = [min(s * step, st.num_units) for s in range(1, n_steps + 1)]
+    probs = probabilities(st.run(x, mode=mode, counts=counts).double())
     p = probs.gather(2, st.target[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
     return MetricResult("deletion" if mode == "delete" else "insertion",
                         trapezoid_auc(p, x), mode == "insert", x, p)
@@ -225,8 +256,13 @@ def deletion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     equal steps; score = target probability; AUC by the trapezoid rule over [0, 1]
     (lower is better).
 
+    ``start_point=False`` is TIS's convention (Englebert et al., ``metrics/``): each step
+    affects ``ceil(n / n_steps)`` more units, the curve has no unperturbed point
+    (x = 1/n_steps, ..., 1) and the AUC is the trapezoid over that grid.
+
     Returns:
-        MetricResult: per-example AUC, curves [B, n_steps + 1].
+        MetricResult: per-example AUC, curves [B, n_steps + 1] (``n_steps`` without the
+        start point).
 
     Examples::
 
@@ -241,8 +277,11 @@ def insertion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     r"""Insertion curve (SPEC §6.4): start from everything removed and restore the most
     important patches first; AUC of the target probability (higher is better).
 
+    ``start_point=False``: TIS's convention, as in :func:`deletion`.
+
     Returns:
-        MetricResult: per-example AUC, curves [B, n_steps + 1].
+        MetricResult: per-example AUC, curves [B, n_steps + 1] (``n_steps`` without the
+        start point).
 
     Examples::
 
@@ -260,16 +299,26 @@ def insertion_minus_deletion(ins: MetricResult, dele: MetricResult) -> MetricRes
 
 @vector_targets
 def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
-                ratios: Sequence[float] = RATIOS, **kwargs: Any) -> dict[str, MetricResult]:
+                ratios: Sequence[float] = RATIOS, labels: TargetLike = None,
+                remove_scores: bool = False, **kwargs: Any) -> dict[str, MetricResult]:
     r"""Keep / remove top-ratio protocol of SkipPLUS (§4.1, A.2).
 
     For each ratio r: ``keep`` runs the model on the top-r patches only, ``remove`` on
-    all but them. Reported: top-1 accuracy w.r.t. the clean prediction for both protocols
+    all but them. Reported: top-1 accuracy w.r.t. the reference class for both protocols
     (AUC in percent by the trapezoid rule over the ratios plus the unmasked endpoint:
     r = 0 for remove, r = 1 for keep), and AOPC and LOdds (means over the ratios) of the
     keep protocol. The remove protocol's AOPC and LOdds are :func:`aopc` and :func:`lodds`
-    (``mode="remove"``, same ratios): they are not repeated here, so that an evaluation
-    table has each metric once.
+    (``mode="remove"``, same ratios): they are not repeated here unless
+    ``remove_scores=True``, so that an evaluation table has each metric once.
+
+    Args:
+        ratios (Sequence[float]): ratios in (0, 1). Default 0.1, ..., 0.9.
+        labels (optional): the reference class of accuracy, AOPC and LOdds (the SkipPLUS
+            protocol: the ground-truth label); ``None`` (default): the clean prediction.
+        remove_scores (bool): also return ``token_ratio_remove_aopc`` and
+            ``token_ratio_remove_lodds`` (the SkipPLUS table's columns). Default False.
+        **kwargs: ``target``, ``removal``, ``rounding`` (``"floor"``: ``k = int(r·P)``,
+            the authors' code), ``batch_size``, ... (see :func:`perturbation_test`).
 
     Returns:
         dict[str, MetricResult]: ``token_ratio_keep_accuracy``, ``token_ratio_keep_aopc``,
@@ -284,28 +333,30 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
     x = check_fractions("ratios", ratios, closed=False)
     st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
     _no_extra(kwargs)
+    ref = st.pred if labels is None else check_target(
+        labels, len(st.pred), st.engine.adapter.num_classes).to(st.pred.device)
     out = {}
     for proto, mode in (("keep", "insert"), ("remove", "delete")):
         logits = st.run(x, mode=mode)
         keep = proto == "keep"
         name = f"token_ratio_{proto}"
         if scores_are_classes():  # accuracies: not for single target vectors (§7.5)
-            acc = (logits.argmax(-1) == st.pred[:, None]).double()
-            one = torch.ones_like(acc[:, :1])
+            acc = (logits.argmax(-1) == ref[:, None]).double()
+            one = (st.logits.argmax(-1) == ref).double()[:, None]  # the unmasked image
             if keep:
                 xs, acc = torch.cat([x, x.new_ones(1)]), torch.cat([acc, one], 1)
             else:
                 xs, acc = torch.cat([x.new_zeros(1), x]), torch.cat([one, acc], 1)
             out[f"{name}_accuracy"] = MetricResult(f"{name}_accuracy",
                                                    100 * trapezoid_auc(acc, xs), keep, xs, acc)
-        if keep:
-            lp0 = log_probabilities(st.logits.double()).gather(1, st.pred[:, None]).squeeze(1)
+        if keep or remove_scores:
+            lp0 = log_probabilities(st.logits.double()).gather(1, ref[:, None]).squeeze(1)
             lpk = log_probabilities(logits.double()).gather(
-                2, st.pred[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
+                2, ref[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
             drop = lp0.exp()[:, None] - lpk.exp()
             lo = lpk - lp0[:, None]
-            out[f"{name}_aopc"] = MetricResult(f"{name}_aopc", drop.mean(1), False, x, drop)
-            out[f"{name}_lodds"] = MetricResult(f"{name}_lodds", lo.mean(1), True, x, lo)
+            out[f"{name}_aopc"] = MetricResult(f"{name}_aopc", drop.mean(1), not keep, x, drop)
+            out[f"{name}_lodds"] = MetricResult(f"{name}_lodds", lo.mean(1), keep, x, lo)
     return out
 
 

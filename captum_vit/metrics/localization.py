@@ -10,18 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit._base import TargetLike, check_scalar
+from captum_vit._base import TargetLike, check_choice, check_scalar
 from captum_vit.metrics.removal import (
+    UPSAMPLE_MODES,
     AttributionLike,
     patch_maps,
     prepare_metric,
+    upsample,
     vector_targets,
 )
 from captum_vit.metrics.results import MetricResult
+
+AP_MODES = ("foreground", "chefer")
 
 
 def check_masks(masks: Any, inputs: Tensor) -> Tensor:
@@ -41,24 +46,12 @@ def check_masks(masks: Any, inputs: Tensor) -> Tensor:
 def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                    target: TargetLike = None, mode: str = "bilinear", pixel_reduce: str = "abs",
                    attribute_kwargs: dict | None = None) -> Tensor:
-    """Patch maps upsampled to the image size [B, H, W] (``mode``: bilinear or nearest)."""
+    """Patch maps upsampled to the image size [B, H, W] (``mode``: bilinear, bicubic or
+    nearest; see :func:`~captum_vit.metrics.removal.upsample`)."""
     _, p = prepare_metric(model, inputs, target)
     scores = patch_maps(attribution, p.images, p.target, p.layout, pixel_reduce=pixel_reduce,
                         attribute_kwargs=attribute_kwargs)
     return upsample(scores, p.layout.grid, p.layout.patch_size, p.images.shape[-2:], mode)
-
-
-def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
-             size: tuple[int, int], mode: str = "bilinear") -> Tensor:
-    """Patch scores [B, P] -> [B, H, W] by bilinear (``align_corners=False``) or nearest."""
-    b = scores.shape[0]
-    g = scores.reshape(b, 1, *grid).double()
-    full = (grid[0] * patch_size[0], grid[1] * patch_size[1])
-    if mode == "nearest":
-        up = g.repeat_interleave(patch_size[0], 2).repeat_interleave(patch_size[1], 3)
-    else:
-        up = F.interpolate(g, size=full, mode="bilinear", align_corners=False)
-    return up[:, 0, :size[0], :size[1]]
 
 
 @vector_targets
@@ -145,34 +138,78 @@ def _average_precision(mask: Tensor, score: Tensor) -> float:
     return float(average_precision_score(y, score.flatten().cpu().double().numpy()))
 
 
+def _chefer_average_precision(mask: Tensor, score: Tensor) -> float:
+    """Chefer's ``get_ap_scores``: AP of the two-channel score ``[1 - map, map]`` against
+    the one-hot mask ``[1 - mask, mask]``, both flattened together (2·H·W entries)."""
+    from sklearn.metrics import average_precision_score
+
+    m = mask.flatten().cpu().numpy().astype("float64")
+    s = score.flatten().cpu().double().numpy()
+    y = np.concatenate([1 - m, m])
+    return float(np.nan_to_num(average_precision_score(y, np.concatenate([1 - s, s]))))
+
+
+def _row_f1(pred: Tensor, mask: Tensor) -> Tensor:
+    """Chefer's ``get_f1_scores`` on an ``[H, W]`` map: sklearn's F1 of each ROW (its
+    ``reshape(batch_size, -1)`` takes the map's first axis for the batch), 0 where a row
+    has no true and no predicted foreground; mean over the rows, per image [B]."""
+    tp = (pred & mask).double().sum(-1)
+    wrong = (pred ^ mask).double().sum(-1)  # FP + FN
+    f1 = torch.where(2 * tp + wrong > 0, 2 * tp / (2 * tp + wrong).clamp_min(1), 0.0)
+    return f1.mean(-1)
+
+
 @vector_targets
 def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
-                 *, target: TargetLike = None, **kwargs: Any) -> dict[str, MetricResult]:
-    """Segmentation test (SPEC §6.6; TokenTM Table 1).
+                 *, target: TargetLike = None, ap_mode: str = "foreground",
+                 raw_upsample: str = "nearest", **kwargs: Any) -> dict[str, MetricResult]:
+    """Segmentation test (SPEC §6.6; TokenTM Table 1; SPEC_NEXT §9.2).
 
     The map is upsampled bilinearly, min–max normalised per image and thresholded at its
-    mean. Reported: pixel accuracy (per image, averaged), mIoU (mean of the background
-    and foreground IoU, with intersections and unions accumulated over the dataset), mAP
-    (average precision of the normalised continuous map against the mask, per image,
-    averaged) and ``raw_ap``: AP of the raw patch map copied to its pixels (nearest, no
-    interpolation or normalisation, SkipPLUS §4.2). Images whose mask is empty or full
-    have no AP (NaN, left out).
+    mean. Reported: pixel accuracy (per image, averaged; every image has the same number
+    of labelled pixels, so this equals Chefer's accumulated ``Σ correct / Σ labelled``),
+    mIoU (mean of the background and foreground IoU, with intersections and unions
+    accumulated over the dataset), mAP (average precision of the normalised continuous
+    map against the mask, per image, averaged) and ``raw_ap``: AP of the raw patch map
+    upsampled by ``raw_upsample`` (nearest: copied to its pixels, SkipPLUS §4.2;
+    ``"bicubic"``: the SkipPLUS authors' code). Images whose mask is empty or full have
+    no foreground AP (NaN, left out).
+
+    Args:
+        model (nn.Module): a supported ViT classifier.
+        inputs (Tensor): images [B, C, H, W].
+        attribution: maps or an attribution (see :func:`patch_maps`).
+        masks (Tensor): ground-truth foreground [B, H, W] (bool).
+        target (optional): class the maps explain (``None``: predicted class).
+        ap_mode (str): ``"foreground"`` (default: AP of the map against the foreground
+            mask) or ``"chefer"`` (Chefer's ``imagenet_seg_eval.py``: AP of ``[1 - map,
+            map]`` against the one-hot two-channel mask, flattened together, NaN -> 0;
+            adds ``mf1``: the F1 of the binarised foreground, computed by Chefer's
+            ``get_f1_scores`` per row of the image and averaged — verified in
+            ``utils/metrices.py``).
+        raw_upsample (str): interpolation of ``raw_ap`` (``"nearest"``, ``"bilinear"``,
+            ``"bicubic"``). Default ``"nearest"``.
+        **kwargs: ``pixel_reduce``, ``attribute_kwargs``.
 
     Returns:
-        dict[str, MetricResult]: ``pixel_accuracy``, ``miou``, ``map``, ``raw_ap``.
+        dict[str, MetricResult]: ``pixel_accuracy``, ``miou``, ``map``, ``raw_ap`` (and
+        ``mf1`` with ``ap_mode="chefer"``).
 
     Examples::
 
         >>> seg = segmentation(model, x, TokenTM(model), masks)
         >>> seg["miou"].value
+        >>> segmentation(model, x, TokenTM(model), masks, ap_mode="chefer")["mf1"].value
     """
+    check_choice("ap_mode", ap_mode, AP_MODES)
+    check_choice("raw_upsample", raw_upsample, UPSAMPLE_MODES)
     _, p = prepare_metric(model, inputs, target)
     inputs, layout = p.images, p.layout
     m = check_masks(masks, inputs)
     scores = patch_maps(attribution, inputs, p.target, layout, **kwargs)
     size = inputs.shape[-2:]
     up = upsample(scores, layout.grid, layout.patch_size, size)
-    raw = upsample(scores, layout.grid, layout.patch_size, size, "nearest")
+    raw = upsample(scores, layout.grid, layout.patch_size, size, raw_upsample)
     b = up.shape[0]
     flat = up.reshape(b, -1)
     lo, hi = flat.min(1, keepdim=True).values, flat.max(1, keepdim=True).values
@@ -184,10 +221,11 @@ def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
         stats[f"inter_{name}"] = (p & g).double().sum((1, 2))
         stats[f"union_{name}"] = (p | g).double().sum((1, 2))
     per_iou = sum(stats[f"inter_{c}"] / stats[f"union_{c}"].clamp_min(1) for c in ("bg", "fg")) / 2
-    ap = torch.tensor([_average_precision(m[i], norm[i]) for i in range(b)], dtype=torch.float64)
+    ap_of = _chefer_average_precision if ap_mode == "chefer" else _average_precision
+    ap = torch.tensor([ap_of(m[i], norm[i]) for i in range(b)], dtype=torch.float64)
     raw_ap = torch.tensor([_average_precision(m[i], raw[i]) for i in range(b)],
                           dtype=torch.float64)
-    return {
+    out = {
         "pixel_accuracy": MetricResult("pixel_accuracy", acc.cpu(), True),
         "miou": MetricResult("miou", per_iou.cpu(), True, stats={k: v.cpu() for k, v in
                                                                  stats.items()},
@@ -195,3 +233,6 @@ def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
         "map": MetricResult("map", ap, True, reduction="nanmean"),
         "raw_ap": MetricResult("raw_ap", raw_ap, True, reduction="nanmean"),
     }
+    if ap_mode == "chefer":
+        out["mf1"] = MetricResult("mf1", _row_f1(pred, m).cpu(), True)
+    return out

@@ -13,6 +13,13 @@ Removal always works on the model's patch grid (SPEC §6.3):
   blur of the image, kernel 11, σ 5, reflect padding) or ``"random"`` (uniform noise in
   ``[min, max]`` of the image, seeded per example id), and the model runs on the images.
 
+Two extensions serve the seeds' protocols (:mod:`captum_vit.metrics.protocols`):
+``unit="pixel"`` ranks the single pixels of the bilinearly upsampled map instead of the
+patches (Chefer et al.'s and TIS's pixel perturbations; needs a pixel baseline), and
+``removal`` may be a fill callable ``(images, seeds) -> fill images`` instead of a name
+(:func:`image_space_zero`: zero in the ``[0, 1]`` image space before normalisation;
+:func:`tis_baseline`: TIS's baselines).
+
 Every (image, step) pair is one job; jobs are evaluated in batched forwards over images
 AND steps, at most ``batch_size`` a forward. With token masking the adapters' one subset
 engine (:func:`captum_vit.adapters.subsets.subset_logits`) groups jobs by kept length
@@ -42,11 +49,18 @@ from captum_vit._base import (
     prepare,
 )
 from captum_vit.adapters import Layout, ViTAdapter, adapt, subset_logits
+from captum_vit.adapters.subsets import image_logits
 from captum_vit.targets import embedding_target
 
 REMOVALS = ("token", "black", "mean", "blur", "random")
 PIXEL_REDUCES = ("abs", "sum")
+UNITS = ("patch", "pixel")
+TIS_BASELINES = ("mean", "blur", "black", "random")
+UPSAMPLE_MODES = ("bilinear", "bicubic", "nearest")
 AttributionLike = Tensor | Attribution | Callable[..., Tensor]
+Fill = Callable[[Tensor, Sequence[int]], Tensor]
+"""A fill builder: ``fill(images [B, C, H, W], seeds) -> fill images [B, C, H, W]``."""
+Removal = str | Fill
 Metric = TypeVar("Metric", bound=Callable[..., Any])
 
 
@@ -169,6 +183,28 @@ def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str)
         f"{(gh, gw)}) nor the image size {(h, w)}; give [B, P], [B, 1, gh, gw] or pixel maps")
 
 
+def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
+             size: tuple[int, int], mode: str = "bilinear") -> Tensor:
+    """Patch scores [B, P] -> [B, H, W] (float64) by bilinear or bicubic interpolation
+    (``align_corners=False``, to the padded grid size, then cropped) or nearest (each
+    patch's score copied to its pixels).
+
+    Examples::
+
+        >>> upsample(torch.rand(2, 196), (14, 14), (16, 16), (224, 224)).shape
+        torch.Size([2, 224, 224])
+    """
+    check_choice("mode", mode, UPSAMPLE_MODES)
+    b = scores.shape[0]
+    g = scores.reshape(b, 1, *grid).double()
+    full = (grid[0] * patch_size[0], grid[1] * patch_size[1])
+    if mode == "nearest":
+        up = g.repeat_interleave(patch_size[0], 2).repeat_interleave(patch_size[1], 3)
+    else:
+        up = F.interpolate(g, size=full, mode=mode, align_corners=False)
+    return up[:, 0, :size[0], :size[1]]
+
+
 def ranking(scores: Tensor) -> Tensor:
     """Patch indices from most to least important [B, P] (ties: lower index first)."""
     return torch.argsort(scores, dim=1, descending=True, stable=True)
@@ -206,16 +242,90 @@ def baseline_images(inputs: Tensor, removal: str, seeds: Sequence[int]) -> Tenso
     return out
 
 
+def image_space_zero(mean: Sequence[float] | None, std: Sequence[float] | None) -> Fill:
+    r"""The fill of "set the pixel to 0 in the ``[0, 1]`` image space, then normalise"
+    (Chefer et al.'s perturbation test, ``pertubation_eval_from_hdf5.py``): per channel
+    :math:`(0 - \mathrm{mean}) / \mathrm{std}` in the model's (normalised) input space.
+
+    Args:
+        mean, std (Sequence[float], optional): the normalisation of the model's inputs
+            (one value or one per channel); ``None``: no normalisation (fill 0).
+
+    Returns:
+        Callable: ``fill(images, seeds) -> fill images``, a ``removal`` of the metrics.
+
+    Examples::
+
+        >>> from captum_vit.metrics import deletion
+        >>> zero = image_space_zero((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))   # fill = -1
+        >>> deletion(model, x, maps, removal=zero, unit="pixel").value
+    """
+    if (mean is None) != (std is None):
+        raise ValueError("image_space_zero needs both mean and std, or neither")
+
+    def fill(images: Tensor, seeds: Sequence[int]) -> Tensor:
+        if mean is None or std is None:
+            return torch.zeros_like(images)
+        m = torch.as_tensor(mean, dtype=images.dtype, device=images.device).reshape(-1, 1, 1)
+        s = torch.as_tensor(std, dtype=images.dtype, device=images.device).reshape(-1, 1, 1)
+        return (-m / s).expand_as(images).clone()
+
+    fill.__name__ = "image_space_zero"
+    return fill
+
+
+def tis_baseline(name: str) -> Fill:
+    """TIS's baselines (Englebert et al., ``metrics/utils.py``), in the normalised input
+    space: ``"mean"`` = one scalar, the mean of the whole image (all channels);
+    ``"blur"`` = Gaussian 11×11, σ 5; ``"black"`` = 0; ``"random"`` = U[0, 1), seeded per
+    example (TIS draws ``torch.rand_like``). They differ from :func:`baseline_images`'s
+    ``mean`` (per channel) and ``random`` (within the image's range).
+
+    Examples::
+
+        >>> from captum_vit.metrics import insertion
+        >>> insertion(model, x, maps, removal=tis_baseline("mean"), unit="pixel").value
+    """
+    check_choice("baseline", name, TIS_BASELINES)
+
+    def fill(images: Tensor, seeds: Sequence[int]) -> Tensor:
+        if name == "mean":
+            return images.mean((1, 2, 3), keepdim=True).expand_as(images).clone()
+        if name in ("blur", "black"):
+            return baseline_images(images, name, seeds)
+        out = torch.empty_like(images)
+        for i, s in enumerate(seeds):
+            g = torch.Generator().manual_seed(s)
+            out[i] = torch.rand(images.shape[1:], generator=g, dtype=torch.float64).to(out)
+        return out
+
+    fill.__name__ = f"tis_{name}"
+    return fill
+
+
+def check_removal(removal: Removal, unit: str = "patch") -> None:
+    """Validate a ``removal`` (a name of :data:`REMOVALS` or a fill callable) for ``unit``."""
+    check_choice("unit", unit, UNITS)
+    if not callable(removal):
+        check_choice("removal", removal, REMOVALS)
+    if unit == "pixel" and removal == "token":
+        raise ValueError("unit='pixel' removes single pixels, which needs a pixel baseline: "
+                         "pass removal='black', 'mean', 'blur', 'random' or a fill callable")
+
+
 # -- engine -------------------------------------------------------------------------------
 class RemovalEngine:
-    """Evaluate a model on images with some patches removed.
+    """Evaluate a model on images with some patches (or pixels) removed.
 
     Args:
         model (nn.Module): a supported ViT classifier (never modified).
-        removal (str): ``"token"`` (default) or a pixel baseline ``"black"``, ``"mean"``,
-            ``"blur"``, ``"random"``.
+        removal (str or Callable): ``"token"`` (default) or a pixel baseline ``"black"``,
+            ``"mean"``, ``"blur"``, ``"random"``, or a fill callable ``(images, seeds) ->
+            fill images`` (:func:`image_space_zero`, :func:`tis_baseline`).
         batch_size (int): images per forward pass (over images and steps).
         adapter (ViTAdapter, optional): an existing adapter of ``model``.
+        unit (str): ``"patch"`` (default: ``order`` ranks the P patches) or ``"pixel"``
+            (``order`` ranks the H·W pixels; every channel of a removed pixel is filled).
 
     Examples::
 
@@ -224,14 +334,15 @@ class RemovalEngine:
         >>> logits = eng.logits(x, order, [0, 10, 20])     # [B, 3, classes]
     """
 
-    def __init__(self, model: nn.Module, removal: str = "token", batch_size: int = 64,
-                 adapter: ViTAdapter | None = None) -> None:
-        check_choice("removal", removal, REMOVALS)
+    def __init__(self, model: nn.Module, removal: Removal = "token", batch_size: int = 64,
+                 adapter: ViTAdapter | None = None, unit: str = "patch") -> None:
+        check_removal(removal, unit)
         check_scalar(batch_size, "batch_size", int, min_val=1)
         self.model = model
         self.adapter = adapter or adapt(model)
         self.removal = removal
         self.batch_size = batch_size
+        self.unit = unit
 
     def layout(self, inputs: Tensor) -> Layout:
         self.adapter.check_inputs(inputs)
@@ -240,19 +351,20 @@ class RemovalEngine:
     def logits(self, inputs: Tensor, order: Tensor, counts: Sequence[int], *,
                mode: str = "delete", seeds: Sequence[int] | None = None,
                full_logits: Tensor | None = None) -> Tensor:
-        """Logits [B, S, classes] with the first ``counts[s]`` patches of ``order`` affected.
+        """Logits [B, S, classes] with the first ``counts[s]`` units of ``order`` affected.
 
         Args:
             inputs (Tensor): images [B, C, H, W].
-            order (Tensor): [B, P] patch indices, the first ones are affected first
-                (``ranking(scores)`` for MoRF, its flip for LeRF).
-            counts (Sequence[int]): number of affected patches per step, in ``[0, P]``.
-            mode (str): ``"delete"`` removes the affected patches; ``"insert"`` keeps only
+            order (Tensor): [B, P] patch indices (``unit="pixel"``: [B, H·W] pixel
+                indices), the first ones are affected first (``ranking(scores)`` for
+                MoRF, its flip for LeRF).
+            counts (Sequence[int]): number of affected units per step, in ``[0, P]``.
+            mode (str): ``"delete"`` removes the affected units; ``"insert"`` keeps only
                 them (starting from everything removed).
             seeds (Sequence[int], optional): per-example seeds (``"random"`` baseline).
             full_logits (Tensor, optional): logits [B, classes] of the unperturbed images
                 (the metrics' clean forward); steps that remove nothing (``delete`` 0,
-                ``insert`` P) reuse them instead of running the model again.
+                ``insert`` everything) reuse them instead of running the model again.
 
         Returns:
             Tensor: logits [B, S, classes] (no gradient).
@@ -260,28 +372,77 @@ class RemovalEngine:
         check_choice("mode", mode, ("delete", "insert"))
         prep = prepare(self.adapter, inputs, None)
         inputs, layout = prep.images, prep.layout
-        b, p = inputs.shape[0], layout.num_patches
+        b = inputs.shape[0]
+        p = layout.num_patches if self.unit == "patch" else inputs.shape[-2] * inputs.shape[-1]
         if order.shape != (b, p):
-            raise ValueError(f"order must be [B, P] = {(b, p)}, got {tuple(order.shape)}")
+            raise ValueError(f"order must be [B, {'P' if self.unit == 'patch' else 'H*W'}] = "
+                             f"{(b, p)}, got {tuple(order.shape)}")
         counts = [int(c) for c in counts]
         if any(not 0 <= c <= p for c in counts):
             raise ValueError(f"counts must be in [0, {p}], got {counts}")
-        seeds = list(range(b)) if seeds is None else list(seeds)
         order = order.to(inputs.device)
-        # removed[b, s, j]: patch j is removed at step s
-        affected = torch.zeros(b, len(counts), p, dtype=torch.bool, device=inputs.device)
         rank_of = torch.empty_like(order)
         rank_of.scatter_(1, order, torch.arange(p, device=order.device).expand(b, -1))
-        for s, c in enumerate(counts):
-            affected[:, s] = rank_of < c
-        removed = affected if mode == "delete" else ~affected
+        steps = torch.as_tensor(counts, device=inputs.device)
+
+        def removed_of(ii: Tensor, jj: Tensor) -> Tensor:  # [n, units] of jobs (ii, jj)
+            affected = rank_of[ii] < steps[jj, None]
+            return affected if mode == "delete" else ~affected
+
+        if self.unit == "pixel":
+            todo = (steps > 0) if mode == "delete" else (steps < p)
+            h, w = inputs.shape[-2:]
+            return self._pixel_logits(
+                inputs, lambda ii, jj: removed_of(ii, jj).reshape(-1, h, w),
+                todo.expand(b, -1), seeds, full_logits)
+        ii, jj = torch.meshgrid(torch.arange(b, device=inputs.device),
+                                torch.arange(len(counts), device=inputs.device), indexing="ij")
+        removed = removed_of(ii.flatten(), jj.flatten()).reshape(b, len(counts), p)
+        return self.masked_logits(inputs, removed, seeds=seeds, full_logits=full_logits)
+
+    def masked_logits(self, inputs: Tensor, removed: Tensor, *,
+                      seeds: Sequence[int] | None = None,
+                      full_logits: Tensor | None = None) -> Tensor:
+        """Logits [B, S, classes] with any sets of patches removed (``unit="patch"``).
+
+        Args:
+            inputs (Tensor): images [B, C, H, W].
+            removed (Tensor): bool [B, S, P], ``True`` = patch removed at job ``(b, s)``.
+            seeds (Sequence[int], optional): per-example seeds (``"random"`` baseline).
+            full_logits (Tensor, optional): clean logits [B, classes], reused by jobs
+                that remove nothing.
+
+        Returns:
+            Tensor: logits [B, S, classes] (no gradient).
+
+        Examples::
+
+            >>> removed = torch.zeros(len(x), 2, 16, dtype=torch.bool)
+            >>> removed[:, 0, :4] = removed[:, 1, 4:8] = True     # two groups of patches
+            >>> RemovalEngine(model).masked_logits(x, removed).shape
+            torch.Size([4, 2, 10])
+        """
+        if self.unit != "patch":
+            raise ValueError("masked_logits removes patches; build the engine with "
+                             "unit='patch'")
+        prep = prepare(self.adapter, inputs, None)
+        inputs, layout = prep.images, prep.layout
+        b, p = inputs.shape[0], layout.num_patches
+        if removed.dtype != torch.bool or removed.dim() != 3 or removed.shape[0] != b \
+                or removed.shape[2] != p:
+            raise ValueError(f"removed must be a bool tensor [B, S, P] = [{b}, S, {p}], got "
+                             f"{removed.dtype} {tuple(removed.shape)}")
         if full_logits is not None and tuple(full_logits.shape[:1]) != (b,):
             raise ValueError(f"full_logits must be [B, classes] with B={b}, got "
                              f"{tuple(full_logits.shape)}")
+        removed = removed.to(inputs.device)
         with torch.no_grad():
             if self.removal == "token":
                 return self._token_logits(inputs, removed, full_logits)
-            return self._pixel_logits(inputs, removed, layout, seeds, full_logits)
+            h, w = inputs.shape[-2:]
+            return self._pixel_logits(
+                inputs, lambda ii, jj: patch_pixels(removed[ii, jj], layout, (h, w)),
+                removed.any(-1), seeds, full_logits)
 
     def _token_logits(self, inputs: Tensor, removed: Tensor,
                       full_logits: Tensor | None = None) -> Tensor:
@@ -295,27 +456,48 @@ class RemovalEngine:
         return subset_logits(self.adapter, x0, ~removed, batch_size=self.batch_size,
                              full_logits=full_logits)
 
-    def _pixel_logits(self, inputs: Tensor, removed: Tensor, layout: Layout,
-                      seeds: Sequence[int], full_logits: Tensor | None = None) -> Tensor:
-        b, s, p = removed.shape
-        fill = baseline_images(inputs, self.removal, seeds)
-        todo = removed.any(-1) if full_logits is not None else removed.new_ones(b, s)
-        jobs = todo.nonzero().tolist()  # (image, step) pairs that need a forward
+    def fill_images(self, inputs: Tensor, seeds: Sequence[int] | None = None) -> Tensor:
+        """The fill images [B, C, H, W] of the engine's pixel baseline."""
+        seeds = list(range(inputs.shape[0])) if seeds is None else list(seeds)
+        if callable(self.removal):
+            return self.removal(inputs, seeds)
+        return baseline_images(inputs, self.removal, seeds)
+
+    def _pixel_logits(self, inputs: Tensor, removed_of: Callable[[Tensor, Tensor], Tensor],
+                      todo: Tensor, seeds: Sequence[int] | None,
+                      full_logits: Tensor | None) -> Tensor:
+        """The pixel engine (:func:`~captum_vit.adapters.subsets.image_logits`): job
+        ``(b, s)`` replaces the pixels ``removed_of(b, s)`` [n, H, W] by the fill; jobs
+        not in ``todo`` [B, S] reuse ``full_logits`` (all jobs run when it is None)."""
+        b, s = todo.shape
+        fill = self.fill_images(inputs, seeds)
+        if full_logits is None:
+            todo = torch.ones_like(todo)
+        jobs = todo.nonzero()  # (image, step) pairs that need a forward
         out = None if full_logits is None else full_logits[:, None].repeat(1, s, 1)
-        for lo in range(0, len(jobs), self.batch_size):
-            ii, jj = torch.tensor(jobs[lo:lo + self.batch_size], device=inputs.device).unbind(1)
-            logits = self.adapter.model_logits(
-                remove_pixels(inputs[ii], fill[ii], removed[ii, jj], layout))
+        if len(jobs):
+            def make(j: Tensor) -> tuple[Tensor, Tensor]:
+                ii, jj = jobs[j].unbind(1)
+                m = removed_of(ii, jj)[:, None]
+                return torch.where(m, fill[ii], inputs[ii]), ii
+
+            with torch.no_grad():
+                logits = image_logits(self.adapter, len(jobs), make,
+                                      batch_size=self.batch_size, device=inputs.device)
             if out is None:
                 out = logits.new_zeros(b, s, logits.shape[-1])
-            out[ii, jj] = logits
+            out[jobs[:, 0], jobs[:, 1]] = logits
         assert out is not None
         return out
 
 
+def patch_pixels(removed: Tensor, layout: Layout, size: tuple[int, int]) -> Tensor:
+    """Patch masks [B, P] (bool) as pixel masks [B, H, W] of an image of ``size``."""
+    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
+    m = removed.reshape(-1, gh, gw).repeat_interleave(ph, 1).repeat_interleave(pw, 2)
+    return m[:, :size[0], :size[1]]
+
+
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
     """Images [B, C, H, W] whose removed patches ([B, P] bool) take the ``fill`` pixels."""
-    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
-    h, w = inputs.shape[-2:]
-    m = removed.reshape(-1, 1, gh, gw).repeat_interleave(ph, 2).repeat_interleave(pw, 3)
-    return torch.where(m[..., :h, :w], fill, inputs)
+    return torch.where(patch_pixels(removed, layout, inputs.shape[-2:])[:, None], fill, inputs)

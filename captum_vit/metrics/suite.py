@@ -36,6 +36,7 @@ from captum_vit.metrics.localization import pointing_game, segmentation
 from captum_vit.metrics.removal import REMOVALS, patch_maps
 from captum_vit.metrics.results import MetricResult
 from captum_vit.metrics.robustness import max_sensitivity, sparseness
+from captum_vit.metrics.saco import saco
 from captum_vit.metrics.sanity import randomization
 
 MethodFactory = Callable[[nn.Module], Attribution]
@@ -62,6 +63,9 @@ class MetricBatch:
         batch_size (int): forward batch of the removal engine.
         n_steps (int): deletion / insertion steps.
         seed (int): seed of baselines, noise and randomisation.
+        data_labels (Tensor, optional): the data set's labels ``[B]`` whatever the target
+            (``-1`` unknown), for protocols that explain the prediction but score accuracy
+            against the labels (:mod:`captum_vit.metrics.protocols`).
     """
 
     model: nn.Module
@@ -77,6 +81,7 @@ class MetricBatch:
     batch_size: int = 64
     n_steps: int = 20
     seed: int = 0
+    data_labels: Tensor | None = None
 
     @property
     def removal_kwargs(self) -> dict[str, Any]:
@@ -130,6 +135,9 @@ METRICS: dict[str, MetricSpec] = {
     "insertion": MetricSpec(_removal(fa.insertion, n_steps="n_steps")),
     "token_ratio": MetricSpec(lambda b: fa.token_ratio(b.model, b.inputs, b.maps,
                                                        **b.removal_kwargs)),
+    "saco": MetricSpec(lambda b: _named(saco(b.model, b.inputs, b.maps, removal=b.removal,
+                                             batch_size=b.batch_size, target=b.target,
+                                             example_ids=b.example_ids, seed=b.seed))),
     "pointing_game": MetricSpec(lambda b: _named(pointing_game(
         b.model, b.inputs, b.maps, b.masks, target=b.target)), needs_masks=True),
     "segmentation": MetricSpec(lambda b: segmentation(b.model, b.inputs, b.maps, b.masks,
@@ -205,7 +213,8 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
                    labels: Tensor | None = None, masks: Tensor | None = None,
                    target: str = "predicted", example_ids: Sequence[int] | None = None,
                    removal: str = "token", batch_size: int = 64, n_steps: int = 20,
-                   seed: int = 0) -> dict[str, MetricResult]:
+                   seed: int = 0, table: Mapping[str, MetricSpec] | None = None
+                   ) -> dict[str, MetricResult]:
     r"""Every metric of ``metrics`` for one method on one batch.
 
     The method's patch maps are computed once and shared by all map metrics; metrics
@@ -227,6 +236,9 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
         batch_size (int, optional): forward batch of the removal engine. Default 64.
         n_steps (int, optional): deletion / insertion steps. Default 20.
         seed (int, optional): seed of baselines, noise and randomisation. Default 0.
+        table (Mapping[str, MetricSpec], optional): the metric table ``metrics`` name
+            (a protocol's own, :mod:`captum_vit.metrics.protocols`). Default
+            :data:`METRICS`.
 
     Returns:
         dict[str, MetricResult]: one entry per column, on the CPU, in table order
@@ -241,11 +253,12 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
         ['deletion', 'insertion', 'insertion_minus_deletion']
     """
     check_choice("target", target, TARGETS)
-    unknown = [m for m in metrics if m not in METRICS]
+    table = METRICS if table is None else table
+    unknown = [m for m in metrics if m not in table]
     if unknown:
-        raise ValueError(f"unknown metric(s) {unknown}; choose from {', '.join(METRICS)}")
-    if any(METRICS[m].needs_masks for m in metrics) and masks is None:
-        raise ValueError(f"{', '.join(m for m in metrics if METRICS[m].needs_masks)} need "
+        raise ValueError(f"unknown metric(s) {unknown}; choose from {', '.join(table)}")
+    if any(table[m].needs_masks for m in metrics) and masks is None:
+        raise ValueError(f"{', '.join(m for m in metrics if table[m].needs_masks)} need "
                          "ground-truth masks; pass masks=")
     if target == "label" and (labels is None or bool((labels < 0).any())):
         raise ValueError("target='label' needs a label (>= 0) for every image")
@@ -255,25 +268,25 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
                          "against target vectors (evaluate(..., targets=vectors [T, D′]), or "
                          "inside captum_vit.targets.scoring(model, vectors))")
     if not scores_are_classes():  # a single target vector defines no top-1 accuracy
-        skipped = [m for m in metrics if METRICS[m].needs_classes]
+        skipped = [m for m in metrics if table[m].needs_classes]
         if skipped:
             warnings.warn(f"{', '.join(skipped)} skipped: a single target vector defines no "
                           "accuracy (give a set of target vectors)", stacklevel=2)
-        metrics = [m for m in metrics if not METRICS[m].needs_classes]
+        metrics = [m for m in metrics if not table[m].needs_classes]
     attr = method(model) if attribution is None else attribution
     with torch.no_grad():
         pred = adapter.model_logits(inputs).argmax(-1)
     t = pred if target == "predicted" else labels.to(pred.device)
     maps = None
-    if not all(METRICS[m].needs_callable for m in metrics):  # computed once, reused
+    if not all(table[m].needs_callable for m in metrics):  # computed once, reused
         maps = patch_maps(attr, inputs, t, adapter.layout(inputs))
     ids = list(range(inputs.shape[0])) if example_ids is None else [int(i) for i in example_ids]
     batch = MetricBatch(model, inputs, maps, attr, method, t,
                         labels if target == "label" else None, masks, ids, removal,
-                        batch_size, n_steps, seed)
+                        batch_size, n_steps, seed, labels)
     out: dict[str, MetricResult] = {}
     for m in metrics:
-        out.update(METRICS[m].compute(batch))
+        out.update(table[m].compute(batch))
     cols: dict[str, MetricResult] = {}
     for name, res in out.items():
         cols[name] = res.to("cpu")
@@ -287,7 +300,8 @@ def evaluate(model: nn.Module, data: Sequence[Any],
              methods: Mapping[str, MethodFactory], metrics: Sequence[str], *,
              preprocess: Callable[[Tensor], Tensor] | None = None, batch_size: int = 16,
              target: str = "predicted", removal: str = "token", n_steps: int = 20,
-             seed: int = 0, progress: bool = False, targets: Any = None
+             seed: int = 0, progress: bool = False, targets: Any = None,
+             table: Mapping[str, MetricSpec] | None = None, autocast: str = "none"
              ) -> dict[str, dict[str, MetricResult]]:
     r"""Evaluate methods × metrics over a data set, batch by batch.
 
@@ -315,12 +329,21 @@ def evaluate(model: nn.Module, data: Sequence[Any],
             embedding, the target vectors ``[T, D′]`` it is scored against (e.g. text
             embeddings of the class prompts, in label order): the set acts as ``T``
             classes (:func:`captum_vit.targets.scoring`). Default ``None``.
+        table (Mapping[str, MetricSpec], optional): the metric table (default
+            :data:`METRICS`; a protocol passes its own).
+        autocast (str, optional): ``"bf16"`` runs every forward and backward (methods
+            and metrics) under ``torch.autocast`` in bfloat16 on the model's device, for
+            GPU throughput; the model stays float32, the maps come back in float32
+            (:func:`captum_vit._base.accumulation_dtype`) and the metrics reduce in
+            float32/float64. The adapter's self-check runs at full precision first.
+            Default ``"none"``.
 
     Returns:
         dict[str, dict[str, MetricResult]]: method -> column -> result over every example.
 
     Raises:
-        ValueError: unknown removal, metric or method; a non-positive batch size.
+        ValueError: unknown removal, metric, method or autocast; a non-positive batch size;
+            ``autocast="bf16"`` with a model that is not float32.
 
     Examples::
 
@@ -343,6 +366,11 @@ def evaluate(model: nn.Module, data: Sequence[Any],
                         "registry names use {n: captum_vit.registry.method_factory(n) ...}")
     factories = dict(methods)
     param = next(model.parameters())
+    check_choice("autocast", autocast, tuple(AUTOCAST))
+    if AUTOCAST[autocast] is not None and param.dtype != torch.float32:
+        raise ValueError(f"autocast={autocast!r} runs a float32 model in reduced precision; "
+                         f"this model is {param.dtype}: pass model.float() (--dtype float32) "
+                         "or autocast='none'")
     shape = adapt(model).input_shape
     rank, world = _rank_world()
     n = len(data)
@@ -358,11 +386,12 @@ def evaluate(model: nn.Module, data: Sequence[Any],
             x, labels, masks = model_batch(data, batches[b], input_shape=shape,
                                            preprocess=preprocess, device=param.device,
                                            dtype=param.dtype)
-            local[b] = {m: evaluate_batch(model, x, factories[m], metrics, attribution=attrs[m],
-                                          labels=labels, masks=masks, target=target,
-                                          example_ids=batches[b], removal=removal,
-                                          batch_size=batch_size * 4, n_steps=n_steps, seed=seed)
-                        for m in factories}
+            with autocasting(model, x, autocast):
+                local[b] = {m: evaluate_batch(
+                    model, x, factories[m], metrics, attribution=attrs[m], labels=labels,
+                    masks=masks, target=target, example_ids=batches[b], removal=removal,
+                    batch_size=batch_size * 4, n_steps=n_steps, seed=seed, table=table)
+                    for m in factories}
     parts: list[Any] = [local]
     if world > 1:
         parts = [None] * world
@@ -379,6 +408,36 @@ def _scored(model: nn.Module, targets: Any) -> contextlib.AbstractContextManager
     from captum_vit.targets import scoring
 
     return scoring(model, targets)
+
+
+AUTOCAST: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
+"""``evaluate(autocast=...)`` / ``--autocast``: name -> the dtype of ``torch.autocast``."""
+
+
+@contextmanager
+def autocasting(model: nn.Module, inputs: Tensor, name: str = "bf16") -> Iterator[None]:
+    """``torch.autocast`` in ``AUTOCAST[name]`` on the inputs' device (nothing for
+    ``"none"``), after the adapter's self-check at full precision (remembered per model,
+    so the checks inside the block do not compare two reduced-precision runs).
+
+    Args:
+        model (nn.Module): the float32 model the block runs.
+        inputs (Tensor): a batch of its images (for the self-check).
+        name (str, optional): a key of :data:`AUTOCAST`. Default ``"bf16"``.
+
+    Examples::
+
+        >>> from captum_vit.metrics.suite import autocasting
+        >>> with autocasting(model, x, "bf16"):
+        ...     maps = GAE(model).attribute(x, output="tokens")   # float32 maps
+    """
+    dtype = AUTOCAST[check_choice("autocast", name, tuple(AUTOCAST))]
+    if dtype is None:
+        yield
+        return
+    adapt(model).self_check(inputs)
+    with torch.autocast(inputs.device.type, dtype=dtype):
+        yield
 
 
 def _rank_world() -> tuple[int, int]:
@@ -458,5 +517,6 @@ def each_warning_once() -> Iterator[None]:
         yield
 
 
-__all__ = ["DERIVED", "METRICS", "MetricBatch", "MetricSpec", "available_metrics",
-           "distributed", "each_warning_once", "evaluate", "evaluate_batch", "parse_metrics"]
+__all__ = ["AUTOCAST", "DERIVED", "METRICS", "MetricBatch", "MetricSpec", "autocasting",
+           "available_metrics", "distributed", "each_warning_once", "evaluate",
+           "evaluate_batch", "parse_metrics"]

@@ -1,0 +1,492 @@
+"""Evaluation presets: the seeds' protocols, one name each (SPEC_NEXT §9.6).
+
+``captum-vit evaluate --protocol NAME`` runs a preset: it fixes the data handling (the
+normalisation where the seed's script fixes it; images are resized to the model's input,
+bilinear, no crop, masks nearest), the removal, the steps and x-grid, the baselines, the
+explained class (predicted and/or ground truth), the metrics and method options (Chefer's
+scripts run Rollout and Chefer'21 with ``start_layer=1``), prints what it fixed, and writes,
+besides the usual ``results.*`` files, ``protocol.md``: the seed's table layout (its rows and
+columns) so the numbers can be put beside the paper's. The data come from ``--data``.
+
+An option a preset fixes (``--metrics``, ``--removal``, ``--steps``, ``--target``) given
+with a value other than its default is refused: the preset would silently overrule it.
+
+:data:`PROTOCOLS` holds every preset; adding one is one :class:`Protocol` row. Each
+preset's docstring-level notes (``notes``) say what was and was not verified against the
+seed's code.
+
+Examples::
+
+    >>> from captum_vit.metrics.protocols import PROTOCOLS, get_protocol
+    >>> sorted(PROTOCOLS)[:2]
+    ['chefer21_perturbation', 'skipplus_seg_ap']
+    >>> get_protocol("tokentm_aopc_lodds").settings["fractions"][:3]
+    (0.0, 0.05, 0.1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from captum_vit.metrics import faithfulness as fa
+from captum_vit.metrics.localization import segmentation
+from captum_vit.metrics.removal import image_space_zero, tis_baseline
+from captum_vit.metrics.results import MetricResult
+from captum_vit.metrics.suite import METRICS, MetricBatch, MetricSpec, evaluate
+
+Results = dict[str, dict[str, MetricResult]]
+CHEFER_NORMALIZATION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+CHEFER_FRACTIONS = tuple(i / 10 for i in range(10))  # 0, 0.1, ..., 0.9
+TOKENTM_FRACTIONS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1
+START_LAYER_1 = {"rollout": {"start_layer": 1}, "chefer21": {"start_layer": 1}}
+FIXED_OPTIONS = ("metrics", "removal", "steps", "target")
+"""Command-line options every preset fixes (given explicitly with another value: refused)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a preset's table: ``header``, the explained-class pass it reads
+    (``"predicted"`` or ``"label"``), the result column and a display scale."""
+
+    header: str
+    target: str
+    key: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One evaluation preset (a row of :data:`PROTOCOLS`).
+
+    Attributes:
+        name (str): the preset's name (``--protocol NAME``).
+        source (str): the seed / paper and table it reproduces.
+        metrics (Callable): ``(mean, std) -> {name: MetricSpec}``: the preset's own metric
+            table, given the normalisation of the model's inputs (fills in ``[0, 1]``
+            image space need it).
+        targets (tuple[str, ...]): explained classes, one evaluation pass each
+            (``"predicted"``, ``"label"``).
+        columns (tuple[Column, ...]): the seed's table columns (``protocol.md``).
+        settings (dict): what the preset fixes, printed and stored in ``results.json``.
+        normalization (tuple, optional): ``(mean, std)`` the seed's script uses; ``None``:
+            the model's own.
+        needs_labels (bool): ground-truth labels are read (accuracy or explained class).
+        method_options (dict): canonical method name -> constructor options.
+        optional (dict): metric name -> what it needs (``"masks"``): run only when the
+            data has it.
+        notes (str): what was and was not verified against the seed's code.
+    """
+
+    name: str
+    source: str
+    metrics: Callable[[Sequence[float] | None, Sequence[float] | None], dict[str, MetricSpec]]
+    targets: tuple[str, ...]
+    columns: tuple[Column, ...]
+    settings: Mapping[str, Any]
+    normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    needs_labels: bool = False
+    method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    optional: Mapping[str, str] = field(default_factory=dict)
+    notes: str = ""
+
+    @property
+    def needs_masks(self) -> bool:
+        """Whether every run needs ground-truth masks (a mask metric that is not optional)."""
+        return any(spec.needs_masks and name not in self.optional
+                   for name, spec in self.metrics(None, None).items())
+
+    def metric_names(self, *, has_masks: bool) -> list[str]:
+        """The names of the preset's metric table to run on data with / without masks."""
+        return [n for n in self.metrics(None, None)
+                if n not in self.optional or (self.optional[n] == "masks" and has_masks)]
+
+    def preprocess(self, preprocess: Any) -> Any:
+        """The model's :class:`~captum_vit.models.Preprocess` with the preset's
+        normalisation (unchanged when the preset uses the model's own)."""
+        if self.normalization is None:
+            return preprocess
+        mean, std = self.normalization
+        c = preprocess.channels
+        return dataclasses.replace(preprocess, mean=tuple(mean[:c]), std=tuple(std[:c]))
+
+    def factories(self, methods: Sequence[str], *, seed: int = 0
+                  ) -> dict[str, Callable[[nn.Module], Any]]:
+        """Method factories (``model -> Attribution``) with the preset's method options.
+
+        Examples::
+
+            >>> f = get_protocol("chefer21_perturbation").factories(["rollout", "gae"])
+            >>> f["rollout"](model).start_layer
+            1
+        """
+        from captum_vit.registry import METHODS, canonical_name, method_factory
+
+        out = {}
+        for m in methods:
+            opts = self.method_options.get(canonical_name(m))
+            if opts:
+                cls = next(e.cls for e in METHODS if e.name == canonical_name(m))
+                out[m] = _bound(cls, dict(opts))
+            else:
+                out[m] = method_factory(m, seed=seed)
+        return out
+
+    def summary(self, preprocess: Any = None) -> str:
+        """The settings the preset fixes, one per line (printed by the command)."""
+        lines = [f"--protocol {self.name}: {self.source}"]
+        norm = self.normalization
+        if norm is None and preprocess is not None:
+            norm_text = f"the model's own (mean {preprocess.mean}, std {preprocess.std})"
+        elif norm is None:
+            norm_text = "the model's own"
+        else:
+            norm_text = f"mean {norm[0]}, std {norm[1]} (the seed's script)"
+        lines.append(f"  data: images resized to the model's input (bilinear, no crop), "
+                     f"masks nearest; normalisation: {norm_text}")
+        lines.append(f"  explained class: {' and '.join(self.targets)}")
+        for k, v in self.settings.items():
+            lines.append(f"  {k}: {_short(v)}")
+        if self.method_options:
+            lines.append("  method options: " + ", ".join(
+                f"{m} {o}" for m, o in self.method_options.items()))
+        return "\n".join(lines)
+
+
+def _bound(cls: type, opts: dict) -> Callable[[nn.Module], Any]:
+    def factory(model: nn.Module) -> Any:
+        return cls(model, **opts)
+    return factory
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, tuple) and len(v) > 6:
+        return f"{v[0]:g}, {v[1]:g}, ..., {v[-1]:g} ({len(v)} points)"
+    return str(v)
+
+
+def _named(*results: MetricResult) -> dict[str, MetricResult]:
+    return {r.name: r for r in results}
+
+
+def _zero_fill_kw(mean: Any, std: Any, b: MetricBatch) -> dict[str, Any]:
+    """Pixel zeroing in [0, 1] image space, on the upsampled map's pixels."""
+    return dict(removal=image_space_zero(mean, std), unit="pixel", rounding="floor",
+                batch_size=b.batch_size, example_ids=b.example_ids, seed=b.seed,
+                target=b.target)
+
+
+def _perturbation_metrics(fractions: tuple[float, ...]) -> Callable[..., dict[str, MetricSpec]]:
+    """Chefer's perturbation test: accuracy always against the ground-truth label (the
+    script compares ``target == argmax``); the pass decides which class the map explains."""
+    def table(mean: Any, std: Any) -> dict[str, MetricSpec]:
+        def compute(b: MetricBatch) -> dict[str, MetricResult]:
+            return _named(*(fa.perturbation_test(
+                b.model, b.inputs, b.maps, order=order, labels=b.data_labels,
+                fractions=fractions, **_zero_fill_kw(mean, std, b))
+                for order in ("negative", "positive")))
+        return {"perturbation": MetricSpec(compute, needs_classes=True)}
+    return table
+
+
+def _aopc_lodds(mean: Any, std: Any) -> dict[str, MetricSpec]:
+    def metric(fn: Callable[..., MetricResult]) -> MetricSpec:
+        return MetricSpec(lambda b: _named(fn(b.model, b.inputs, b.maps,
+                                              fractions=TOKENTM_FRACTIONS,
+                                              **_zero_fill_kw(mean, std, b))))
+    return {"aopc": metric(fa.aopc), "lodds": metric(fa.lodds)}
+
+
+def _chefer_segmentation(mean: Any, std: Any) -> dict[str, MetricSpec]:
+    def compute(b: MetricBatch) -> dict[str, MetricResult]:
+        seg = segmentation(b.model, b.inputs, b.maps, b.masks, target=b.target,
+                           ap_mode="chefer")
+        return {k: seg[k] for k in ("pixel_accuracy", "miou", "map", "mf1")}
+    return {"segmentation": MetricSpec(compute, needs_masks=True)}
+
+
+TIS_STEPS = 224
+
+
+def _tis_metrics(mean: Any, std: Any) -> dict[str, MetricSpec]:
+    def curves(name: str) -> MetricSpec:
+        def compute(b: MetricBatch) -> dict[str, MetricResult]:
+            kw = dict(removal=tis_baseline(name), unit="pixel", n_steps=TIS_STEPS,
+                      start_point=False, batch_size=b.batch_size, example_ids=b.example_ids,
+                      seed=b.seed, target=b.target)
+            ins = fa.insertion(b.model, b.inputs, b.maps, **kw)
+            dele = fa.deletion(b.model, b.inputs, b.maps, **kw)
+            diff = fa.insertion_minus_deletion(ins, dele)
+            return {f"{r.name}_{name}": dataclasses.replace(r, name=f"{r.name}_{name}")
+                    for r in (ins, dele, diff)}
+        return MetricSpec(compute)
+    table = {f"insdel_{n}": curves(n) for n in ("mean", "blur", "black", "random")}
+    table["pointing_game"] = METRICS["pointing_game"]
+    table["max_sensitivity"] = METRICS["max_sensitivity"]
+    return table
+
+
+def _token_ratio(mean: Any, std: Any) -> dict[str, MetricSpec]:
+    return {"token_ratio": MetricSpec(lambda b: fa.token_ratio(
+        b.model, b.inputs, b.maps, labels=b.data_labels, remove_scores=True,
+        rounding="floor", removal="token", batch_size=b.batch_size,
+        example_ids=b.example_ids, seed=b.seed, target=b.target))}
+
+
+def _seg_ap(mean: Any, std: Any) -> dict[str, MetricSpec]:
+    return {"raw_ap": MetricSpec(lambda b: {"raw_ap": segmentation(
+        b.model, b.inputs, b.maps, b.masks, target=b.target,
+        raw_upsample="bicubic")["raw_ap"]}, needs_masks=True)}
+
+
+def _perturbation_columns() -> tuple[Column, ...]:
+    return tuple(Column(f"{h} {o.title()} AUC {a}", t, f"perturbation_{o[:3]}")
+                 for t, h in (("predicted", "Predicted"), ("label", "Target"))
+                 for o, a in (("negative", "↑"), ("positive", "↓")))
+
+
+PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
+    Protocol(
+        "chefer21_perturbation",
+        "Chefer, Gur, Wolf, CVPR 2021, Table 2 (pertubation_eval_from_hdf5.py)",
+        _perturbation_metrics(CHEFER_FRACTIONS), ("predicted", "label"),
+        _perturbation_columns(),
+        {"removal": "zero the top-k pixels of the bilinearly upsampled map, all channels, "
+                    "in [0, 1] image space before normalisation (k = int(H*W*f))",
+         "fractions": CHEFER_FRACTIONS, "orders": "negative (-map) and positive",
+         "accuracy": "top-1 against the ground-truth label (both passes)",
+         "auc": "trapezoid over x = 0, 0.1, ..., 0.9, accuracy in percent"},
+        CHEFER_NORMALIZATION, needs_labels=True, method_options=START_LAYER_1,
+        notes="Verified in hila-chefer/Transformer-Explainability: Resize((224, 224)), "
+              "Normalize(0.5, 0.5), x16 bilinear map, topk over 224*224 pixels, zero on all "
+              "channels before normalising, accuracy = (label == argmax) for --vis-class top "
+              "and target, start_layer=1 for rollout / LRP. Not verified: the AUC scale of "
+              "Table 2 (the script prints curves only)."),
+    Protocol(
+        "tokentm_perturbation",
+        "TokenTM (Wu et al., CVPR 2024), seed 000 §2.3 and Table 2",
+        _perturbation_metrics(TOKENTM_FRACTIONS), ("predicted", "label"),
+        _perturbation_columns(),
+        {"removal": "zero the top-k pixels of the bilinearly upsampled map in [0, 1] image "
+                    "space (as chefer21_perturbation)",
+         "fractions": TOKENTM_FRACTIONS, "orders": "negative and positive",
+         "accuracy": "top-1 against the ground-truth label",
+         "auc": "trapezoid over x in [0, 1], accuracy in percent"},
+        needs_labels=True,
+        notes="Seed 000 states 5 % increments from 0 to 100 %; the normalisation is the "
+              "model's own (not stated by the seed)."),
+    Protocol(
+        "tokentm_aopc_lodds",
+        "TokenTM (Wu et al., CVPR 2024), seed 000 Eq. 1-2 (AOPC / LOdds tables)",
+        _aopc_lodds, ("predicted",),
+        (Column("AOPC ↑", "predicted", "aopc"), Column("LOdds ↓", "predicted", "lodds")),
+        {"removal": "zero the top-k pixels in [0, 1] image space (as tokentm_perturbation)",
+         "fractions": TOKENTM_FRACTIONS,
+         "aopc": "mean_K [p(y|x) - p(y|x_K)], y predicted",
+         "lodds": "-mean_K log(p(y|x) / p(y|x_K))"},
+        notes="K = 0, 5, ..., 100 % as seed 000 states (K = 0 adds a zero term)."),
+    Protocol(
+        "tokentm_segmentation",
+        "TokenTM (Wu et al., CVPR 2024) Table 1 = Chefer's imagenet_seg_eval.py",
+        _chefer_segmentation, ("predicted",),
+        (Column("Pixel Acc. ↑ (%)", "predicted", "pixel_accuracy", 100.0),
+         Column("mIoU ↑ (%)", "predicted", "miou", 100.0),
+         Column("mAP ↑ (%)", "predicted", "map", 100.0)),
+        {"threshold": "x16 bilinear, min-max per image, foreground = map > mean(map)",
+         "pixel_accuracy": "correct / labelled pixels",
+         "miou": "background/foreground IoU accumulated over the data set",
+         "map": "two-channel [1 - map, map] AP, flattened (ap_mode='chefer')",
+         "mf1": "Chefer's per-row F1 (results files only)"},
+        CHEFER_NORMALIZATION, method_options=START_LAYER_1,
+        notes="Verified in imagenet_seg_eval.py and utils/metrices.py (AP, F1, IoU). "
+              "Masks are resized by nearest-exact, PIL's NEAREST may differ at borders."),
+    Protocol(
+        "tis_insdel",
+        "TIS (Englebert et al., ICCV-W 2023), seed 004 §4 and metrics/",
+        _tis_metrics, ("label",),
+        tuple(Column(f"{k} ({n}) {a}", "label", f"{c}_{n}")
+              for n in ("mean", "blur", "black", "random")
+              for k, c, a in (("Insertion", "insertion", "↑"), ("Deletion", "deletion", "↓"),
+                              ("Ins-Del", "insertion_minus_deletion", "↑")))
+        + (Column("Pointing game ↑", "label", "pointing_game"),
+           Column("Max-Sensitivity ↓", "label", "max_sensitivity")),
+        {"ranking": "pixels of the bilinearly upsampled map, descending",
+         "n_steps": TIS_STEPS, "pixels_per_step": "ceil(H*W / 224)",
+         "curve": "no unperturbed point; x = 1/224, ..., 1; score = softmax probability",
+         "baselines": "mean (one scalar), blur (11x11, sigma 5), black (0), random U[0,1), "
+                      "in the normalised input space",
+         "pointing_game": "skip regions >= 50 % (run when the data has masks)",
+         "max_sensitivity": "10 samples, radius 0.02, on the patch map"},
+        needs_labels=True, optional={"pointing_game": "masks"},
+        notes="Verified in aenglebert/Transformer_Input_Sampling metrics/utils.py: "
+              "ceil(HW/n_steps) pixels per step, curves without the start point, softmax of "
+              "the class; the stored snapshot has only blur and random baselines (mean and "
+              "black from SPEC_NEXT). Not reproduced: TIS's Resize(256) + CenterCrop(224) "
+              "(the images are resized to the model's input); the AUC convention of the "
+              "tables (the repository writes curves only). TIS used a seeded 5,000-image "
+              "subset: pass --subset 5000 --subset-seed S."),
+    Protocol(
+        "skipplus_token_ratio",
+        "SkipPLUS (Mehri et al., CVPRW 2024) §4.1, A.1-A.2",
+        _token_ratio, ("label",),
+        tuple(Column(f"{p.title()} {k}", "label", f"token_ratio_{p}_{c}")
+              for p in ("keep", "remove")
+              for k, c in (("Acc. AUC", "accuracy"), ("AOPC", "aopc"), ("LOdds", "lodds"))),
+        {"removal": "true token masking", "ratios": fa.RATIOS,
+         "k": "int(r * P) patches by signed top-k",
+         "reference": "ground-truth label (accuracy, AOPC, LOdds)",
+         "auc": "trapezoid over the ratios plus the unmasked point (keep: x = 1, remove: "
+                "x = 0)"},
+        needs_labels=True,
+        notes="The paper used a seeded 5,000-image ImageNet val subset (the released code "
+              "1,000): pass --subset N --subset-seed S. Its '100 - x' for deletion is "
+              "presentation only."),
+    Protocol(
+        "skipplus_seg_ap",
+        "SkipPLUS (Mehri et al., CVPRW 2024) §4.2 (ImageNet-S919 segmentation AP)",
+        _seg_ap, ("label",), (Column("AP ↑ (%)", "label", "raw_ap", 100.0),),
+        {"map": "raw token map, bicubic upsampling, no normalisation",
+         "ap": "binary AP of the map against the class mask, per image, mean",
+         "target": "the data's label (ImageNet-S: the present class with the largest area "
+                   ">= 5 %)"},
+        needs_labels=True,
+        notes="From the SkipPLUS authors' code as recorded in SPEC_NEXT; not verified on "
+              "real ImageNet-S files."),
+)}
+"""Preset name -> :class:`Protocol` (the only list of preset names)."""
+
+
+def get_protocol(name: str) -> Protocol:
+    """The preset called ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the presets).
+
+    Examples::
+
+        >>> get_protocol("tis_insdel").settings["n_steps"]
+        224
+    """
+    key = str(name).strip().lower().replace("-", "_")
+    if key not in PROTOCOLS:
+        raise ValueError(f"unknown --protocol {name!r}; choose from {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[key]
+
+
+def check_fixed_options(protocol: Protocol, given: Mapping[str, Any],
+                        defaults: Mapping[str, Any]) -> None:
+    """Refuse options the preset fixes that were given with a non-default value.
+
+    Args:
+        protocol (Protocol): the preset.
+        given (Mapping): option name (``FIXED_OPTIONS``) -> value given.
+        defaults (Mapping): option name -> the command's default.
+
+    Raises:
+        ValueError: naming the conflicting options and the fix.
+
+    Examples::
+
+        >>> check_fixed_options(get_protocol("tis_insdel"), {"steps": 20}, {"steps": 20})
+    """
+    clash = [o for o in FIXED_OPTIONS if o in given and given[o] != defaults.get(o)]
+    if clash:
+        opts = ", ".join(f"--{o}" for o in clash)
+        raise ValueError(f"--protocol {protocol.name} fixes {opts}; drop {opts} (the preset's "
+                         "settings are printed when it starts) or run without --protocol")
+
+
+def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
+                 methods: Sequence[str], *, preprocess: Any, batch_size: int = 16,
+                 seed: int = 0, progress: bool = False, has_masks: bool = False,
+                 autocast: str = "none") -> Results:
+    r"""Evaluate ``methods`` under a preset: one :func:`~captum_vit.metrics.suite.evaluate`
+    pass per explained class, merged (columns get a ``_predicted`` / ``_label`` suffix when
+    the preset has both passes).
+
+    Args:
+        protocol (Protocol): the preset.
+        model (nn.Module): the model (on its device and dtype).
+        data (Sequence): examples ``(image, label, mask)``.
+        methods (Sequence[str]): method names.
+        preprocess (Preprocess): the preset's preprocessing (:meth:`Protocol.preprocess`).
+        batch_size (int): images per batch. Default 16.
+        seed (int): seed of every random choice. Default 0.
+        progress (bool): progress bars. Default False.
+        has_masks (bool): whether the data has masks (optional mask metrics).
+        autocast (str): passed to :func:`~captum_vit.metrics.suite.evaluate`.
+
+    Returns:
+        dict: method -> column -> :class:`MetricResult`.
+
+    Examples::
+
+        >>> p = get_protocol("tokentm_aopc_lodds")
+        >>> res = run_protocol(p, model, data, ["gae"], preprocess=p.preprocess(lm.preprocess))
+        >>> res["gae"]["aopc"].value
+    """
+    if protocol.needs_masks and not has_masks:
+        raise ValueError(f"--protocol {protocol.name} needs ground-truth masks, which the data "
+                         "lacks; use --data imagenet-seg:PATH, imagenet-s:PATH or synthetic")
+    mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
+    table = protocol.metrics(mean, std)
+    names = protocol.metric_names(has_masks=has_masks)
+    factories = protocol.factories(methods, seed=seed)
+    out: Results = {m: {} for m in methods}
+    for target in protocol.targets:
+        res = evaluate(model, data, factories, names, preprocess=preprocess,
+                       batch_size=batch_size, target=target, seed=seed, progress=progress,
+                       table=table, autocast=autocast)
+        for m in methods:
+            for c, r in res[m].items():
+                key = f"{c}_{target}" if len(protocol.targets) > 1 else c
+                out[m][key] = dataclasses.replace(r, name=key)
+    return out
+
+
+def protocol_table(protocol: Protocol, results: Results, config: Mapping[str, Any]) -> str:
+    r"""The seed's table (``protocol.md``): one row per method, the seed's columns.
+
+    Examples::
+
+        >>> print(protocol_table(get_protocol("tokentm_aopc_lodds"), results,
+        ...                      {"model": "timm:vit_base_patch16_224", "data": "cifar10:..",
+        ...                       "n": 1000}))
+    """
+    several = len(protocol.targets) > 1
+    lines = [f"# {protocol.source}", "",
+             f"`--protocol {protocol.name}`: {config.get('model')} on {config.get('data')} "
+             f"(n={config.get('n')})", "",
+             "| method | " + " | ".join(c.header for c in protocol.columns) + " |",
+             "|---|" + "---:|" * len(protocol.columns)]
+    for m, cols in results.items():
+        vals = []
+        for c in protocol.columns:
+            r = cols.get(f"{c.key}_{c.target}" if several else c.key)
+            v = math.nan if r is None else r.value * c.scale
+            vals.append("" if r is None else ("nan" if math.isnan(v) else f"{v:.2f}"
+                                              if c.scale != 1.0 or abs(v) >= 10
+                                              else f"{v:.4f}"))
+        lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    if protocol.notes:
+        lines += ["", f"Notes: {protocol.notes}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_protocol_table(out: str | Path, protocol: Protocol, results: Results,
+                         config: Mapping[str, Any]) -> Path:
+    """Write :func:`protocol_table` to ``out/protocol.md``; returns the path."""
+    path = Path(out) / "protocol.md"
+    path.write_text(protocol_table(protocol, results, config))
+    return path
+
+
+__all__ = ["CHEFER_FRACTIONS", "Column", "FIXED_OPTIONS", "PROTOCOLS", "Protocol",
+           "TOKENTM_FRACTIONS", "check_fixed_options", "get_protocol", "protocol_table",
+           "run_protocol", "write_protocol_table"]
