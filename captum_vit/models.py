@@ -27,7 +27,6 @@ which ``--classes FILE`` passes for any model.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters import adapt
-from captum_vit.data.images import conform
+from captum_vit.data.images import conform, read_json
 
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "vit_tiny": dict(img_size=32, patch_size=8, in_chans=3, embed_dim=48, depth=3, num_heads=4,
@@ -206,13 +205,8 @@ def read_card(path: str | os.PathLike) -> dict[str, Any]:
         7
     """
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"model card {p} not found; put the JSON card (with "
-                                "'timm_kwargs') beside the weights")
-    try:
-        card = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"model card {p} is not valid JSON: {e}") from e
+    card = read_json(p, "model card", "put the JSON card (with 'timm_kwargs') beside the "
+                     "weights")
     if not isinstance(card, dict):
         raise ValueError(f"model card {p} must hold a JSON object")
     kwargs = card.get("timm_kwargs", card.get("kwargs"))

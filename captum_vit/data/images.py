@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -175,5 +176,38 @@ def is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
+
+
+def read_json(path: str | os.PathLike, what: str, missing: str) -> Any:
+    """The JSON value in the file ``path``, with errors that name ``what`` it is.
+
+    Args:
+        path (str or PathLike): the file.
+        what (str): what the file is, for the messages (e.g. ``"model card"``).
+        missing (str): what to do when it is missing (appended to the error).
+
+    Returns:
+        The parsed JSON value.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not valid JSON.
+
+    Examples::
+
+        >>> from captum_vit.data.images import read_json
+        >>> card = read_json("captum_vit/zoo/vit_fmnist_loc.json", "model card", "")
+        >>> card["timm_kwargs"]["depth"]
+        4
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {p} not found; {missing}")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {p} is not valid JSON: {e}") from e
+
+
 __all__ = ["IMAGE_EXTENSIONS", "LUMA", "as_image", "conform", "conform_mask", "is_image_file",
-           "read_image"]
+           "read_image", "read_json"]

@@ -38,7 +38,6 @@ model's class names are unknown the labels are unknown (``-1``) and asking for t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -49,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from captum_vit.data.images import conform, conform_mask, is_image_file, read_image
+from captum_vit.data.images import conform, conform_mask, is_image_file, read_image, read_json
 
 SPEC_HELP = ("fmnist-loc | sample | folder:PATH | synthetic | imagenet-seg:gtsegs_ijcv.mat | "
              "imagenet-val:PATH | cifar10:PATH | cifar100:PATH | imagenet-s:PATH")
@@ -365,14 +364,8 @@ def read_class_map(path: str | os.PathLike | Mapping[str, int]) -> dict[str, int
     if isinstance(path, Mapping):
         raw: Any = dict(path)
     else:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"--class-map {p}: no such file (a JSON object "
-                                    '{"data class name": model_index})')
-        try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--class-map {p} is not valid JSON: {e}") from e
+        raw = read_json(path, "--class-map", 'write a JSON object {"data class name": '
+                        'model_index}')
     if not isinstance(raw, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in raw.values()):
         raise ValueError('class_map must map each data class name to a model class index, '
