@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -134,11 +135,18 @@ def authors_rollout(saved: SavedAttention, x: Tensor, start_layer: int = 0) -> T
 # -- timing ------------------------------------------------------------------------------------
 def interleaved(ours: Callable[[], object], theirs: Callable[[], object], repeats: int
                 ) -> tuple[float, float]:
-    """Median ms of ``theirs`` and ``ours``, alternated (and who goes first alternates)."""
+    """Median ms of ``theirs`` and ``ours``, alternated (and who goes first alternates).
+
+    The garbage collector runs before every timed call (outside the timing): the authors'
+    hooks leave reference cycles holding autograd graphs, and a collection triggered
+    inside the next timed call would charge their clean-up to whoever runs next (it
+    doubled captum_vit's GAE time at batch 8 before this was done).
+    """
     theirs(), ours()  # warm-up
     t_a, t_o = [], []
     for i in range(repeats):
         for fn, acc in ((theirs, t_a), (ours, t_o))[:: 1 if i % 2 == 0 else -1]:
+            gc.collect()
             t0 = time.perf_counter()
             fn()
             acc.append(time.perf_counter() - t0)
@@ -150,6 +158,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
+        gc.collect()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)

@@ -5,8 +5,10 @@ and a random timm ViT-S/16 at 224 px on random images) and each image:
 
 * ``exact``: ``TIS.attribute(n_masks=M)`` (the paper's algorithm; M = 1,024 in the paper);
 * ``anytime``: ``TIS.attribute(n_masks=M, tolerance=T)`` (rounds of ``--round-size``
-  masks, stopped when the maps of the first and second half of the masks scored so far
-  have Spearman >= T), with the masks it used (``TIS.last_masks_used``);
+  masks, stopped when the map's estimated correlation with the converged map, from the
+  Spearman correlation of the maps of the first and second half of the masks scored so
+  far (``captum_vit.methods.tis.converged_correlation``), is >= T), with the masks it
+  used (``TIS.last_masks_used``);
 * ``needed``: the fewest masks, in the anytime order and in steps of ``--round-size``,
   whose map has Spearman >= ``--target-rho`` against the exact M-mask map (an oracle:
   it needs the exact map; the anytime mode has to decide without it);
@@ -81,6 +83,7 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, args: argparse.Namespa
     for i in range(len(x)):  # one image at a time: per-image times
         xi, ci = x[i:i + 1], {**common, "target": target[i:i + 1]}
         exact, t_exact = _timed(lambda xi=xi, ci=ci: tis.attribute(xi, **ci))
+        total = int(tis.last_masks_used[0])  # n_masks, or L*D where that is fewer
         fast, t_fast = _timed(lambda xi=xi, ci=ci: tis.attribute(
             xi, tolerance=args.tolerance, round_size=args.round_size, **ci))
         used = int(tis.last_masks_used[0])
@@ -90,11 +93,11 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, args: argparse.Namespa
         faith = [float(metric(model, xi, m, target=target[i:i + 1]).per_example[0])
                  for m in (exact, fast) for metric in (deletion, insertion)]
         stats.append([need, used, rho, t_exact / t_fast, *faith])
-        rows.append(f"| {name} #{i} | {args.n_masks} | {need} | {used} | {rho:.3f} | "
+        rows.append(f"| {name} #{i} | {total} | {need} | {used} | {rho:.3f} | "
                     f"{t_exact:.2f} | {t_fast:.2f} | {t_exact / t_fast:.2f}x | "
                     f"{faith[0]:.3f} / {faith[2]:.3f} | {faith[1]:.3f} / {faith[3]:.3f} |")
     s = torch.tensor(stats, dtype=torch.float64).mean(0).tolist()
-    rows.append(f"| **{name} mean** | {args.n_masks} | {s[0]:.0f} | {s[1]:.0f} | {s[2]:.3f} | "
+    rows.append(f"| **{name} mean** | {total} | {s[0]:.0f} | {s[1]:.0f} | {s[2]:.3f} | "
                 f" |  | {s[3]:.2f}x | {s[4]:.3f} / {s[6]:.3f} | {s[5]:.3f} / {s[7]:.3f} |")
     return rows
 
