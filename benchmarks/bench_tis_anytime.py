@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--round-size", type=int, default=32, help="masks per anytime round")
     ap.add_argument("--images", type=int, default=2, help="bundled-model sample images")
     ap.add_argument("--vit-images", type=int, default=1, help="ViT-S/16 images (0 = skip)")
+    ap.add_argument("--vit-img-size", type=int, default=224,
+                    help="ViT-S/16 input size (112 = bench_authors.py's 50 tokens)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message="n_masks=")  # the bundled model clamps to L*D
@@ -140,10 +142,11 @@ def main() -> None:
         from timm.models.vision_transformer import VisionTransformer
 
         torch.manual_seed(0)
-        vit = VisionTransformer(img_size=224, patch_size=16, embed_dim=384, depth=12,
+        size = args.vit_img_size
+        vit = VisionTransformer(img_size=size, patch_size=16, embed_dim=384, depth=12,
                                 num_heads=6).eval()
-        x = torch.randn(args.vit_images, 3, 224, 224)
-        for row in compare("ViT-S/16 random", vit, x, args):
+        x = torch.randn(args.vit_images, 3, size, size)
+        for row in compare(f"ViT-S/16 random {size} px", vit, x, args):
             print(row, flush=True)
 
 

@@ -372,8 +372,8 @@ class TIS(ViTPerturbationAttribution):
     Cost: ``len(ratio) * n_masks`` forwards of a shortened sequence (the prefix plus
     ``floor(ratio * P)`` patch tokens) per image, plus one forward of the full sequence
     and one KMeans of ``L*D`` points into ``n_masks`` clusters per image; no gradients.
-    At the default 1,024 masks that is about a minute per 224-px image for a ViT-S/16
-    on a few CPU cores (seconds on a GPU). The shortened sequences of all masks AND
+    At the default 1,024 masks that was about 17 s per 224-px image for a ViT-S/16 on 2
+    CPU threads (``benchmarks/bench_tis_anytime.py``). The shortened sequences of all masks AND
     images are batched together (``internal_batch_size`` per forward), and the first
     block's token-wise work (``LN1`` and the ``q``, ``k``, ``v`` projections) is
     computed once per image and gathered per mask.
