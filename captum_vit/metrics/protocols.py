@@ -465,14 +465,21 @@ def protocol_table(protocol: Protocol, results: Results, config: Mapping[str, An
              f"(n={config.get('n')})", "",
              "| method | " + " | ".join(c.header for c in protocol.columns) + " |",
              "|---|" + "---:|" * len(protocol.columns)]
+    def value(cols: Mapping[str, MetricResult], c: Column) -> float | None:
+        r = cols.get(f"{c.key}_{c.target}" if several else c.key)
+        return None if r is None else r.value * c.scale
+
+    # one number format per column: 2 decimals when it holds a value >= 1 (percentages,
+    # AUCs in percent), else 4
+    wide = {c: any(abs(v) >= 1 for cols in results.values()
+                   if (v := value(cols, c)) is not None and not math.isnan(v))
+            for c in protocol.columns}
     for m, cols in results.items():
         vals = []
         for c in protocol.columns:
-            r = cols.get(f"{c.key}_{c.target}" if several else c.key)
-            v = math.nan if r is None else r.value * c.scale
-            vals.append("" if r is None else ("nan" if math.isnan(v) else f"{v:.2f}"
-                                              if c.scale != 1.0 or abs(v) >= 10
-                                              else f"{v:.4f}"))
+            v = value(cols, c)
+            vals.append("" if v is None else "nan" if math.isnan(v)
+                        else f"{v:.2f}" if wide[c] else f"{v:.4f}")
         lines.append(f"| {m} | " + " | ".join(vals) + " |")
     if protocol.notes:
         lines += ["", f"Notes: {protocol.notes}"]
