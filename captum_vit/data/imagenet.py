@@ -14,7 +14,11 @@ Two layouts:
 
 Labels are positions in the **sorted list of the 1000 ImageNet-1k WNIDs** (n01440764 tench
 = 0), the order of timm's and Hugging Face's ImageNet-1k heads; ILSVRC2012_ID order is
-not that order (ID 1 is n02119789, kit fox). Bounding boxes: a PASCAL VOC ``.xml`` with the
+not that order (ID 1 is n02119789, kit fox: SPEC_NEXT's "verify" checked against the
+ILSVRC2012 WNID-to-ID table listed in arthw/imagenet_label's README, "n02119789 1 kit_fox";
+no real devkit is available offline, the tests use a meta.mat written with the devkit's
+field names). The sorted-WNID order is checked against timm's ``ImageNetInfo`` (index 0
+"tench, Tinca tinca"). Bounding boxes: a PASCAL VOC ``.xml`` with the
 image's stem beside it (or in ``boxes``) gives a box mask (the union of its objects of the
 image's class) for the pointing game.
 """
