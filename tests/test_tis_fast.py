@@ -29,15 +29,24 @@ def _random_keep(adapter, x0, subsets, seed=1):
 # --- shared first block == plain forward, bit for bit ----------------------------------------
 @pytest.mark.parametrize("family", [pytest.param(f, marks=family_marks(f))
                                     for f in SHARED_FAMILIES])
-def test_shared_first_block_equals_plain_forward_bit_for_bit(family):
+def test_shared_first_block_equals_plain_forward_bit_for_bit(family, monkeypatch):
+    from captum_vit.adapters import subsets
+
     assert family in ALL_FAMILIES
     model, x = make_model(family), make_inputs(family, batch=2)
     adapter = adapt(model)
     x0 = adapter.embed(x)
     assert x0.dtype == torch.float64
     keep = _random_keep(adapter, x0, 24)  # mixed lengths: padded chunks too
+    gathered = []  # the cached first block is really used (not silently bypassed)
+    real = subsets.FirstBlockShared._gather
+    monkeypatch.setattr(subsets.FirstBlockShared, "_gather",
+                        lambda self, t: gathered.append(1) or real(self, t))
     shared = subset_logits(adapter, x0, keep, batch_size=16, share_first_block=True)
+    assert gathered
+    gathered.clear()
     plain = subset_logits(adapter, x0, keep, batch_size=16, share_first_block=False)
+    assert not gathered
     assert torch.equal(shared, plain)
 
 
