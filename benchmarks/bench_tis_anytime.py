@@ -8,10 +8,12 @@ and a random timm ViT-S/16 at 224 px on random images) and each image:
   masks, stopped when the map's estimated correlation with the converged map, from the
   Spearman correlation of the maps of the first and second half of the masks scored so
   far (``captum_vit.methods.tis.converged_correlation``), is >= T), with the masks it
-  used (``TIS.last_masks_used``);
+  used (``TIS.last_masks_used``); the scores of the masks not scored are predicted by
+  the ridge surrogate (``complete_scores``) unless ``--no-surrogate``;
 * ``needed``: the fewest masks, in the anytime order and in steps of ``--round-size``,
-  whose map has Spearman >= ``--target-rho`` against the exact M-mask map (an oracle:
-  it needs the exact map; the anytime mode has to decide without it);
+  whose map (completed the same way) has Spearman >= ``--target-rho`` against the exact
+  M-mask map (an oracle: it needs the exact map; the anytime mode has to decide without
+  it);
 * the Spearman of the anytime map against the exact map, the time ratio exact / anytime,
   and the deletion and insertion AUC (``captum_vit.metrics.faithfulness``, token removal)
   of both maps.
@@ -19,6 +21,8 @@ and a random timm ViT-S/16 at 224 px on random images) and each image:
 Small defaults check that the script runs; the issue's run is::
 
     python benchmarks/bench_tis_anytime.py --n-masks 1024 --images 8 --vit-images 4
+    python benchmarks/bench_tis_anytime.py --n-masks 1024 --images 0 --vit-images 8 \\
+        --vit-img-size 112
 
 Times are wall-clock on whatever machine runs it (noisy on a shared CPU).
 """
@@ -36,6 +40,7 @@ from captum_vit import TIS
 from captum_vit.adapters import adapt
 from captum_vit.methods.tis import (
     DEFAULT_RANDOM_STATE,
+    complete_scores,
     kmeans_masks,
     layer_features,
     mask_scores,
@@ -46,9 +51,10 @@ from captum_vit.metrics.faithfulness import deletion, insertion
 
 
 def masks_needed(model: nn.Module, x: torch.Tensor, target: torch.Tensor, n_masks: int,
-                 step: int, rho: float) -> torch.Tensor:
-    """Fewest masks (multiples of ``step``, in the anytime order) whose map has Spearman
-    >= ``rho`` against the map of all ``n_masks`` masks, per image [B]."""
+                 step: int, rho: float, surrogate: bool = True) -> torch.Tensor:
+    """Fewest masks (multiples of ``step``, in the anytime order) whose map (completed
+    over all masks with ``surrogate``, as the anytime mode's) has Spearman >= ``rho``
+    against the map of all ``n_masks`` masks, per image [B]."""
     adapter = adapt(model)
     with torch.no_grad():
         x0 = adapter.embed(x)
@@ -60,8 +66,11 @@ def masks_needed(model: nn.Module, x: torch.Tensor, target: torch.Tensor, n_mask
     needed = torch.full((len(x),), masks.shape[1], dtype=torch.long)
     for m in range(masks.shape[1] - step, 0, -step):  # largest m first: keep the fewest
         cols = order[:m]
-        ok = spearman(masks_to_map(w[:, cols], masks[:, cols]), full) >= rho
-        needed = torch.where(ok, torch.tensor(m), needed)
+        used = torch.zeros(w.shape, dtype=torch.bool)
+        used[:, cols] = True
+        part = (masks_to_map(complete_scores(w, masks, used), masks) if surrogate
+                else masks_to_map(w[:, cols], masks[:, cols]))
+        needed = torch.where(spearman(part, full) >= rho, torch.tensor(m), needed)
     return needed
 
 
@@ -85,10 +94,11 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, args: argparse.Namespa
         exact, t_exact = _timed(lambda xi=xi, ci=ci: tis.attribute(xi, **ci))
         total = int(tis.last_masks_used[0])  # n_masks, or L*D where that is fewer
         fast, t_fast = _timed(lambda xi=xi, ci=ci: tis.attribute(
-            xi, tolerance=args.tolerance, round_size=args.round_size, **ci))
+            xi, tolerance=args.tolerance, round_size=args.round_size,
+            surrogate=not args.no_surrogate, **ci))
         used = int(tis.last_masks_used[0])
         need = int(masks_needed(model, xi, target[i:i + 1], args.n_masks, args.round_size,
-                                args.target_rho)[0])
+                                args.target_rho, not args.no_surrogate)[0])
         rho = float(spearman(fast, exact)[0])
         faith = [float(metric(model, xi, m, target=target[i:i + 1]).per_example[0])
                  for m in (exact, fast) for metric in (deletion, insertion)]
@@ -109,6 +119,8 @@ def main() -> None:
     ap.add_argument("--target-rho", type=float, default=0.95,
                     help="Spearman against the exact map that 'needed' asks for")
     ap.add_argument("--round-size", type=int, default=32, help="masks per anytime round")
+    ap.add_argument("--no-surrogate", action="store_true",
+                    help="anytime maps over the scored masks only (TIS(surrogate=False))")
     ap.add_argument("--images", type=int, default=2, help="bundled-model sample images")
     ap.add_argument("--vit-images", type=int, default=1, help="ViT-S/16 images (0 = skip)")
     ap.add_argument("--vit-img-size", type=int, default=224,

@@ -11,7 +11,7 @@ from sklearn.cluster import KMeans
 
 from captum_vit.adapters import adapt, subset_logits
 from captum_vit.methods._kmeans import kmeans, kmeans_plusplus
-from captum_vit.methods.tis import TIS, kmeans_masks, layer_features, spearman
+from captum_vit.methods.tis import TIS, complete_scores, kmeans_masks, layer_features, spearman
 from tests.helpers import ALL_FAMILIES, family_marks, make_inputs, make_model
 
 SHARED_FAMILIES = ["vit", "registers", "layerscale", "nonsquare", "beit", "eva02",
@@ -99,23 +99,71 @@ def test_anytime_stops_early_and_per_image():
         torch.testing.assert_close(alone, batch[b:b + 1], rtol=1e-12, atol=0)
 
 
-def test_anytime_map_is_the_map_of_the_masks_used():
-    from captum_vit.methods.tis import mask_scores, masks_to_map
+def _ridge_reference(w, masks, used, ridge):
+    """Slow reference of complete_scores: per image, the normal equations of
+    min ||y - b0 - X beta||^2 + ridge ||beta||^2 over the scored rows (b0 unpenalised),
+    solved as one augmented system; predictions for every row."""
+    out = w.clone()
+    for b in range(w.shape[0]):
+        x = masks[min(b, masks.shape[0] - 1)].double()
+        design = torch.cat([torch.ones(x.shape[0], 1, dtype=torch.float64), x], 1)
+        rows = design[used[b]]
+        penalty = ridge * torch.eye(design.shape[1], dtype=torch.float64)
+        penalty[0, 0] = 0
+        coef = torch.linalg.solve(rows.T @ rows + penalty, rows.T @ w[b, used[b]].double())
+        out[b] = torch.where(used[b], w[b], (design @ coef).to(w.dtype))
+    return out
+
+
+def test_complete_scores_equals_the_ridge_normal_equations():
+    g = torch.Generator().manual_seed(0)
+    masks = torch.rand(3, 50, 12, generator=g) < 0.5
+    w = torch.rand(3, 50, generator=g, dtype=torch.float64)
+    used = torch.rand(3, 50, generator=g) < 0.4
+    for ridge in (0.5, 10.0):
+        got = complete_scores(w, masks, used, ridge=ridge)
+        torch.testing.assert_close(got, _ridge_reference(w, masks, used, ridge),
+                                   rtol=1e-10, atol=1e-12)
+        assert torch.equal(got[used], w[used])  # measured scores are kept as they are
+    shared = complete_scores(w, masks[:1], used, ridge=1.0)  # masks shared by the batch
+    torch.testing.assert_close(shared, _ridge_reference(w, masks[:1], used, 1.0),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_complete_scores_is_exact_for_additive_scores():
+    g = torch.Generator().manual_seed(1)
+    masks = torch.rand(2, 80, 10, generator=g) < 0.5
+    effect = torch.randn(2, 10, generator=g, dtype=torch.float64)
+    w = 0.3 + torch.einsum("bmp,bp->bm", masks.double(), effect)
+    used = torch.arange(80).expand(2, -1) < 30
+    got = complete_scores(torch.where(used, w, torch.zeros_like(w)), masks, used, ridge=0.0)
+    torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("surrogate", [False, True])
+def test_anytime_map_from_the_masks_used(surrogate):
+    from captum_vit.methods.tis import RIDGE, mask_scores, masks_to_map
 
     model, x = make_model("vit"), make_inputs("vit", batch=1)
     target = torch.tensor([3])
     tis = TIS(model)
     out = tis.attribute(x, target=target, n_masks=40, tolerance=0.1, round_size=10,
-                        output="tokens")
+                        surrogate=surrogate, output="tokens")
     m = int(tis.last_masks_used[0])
     assert m < 40
     adapter = adapt(model)
     x0 = adapter.embed(x)
     masks = kmeans_masks(layer_features(adapter, x0)[0], 40, [0.5], 0)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:m]
-    chosen = masks[:, order.sort().values]
-    ref = masks_to_map(mask_scores(adapter, x0, target, chosen), chosen)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=0)
+    if not surrogate:  # the map of the masks scored
+        chosen = masks[:, order.sort().values]
+        ref = masks_to_map(mask_scores(adapter, x0, target, chosen), chosen)
+    else:  # the map of all masks, the scores of those not scored predicted
+        used = torch.zeros(1, 40, dtype=torch.bool)
+        used[0, order] = True
+        w = mask_scores(adapter, x0, target, masks) * used
+        ref = masks_to_map(_ridge_reference(w, masks, used, RIDGE), masks)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=0)
 
 
 def test_spearman_matches_scipy_with_ties():
