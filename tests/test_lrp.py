@@ -525,11 +525,16 @@ def test_options_are_checked():
 
 
 @pytest.mark.skipif(not have_transformers(), reason="the hf extra is not installed")
-def test_pixels_on_a_normalised_embedding_is_refused():
-    model = make_model("hf_clip", depth=1)
+def test_pixels_through_a_normalised_embedding():
+    """``at="pixels"`` on CLIP (``pre_layrnorm`` in the embedding) runs the LN rule there
+    (it used to be refused; references in test_lrp_pixels.py)."""
+    model, x = make_model("hf_clip", depth=1), make_inputs("hf_clip", batch=2)
     target = torch.randn(2, 16, dtype=torch.float64)
-    with pytest.raises(TypeError, match="pre_layrnorm"):
-        CPLRP(model, at="pixels").attribute(make_inputs("hf_clip", batch=2), target)
+    before = snapshot(model)
+    for method in (CPLRP(model, at="pixels"), AttnLRP(model, gamma=0.25, at="pixels")):
+        out = method.attribute(x, target)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+    assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("family", ["layerscale", "eva02"])

@@ -123,6 +123,42 @@ def _consecutive(*parts: Tensor | None) -> Tensor | None:
     return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
 
 
+def patch_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+    r"""A patch-embedding convolution as the linear map of the unfolded patches, through
+    ``ops.linear`` (SPEC_NEXT §8.6.3: the patch conv takes the linear maps' LRP rules).
+
+    A convolution with ``stride == kernel_size``, no padding, dilation 1 and one group
+    maps each patch :math:`p` (flattened in the order ``(channel, row, column)`` of the
+    kernel) to :math:`W p + b` with :math:`W` the kernel as a ``[D, C k_h k_w]`` matrix;
+    rows and columns of the image beyond the last whole patch are dropped, as the
+    convolution drops them.
+
+    Args:
+        inputs (Tensor): images [B, C, H, W] (already padded as the model pads them).
+        conv (nn.Module): the model's patch convolution (its own parameters, reshaped).
+        ops (Ops): supplies ``linear``.
+        what (str): the convolution's name in the model, for the error message.
+
+    Returns:
+        Tensor: the patch embeddings [B, gh, gw, D] (channels last).
+
+    Raises:
+        TypeError: ``conv`` is not such a convolution (overlapping or padded patches).
+    """
+    if not isinstance(conv, nn.Conv2d) or tuple(conv.stride) != tuple(conv.kernel_size) \
+            or conv.padding not in ("valid", (0, 0)) or tuple(conv.dilation) != (1, 1) \
+            or conv.groups != 1:
+        raise TypeError(f"{what} is not a patch projection (a Conv2d with stride == "
+                        "kernel_size, no padding, dilation 1, one group), so it has no "
+                        "linear-map form for the LRP rules; explain at='tokens'")
+    b, c, h, w = inputs.shape
+    ph, pw = conv.kernel_size
+    gh, gw = h // ph, w // pw
+    patches = inputs[:, :, :gh * ph, :gw * pw].reshape(b, c, gh, ph, gw, pw)
+    patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(b, gh, gw, c * ph * pw)
+    return ops.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
+
 def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
     """Attention-logit bias [B, 1, 1, N] that removes the keys where ``real`` [B, N] is
     ``False`` (``-inf``) and leaves the others (0)."""
@@ -812,7 +848,18 @@ class ViTAdapter:
     def layout(self, inputs: Tensor) -> Layout:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def embed(self, inputs: Tensor) -> Tensor:  # pragma: no cover - abstract
+    def embed(self, inputs: Tensor, ops: Ops | None = None
+              ) -> Tensor:  # pragma: no cover - abstract
+        """The token states ``x_0`` [B, N, D] of images [B, C, H, W].
+
+        ``ops=None`` runs the model's own embedding modules. With ``ops`` the patch
+        projection (a convolution with stride = kernel, :func:`patch_projection`) goes
+        through ``ops.linear`` and each normalisation of the embedding
+        (:meth:`embedding_norms`) through ``ops.norm``, so a rule set of modified
+        backward passes (LRP at the pixels, SPEC_NEXT §8.6) reaches the pixels; prefix
+        tokens, position embeddings (interpolation included) and rotary tables stay the
+        model's own code, and the forward values are the model's up to rounding.
+        """
         raise NotImplementedError
 
     @property
@@ -843,8 +890,8 @@ class ViTAdapter:
     def embedding_norms(self) -> tuple[str, ...]:
         """Names of the normalisations inside :meth:`embed` (a pre-norm such as CLIP's
         ``pre_layrnorm``); empty when the embedding is affine in the pixels (patch
-        projection, prefix tokens, position embedding). Pixel-level LRP (SPEC_NEXT §8.6)
-        has no rule for them: it runs the embedding with its true gradient."""
+        projection, prefix tokens, position embedding). ``embed(inputs, ops)`` runs each
+        of them through ``ops.norm`` (pixel-level LRP: the LN rule, SPEC_NEXT §8.6)."""
         return ()
 
     def check_inputs(self, inputs: Tensor) -> None:

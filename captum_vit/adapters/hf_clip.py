@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import HeadParts, PoolParts
+from captum_vit.adapters.base import HeadParts, Ops, PoolParts
 from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm
 
 CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
@@ -114,10 +114,16 @@ class HFEmbeddingAdapter(HFViTAdapter):
             self.head = dataclasses.replace(self.head, attn_pool=_siglip_pool(
                 self.backbone.head, f"{type(self.model).__name__}.head"))
 
-    def embed(self, inputs: Tensor) -> Tensor:
-        x = self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``embeddings`` then CLIP's ``pre_layrnorm``; with ``ops`` the patch
+        projection as in :meth:`HFViTAdapter.embed` and ``pre_layrnorm`` as ``ops.norm``."""
+        x = super().embed(inputs, ops)
         pre = getattr(self.backbone, "pre_layrnorm", None)
-        return x if pre is None else pre(x)
+        if pre is None:
+            return x
+        if ops is None:
+            return pre(x)
+        return ops.norm(x, _norm(pre, f"{type(self.model).__name__}.pre_layrnorm"))
 
     def embedding_norms(self) -> tuple[str, ...]:
         """CLIP's ``pre_layrnorm`` (SigLIP has none)."""

@@ -25,6 +25,8 @@ adapter recomputes attention from the parameters and never asks for an eager rel
 The embedding is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``:
 inputs of another size than ``config.image_size`` use the model's own interpolation of the
 position embeddings, exactly as ``model(pixel_values, interpolate_pos_encoding=True)``.
+``embed(inputs, ops)`` routes the pixel gradient through the patch projection as an
+:class:`Ops` linear map (:meth:`HFViTAdapter.embed`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,18 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import BlockParts, HeadParts, Layout, NormParts, ViTAdapter
+from captum_vit.adapters.base import (
+    BlockParts,
+    HeadParts,
+    Layout,
+    NormParts,
+    Ops,
+    ViTAdapter,
+    patch_projection,
+)
 
 CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
            "DeiTForImageClassificationWithTeacher", "Dinov2ForImageClassification",
@@ -191,8 +202,31 @@ class HFViTAdapter(ViTAdapter):
                       image_size=(int(h), int(w)),
                       alpha=self.cls_alpha if self.readout == "cls_mean" else 0.5)
 
-    def embed(self, inputs: Tensor) -> Tensor:
-        return self.backbone.embeddings(inputs, **self._size_kwargs(inputs))
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
+
+        With ``ops`` (:meth:`ViTAdapter.embed`) the patch rows (the last ``P`` rows, after
+        CLS, distillation and register tokens) are the model's projection plus terms that
+        do not depend on the pixels (position embeddings; no mask tokens here), so the
+        model's embedding of the detached images is kept as the value and the patch
+        projection ``p`` as ``ops.linear`` of the unfolded patches is added as
+        ``p - p.detach()`` (exactly 0): the forward is exactly the model's, every pixel
+        gradient runs through ``ops.linear``'s backward.
+        """
+        kwargs = self._size_kwargs(inputs)
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs, **kwargs)
+        x = emb(inputs.detach(), **kwargs)  # prefix tokens, positions: the model's code
+        name = f"{type(self.model).__name__}.embeddings"
+        conv = _first(emb, "patch_embedding", "patch_embeddings.projection")
+        p = patch_projection(inputs, conv, ops, f"{name} patch projection").flatten(1, 2)
+        k = x.shape[1] - p.shape[1]
+        if k != self.num_prefix:
+            raise TypeError(f"{name} returned {x.shape[1]} tokens for {p.shape[1]} patches "
+                            f"and {self.num_prefix} prefix tokens; this embedding layout is "
+                            "not supported by the LRP rules (explain at='tokens')")
+        return x + F.pad(p - p.detach(), (0, 0, k, 0))
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         return self.model(pixel_values=inputs, **self._size_kwargs(inputs)).logits

@@ -119,9 +119,10 @@ class SubnetworkAdapter(ViTAdapter):
     def refresh(self) -> None:
         self.base.refresh()
 
-    def embed(self, inputs: Tensor) -> Tensor:
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The block input ``x_start`` of images [B, C, H, W]: the model's embedding and
-        blocks ``0 .. start-1`` (plain forward), without gradient, detached."""
+        blocks ``0 .. start-1`` (plain forward), without gradient, detached (``ops`` is
+        not used: no gradient reaches the pixels)."""
         with torch.no_grad():
             x = self.base.embed(inputs)
             if self.start:

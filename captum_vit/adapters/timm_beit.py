@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import BlockParts, HeadParts
+from captum_vit.adapters.base import BlockParts, HeadParts, Ops
 from captum_vit.adapters.timm_vit import (
     TimmViTAdapter,
     _optional_norm,
@@ -101,10 +101,13 @@ class TimmBeitAdapter(TimmViTAdapter):
             attn_bias=_bias_of(self.model, blk),
         )
 
-    def embed(self, inputs: Tensor) -> Tensor:
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """As the model's ``forward_features``: ``patch_embed``, class token, absolute
+        position embedding, ``pos_drop``; with ``ops`` the patch projection through it
+        (:meth:`ViTAdapter.embed`)."""
         self.refresh()
         m = self.model
-        x = m.patch_embed(inputs)
+        x = self._patch_embed(inputs, ops)
         x = torch.cat((m.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         if m.pos_embed is not None:
             x = x + m.pos_embed

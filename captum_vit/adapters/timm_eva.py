@@ -8,7 +8,9 @@ patch grid (``model.rope.get_embed``, so ``dynamic_img_size=True`` grids are tim
 With ``dynamic_img_size=True`` the adapter keeps the table of the last embedded input,
 validated by its number of patch tokens: a sequence of another length raises instead of
 being rotated with the wrong rows (a fixed-size model's table is the same for every input
-and is read from the model each time).
+and is read from the model each time). ``embed(inputs, ops)`` runs the patch projection
+and the norms through an :class:`Ops` rule set as for timm's ViT; ``_pos_embed`` and the
+rotary table stay the model's.
 Each block's ``rotary`` (:attr:`BlockParts.rotary`) applies timm's ``apply_rot_embed_cat``
 to that table, exactly as ``EvaAttention.forward`` does, on the patch rows of ``q`` and
 ``k`` only (rows ``0..K-1``, CLS and registers, are left unrotated); under true token
@@ -59,7 +61,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import BlockParts, HeadParts
+from captum_vit.adapters.base import BlockParts, HeadParts, Ops
 from captum_vit.adapters.timm_beit import _mlp_fields
 from captum_vit.adapters.timm_vit import (
     TimmViTAdapter,
@@ -266,12 +268,15 @@ class TimmEvaAdapter(TimmViTAdapter):
         return torch.cat([h[:, :, :k], rotated], dim=2).type_as(h)  # as timm's type_as(v)
 
     # -- embedding and checks -------------------------------------------------------------
-    def embed(self, inputs: Tensor) -> Tensor:
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``patch_embed``, ``_pos_embed`` (keeping its rotary table) and
+        ``norm_pre``; with ``ops`` the patch projection and the norms through it
+        (:meth:`ViTAdapter.embed`)."""
         self.refresh()
         m = self.model
-        x = m.patch_embed(inputs)
+        x = self._patch_embed(inputs, ops)
         x, rope = m._pos_embed(x)  # the model's own order and additions, and its RoPE table
-        x = m.norm_pre(x)
+        x = self._norm_pre(x, ops)
         if rope is not None:
             if rope.dim() != 2:
                 raise ValueError("the model dropped patches while embedding (training mode "

@@ -2,11 +2,13 @@
 avg-pool, LayerScale, qk-norm, dynamic image size).
 
 Only this file knows timm's attribute names. It reads (never changes) the model's
-modules and parameters and runs the embedding through the model's own code.
+modules and parameters and runs the embedding through the model's own code (with an
+:class:`Ops` rule set, the patch projection and the embedding norms through it).
 """
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters.base import (
@@ -14,8 +16,10 @@ from captum_vit.adapters.base import (
     HeadParts,
     Layout,
     NormParts,
+    Ops,
     PoolParts,
     ViTAdapter,
+    patch_projection,
 )
 
 
@@ -179,17 +183,58 @@ class TimmViTAdapter(ViTAdapter):
             image_size=(int(h), int(w)),
         )
 
-    def embed(self, inputs: Tensor) -> Tensor:
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``patch_embed``, ``_pos_embed``, ``patch_drop`` and ``norm_pre``;
+        with ``ops`` the patch projection and the norms through it
+        (:meth:`ViTAdapter.embed`)."""
         self.refresh()
         m = self.model
-        x = m.patch_embed(inputs)
+        x = self._patch_embed(inputs, ops)
         x = m._pos_embed(x)
         x = m.patch_drop(x)
-        return m.norm_pre(x)
+        return self._norm_pre(x, ops)
+
+    def _patch_embed(self, inputs: Tensor, ops: Ops | None) -> Tensor:
+        """timm's ``PatchEmbed`` (also BEiT's and Eva's): ``ops=None`` is the module
+        itself; with ``ops`` its forward with the projection as ``ops.linear`` of the
+        unfolded patches and its ``norm`` as ``ops.norm`` (timm's own padding and output
+        format)."""
+        from timm.layers import PatchEmbed
+        from timm.layers.format import Format, nchw_to
+
+        pe = self.model.patch_embed
+        if ops is None:
+            return pe(inputs)
+        name = type(self.model).__name__
+        if not isinstance(pe, PatchEmbed):
+            raise TypeError(f"{name}.patch_embed is {type(pe).__name__}; the LRP rules of "
+                            "the embedding need timm's PatchEmbed (explain at='tokens')")
+        x = inputs
+        if pe.dynamic_img_pad:  # as PatchEmbed.forward
+            ph, pw = pe.patch_size
+            x = F.pad(x, (0, (pw - x.shape[-1] % pw) % pw, 0, (ph - x.shape[-2] % ph) % ph))
+        x = patch_projection(x, pe.proj, ops, f"{name}.patch_embed.proj").permute(0, 3, 1, 2)
+        if pe.flatten:  # NCHW -> NLC, as PatchEmbed.forward
+            x = x.flatten(2).transpose(1, 2)
+        elif pe.output_fmt != Format.NCHW:
+            x = nchw_to(x, pe.output_fmt)
+        if isinstance(pe.norm, nn.Identity):
+            return x
+        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
+
+    def _norm_pre(self, x: Tensor, ops: Ops | None) -> Tensor:
+        """The model's ``norm_pre`` (``ops=None``), or ``ops.norm`` with its parameters."""
+        norm = getattr(self.model, "norm_pre", None)
+        if norm is None or isinstance(norm, nn.Identity):
+            return x
+        if ops is None:
+            return norm(x)
+        return ops.norm(x, _norm_parts(norm, f"{type(self.model).__name__}.norm_pre"))
 
     def embedding_norms(self) -> tuple[str, ...]:
         """The non-identity ``patch_embed.norm`` and ``norm_pre`` (e.g. timm's CLIP ViTs,
-        ``pre_norm=True``); the same for BEiT and Eva, which subclass this adapter."""
+        ``pre_norm=True``); the same for BEiT and Eva, which subclass this adapter.
+        ``embed(inputs, ops)`` runs them through ``ops.norm`` (LayerNorm only)."""
         m = self.model
         found = (("patch_embed.norm", getattr(m.patch_embed, "norm", None)),
                  ("norm_pre", getattr(m, "norm_pre", None)))

@@ -9,7 +9,12 @@ al. 2025, LXT's ``efficient`` module): every rule is a custom backward
 :math:`R_z = z \odot \tilde g_z`. The token map is :math:`m_j = \sum_c R_{x_0}[j, c]`
 (``at="tokens"``) or the pixel relevance :math:`\sum_{\mathrm{channels}} X \odot \tilde
 g_X` summed over each patch (``at="pixels"``; it differs from the tokens by the relevance
-the position embedding, prefix tokens and patch bias absorb).
+the position embedding, prefix tokens and patch bias absorb). At the pixels the rules
+reach into the embedding (``adapter.embed(images, ops)``): the patch projection, a
+convolution with stride = kernel, is the linear map of the unfolded patches with the
+linear maps' ε/γ-rule, and an embedding LayerNorm (timm's ``patch_embed.norm`` /
+``norm_pre``, CLIP's ``pre_layrnorm``) takes the LN rule (σ detached); prefix tokens and
+position embeddings keep their true gradient (they absorb relevance like biases).
 
 **Patent note** (from the LXT README, rachtibat/LRP-eXplains-Transformers): "LRP is a
 patented technology that can only be used free of charge for personal and scientific
@@ -37,7 +42,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Trace, ViTAdapter
+from captum_vit.adapters import Ops, Trace, ViTAdapter
 from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
 from captum_vit.methods._masks import patch_sums
 
@@ -46,7 +51,8 @@ SITES = ("tokens", "pixels")
 
 def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, ops: LRPOps, *,
                   score: str = "logit", at: str = "tokens",
-                  layers: Sequence[int] = (0,)) -> tuple[Tensor, Trace, Tensor]:
+                  layers: Sequence[int] = (0,),
+                  embed_ops: Ops | None = None) -> tuple[Tensor, Trace, Tensor]:
     r"""One forward with the rules ``ops`` and ONE backward of the score.
 
     Args:
@@ -56,28 +62,26 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
         ops (LRPOps): the rule set.
         score (str): ``"logit"`` (default) or ``"probability"``.
         at (str): ``"tokens"``: :math:`\sum_c R_{x_l}` at the input of every block in
-            ``layers``; ``"pixels"``: the per-patch pixel relevance (prefix columns 0).
+            ``layers``; ``"pixels"``: the per-patch pixel relevance (prefix columns 0),
+            the embedding run with the rules (``adapter.embed(images, embed_ops)``).
         layers (sequence of int): the blocks whose input relevance is returned (tokens).
+        embed_ops (Ops, optional): the rule set of the embedding (``at="pixels"``: patch
+            projection and embedding norms); default ``ops``.
 
     Returns:
         (maps [len(layers), B, N] (``at="pixels"``: [1, B, N]), the trace, the resolved
         target [B]).
 
     Raises:
-        TypeError: ``at="pixels"`` on a model whose embedding holds a normalisation.
+        TypeError: ``at="pixels"`` on a model whose patch projection is not a
+            convolution with stride = kernel or whose embedding norm is not a LayerNorm.
         ValueError: ``at="pixels"`` on an adapter whose embedding is not differentiable
             (a PLUS sub-network).
     """
     with torch.enable_grad():
         if at == "pixels":
-            norms = adapter.embedding_norms()
-            if norms:
-                raise TypeError(
-                    f"at='pixels' needs LRP rules inside the embedding of this "
-                    f"{type(adapter.model).__name__}, which normalises it "
-                    f"({', '.join(norms)}) and has none; use at='tokens'")
             images = inputs.detach().requires_grad_()
-            x0 = adapter.embed(images)
+            x0 = adapter.embed(images, ops=ops if embed_ops is None else embed_ops)
             if not x0.requires_grad:
                 raise ValueError("at='pixels' needs the model's own differentiable embedding; "
                                  "this adapter (a PLUS sub-network) starts at token states: "
@@ -108,9 +112,11 @@ class _LRPAttribution(ViTGradientAttribution):
 
     plus_aggregates = ("subnetwork",)
 
-    def __init__(self, model: nn.Module, ops: LRPOps, at: str) -> None:
+    def __init__(self, model: nn.Module, ops: LRPOps, at: str,
+                 embed_ops: LRPOps | None = None) -> None:
         super().__init__(model)
         self.ops = ops
+        self.embed_ops = embed_ops  # the embedding's rules at the pixels; None = ops
         self.at = check_choice("at", at, SITES)
 
     @log_usage()
@@ -141,7 +147,7 @@ class _LRPAttribution(ViTGradientAttribution):
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
         maps, _, _ = lrp_relevance(self.adapter, inputs, target, self.ops, score=score,
-                                   at=self.at)
+                                   at=self.at, embed_ops=self.embed_ops)
         return maps[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
@@ -194,7 +200,10 @@ class CPLRP(_LRPAttribution):
       CP-LRP preset for ViTs; the exact ratio, its limit ½ at :math:`z = 0`, where LXT
       divides by :math:`z + 10^{-10}`) or the true gradient (``"gradient"``);
     - a gated MLP's activated gate is a constant (LXT's ``cp_gated_mlp_forward``);
-    - linear maps: the :math:`\varepsilon`-rule, the plain gradient for ``epsilon=0``.
+    - linear maps: the :math:`\varepsilon`-rule, the plain gradient for ``epsilon=0``;
+      at the pixels the patch projection too (a convolution with stride = kernel, the
+      linear map of the unfolded patches), and an embedding LayerNorm (a pre-norm such
+      as CLIP's) takes the LN rule.
 
     With the defaults the relevance at the input tokens :math:`x_s` of block :math:`s` is
     DecompX started at :math:`s` (SPEC §3): the same linearised forward
@@ -221,7 +230,10 @@ class CPLRP(_LRPAttribution):
             :math:`R_x = x \odot W^\top (R_y / (y + \varepsilon\,\mathrm{sign}\,y))`;
             default 0 (the plain gradient).
         at (str, optional): ``"tokens"`` (default, relevance of the embedding output
-            :math:`x_0`) or ``"pixels"`` (image relevance summed per patch).
+            :math:`x_0`) or ``"pixels"`` (image relevance summed per patch, the rules
+            run through the embedding: patch projection by the ε-rule, embedding
+            LayerNorms by the LN rule; prefix tokens and position embeddings absorb
+            their share like biases).
 
     Examples::
 
@@ -262,7 +274,8 @@ class AttnLRP(_LRPAttribution):
     gated MLP product                     uniform rule (× ½ into both factors), gate
                                           activation by the identity rule
     RoPE, rel. bias, LayerScale, adds     unmodified
-    linear maps                           ε-rule (``gamma=0``) or γ-rule
+    linear maps, patch projection         ε-rule (``gamma=0``) or γ-rule
+    embedding LayerNorm (pre-norm)        LN rule (σ detached), ``at="pixels"``
     ====================================  ===============================================
 
     The softmax rule is not conservative: per attention row it passes on
@@ -277,14 +290,16 @@ class AttnLRP(_LRPAttribution):
     :math:`y_j > 0` the weights :math:`W + \gamma W^+` act on positive inputs and
     :math:`W + \gamma W^-` on negative ones (bias :math:`b + \gamma b^+` in the
     denominator), for :math:`y_j < 0` the other way round. It applies to every linear map
-    of the blocks, of the q/k/v projections and of the head; the patch embedding (the
-    model's own convolution, ``at="pixels"``) keeps its gradient (ε-rule). *Verify
+    of the blocks, of the q/k/v projections and of the head, and (``at="pixels"``) to the
+    patch projection: the model's convolution with stride = kernel is the linear map
+    :math:`W p + b` of each unfolded patch :math:`p`, so zennit's convolution ``Gamma``
+    is this rule on the patches; its γ is ``gamma_embed`` (default: ``gamma``). *Verify
     finding:* LXT's documentation tunes γ per layer by eye (its ViT example sweeps
-    conv γ ∈ {0.1, 0.25, 100} × linear γ ∈ {0, 0.01, 0.05, 0.1, 1}) and states no fixed
-    values; the paper's appendix values could not be checked here, so there is no preset
-    and the default is γ = 0. LXT's torchvision preset applies γ to ``nn.Linear`` modules,
-    which leaves torchvision's fused q/k/v in-projection (not an ``nn.Linear``) at γ = 0;
-    here the q/k/v projections take γ too.
+    conv γ ∈ {0.1, 0.25, 100} × linear γ ∈ {0, 0.01, 0.05, 0.1, 1}, hence the separate
+    ``gamma_embed``) and states no fixed values; the paper's appendix values could not be
+    checked here, so there is no preset and the default is γ = 0. LXT's torchvision preset
+    applies γ to ``nn.Linear`` modules, which leaves torchvision's fused q/k/v
+    in-projection (not an ``nn.Linear``) at γ = 0; here the q/k/v projections take γ too.
 
     **Patent note** (LXT README): "LRP is a patented technology that can only be used
     free of charge for personal and scientific purposes." Implemented from the papers.
@@ -297,22 +312,38 @@ class AttnLRP(_LRPAttribution):
         attention (str, optional): ``"attnlrp"`` (default, the table) or ``"cp"``.
         gamma (float, optional): γ of the linear maps' γ-rule; default 0 (ε-rule).
         epsilon (float, optional): ε stabiliser of the linear maps' rule (ε-rule, or the
-            γ-rule's denominators); default 0.
-        at (str, optional): ``"tokens"`` (default) or ``"pixels"``.
+            γ-rule's denominators), the patch projection's included; default 0.
+        at (str, optional): ``"tokens"`` (default) or ``"pixels"`` (the rules run through
+            the embedding: patch projection, embedding LayerNorms; prefix tokens and
+            position embeddings absorb their share like biases).
+        gamma_embed (float, optional): γ of the patch projection's γ-rule
+            (``at="pixels"`` only); default ``None`` = ``gamma``.
 
     Examples::
 
         >>> from captum_vit import AttnLRP
         >>> attr = AttnLRP(model).attribute(images, target=labels)
-        >>> lxt_vit = AttnLRP(model, attention="cp", gamma=0.05, at="pixels")
+        >>> lxt_vit = AttnLRP(model, attention="cp", gamma=0.05, gamma_embed=0.25,
+        ...                   at="pixels")
         >>> pix = lxt_vit.attribute(images, target=labels)
     """
 
     def __init__(self, model: nn.Module, attention: str = "attnlrp", gamma: float = 0.0,
-                 epsilon: float = 0.0, at: str = "tokens") -> None:
+                 epsilon: float = 0.0, at: str = "tokens",
+                 gamma_embed: float | None = None) -> None:
         attention = check_choice("attention", attention, ATTENTION_RULES)
         gamma = check_scalar(gamma, "gamma", float, min_val=0)
         epsilon = check_scalar(epsilon, "epsilon", float, min_val=0)
-        super().__init__(model, LRPOps(method="attnlrp", attention=attention, gamma=gamma,
-                                       epsilon=epsilon), at)
+        at = check_choice("at", at, SITES)
+        if gamma_embed is not None:
+            gamma_embed = check_scalar(gamma_embed, "gamma_embed", float, min_val=0)
+            if at != "pixels":
+                raise ValueError("gamma_embed is the patch projection's γ, which only "
+                                 "at='pixels' explains through; pass at='pixels' or leave "
+                                 "gamma_embed=None")
+        ops = LRPOps(method="attnlrp", attention=attention, gamma=gamma, epsilon=epsilon)
+        embed_ops = None if gamma_embed is None or gamma_embed == gamma else LRPOps(
+            method="attnlrp", attention=attention, gamma=gamma_embed, epsilon=epsilon)
+        super().__init__(model, ops, at, embed_ops)
         self.attention, self.gamma, self.epsilon = attention, float(gamma), float(epsilon)
+        self.gamma_embed = float(gamma if gamma_embed is None else gamma_embed)
