@@ -16,9 +16,11 @@ from captum_vit import GAE, DecompX, RawAttention, Rollout, TokenTM
 from captum_vit._base import gradients, readout_rows, target_scores
 from captum_vit.adapters import adapt
 from tests.helpers import (
+    ALL_FAMILIES,
     FAMILIES,
     assert_close_to_reference,
     assert_unchanged,
+    family_marks,
     make_inputs,
     make_model,
     snapshot,
@@ -172,3 +174,42 @@ def test_last_rows_trace_gives_the_full_logits_and_gradients(family):
 
     with pytest.raises(ValueError, match="last_rows"):
         ad.trace(x, last_rows=rows, ops=Ops())
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=family_marks(f))
+                                    for f in ALL_FAMILIES])
+def test_run_computes_the_last_block_on_the_readout_rows_only(family):
+    """``adapter.run`` restricts the last block to the rows the head reads (class-token
+    readouts): the logits equal every block run on every row (1e-12), with and without
+    token removal, and the restriction is really taken where it applies."""
+    from captum_vit.adapters import FusedOps
+
+    model, x = make_model(family), make_inputs(family)
+    ad = adapt(model)
+    x0 = ad.embed(x)
+    keep = torch.zeros(x0.shape[0], x0.shape[1] - ad.num_prefix, dtype=torch.bool)
+    keep[:, ::2] = True
+    calls: list = []
+    real = ad.block
+
+    def spy(h, l, ops, *a, **k):
+        calls.append(k.get("rows"))
+        return real(h, l, ops, *a, **k)
+
+    for kept in (None, keep):
+        if kept is None:
+            h, ops = x0, FusedOps()
+        else:  # the kept tokens keep their positions
+            h, positions = ad.select_tokens(x0, kept, with_positions=True)
+            ops = FusedOps(positions=positions)
+        for l in range(ad.num_blocks):  # every row of every block
+            h = real(h, l, ops)
+        ref = ad.logits(h, ops)
+        calls.clear()
+        ad.block = spy
+        try:
+            got = ad.run(x0, keep=kept, ops=FusedOps())
+        finally:
+            del ad.block
+        assert calls[-1] == ad.readout_row_count and set(calls[:-1]) <= {None}
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12 * (1 + ref.abs().max().item()))

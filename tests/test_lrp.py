@@ -546,3 +546,38 @@ def test_model_unchanged_and_gamma_probability_score(family):
         out = method.attribute(x, TARGET, score="probability")
         assert out.shape == x.shape and torch.isfinite(out).all()
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_alpha_beta_linear_equals_the_explicit_rule(dtype):
+    """Chefer's α1β0 backward (computed as (xW + |x||W|)/2 and S W ± S |W|) equals the rule
+    written pair by pair, with exact zeros where an input is 0 and where an output has
+    only negative contributions (z = 0: no relevance passes)."""
+    from captum_vit.adapters._lrp import CHEFER_STABILIZER, BackwardMode, _AlphaBetaLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 12, generator=g, dtype=torch.float64)
+    x[0, 1, 4] = 0.0
+    x[1, 2] = 0.0  # a token of zeros
+    w = torch.randn(7, 12, generator=g, dtype=torch.float64)
+    w[2] = -w[2].abs()
+    x[2, 3] = x[2, 3].abs()  # output 2 of this token: every contribution negative
+    b = torch.randn(7, generator=g, dtype=torch.float64)
+    grad_y = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
+
+    contrib = x[..., None, :] * w  # [.., out, in]: x_i w_ji
+    pos = contrib.clamp(min=0)
+    y = x @ w.T + b
+    z = pos.sum(-1)
+    s = torch.where(z == 0, torch.zeros_like(z), y * grad_y / (z + CHEFER_STABILIZER))
+    r_x = (pos * s[..., None]).sum(-2)
+    ref = torch.where(x == 0, torch.zeros_like(x), r_x / x)
+
+    xt = x.to(dtype).requires_grad_()
+    out = _AlphaBetaLinear.apply(xt, w.to(dtype), b.to(dtype), BackwardMode())
+    got, = torch.autograd.grad(out, xt, grad_y.to(dtype))
+    assert z[2, 3, 2] == 0
+    assert (got[x == 0] == 0).all()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got.double() * x, ref * x, rtol=0,
+                               atol=tol * (1 + (ref * x).abs().max().item()))

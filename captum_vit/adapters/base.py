@@ -1202,8 +1202,12 @@ class ViTAdapter:
             if ops.positions is None:  # the kept tokens keep their own positions
                 ops = copy.copy(ops)
                 ops.positions = positions
+        # the logits read the prefix rows only (class-token readouts): the last block's
+        # output is computed for those rows (plain-tensor forwards; rule sets keep all rows)
+        plain = (type(ops) is Ops or isinstance(ops, FusedOps)) and not ops.linearize
+        rows = self.readout_row_count if stop == L and plain else None
         for l in range(start, stop):
-            x = self.block(x, l, ops)
+            x = self.block(x, l, ops, rows=rows if l == L - 1 else None)
         return self.logits(x, ops) if stop == L else x
 
     def select_tokens(self, x: Tensor, keep: Tensor, *, with_positions: bool = False

@@ -137,6 +137,13 @@ class SubnetworkAdapter(ViTAdapter):
             raise IndexError(f"block {l} of a {self.num_blocks}-block sub-network")
         return self.base.block(x, self.start + l, ops, record, **options)
 
+    @property
+    def readout_row_count(self) -> int | None:
+        """The model's (:attr:`ViTAdapter.readout_row_count`) when the sub-network ends at
+        the model's last block; ``None`` when blocks ``stop .. L-1`` follow it (they read
+        every row)."""
+        return self.base.readout_row_count if self.stop == self.base.num_blocks else None
+
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
         """The model's blocks ``stop .. L-1`` (none for ``stop = L``), then its head."""
         for l in range(self.stop, self.base.num_blocks):
