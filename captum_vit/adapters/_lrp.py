@@ -240,17 +240,15 @@ class _AlphaBetaLinear(torch.autograd.Function):
         w = weight.to(g.dtype)
         if _plain(ctx):
             return g @ w, None, None, None
-        n = w.shape[1]
         wabs = w.abs()
-        wx = y if bias is None else y - bias.to(y.dtype)
         mag = F.linear(x.abs(), wabs)  # |x| |W|^T
-        z = (wx + mag) * 0.5  # x⁺W⁺ᵀ + x⁻W⁻ᵀ >= 0, up to rounding
-        z = z.masked_fill_(z <= 8 * torch.finfo(z.dtype).eps * mag, 0)
-        # chefer_divide(R, z) for z >= 0: R / (z + 1e-9), 0 where z = 0
-        s = ((y * g) / (z + CHEFER_STABILIZER)).masked_fill_(z == 0, 0)
-        g2 = s @ torch.cat([w, wabs], dim=1)  # [S W | S |W|]
-        gx = torch.addcmul(g2[..., :n], x.sign(), g2[..., n:]).mul_(0.5)
-        gx = gx.masked_fill_(x == 0, 0)  # R_x = 0 there; no gradient-form residue
+        den = y + mag if bias is None else (y - bias.to(y.dtype)).add_(mag)  # 2z = xWᵀ + |x||W|ᵀ
+        # chefer_divide(R, z) / 2 for z >= 0: R / (2 z + 2e-9), 0 where z is 0 (or below
+        # the rounding noise of the sum)
+        keep = den > (16 * torch.finfo(den.dtype).eps) * mag
+        t = (y * g).div_(den.add_(2 * CHEFER_STABILIZER)).mul_(keep)
+        sgn = x.sign()  # S W^± = (S W ± S |W|) / 2 by the input's sign; 0 where x = 0
+        gx = torch.addcmul(t @ wabs, sgn, t @ w).mul_(sgn)
         return gx, None, None, None
 
 
