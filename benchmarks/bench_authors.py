@@ -24,7 +24,10 @@ with their loop structure, on the SAME model and weights (a deep copy):
 Before timing, the script checks that each re-implementation gives captum_vit's maps
 (max relative difference printed; TIS on the same given masks, since the two KMeans
 differ). Timings are interleaved: per repeat, the authors' version and ours alternate
-(who goes first alternates too), and the table gives the medians. The model is a random
+(who goes first alternates too), and the table gives the medians. GAE and Rollout are
+timed twice: back to back, and "settled" (each timed call right after an untimed call of
+the same code, see :func:`interleaved`: the side that follows the other otherwise pays
+for the memory the other left behind). The model is a random
 timm ``vit_small_patch16_224``-shaped ``VisionTransformer`` (``benchmarks/speed.py``'s
 ``vit_s16``) at ``--img-size`` (default 112 px = 50 tokens), float32, ``--threads`` 2.
 
@@ -136,19 +139,32 @@ def authors_rollout(saved: SavedAttention, x: Tensor, start_layer: int = 0) -> T
 
 
 # -- timing ------------------------------------------------------------------------------------
-def interleaved(ours: Callable[[], object], theirs: Callable[[], object], repeats: int
-                ) -> tuple[float, float]:
+def interleaved(ours: Callable[[], object], theirs: Callable[[], object], repeats: int, *,
+                settle: bool = False) -> tuple[float, float]:
     """Median ms of ``theirs`` and ``ours``, alternated (and who goes first alternates).
 
     The garbage collector runs before every timed call (outside the timing): the authors'
     hooks leave reference cycles holding autograd graphs, and a collection triggered
     inside the next timed call would charge their clean-up to whoever runs next (it
     doubled captum_vit's GAE time at batch 8 before this was done).
+
+    ``settle=True`` also runs each function once, untimed, right before its timed call,
+    so that every timed call follows a call of the same code (each side's steady state,
+    as when it runs alone) while the two sides still alternate. Without it, whoever
+    follows the other side pays for the memory that side left: under the benchmark's
+    malloc settings the authors' GAE keeps its parameter gradients (88 MB for ViT-S) and
+    its last retained graph alive between calls, the next call's buffers no longer fit
+    in the heap's free space and are faulted in fresh (about 26,000 minor page faults on
+    captum_vit's batch-8 GAE directly after theirs against 1 after its own call: 330 ms
+    against 155 ms, measured; a plain forward+backward went from 175 to 431 ms the same
+    way), and releasing their state instead moved the faults to their next call.
     """
     theirs(), ours()  # warm-up
     t_a, t_o = [], []
     for i in range(repeats):
         for fn, acc in ((theirs, t_a), (ours, t_o))[:: 1 if i % 2 == 0 else -1]:
+            if settle:
+                fn()
             gc.collect()
             t0 = time.perf_counter()
             fn()
@@ -233,14 +249,20 @@ def main() -> None:
     print("\n".join(rows), flush=True)
     for b in args.batches:
         x, t = xs[b], ts[b]
-        a_ms, o_ms = interleaved(partial(gae.attribute, x, t, output="tokens"),
-                                 partial(authors_gae_batch, saved, x, t), args.repeats)
-        row(rows, "GAE (authors: batch 1 only)", b, a_ms, o_ms)
+        for settle in (False, True):
+            a_ms, o_ms = interleaved(partial(gae.attribute, x, t, output="tokens"),
+                                     partial(authors_gae_batch, saved, x, t), args.repeats,
+                                     settle=settle)
+            row(rows, f"GAE (authors: batch 1 only){', settled' if settle else ''}", b, a_ms,
+                o_ms)
     for b in args.batches:
         x = xs[b]
-        a_ms, o_ms = interleaved(partial(rollout.attribute, x, output="tokens"),
-                                 partial(authors_rollout, saved, x), args.repeats)
-        row(rows, "Rollout (Chefer et al.'s baseline)", b, a_ms, o_ms)
+        for settle in (False, True):
+            a_ms, o_ms = interleaved(partial(rollout.attribute, x, output="tokens"),
+                                     partial(authors_rollout, saved, x), args.repeats,
+                                     settle=settle)
+            row(rows, f"Rollout (Chefer et al.'s baseline){', settled' if settle else ''}", b,
+                a_ms, o_ms)
     if authors_tis is not None:
         tis = TIS(model)
         for n in args.tis_masks:
