@@ -1,4 +1,4 @@
-"""The TIS authors' batch-1 algorithm, re-implemented for side-by-side timing (issue 21).
+"""The TIS authors' batch-1 algorithm, re-implemented for side-by-side timing.
 
 The authors' code (Englebert et al., "Explaining through Transformer Input Sampling")
 has no licence, so it is not vendored; this module rewrites its loop structure in our

@@ -1,4 +1,4 @@
-"""The authors' code against captum_vit, side by side in one run (issue 21, item 5).
+"""The authors' code against captum_vit, side by side in one run.
 
 The authors' code cannot be vendored (TIS has no licence), so this script measures
 against faithful re-implementations of their algorithms, written here in our own code

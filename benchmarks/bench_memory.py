@@ -1,4 +1,4 @@
-"""Peak memory of the attention-map methods at high resolution (issue 21, item 4).
+"""Peak memory of the attention-map methods at high resolution.
 
 Every method is measured in a FRESH Python process (``sys.executable`` running this
 script with ``--child``): the process builds the model and the inputs, reads its resident

@@ -1,4 +1,4 @@
-"""Speed of TIS against its lower bound (SPEC §5, issue 5).
+"""Speed of TIS against its lower bound (Englebert et al., ICCV Workshops 2023).
 
 TIS costs one forward per (image, mask) of the SHORTENED sequence (prefix + kept patch
 tokens) plus one KMeans per image. The lower bound timed here is exactly those forwards

@@ -1,4 +1,4 @@
-"""Anytime TIS against exact TIS: masks needed, time, deletion / insertion (issue 21).
+"""Anytime TIS against exact TIS: masks needed, time, deletion / insertion.
 
 For each model (the bundled ``zoo:vit_fmnist_loc`` on the FashionMNIST-Loc sample images,
 and a random timm ViT-S/16 at 224 px on random images) and each image:
@@ -18,7 +18,7 @@ and a random timm ViT-S/16 at 224 px on random images) and each image:
   and the deletion and insertion AUC (``captum_vit.metrics.faithfulness``, token removal)
   of both maps.
 
-Small defaults check that the script runs; the issue's run is::
+Small defaults check that the script runs; the full run (the paper's 1,024 masks) is::
 
     python benchmarks/bench_tis_anytime.py --n-masks 1024 --images 8 --vit-images 4
     python benchmarks/bench_tis_anytime.py --n-masks 1024 --images 0 --vit-images 8 \\

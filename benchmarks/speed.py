@@ -83,7 +83,7 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "IxG∘PLUS": (lambda m: PLUS(m, "ixg").attribute, 2.0),
     "FullGrad+": (lambda m: FullGradPlus(m).attribute, 2.0),
     "TIS (n_masks=32)": (lambda m: functools.partial(TIS(m).attribute, n_masks=32), None),
-    # the SkipPLUS paper's bases (issue 19); goals: gradient/CAM bases ≤ 1.3×, gradient
+    # the SkipPLUS paper's bases (Mehri et al. 2024); goals: gradient/CAM bases ≤ 1.3×, gradient
     # base ∘ PLUS/SkipPLUS ≤ 1.5×, GlobEnc/ALTI ∘ SkipPLUS ≤ 3×
     "VanillaGrad": (lambda m: VanillaGrad(m).attribute, 1.3),
     "AttnGrad": (lambda m: AttnGrad(m).attribute, 1.3),
@@ -103,9 +103,9 @@ CASES: dict[str, tuple[Callable, float | None]] = {
     "GlobEnc∘SkipPLUS": (lambda m: SkipPLUS(m, "globenc").attribute, 3.0),
     "LeGrad": (lambda m: LeGrad(m).attribute, 1.5),
     "ALTI∘SkipPLUS": (lambda m: SkipPLUS(m, "alti").attribute, 3.0),
-    # issue 20, n_steps = 20 integration steps: goals per step (BT ≤ 1.5× per step,
+    # BT and TAM, n_steps = 20 integration steps: goals per step (BT ≤ 1.5× per step,
     # TAM ≤ steps + 1)
-    # the issue's BT goal (1.5x) cannot hold with the paper's 20 integrated-gradient
+    # the BT goal (1.5x) cannot hold with the paper's 20 integrated-gradient
     # forwards; the table reports it as missed rather than moving the goal
     "BT-H": (lambda m: BTH(m).attribute, 1.5),
     "BT-T": (lambda m: BTT(m).attribute, 1.5),
@@ -116,7 +116,7 @@ CASES: dict[str, tuple[Callable, float | None]] = {
         lambda m: functools.partial(ScoreCAM(m).attribute, max_channels=32), None),
     "RISE (n_masks=64)": (lambda m: functools.partial(RISE(m).attribute, n_masks=64), None),
     "ViT-CX": (lambda m: ViTCX(m).attribute, None),
-    # issue 20, the LRP family
+    # the LRP family
     "CP-LRP": (lambda m: CPLRP(m).attribute, 1.5),
     "AttnLRP": (lambda m: AttnLRP(m).attribute, 1.5),
     "Chefer21": (lambda m: TransformerAttribution(m).attribute, 2.0),

@@ -1,4 +1,4 @@
-"""PLUS, SkipPLUS and FullGrad+ (Mehri et al., CVPRW 2024, "SkipPLUS"). SPEC §4, SPEC_NEXT §8.5.
+"""PLUS, SkipPLUS and FullGrad+ (Mehri et al., CVPRW 2024, "SkipPLUS").
 
 For a base attribution method ``A`` and the sub-network ``f_l`` that runs blocks
 ``l .. L-1`` and the head on the block input ``x_l``:
@@ -31,7 +31,7 @@ Hook API (what a method class implements to compose with PLUS; all optional):
   matrices without identity (Rollout: ``w Ā_l``; GAE: Grad-SAM).
 - ``layer_local = True``: the method acts at the LAST block of its model (raw attention,
   attention Grad-CAM, token CAMs, attention gradient); ``A(f_l)`` is then "the map at block
-  ``l``" (SPEC_NEXT §8.5): it is built on a one-block window (block ``l``, the later blocks
+  ``l``": it is built on a one-block window (block ``l``, the later blocks
   folded into the head), and both aggregates coincide.
 
 Token IxG, AttIxG, DecompX and the vanilla gradient (names ``"ixg"``, ``"att_ixg"``,
@@ -93,8 +93,8 @@ def per_layer_fast(kind: str, adapter: Any, inputs: Tensor, target: Tensor | Non
     """Every block's base map ``[L, B, N]`` from one forward and one backward.
 
     ``kind``: ``"ixg"`` (``sum_d x_l * grad``), ``"att_ixg"`` (AttCAT term),
-    ``"decompx"`` (IxG with the linearised backward, SPEC §3), ``"gradient"``
-    (``sum_d grad``, i.e. Captum's ``Saliency(abs=False)`` summed over channels).
+    ``"decompx"`` (IxG with the linearised backward, :mod:`captum_vit.methods.decompx`),
+    ``"gradient"`` (``sum_d grad``, i.e. Captum's ``Saliency(abs=False)`` summed over channels).
     """
     lg = layer_gradients(adapter, inputs, target, score=score, linearize=kind == "decompx")
     if kind == "att_ixg":
@@ -156,7 +156,7 @@ def _accepted_options(method: Attribution) -> set[str] | None:
 class PLUS(ViTGradientAttribution):
     r"""PLUS (Eq. 3 of SkipPLUS): :math:`\sum_{l \in \mathcal{L}} A(f_l)(x_l)` summed over
     all blocks :math:`\mathcal{L} = 0..L-1`, where :math:`f_l` runs blocks
-    :math:`l..L-1` and the head on the block input :math:`x_l` (SPEC_NEXT §8.5).
+    :math:`l..L-1` and the head on the block input :math:`x_l` (see the module docstring).
 
     ``base`` is any method:
 
@@ -196,8 +196,8 @@ class PLUS(ViTGradientAttribution):
         aggregate (str, optional): ``"subnetwork"`` (default, Eq. 3 literally: the base on
             every sub-network) or ``"layer"``: the sum of the readout rows of the base's
             per-block matrices without identity, :math:`\sum_l w F_l` (Rollout:
-            :math:`w \bar A_l`; GAE: Grad-SAM, SPEC_NEXT §8.4), the SkipPLUS authors'
-            aggregation of attention bases. For bases without a layer recursion
+            :math:`w \bar A_l`; GAE: Grad-SAM, :mod:`~captum_vit.methods.gradsam`), the
+            SkipPLUS authors' aggregation of attention bases. For bases without a layer recursion
             (layer-local maps, token IxG, AttIxG, vanilla gradient) both are the same;
             bases with a recursion but no layer form (TokenTM) and bases with no
             per-block matrix (DecompX, Captum methods, TIS) refuse ``"layer"``.
@@ -306,7 +306,7 @@ class PLUS(ViTGradientAttribution):
             self.route = "hook"
             if self.aggregate not in hook_aggregates:
                 raise ValueError(f"aggregate={self.aggregate!r} is not defined for {name}: it "
-                                 f"has no per-block matrix without identity (SPEC_NEXT §8.5); "
+                                 f"has no per-block matrix without identity; "
                                  f"use aggregate={hook_aggregates[0]!r}")
             return
         self.route = "method"

@@ -1,4 +1,4 @@
-"""Embedding targets: explain a similarity instead of a class (SPEC_NEXT §7.5).
+"""Embedding targets: explain a similarity instead of a class.
 
 Models without a classifier (CLIP and SigLIP vision towers) output an image embedding
 ``e``. Their ``target`` is a vector ``t`` — typically a text embedding the user computed —

@@ -1,5 +1,6 @@
 """Autograd functions whose forward is the model's own computation and whose
-backward is linearised (SPEC §3, "gradient route").
+backward is linearised (the "gradient route" of DecompX; see
+:mod:`captum_vit.methods.decompx`).
 
 Forward values are bit-identical to the ordinary operation; only the backward pass
 changes, so a linearised trace gives exactly the same logits as the model.

@@ -1,11 +1,11 @@
-"""Adapter for Hugging Face vision towers that output an image embedding (SPEC_NEXT §7.4):
+"""Adapter for Hugging Face vision towers that output an image embedding:
 ``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` and ``SiglipVisionModel``, and the
 image side of the dual ``CLIPModel`` / ``SiglipModel`` (their ``get_image_features``; the
 text side is the user's, to make target vectors).
 
 These models have no classifier: their targets are vectors (a text embedding the user
-computed, SPEC_NEXT §7.5), scored against the image embedding inside
-:meth:`ViTAdapter.targeting`.
+computed; see the embedding targets of :mod:`captum_vit.targets`), scored against the image
+embedding inside :meth:`ViTAdapter.targeting`.
 
 - **CLIP**: CLS token first; ``pre_layrnorm`` (sic) on the embedding output, like timm's
   ``norm_pre``; QuickGELU MLPs; the embedding is ``post_layernorm`` of the CLS row, times

@@ -8,13 +8,13 @@ transformers 5 (``layers[l]`` or ``encoder.layer[l]``, ``attention.{q,k,v,o}_pro
 ``mlp.{fc1, fc2}``) and transformers 4 (``encoder.layer[l].attention.attention.{query, key,
 value}``, ``attention.output.dense``, ``intermediate.dense`` / ``mlp.fc1``, ``output.dense``
 / ``mlp.fc2``); ViT/DeiT name the norms ``layernorm_before``/``layernorm_after``, DINOv2
-``norm1``/``norm2`` with LayerScale ``layer_scale{1,2}.lambda1``. All are pre-LN ViTs
-(SPEC_NEXT §7.4) with separate q, k, v projections, which :class:`BlockParts` takes as
-they are. DINOv2's classifier reads ``[CLS ; mean of the patch tokens]`` (registers
-excluded): its weight splits into a CLS head and a patch-mean head whose outputs add
-(``readout="cls_mean"``). DINOv2's gated MLP (``use_swiglu_ffn``) is read as
+``norm1``/``norm2`` with LayerScale ``layer_scale{1,2}.lambda1``. All are pre-LN ViTs with
+separate q, k, v projections, which :class:`BlockParts` takes as they are. DINOv2's
+classifier reads ``[CLS ; mean of the patch tokens]`` (registers excluded): its weight
+splits into a CLS head and a patch-mean head whose outputs add (``readout="cls_mean"``).
+DINOv2's gated MLP (``use_swiglu_ffn``) is read as
 ``gate_proj``/``up_proj``/``down_proj`` (transformers >= 5; the packed ``weights_in`` of
-transformers 4 is refused). Verified (SPEC_NEXT §7.4 asks): in
+transformers 4 is refused). Verified in the installed transformers: in
 ``Dinov2WithRegistersEmbeddings`` the position embeddings are added to CLS and the patches
 before the register tokens are inserted after CLS, so registers carry no position; the
 adapter calls the model's own ``embeddings`` and reproduces its forward (tested at two

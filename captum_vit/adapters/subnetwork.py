@@ -1,4 +1,5 @@
-"""Sub-network views of a model: the ``f_l`` of PLUS / SkipPLUS (SPEC §4, SPEC_NEXT §8.5).
+"""Sub-network views of a model: the ``f_l`` of PLUS / SkipPLUS (Mehri et al.,
+CVPRW 2024, Eq. 3-4; see :mod:`captum_vit.combinators`).
 
 A :class:`SubnetworkAdapter` is a :class:`~captum_vit.adapters.base.ViTAdapter` whose
 blocks are the model's blocks ``start .. stop-1``. Its :meth:`~SubnetworkAdapter.embed`
@@ -41,12 +42,13 @@ OUTPUT_SCORES = ("logit", "probability")
 class SubnetworkAdapter(ViTAdapter):
     r"""The sub-network of ``adapter`` made of blocks ``start .. stop-1``.
 
-    - ``stop = None`` (``L``): :math:`f_l` of PLUS (SPEC §4), blocks ``l .. L-1``, final
-      norm, pooling and head, on the block input :math:`x_l`.
+    - ``stop = None`` (``L``): :math:`f_l` of PLUS (Mehri et al., Eq. 3), blocks
+      ``l .. L-1``, final norm, pooling and head, on the block input :math:`x_l`.
     - ``stop = start + 1``: a one-block window, block ``l`` alone, the blocks after it
       folded into the head. A method that acts at the last block of its model (raw
       attention, attention Grad-CAM, the token CAMs) then acts at block ``l`` with the
-      model's own score: "the map at block l" of the layer-local bases (SPEC_NEXT §8.5).
+      model's own score: "the map at block l" of the layer-local bases
+      (see :mod:`captum_vit.combinators`).
 
     The view owns no parameters and changes nothing: its block parts are the model
     adapter's (re-read at every entry point), its embedding and the blocks before

@@ -2,9 +2,10 @@
 
 A *job* is one (image, subset) pair: the model runs on the image's prefix tokens plus the
 patch tokens the subset keeps, taken right after the positional embedding so that every
-kept token keeps its own position (true token removal, SPEC §6.3). TIS (SPEC §5, one
-job per mask) and the token-removal metrics (SPEC §6, one job per removal step) are
-both a batch of such jobs, scored here by :func:`subset_logits`.
+kept token keeps its own position (true token removal, :mod:`captum_vit.metrics.removal`).
+TIS (:mod:`captum_vit.methods.tis`, one job per mask) and the token-removal metrics
+(:mod:`captum_vit.metrics.faithfulness`, one job per removal step) are both a batch of
+such jobs, scored here by :func:`subset_logits`.
 
 Planning: the jobs of the whole batch (across images AND subsets) are grouped by their
 sequence length ``K + kept``. A forward of ``c`` sequences padded to length ``n`` is

@@ -1,19 +1,20 @@
-"""Adapter for timm's ``Beit`` (BEiT, BEiT-v2): relative position bias (SPEC_NEXT §7.2).
+"""Adapter for timm's ``Beit`` (BEiT, BEiT-v2): relative position bias.
 
 Each block adds a learned relative position bias ``B^h`` (per block, or one shared by all
 blocks) to the attention logits before the softmax. The bias comes from the model's own
 code (``Attention._get_rel_pos_bias`` / ``RelativePositionBias``) and enters
 :meth:`BlockParts.attention` as ``attn_bias``; under true token removal a kept subset
 ``S`` uses the sub-matrix ``B[:, S, S]`` of the original positions (the index is never
-rebuilt for a smaller grid). The MLP is timm's GELU ``Mlp`` or ``SwiGLU`` (gated,
-SPEC_NEXT §7.1's rule; with ``scale_mlp`` a hidden LayerNorm). q/k/v are views of the
-fused ``qkv`` weight with timm's separate ``q_bias``, zero ``k_bias`` and ``v_bias``;
-LayerScale is ``gamma_1``/``gamma_2``; the readout is the class token after ``norm``, or
-the patch mean and ``fc_norm`` (``global_pool='avg'``, BEiT's fine-tuning default). The
+rebuilt for a smaller grid). The MLP is timm's GELU ``Mlp`` or ``SwiGLU`` (gated, read as in
+:mod:`~captum_vit.adapters.timm_eva`; with ``scale_mlp`` a hidden LayerNorm). q/k/v are
+views of the fused ``qkv`` weight with timm's separate ``q_bias``, zero ``k_bias`` and
+``v_bias``; LayerScale is ``gamma_1``/``gamma_2``; the readout is the class token after
+``norm``, or the patch mean and ``fc_norm`` (``global_pool='avg'``, BEiT's fine-tuning
+default). The
 bias is a constant inside the softmax, so no method needs a rule of its own: attention
 methods read the probabilities that include it, DecompX keeps them constant.
 
-Verified (SPEC_NEXT §7.2 asks): the installed timm (1.x) ``Beit`` has no
+Verified: the installed timm (1.x) ``Beit`` has no
 ``dynamic_img_size`` and its patch embedding asserts the configured size, so the bias
 table is never resized; inputs of another size are refused before any work.
 """

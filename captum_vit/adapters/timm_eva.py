@@ -1,5 +1,5 @@
 """Adapter for timm's ``Eva`` (EVA, EVA-02, DINOv3 and the other rotary ViTs of timm's
-``eva.py``): rotary position embedding, inner attention norm, gated MLPs (SPEC_NEXT §7.1).
+``eva.py``): rotary position embedding, inner attention norm, gated MLPs.
 
 The embedding is the model's own code (``patch_embed``, ``_pos_embed``, ``norm_pre``):
 class token, register tokens and the absolute position embedding (if any) come in the
@@ -237,7 +237,7 @@ class TimmEvaAdapter(TimmViTAdapter):
         return self._rope
 
     def _rotate(self, h: Tensor, positions: Tensor | None, *, half: bool) -> Tensor:
-        """timm's RoPE on the patch rows of ``h`` [B, H, n, d] (SPEC_NEXT §7.1): the rows of
+        """timm's RoPE on the patch rows of ``h`` [B, H, n, d] (prefix rows unrotated): the rows of
         the tokens' original ``positions`` [B, n] (``None``: the full sequence)."""
         from timm.layers import apply_keep_indices_nlc, apply_rot_embed_cat
 

@@ -40,7 +40,7 @@ def _layer_scale(m: nn.Module) -> Tensor | None:
 def timm_head(head: nn.Module, where: str) -> tuple[Tensor | None, Tensor | None]:
     """A timm classifier's ``(weight, bias)``, or ``(None, None)`` for a model built with
     ``num_classes=0`` (``nn.Identity``): it outputs its pooled embedding and is explained
-    with vector targets (SPEC_NEXT §7.5)."""
+    with vector targets (:mod:`captum_vit.targets`)."""
     if isinstance(head, nn.Identity):
         return None, None
     if not isinstance(head, nn.Linear):

@@ -1,6 +1,6 @@
 """Fashion-MNIST reader, the FashionMNIST-Loc localisation set, a bundled sample, image
 reading, the benchmark loaders (ImageNet-Segmentation, ImageNet validation, CIFAR-10/100,
-ImageNet-S; local files only), the seeds' resizing and the data specs of the command line."""
+ImageNet-S; local files only), the papers' resizing and the data specs of the command line."""
 
 from captum_vit.data.cifar import CIFAR10, CIFAR100, read_cifar_batch
 from captum_vit.data.fashion_mnist import CLASS_NAMES, load_fashion_mnist, read_idx

@@ -1,4 +1,4 @@
-r"""CIFAR-10 and CIFAR-100, "python version" (SPEC_NEXT §9.4), from local files.
+r"""CIFAR-10 and CIFAR-100, "python version" (Krizhevsky 2009), from local files.
 
 ``cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta}`` and
 ``cifar-100-python/{train, test, meta}``: pickles (read with ``encoding="bytes"``) holding

@@ -1,5 +1,4 @@
-r"""ImageNet validation set (ILSVRC2012) from local files, and WNID <-> model class mapping
-(SPEC_NEXT §9.3).
+r"""ImageNet validation set (ILSVRC2012) from local files, and WNID <-> model class mapping.
 
 Two layouts:
 
@@ -13,14 +12,14 @@ Two layouts:
 * **class folders** — ``PATH/<WNID>/*.JPEG`` (e.g. after the usual ``valprep.sh``).
 
 Labels are positions in the **sorted list of the 1000 ImageNet-1k WNIDs** (n01440764 tench
-= 0), the order of timm's and Hugging Face's ImageNet-1k heads; ILSVRC2012_ID order is
-not that order (ID 1 is n02119789, kit fox: SPEC_NEXT's "verify" checked against the
-ILSVRC2012 WNID-to-ID table listed in arthw/imagenet_label's README, "n02119789 1 kit_fox";
-no real devkit is available offline, the tests use a meta.mat written with the devkit's
-field names). The sorted-WNID order is checked against timm's ``ImageNetInfo`` (index 0
-"tench, Tinca tinca"). Bounding boxes: a PASCAL VOC ``.xml`` with the
-image's stem beside it (or in ``boxes``) gives a box mask (the union of its objects of the
-image's class) for the pointing game.
+= 0), the order of timm's and Hugging Face's ImageNet-1k heads; ILSVRC2012_ID order is not
+that order (ID 1 is n02119789, kit fox: checked against the ILSVRC2012 WNID-to-ID table
+listed in arthw/imagenet_label's README, "n02119789 1 kit_fox"; no real devkit is
+available offline, the tests use a meta.mat written with the devkit's field names). The
+sorted-WNID order is checked against timm's ``ImageNetInfo`` (index 0 "tench, Tinca
+tinca"). Bounding boxes: a PASCAL VOC ``.xml`` with the image's stem beside it (or in
+``boxes``) gives a box mask (the union of its objects of the image's class) for the
+pointing game.
 """
 
 from __future__ import annotations

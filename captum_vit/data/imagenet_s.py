@@ -1,5 +1,6 @@
 r"""ImageNet-S (Gao et al., TPAMI 2022) semantic-segmentation masks of ImageNet images, as in
-the SkipPLUS segmentation-AP protocol (SPEC_NEXT §9.6 ``skipplus_seg_ap``).
+the SkipPLUS segmentation-AP protocol (Mehri et al. 2024; the ``skipplus_seg_ap``
+protocol of :mod:`captum_vit.metrics.protocols`).
 
 Layout (the official preparation of ``ImageNetS919`` / ``ImageNetS300`` / ``ImageNetS50``):
 ``PATH/validation/<WNID>/<name>.JPEG``, ``PATH/validation-segmentation/<WNID>/<name>.png``

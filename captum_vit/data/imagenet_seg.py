@@ -1,5 +1,5 @@
 r"""ImageNet-Segmentation (Guillaumin et al. 2014): ``gtsegs_ijcv.mat``, the 4,276 images
-and foreground masks of Chefer et al.'s segmentation test (SPEC_NEXT §9.2).
+and foreground masks of Chefer et al.'s segmentation test (CVPR 2021).
 
 The file is MATLAB v7.3, i.e. HDF5, read with ``h5py`` (extra ``data``:
 ``pip install 'captum_vit[data]'``). Layout: ``f["/value/img"]`` is an ``[n, 1]`` array of
@@ -8,7 +8,7 @@ to ``H x W x 3``); ``f["/value/gt"][i, 0]`` references a cell whose ``[0, 0]`` e
 references the mask, stored ``(W, H)`` (transposed to ``H x W``, 1 = foreground). There
 are no class labels: the predicted class is explained.
 
-The images and masks come back at their own size; the seeds' resizing is
+The images and masks come back at their own size; the papers' resizing is
 :func:`captum_vit.data.transforms.seed_transforms` (``Resize((224, 224))`` bilinear, no
 crop, ``Normalize(0.5, 0.5)``, masks nearest).
 """

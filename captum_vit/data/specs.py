@@ -21,7 +21,7 @@
 
 Nothing is downloaded: a missing path raises ``FileNotFoundError`` saying what to put where.
 
-Labels are always indices of the **model's** classes (SPEC_NEXT §9.5): an explicit
+Labels are always indices of the **model's** classes, matched by name: an explicit
 ``class_map`` (``{data class name: model index}``, ``--class-map FILE``) wins; otherwise a
 data set's own class names are matched by name to the model's (``fmnist-loc`` and
 ``sample`` name Fashion-MNIST's classes, a folder its sub-folders, CIFAR its meta file),
@@ -479,7 +479,7 @@ def _label_map(spec: str, source: Any, names: Sequence[str] | None,
                class_names: Sequence[str] | None, need_labels: bool,
                class_map: dict[str, int] | None = None, num_classes: int = 0
                ) -> list[int] | None:
-    """The model class of each of the source's class ``names`` (SPEC_NEXT §9.5)."""
+    """The model class of each of the source's class ``names`` (see the module docstring)."""
     if names is None:
         return None
     if need_labels and isinstance(source, FolderImages) and -1 in source.folder_index:

@@ -1,4 +1,4 @@
-"""Shared pieces of the soft-mask perturbation methods (RISE, ViT-CX; SPEC_NEXT §8.10-8.11):
+"""Shared pieces of the soft-mask perturbation methods (RISE, ViT-CX):
 linear interpolation matrices, pixel maps to patch scores, and where a mask is applied."""
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def patch_means(pixels: Tensor, layout: Layout) -> Tensor:
 
 def resolve_removal(adapter: ViTAdapter, removal: Any) -> str:
     """``removal`` checked, with ``None`` resolved: ``"pixels"`` for a model and
-    ``"tokens"`` for a sub-network ``f_l`` (PLUS / SkipPLUS, SPEC_NEXT §8.5: its input is
-    the token states ``x_l``, so its masks are applied to them by true removal)."""
+    ``"tokens"`` for a sub-network ``f_l`` (PLUS / SkipPLUS, :mod:`captum_vit.combinators`:
+    its input is the token states ``x_l``, so its masks are applied to them by true
+    removal)."""
     view = isinstance(adapter, SubnetworkAdapter)
     if removal is None:
         return "tokens" if view else "pixels"

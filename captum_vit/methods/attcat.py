@@ -1,4 +1,4 @@
-"""AttCAT: Attentive Class Activation Tokens (Qiang et al., NeurIPS 2022). SPEC §1.4."""
+"""AttCAT: Attentive Class Activation Tokens (Qiang et al., NeurIPS 2022)."""
 
 from __future__ import annotations
 

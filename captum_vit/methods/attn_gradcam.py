@@ -1,4 +1,4 @@
-"""Grad-CAM on the last attention map (Chefer et al.'s "Grad-CAM" baseline). SPEC §1.5."""
+"""Grad-CAM on the last attention map (Chefer et al.'s "Grad-CAM" baseline)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ class AttnGradCAM(ViTGradientAttribution):
     \nabla A^h[r, j]` of the last block, map
     :math:`m = \mathrm{ReLU}(\mathrm{mean}_h\, w_h A^h[r, :])`. With an attention-pool
     head (``global_pool='map'``) it runs on the pool's attention :math:`A_p` instead of
-    the last block (SPEC_NEXT §7.3).
+    the last block.
 
     Layer-local: composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it
-    runs at every block ``l`` with the model's own gradients (SPEC_NEXT §8.5).
+    runs at every block ``l`` with the model's own gradients.
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
@@ -71,7 +71,7 @@ class AttnGradCAM(ViTGradientAttribution):
         dt = accumulation_dtype(attn)
         k = tr.layout.num_prefix
         with torch.no_grad():
-            if pool_grad is not None:  # an attention-pool head: run on A_p (SPEC_NEXT §7.3)
+            if pool_grad is not None:  # an attention-pool head: run on A_p
                 g_r, a_r = pool_grad[:, :, 0].to(dt), tr.pool_attn.detach()[:, :, 0].to(dt)
             else:
                 w = readout_rows(tr, dtype=dt, target=t)

@@ -1,5 +1,5 @@
 """Beyond Intuition: BT-H and BT-T (Chen et al., "Beyond Intuition: Rethinking Token
-Attributions inside Transformers", TMLR 2023). SPEC_NEXT §8.8.
+Attributions inside Transformers", TMLR 2023).
 
 A token's relevance is split by the chain rule into *attention perception* (a rolled-out
 token-to-token matrix ``R``) and *reasoning feedback* (the integrated gradient of the last
@@ -85,7 +85,7 @@ def integrated_attention_gradient(adapter: ViTAdapter, inputs: Tensor, target: T
     :math:`\frac1n \sum_{k=0}^{n-1} \partial s / \partial A_{L-1}(\alpha_k X)` with
     :math:`\alpha_k = k / (n-1)` (``linspace(0, 1, n)``, both ends included), the black
     baseline 0 in the model's (normalised) input space and the score of ``target``, the
-    class chosen on ``X`` (SPEC_NEXT §8.8; Beyond Intuition's reasoning feedback and TAM's
+    class chosen on ``X`` (Beyond Intuition's reasoning feedback and TAM's
     weight, before the ReLU and head mean). Not multiplied by :math:`A - A(0)`: the
     authors' "integrated gradient" is the path average of the gradient.
 
@@ -155,7 +155,8 @@ def reasoning_feedback(adapter: ViTAdapter, inputs: Tensor, target: Tensor, *,
                        n_steps: int = N_STEPS, score: str = "logit",
                        internal_batch_size: int | None = None,
                        grad_at_input: Tensor | None = None) -> Tensor:
-    r"""Beyond Intuition's reasoning feedback (shared with TAM, SPEC_NEXT §8.8-8.9):
+    r"""Beyond Intuition's reasoning feedback (shared with
+    :class:`~captum_vit.methods.tam.TAM`):
     :math:`W = \mathrm{mean}_h \mathrm{ReLU}\big(\frac1n \sum_k \nabla A_{L-1}^h(\alpha_k
     X)\big)`, ReLU per head on the averaged gradient, then the head mean.
 
@@ -249,8 +250,8 @@ class _BeyondIntuition(ViTGradientAttribution):
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, internal_batch_size: int | None = None,
                   score: str = "logit") -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the method on every sub-network
-        :math:`f_l`, ``l`` in ``layers``, [len(layers), B, N].
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the method on every
+        sub-network :math:`f_l`, ``l`` in ``layers``, [len(layers), B, N].
 
         The sub-network :math:`f_l` starts its recursion at its own block ``s``
         (``start_layer``, relative to the sub-network: the model's block ``l + s``; the
@@ -357,7 +358,7 @@ class BTH(_BeyondIntuition):
     :math:`A^\top \nabla A`.
 
     Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
-    path (:meth:`plus_maps`, SPEC_NEXT §8.5: :math:`F_k = I + \hat A_k`, then ``⊙ W``).
+    path (:meth:`plus_maps`: :math:`F_k = I + \hat A_k`, then ``⊙ W``).
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
@@ -409,7 +410,7 @@ class BTT(_BeyondIntuition):
     **Start block (verified).** ``generate_ours_c`` skips blocks ``nb < start_layer - 1``;
     its default ``start_layer=6`` starts at block 5 and the authors' perturbation script
     calls it with ``start_layer=7`` (block 6), while their notebook's commented call uses
-    ``start_layer=4`` (block 3). The default here is block 3 (SPEC_NEXT §8.8, shared with
+    ``start_layer=4`` (block 3). The default here is block 3 (the notebook's, shared with
     BT-H; clamped to ``L - 1`` as for :class:`BTH`); pass ``start_layer=6`` for the
     perturbation script's setting.
 

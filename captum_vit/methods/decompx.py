@@ -1,10 +1,10 @@
 """DecompX for Vision Transformers (Modarressi et al., ACL 2023; ViT form of the
-SkipPLUS paper, Mehri et al. 2024). SPEC §3.
+SkipPLUS paper, Mehri et al. 2024).
 
 Every hidden state from block ``s`` on is written as a sum of one vector per source
 token of ``x_s`` plus one bias source, ``x = sum_j x^(j) + x^(bias)``, and the
 decomposition is pushed exactly through the rest of the network. The rules below are
-numbered D1-D6 (SPEC §3 lists them in this order) and the code cites them:
+numbered D1-D6 and the code cites them:
 
 - D1 LayerNorm: statistics ``mu_i``, ``sigma_i^2`` frozen from the real token;
   each component is centred by its own channel mean, divided by
@@ -13,14 +13,15 @@ numbered D1-D6 (SPEC §3 lists them in this order) and the code cites them:
 - D3 Attention: the probabilities from the real q, k are constants that mix the
   value components of each head; the value bias goes to the bias source.
 - D4 GELU: zero-origin slope, every component times ``GELU(z)/z`` (= Phi(z)). Gated MLP
-  (SwiGLU, SPEC_NEXT §7.1, the spec's choice): the activated gate ``a = SiLU(g)`` comes from
-  the real input and is a constant per hidden unit; the value branch ``z`` is decomposed
-  linearly (its bias to the bias source) and every component is multiplied by ``a``, so
-  completeness holds exactly. The gradient route detaches ``a``. (No parity fixture: the
-  SkipPLUS authors' code has no gated decomposition; completeness and the agreement of
-  the two routes are what the tests check.)
+  (SwiGLU; our choice, the gated analogue of the GELU rule): the activated gate
+  ``a = SiLU(g)`` comes from the real input and is a constant per hidden unit; the value
+  branch ``z`` is decomposed linearly (its bias to the bias source) and every component is
+  multiplied by ``a``, so completeness holds exactly. The gradient route detaches ``a``. (No
+  parity fixture: the SkipPLUS authors' code has no gated decomposition; completeness and
+  the agreement of the two routes are what the tests check.)
 - D5 Residual / LayerScale: component-wise.
-- D6 Pooling and head: the readout row (SPEC §0), then the classifier (D2).
+- D6 Pooling and head: the readout row (the CLS row, or the mean of the patch rows;
+  :meth:`~captum_vit.adapters.base.Layout.readout_weights`), then the classifier (D2).
 
 Two routes give the same numbers: ``"explicit"`` carries the components through the
 adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token
@@ -83,7 +84,7 @@ class Decomposed:
 
 
 class DecompositionOps(Ops):
-    """The canonical forward's primitives on :class:`Decomposed` values (SPEC §3 rules)."""
+    """The canonical forward's primitives on :class:`Decomposed` values (rules D1-D6 above)."""
 
     def __init__(self) -> None:
         super().__init__(linearize=False)
@@ -113,7 +114,7 @@ class DecompositionOps(Ops):
         return Decomposed(a * z.real, z.parts * a.to(z.parts.dtype).unsqueeze(1), z.has_bias)
 
     def normalize(self, x: Decomposed) -> Decomposed:
-        # cosine embedding targets (SPEC_NEXT §7.5): ‖e‖ frozen like LayerNorm statistics
+        # cosine embedding targets (captum_vit.targets): ‖e‖ frozen like LayerNorm statistics
         n = x.real.norm(dim=-1, keepdim=True)
         return Decomposed(x.real / n, x.parts / n.to(x.parts.dtype).unsqueeze(1), x.has_bias)
 
@@ -138,7 +139,8 @@ class DecompositionOps(Ops):
         return self._mix(u, real, attn, p), attn
 
     def pool_attention(self, x: Decomposed, p: PoolParts) -> tuple[Decomposed, Tensor]:
-        # SPEC_NEXT §7.3: the pool's probabilities are constants, its value path linear
+        # attention-pool head (global_pool="map"): its probabilities are constants (D3), its
+        # value path linear
         real, attn = super().pool_attention(x.real, p)
         return self._mix(x, real, attn, p), attn
 
@@ -234,8 +236,9 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
 
 
 class DecompX(ViTGradientAttribution):
-    r"""DecompX started at block ``s`` (SPEC §3): the signed contribution of every token
-    of ``x_s`` to the target logit :math:`y_c`, without the bias source.
+    r"""DecompX started at block ``s`` (rules D1-D6, see the module docstring): the signed
+    contribution of every token of ``x_s`` to the target logit :math:`y_c`, without the bias
+    source.
 
     Writing every hidden state as :math:`x = \sum_j x^{(j)} + x^{(\beta)}` over the
     source tokens :math:`j` of :math:`x_s` and propagating the components exactly

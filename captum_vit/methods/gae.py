@@ -1,4 +1,4 @@
-"""Generic Attention-model Explainability (Chefer, Gur & Wolf, ICCV 2021). SPEC §1.3."""
+"""Generic Attention-model Explainability (Chefer, Gur & Wolf, ICCV 2021)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class GAE(ViTGradientAttribution):
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): GAE of every sub-network
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): GAE of every sub-network
         :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,
         [len(layers), B, N].
 
@@ -94,7 +94,7 @@ class GAE(ViTGradientAttribution):
         the map of :math:`f_l` is :math:`v_l` (GAE's recursion started at block ``l``:
         :math:`\partial s / \partial A_k` for :math:`k \geq l` is the same in
         :math:`f_l` and in the model). ``aggregate="layer"``: :math:`w \bar A_l`, whose
-        sum over the blocks is Grad-SAM (SPEC_NEXT §8.4).
+        sum over the blocks is Grad-SAM (:class:`~captum_vit.methods.gradsam.GradSAM`).
 
         Args:
             inputs (Tensor): validated images [B, C, H, W].

@@ -1,12 +1,12 @@
 """GlobEnc (Modarressi et al., NAACL 2022) and ALTI (Ferrando et al., EMNLP 2022) on
 Vision Transformers, as compared in SkipPLUS (Mehri et al. 2024, §5.1, App. E.2).
-SPEC_NEXT §8.2.
 
-Both read one "reset" decomposition per block ``l``: the block input ``x_l`` is written
-as one source per token (source ``j`` is ``x_l[j]`` at token ``j``), the SPEC §3 rules
-(:class:`~captum_vit.methods.decompx.DecompositionOps`) carry the sources through block
-``l`` alone, and the bias source is dropped. This gives vectors ``v_{i←j}`` [D]: what
-source token ``j`` of ``x_l`` contributes to token ``i`` of the block's output. Then
+Both read one "reset" decomposition per block ``l``: the block input ``x_l`` is written as
+one source per token (source ``j`` is ``x_l[j]`` at token ``j``), the DecompX rules
+(Modarressi et al., ACL 2023; :class:`~captum_vit.methods.decompx.DecompositionOps`) carry
+the sources through block ``l`` alone, and the bias source is dropped. This gives vectors
+``v_{i←j}`` [D]: what source token ``j`` of ``x_l`` contributes to token ``i`` of the
+block's output. Then
 
     GlobEnc:  T_l[i, j] = ‖v_{i←j}‖₂
     ALTI:     T_l[i, j] = max(0, ‖o_i‖₁ − ‖o_i − v_{i←j}‖₁),   o_i = x_{l+1}[i] (real output)
@@ -26,9 +26,9 @@ The MLP branch (``mlp=``):
   ``v_{i←j} = x_mid,i←j + ls2 ⊙ LN2^lin(x_mid)_{i←j}``. This is the pre-LN analogue of
   GlobEnc's own treatment of BERT, which skips the FFN and keeps the second residual and
   LayerNorm.
-- ``"decompx"``: the exact DecompX decomposition of the whole block (SPEC §3, GELU
-  zero-origin slope, gated units with their real gate). Then
-  ``Σ_j v_{i←j} + (bias part) = x_{l+1}[i]`` exactly.
+- ``"decompx"``: the exact DecompX decomposition of the whole block
+  (:mod:`captum_vit.methods.decompx`, GELU zero-origin slope, gated units with their real
+  gate). Then ``Σ_j v_{i←j} + (bias part) = x_{l+1}[i]`` exactly.
 
 Verified against the SkipPLUS authors' code (read for its mathematics only):
 NightMachinery/pytorch-image-models-libragrad-v1 (Apache-2.0), ``timm/night/
@@ -42,7 +42,7 @@ licence file), ``decompv/x/ds/compute_globalti.py`` (``attributions_aggregation_
 ``transform_globalti_attributions`` in ``decompv/x/ds/utils.py``: bias source removed,
 GlobEnc = L2 norm, ALTI = ``relu(‖o‖₁ − ‖o − v‖₁)`` with ``o`` the block's real output,
 rows of ALTI divided by their sum; rollout ``(1 − r) T + r I``, later blocks on the left.
-Two differences from that code, both the SPEC's choice: its GlobEnc matrices are not
+Two differences from that code, both our choice: its GlobEnc matrices are not
 row-normalised before the rollout (nor are they in GlobEnc's own demo,
 mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by default).
 """
@@ -89,10 +89,10 @@ class _Undecomposed(Decomposed):
 
 
 class _LN2Ops(DecompositionOps):
-    """SPEC §3 rules, except that the MLP of the block is not decomposed (the authors'
-    ``mlp_decompose_p=False``): from the output of ``norm2`` on, every MLP primitive
-    computes its real output and leaves the decomposition as it found it. The branch's
-    LayerScale and the residual add are decomposed as usual."""
+    """The DecompX rules (:mod:`captum_vit.methods.decompx`), except that the MLP of the
+    block is not decomposed (the authors' ``mlp_decompose_p=False``): from the output of
+    ``norm2`` on, every MLP primitive computes its real output and leaves the decomposition
+    as it found it. The branch's LayerScale and the residual add are decomposed as usual."""
 
     def __init__(self, norm2: NormParts) -> None:
         super().__init__()
@@ -127,10 +127,11 @@ class _LN2Ops(DecompositionOps):
 @torch.no_grad()
 def decompose_block(adapter: ViTAdapter, x: Tensor, layer: int, *, mlp: str = "ln2",
                     sources: range | None = None, bias: bool = False) -> Decomposed:
-    r"""The reset decomposition of block ``layer`` (SPEC_NEXT §8.2).
+    r"""The reset decomposition of block ``layer`` (see the module docstring).
 
     Source ``j`` of the block input ``x`` starts as ``x[:, j]`` at token ``j`` and zero
-    elsewhere; the SPEC §3 rules carry the sources through this one block.
+    elsewhere; the DecompX rules (:mod:`captum_vit.methods.decompx`) carry the sources
+    through this one block.
 
     Args:
         adapter (ViTAdapter): the model's adapter.
@@ -201,7 +202,8 @@ def token_scores(h: Decomposed, measure: str) -> Tensor:
 
 def _centred_scaled(x: Tensor, p: NormParts) -> Tensor:
     """``γ ⊙ (x − mean x) / sqrt(var x + eps)`` per token: LayerNorm without its bias (the
-    SPEC §3 rule D1 applied to a source that is the whole token)."""
+    DecompX rule D1 of :mod:`captum_vit.methods.decompx` applied to a source that is the
+    whole token)."""
     y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True)
                                                      + p.eps)
     return y if p.weight is None else y * p.weight.to(y.dtype)
@@ -384,7 +386,7 @@ class _GlobALTI(ViTGradientAttribution):
         return self._attribute(inputs, target, output)
 
     def block_matrices(self, inputs: Tensor) -> Tensor:
-        r"""The row-normalised per-block matrices ``T_l`` (SPEC_NEXT §8.2).
+        r"""The row-normalised per-block matrices ``T_l`` (see the module docstring).
 
         ``T_l[b, i, j]`` is how much source token ``j`` of the block input ``x_l``
         contributes to token ``i`` of the block output; every row is non-negative and
@@ -433,7 +435,7 @@ class _GlobALTI(ViTGradientAttribution):
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork") -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the map of every sub-network
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every sub-network
         :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].
 
         ``aggregate="subnetwork"``: :math:`v_L = w`, :math:`v_k = v_{k+1} T'_k`, the map
@@ -473,7 +475,8 @@ class _GlobALTI(ViTGradientAttribution):
 
 
 class GlobEnc(_GlobALTI):
-    r"""GlobEnc (Modarressi et al., NAACL 2022) for ViTs, as in SkipPLUS (SPEC_NEXT §8.2).
+    r"""GlobEnc (Modarressi et al., NAACL 2022) for ViTs, as in SkipPLUS
+    (Mehri et al. 2024, §5.1, App. E.2).
 
     Per block ``l``, the reset decomposition of the block (one source per token of its
     input ``x_l``, bias source dropped; see :mod:`captum_vit.methods.globenc_alti`) gives
@@ -488,8 +491,8 @@ class GlobEnc(_GlobALTI):
     MLP branch is replaced by the decomposition of its input ``LN2(x_mid)`` (times
     LayerScale), the SkipPLUS authors' ``mlp_decompose_p=False``; ``mlp="decompx"`` uses
     the exact DecompX decomposition of the whole block. The SkipPLUS authors' code (and
-    GlobEnc's own demo) roll out the norms without row normalisation; the SPEC
-    row-normalises. Cost with ``mlp="ln2"``: one forward plus, per block, one value
+    GlobEnc's own demo) roll out the norms without row normalisation; captum_vit
+    row-normalises (our choice). Cost with ``mlp="ln2"``: one forward plus, per block, one value
     projection of the tokens and an ``[N, N, D]`` attention mix per image (chunked by
     ``max_memory``); ``mlp="decompx"`` carries ``N`` decomposed copies of the sequence
     through each block (``N·N·W`` floats per image and block at MLP width ``W``).
@@ -518,7 +521,7 @@ class GlobEnc(_GlobALTI):
 
 class ALTI(_GlobALTI):
     r"""ALTI (Ferrando, Gállego and Costa-jussà, EMNLP 2022) for ViTs, as in SkipPLUS
-    (SPEC_NEXT §8.2).
+    (Mehri et al. 2024, §5.1, App. E.2).
 
     Per block ``l``, the reset decomposition of the block (one source per token of its
     input ``x_l``, bias source dropped; see :mod:`captum_vit.methods.globenc_alti`) gives

@@ -1,4 +1,4 @@
-"""Grad-SAM (Barkan et al., CIKM 2021; SkipPLUS §3.4). SPEC_NEXT §8.4."""
+"""Grad-SAM (Barkan et al., CIKM 2021; SkipPLUS §3.4)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class GradSAM(ViTGradientAttribution):
     :math:`A \ge 0`.
 
     This is GenAtt (:class:`~captum_vit.GAE`'s per-block matrix :math:`\bar A_l`) composed
-    with PLUS by layer aggregation, :math:`\sum_l w \bar A_l` (SPEC_NEXT §8.4, §8.5
+    with PLUS by layer aggregation, :math:`\sum_l w \bar A_l` (SkipPLUS §3.4;
     ``aggregate="layer"``); ``layers=range(ceil(L/2), L)`` gives the SkipPLUS variant
     (:func:`captum_vit.combinators.skip_start`). Barkan et al. average over the layers
     (:math:`1/L`, the same ranking); the SkipPLUS authors' code
@@ -95,7 +95,7 @@ class GradSAM(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        # GenAtt's per-layer readout rows, GAE's "layer" aggregate (SPEC_NEXT §8.4-8.5)
+        # GenAtt's per-layer readout rows, GAE's "layer" aggregate (see the class docstring)
         rows = self._genatt.plus_maps(inputs, target, self.layers, aggregate="layer",
                                      score=score)
         return rows.mean(0) if self.average else rows.sum(0)

@@ -1,8 +1,9 @@
 """Token-level Input x Gradient at every block input from ONE backward pass.
 
 ``cat_l[j] = sum_d x_l[j, d] * d s_c / d x_l[j, d]`` (CAT / token IxG) and its
-attention-weighted form ``alpha_l * cat_l`` (AttIxG, SPEC §1.4). These per-layer maps
-are the bases that AttCAT, PLUS/SkipPLUS and DecompX's gradient route sum.
+attention-weighted form ``alpha_l * cat_l`` (AttIxG, the AttCAT term of Qiang et al.,
+NeurIPS 2022). These per-layer maps are the bases that AttCAT, PLUS/SkipPLUS and DecompX's
+gradient route sum.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
         target (Tensor or None): class per image; ``None`` = predicted class.
         score (str): ``"logit"`` or ``"probability"``.
         linearize (bool): linearised backward (LayerNorm variance, q/k and the GELU gate
-            detached; SPEC §3). With it, ``ixg()[l]`` is DecompX started at block ``l``.
+            detached; :mod:`captum_vit.methods.decompx`). With it, ``ixg()[l]`` is DecompX
+            started at block ``l``.
 
     Returns:
         LayerGradients

@@ -1,4 +1,4 @@
-r"""LeGrad (Bousselham et al., ICCV 2025; WalBouss/LeGrad, MIT). SPEC_NEXT §8.7.
+r"""LeGrad (Bousselham et al., ICCV 2025; WalBouss/LeGrad, MIT).
 
 For every block ``l`` in ``layers`` the model's own readout is applied to the block's
 output :math:`z^l = x_{l+1}`, giving a score :math:`s^l`; the explanation signal is the
@@ -75,12 +75,12 @@ class LeGrad(ViTGradientAttribution):
         \qquad E = \sum_{l} \hat E^l,
 
     with :math:`A^l` block ``l``'s attention probabilities (mean over all N query rows).
-    For an attention-pool head (``global_pool='map'``, SigLIP; SPEC_NEXT §7.3) the
-    gradient is taken w.r.t. the pool's attention computed on :math:`z^l` (its first
-    latent query row; the block attentions are not used), as the authors' SigLIP code.
-    Prefix columns (class, distillation, register tokens) are dropped.
+    For an attention-pool head (``global_pool='map'``, SigLIP) the gradient is taken w.r.t.
+    the pool's attention computed on :math:`z^l` (its first latent query row; the block
+    attentions are not used), as the authors' SigLIP code. Prefix columns (class,
+    distillation, register tokens) are dropped.
 
-    Choices (SPEC_NEXT §8.7):
+    Choices (ours, where the paper and the authors' code leave room):
 
     - **Layers.** ``layers=None`` (default) uses every block: the paper's method
       "aggregates the signal over all layers". The authors' wrapper (``LeWrapper``,
@@ -103,15 +103,15 @@ class LeGrad(ViTGradientAttribution):
       "a photo of a") is min–max normalised per image and :math:`E` is set to 0 where it
       exceeds ``null_threshold`` (0.8).
 
-    Score: the target logit (or, with ``score="probability"``, its softmax probability)
-    of each layer's readout; for embedding models the similarity to the target vector
-    (SPEC_NEXT §7.5). Cost: one forward, one backward (stopping at every block's input),
-    plus one readout per included block (for an attention-pool head, one pool attention
-    per block); a ``null_target`` adds one more backward.
+    Score: the target logit (or, with ``score="probability"``, its softmax probability) of
+    each layer's readout; for embedding models the similarity to the target vector
+    (:mod:`captum_vit.targets`). Cost: one forward, one backward (stopping at every block's
+    input), plus one readout per included block (for an attention-pool head, one pool
+    attention per block); a ``null_target`` adds one more backward.
 
-    PLUS / SkipPLUS (SPEC_NEXT §8.5): LeGrad on the sub-network :math:`f_l` (blocks
-    ``l .. L-1``) is :math:`\sum_{k \geq l} \hat E^k` (each term reads block ``k`` and
-    the readout only, so it is not layer-local); :meth:`plus_maps` gives every
+    PLUS / SkipPLUS (:mod:`captum_vit.combinators`): LeGrad on the sub-network :math:`f_l`
+    (blocks ``l .. L-1``) is :math:`\sum_{k \geq l} \hat E^k` (each term reads block ``k``
+    and the readout only, so it is not layer-local); :meth:`plus_maps` gives every
     sub-network's map from one backward.
 
     Args:
@@ -158,7 +158,7 @@ class LeGrad(ViTGradientAttribution):
             inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
             target (int, list, Tensor, optional): class per image; ``None`` explains the
                 predicted class (the model's own output). For embedding models a target
-                vector (SPEC_NEXT §7.5).
+                vector (:mod:`captum_vit.targets`).
             score (str, optional): ``"logit"`` (default) or ``"probability"``, of each
                 layer's readout.
             null_target (Tensor or EmbeddingTarget, optional): embedding models only: a
@@ -194,7 +194,7 @@ class LeGrad(ViTGradientAttribution):
                   null_threshold: float = 0.8) -> Tensor:
         r"""LeGrad of every sub-network :math:`f_l`, ``l`` in ``layers``, from one
         forward and one backward, [len(layers), B, N] (PLUS / SkipPLUS fast path,
-        SPEC_NEXT §8.5).
+        :mod:`captum_vit.combinators`).
 
         The sub-network's block ``j`` is the model's block ``l + j``, so its map is
         :math:`\sum_{j} \hat E^{l+j}` over its own ``layers`` (all: every block

@@ -1,4 +1,4 @@
-"""Raw attention of the last block (Jain & Wallace; Chefer et al.'s baseline). SPEC §1.1."""
+"""Raw attention of the last block (Jain & Wallace; Chefer et al.'s baseline)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class RawAttention(ViTGradientAttribution):
 
     With an attention-pool head (``global_pool='map'``, SigLIP) the classifier reads the
     pool's attention :math:`w = \mathrm{mean}_h A_p^h[0, :]` over the tokens; by default
-    (``source="pool"``) that is the map (SPEC_NEXT §7.3), and ``source="last_block"``
+    (``source="pool"``) that is the map, and ``source="last_block"``
     gives :math:`w \bar A_{L-1}`. For every other head the two are the same map, the
     last block's readout row.
 
@@ -39,7 +39,7 @@ class RawAttention(ViTGradientAttribution):
         source (str, optional): ``"pool"`` (default) or ``"last_block"``.
 
     Layer-local: composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it
-    gives the map at every block ``l``, :math:`\sum_l w \bar A_l` (SPEC_NEXT §8.5; with
+    gives the map at every block ``l``, :math:`\sum_l w \bar A_l` (with
     ``source="pool"`` an attention-pool head's map does not depend on the block).
     """
 

@@ -1,5 +1,4 @@
 r"""RISE: Randomized Input Sampling for Explanation (Petsiuk, Das & Saenko, BMVC 2018).
-SPEC_NEXT §8.10.
 
 The model is probed with the image seen through N random soft masks; a pixel's saliency is
 the mean target probability of the masked images, weighted by how much each mask keeps
@@ -109,7 +108,7 @@ def _check_fill(fill: Any, inputs: Tensor) -> Tensor | None:
 
 class RISE(ViTPerturbationAttribution):
     r"""RISE (Petsiuk et al., BMVC 2018): the expected target probability of the image
-    seen through random soft masks, given that a pixel is kept (SPEC_NEXT §8.10).
+    seen through random soft masks, given that a pixel is kept.
 
     .. math::
         S = \frac{1}{N\,p} \sum_{i=1}^{N} f_c(X \odot M_i)\, M_i,
@@ -131,12 +130,12 @@ class RISE(ViTPerturbationAttribution):
     ``"mirror"``), unlike ``torch``'s bilinear, which clamps; this implementation equals
     scikit-image's output to float32 rounding (3e-8, measured for s = 7, 8, 10 and
     224×224, 32×32, 24×40 images). The authors' code divides by ``N·p`` and wraps the
-    model in a softmax, as here. Defaults ``N = 4000, s = 7, p = 0.5``: the setting SPEC
-    gives as the paper's ImageNet one (not checked against the paper's text, which was
+    model in a softmax, as here. Defaults ``N = 4000, s = 7, p = 0.5``: the setting
+    reported as the paper's ImageNet one (not checked against the paper's text, which was
     not available; Xplique's RISE example uses the same values); the authors' notebooks use
     ``(N, s, p) = (6000, 8, 0.1)`` (``Saliency.ipynb``), ``(5000, 10, 0.1)``
-    (``Evaluation.ipynb``) and ``(2000, 8, 0.5)`` (``Easy_start.ipynb``); SPEC records
-    ``(4000, 8, 0.1)``, batch 128 for the TIS authors' wrapper.
+    (``Evaluation.ipynb``) and ``(2000, 8, 0.5)`` (``Easy_start.ipynb``); the TIS authors'
+    wrapper is reported to use ``(4000, 8, 0.1)``, batch 128 (not checked here).
 
     Repeatability: the masks are drawn from a CPU generator seeded with ``seed`` at every
     call (grids, then row offsets, then column offsets), shared by all images of the batch;
@@ -148,7 +147,7 @@ class RISE(ViTPerturbationAttribution):
     (true token removal through the adapters' subset engine,
     :func:`~captum_vit.adapters.subsets.subset_logits`) and
     :math:`S = \frac{1}{N p}\sum_i f_c(\text{kept}_i) G_i` on the patches. This is the
-    only form on a sub-network :math:`f_l` (PLUS / SkipPLUS, SPEC_NEXT §8.5), where
+    only form on a sub-network :math:`f_l` (PLUS / SkipPLUS, :mod:`captum_vit.combinators`), where
     ``removal=None`` resolves to it.
 
     Cost: N masked forwards per image (``n_masks · B`` images, ``batch_size`` per

@@ -1,4 +1,4 @@
-"""Attention rollout (Abnar & Zuidema 2020; SkipPLUS Eq. 2). SPEC §1.2."""
+"""Attention rollout (Abnar & Zuidema 2020; SkipPLUS Eq. 2)."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ class Rollout(ViTGradientAttribution):
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None) -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the rollout of every sub-network
-        :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the rollout of every
+        sub-network :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].
 
         ``aggregate="subnetwork"``: suffix row-vector products :math:`v_L = w`,
         :math:`v_k = v_{k+1} M_k`; the rollout of :math:`f_l` started at its own block

@@ -1,5 +1,5 @@
 """Transition Attention Maps (TAM; Yuan et al., "Explaining Information Flow Inside Vision
-Transformers Using Markov Chain", NeurIPS 2021 XAI4Debugging). SPEC_NEXT §8.9.
+Transformers Using Markov Chain", NeurIPS 2021 XAI4Debugging).
 
 The readout's state after the last block's attention is propagated backwards as a Markov
 chain through the earlier blocks' head-mean attention (with the residual as identity, no
@@ -169,7 +169,7 @@ class TAM(ViTGradientAttribution):
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, integrated: bool | None = None,
                   internal_batch_size: int | None = None, score: str = "logit") -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): TAM of every sub-network
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): TAM of every sub-network
         :math:`f_l`, ``l`` in ``layers``, [len(layers), B, N].
 
         Every sub-network ends with the model's last block, so :math:`\omega` is shared;

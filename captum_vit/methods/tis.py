@@ -1,4 +1,4 @@
-"""Transformer Input Sampling (Englebert et al., ICCV Workshops 2023). SPEC §5.
+"""Transformer Input Sampling (Englebert et al., ICCV Workshops 2023).
 
 TIS explains a ViT by *removing* patch tokens instead of painting over pixels: the
 model is run on the prefix tokens plus a subset of the patch tokens (each keeps its
@@ -6,7 +6,7 @@ positional embedding), so no replacement value is ever invented. The subsets com
 from clustering the model's own features, and each patch's score is the mean score of
 the subsets that contain it.
 
-Steps, per image (paper Eq. 1-5, in the order SPEC §5 lists them):
+Steps, per image (paper Eq. 1-5):
 
 1. ``A = [x_1[K:], x_2[K:], ..., x_L[K:]] in R^{P x L*D}``: every block's output at
    the P patch tokens, layers stacked along the features (no normalisation).
@@ -423,7 +423,7 @@ def anytime_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tenso
 class TIS(ViTPerturbationAttribution):
     r"""Transformer Input Sampling: the mean score of the token subsets keeping a patch.
 
-    Masks come from the model's own features (SPEC §5): every block's output at the
+    Masks come from the model's own features (paper Eq. 1-5): every block's output at the
     patch tokens forms :math:`A \in \mathbb{R}^{P \times LD}`; KMeans
     (scikit-learn, ``n_init=1``) groups its :math:`LD` columns into ``n_masks``
     centroids; mask :math:`j` keeps the :math:`\lfloor \text{ratio}\cdot P\rfloor`

@@ -1,4 +1,4 @@
-"""Vanilla token gradient and attention-weight gradient (SkipPLUS App. E.1). SPEC_NEXT §8.1.
+"""Vanilla token gradient and attention-weight gradient (SkipPLUS App. E.1).
 
 - ``VanillaGrad_l[j] = reduce_c g_l[j, c]`` with ``g_l = d s_c / d x_l`` at the input of
   block ``l`` (``l = L``: the last block's output).
@@ -128,7 +128,7 @@ class VanillaGrad(ViTGradientAttribution):
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
-        """PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): the map of every sub-network
+        """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every sub-network
         :math:`f_l`, ``l`` in ``layers`` — its block ``layer`` is the model's block
         ``l + layer`` — from one forward and one backward, [len(layers), B, N].
 
@@ -163,7 +163,7 @@ class AttnGrad(ViTGradientAttribution):
     DINOv2's CLS+mean, ...); ``f`` is applied to the whole matrix before the readout.
     With an attention-pool head (``global_pool='map'``) ``w`` is the gradient-weighted
     pool row :math:`\mathrm{mean}_h \mathrm{ReLU}(\nabla A_p^h \odot A_p^h)[0, :]`, as
-    for the other gradient-weighted attention methods (SPEC_NEXT §7.3).
+    for the other gradient-weighted attention methods (e.g. :class:`~captum_vit.GAE`).
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
@@ -178,7 +178,8 @@ class AttnGrad(ViTGradientAttribution):
     """
 
     layer_local = True
-    """PLUS evaluates it on a one-block window: the map at block ``l`` (SPEC_NEXT §8.5)."""
+    """PLUS evaluates it on a one-block window: the map at block ``l``
+    (:mod:`captum_vit.combinators`)."""
 
     def __init__(self, model: nn.Module, layer: int | None = None,
                  variant: str = "plain") -> None:

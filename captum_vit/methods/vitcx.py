@@ -1,5 +1,4 @@
 r"""ViT-CX: Causal Explanation of Vision Transformers (Xie et al., IJCAI 2023).
-SPEC_NEXT §8.11.
 
 ViT-CX turns the model's own patch embeddings into masks and scores them causally:
 
@@ -137,8 +136,7 @@ def vitcx_masks(features: Tensor, grid: tuple[int, int], size: tuple[int, int] |
 
 class ViTCX(ViTPerturbationAttribution):
     r"""ViT-CX (Xie et al., IJCAI 2023): masks from the model's clustered patch
-    embeddings, scored by their causal impact on the target probability (SPEC_NEXT
-    §8.11).
+    embeddings, scored by their causal impact on the target probability.
 
     1. The patch rows of ``LN1(x_l)`` (the output of ``blocks[layer].norm1``; default the
        last block, the authors' ``model.blocks[-1].norm1``) give D maps, each resized to
@@ -167,7 +165,7 @@ class ViTCX(ViTPerturbationAttribution):
     thresholded at 0.5 and scored by true token removal without noise, so
     :math:`s_i = p_c(\text{kept}_i)` (the two last terms cancel); the map aggregates the
     soft masks as in step 4. This is the only form on a sub-network :math:`f_l` (PLUS /
-    SkipPLUS, SPEC_NEXT §8.5), where ``removal=None`` resolves to it.
+    SkipPLUS, :mod:`captum_vit.combinators`), where ``removal=None`` resolves to it.
 
     Cost per image: one clean forward (features, :math:`p_c(X)`), then :math:`2 N_m`
     forwards (:math:`N_m` with ``noise=0`` or ``removal="tokens"``), ``batch_size`` per

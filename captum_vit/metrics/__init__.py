@@ -1,4 +1,4 @@
-"""Evaluation suite (SPEC §6): faithfulness, localisation, robustness, sanity checks.
+"""Evaluation suite: faithfulness, localisation, robustness, sanity checks.
 
 Every metric takes ``(model, inputs, attribution, ...)`` where ``attribution`` is either
 precomputed maps (patch scores [B, P], a grid, or pixel maps) or any Captum-style

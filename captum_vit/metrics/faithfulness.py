@@ -2,16 +2,17 @@
 
 Every function takes ``(model, inputs, attribution)``: ``attribution`` is precomputed maps
 or any Captum-style attribution (see :func:`captum_vit.metrics.removal.patch_maps`), and
-patches are removed with true token masking by default (``removal``, SPEC §6.3).
+patches are removed with true token masking by default (``removal``; see
+:mod:`captum_vit.metrics.removal`).
 Every removal metric also takes ``unit="pixel"`` (rank the single pixels of the bilinearly
 upsampled map, Chefer et al. / TIS) with a pixel baseline or fill callable, and
 ``rounding`` (``"round"``: ``round(k·n)`` units, default; ``"floor"``: ``int(k·n)``, as the
-seeds' scripts compute ``int(base_size * step)`` / ``int(r * P)``).
+authors' scripts compute ``int(base_size * step)`` / ``int(r * P)``).
 The maps explain ``target`` (``None``: the predicted class of each unperturbed image).
-On a model that outputs an image embedding, ``target`` is a vector target (SPEC_NEXT
-§7.5) and the scores and probabilities are the target's: softmax over a set of target
-embeddings, or the sigmoid of each score against single vectors (whose "prediction" is the
-explained vector itself, and which define no accuracy).
+On a model that outputs an image embedding, ``target`` is a vector target
+(:mod:`captum_vit.targets`) and the scores and probabilities are the target's: softmax over
+a set of target embeddings, or the sigmoid of each score against single vectors (whose
+"prediction" is the explained vector itself, and which define no accuracy).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class _Setup:
         self.rounding = rounding
         self.target = prep.target
         # the "prediction" of AOPC/LOdds: the arg-max class, or, for independent scores
-        # against single target vectors (SPEC_NEXT §7.5), the explained vector itself
+        # against single target vectors (captum_vit.targets), the explained vector itself
         self.pred = self.logits.argmax(-1) if scores_are_classes() else self.target
         self.scores = patch_maps(attribution, self.inputs, self.target, self.layout,
                                  pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
@@ -122,7 +123,7 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
                       target: TargetLike = None,
                       fractions: Sequence[float] = PERTURBATION_FRACTIONS,
                       **kwargs: Any) -> MetricResult:
-    r"""Perturbation test (SPEC §6.1; Chefer et al., TokenTM Tables 2–4).
+    r"""Perturbation test (Chefer et al., CVPR 2021; TokenTM, Wu et al., CVPR 2024, Tables 2–4).
 
     Removes the fraction ``k`` of patches in MoRF order (``order="positive"``, lower is
     better) or LeRF order (``"negative"``, higher is better) and records top-1 accuracy;
@@ -153,7 +154,7 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
     x = check_fractions("fractions", fractions, closed=True)
     if not scores_are_classes():
         raise ValueError("perturbation_test measures top-1 accuracy, which single target "
-                         "vectors do not define (SPEC_NEXT §7.5): pass a set, "
+                         "vectors do not define: pass a set, "
                          "EmbeddingTarget(vectors [T, D′], index=...), or use aopc, lodds, "
                          "deletion or insertion")
     st = _Setup(model, inputs, attribution, target, **_common(kwargs))
@@ -190,11 +191,12 @@ def _ratio_log_probs(model: nn.Module, inputs: Tensor, attribution: AttributionL
 @vector_targets
 def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
          fractions: Sequence[float] = RATIOS, mode: str = "remove", **kwargs: Any) -> MetricResult:
-    r"""AOPC (SPEC §6.2, Eq. 1): :math:`\mathrm{mean}_k\,[p(y|x) - p(y|x_k)]`, y predicted.
+    r"""AOPC (TokenTM supplement, Wu et al., CVPR 2024, Eq. 1):
+    :math:`\mathrm{mean}_k\,[p(y|x) - p(y|x_k)]`, y predicted.
 
     ``x_k`` removes (``mode="remove"``, higher is better) or keeps only (``"keep"``,
     lower is better) the top fraction ``k`` of patches. Default ``k = 0.1, ..., 0.9``;
-    any fractions in ``[0, 1]`` (seed 000's ``k = 0, 0.05, ..., 1``).
+    any fractions in ``[0, 1]`` (the TokenTM supplement's ``k = 0, 0.05, ..., 1``).
 
     Returns:
         MetricResult: per-example AOPC, curves ``p(y|x) - p(y|x_k)`` [B, S].
@@ -212,7 +214,7 @@ def aopc(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
 @vector_targets
 def lodds(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
           fractions: Sequence[float] = RATIOS, mode: str = "remove", **kwargs: Any) -> MetricResult:
-    r"""Log-odds (SPEC §6.2, Eq. 2): :math:`-\mathrm{mean}_k \log(p(y|x) / p(y|x_k))`.
+    r"""Log-odds (TokenTM supplement, Eq. 2): :math:`-\mathrm{mean}_k \log(p(y|x) / p(y|x_k))`.
 
     ``mode="remove"``: lower is better; ``"keep"``: higher is better.
 
@@ -252,9 +254,9 @@ def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
 @vector_targets
 def deletion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
              n_steps: int = 20, target: TargetLike = None, **kwargs: Any) -> MetricResult:
-    r"""Deletion curve (SPEC §6.4, RISE): remove the most important patches in ``n_steps``
-    equal steps; score = target probability; AUC by the trapezoid rule over [0, 1]
-    (lower is better).
+    r"""Deletion curve (RISE, Petsiuk et al., BMVC 2018; TIS Tables 1–2): remove the most
+    important patches in ``n_steps`` equal steps; score = target probability; AUC by the
+    trapezoid rule over [0, 1] (lower is better).
 
     ``start_point=False`` is TIS's convention (Englebert et al., ``metrics/``): each step
     affects ``ceil(n / n_steps)`` more units, the curve has no unperturbed point
@@ -274,7 +276,7 @@ def deletion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
 @vector_targets
 def insertion(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
               n_steps: int = 20, target: TargetLike = None, **kwargs: Any) -> MetricResult:
-    r"""Insertion curve (SPEC §6.4): start from everything removed and restore the most
+    r"""Insertion curve (RISE; TIS Tables 1–2): start from everything removed and restore the most
     important patches first; AUC of the target probability (higher is better).
 
     ``start_point=False``: TIS's convention, as in :func:`deletion`.
@@ -340,7 +342,7 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
         logits = st.run(x, mode=mode)
         keep = proto == "keep"
         name = f"token_ratio_{proto}"
-        if scores_are_classes():  # accuracies: not for single target vectors (§7.5)
+        if scores_are_classes():  # accuracies: not for single target vectors
             acc = (logits.argmax(-1) == ref[:, None]).double()
             one = (st.logits.argmax(-1) == ref).double()[:, None]  # the unmasked image
             if keep:

@@ -1,4 +1,4 @@
-"""Localisation against ground-truth masks: pointing game and segmentation (SPEC §6.5–6.6).
+"""Localisation against ground-truth masks: pointing game and segmentation.
 
 Patch maps come from precomputed maps or any attribution (see
 :func:`captum_vit.metrics.removal.patch_maps`). The pointing game is decided on the patch
@@ -58,7 +58,8 @@ def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLik
 def pointing_game(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
                   *, target: TargetLike = None, max_region: float = 0.5, tolerance: int = 0,
                   **kwargs: Any) -> MetricResult:
-    """Pointing game (SPEC §6.5; TIS Table 3), decided on the model's patch grid.
+    """Pointing game (TIS, Englebert et al., ICCV Workshops 2023, Table 3), decided on the
+    model's patch grid.
 
     The point is the **centre of the top patch** (the argmax of the patch scores): its
     central pixel for an odd patch size, its central 2×2 pixels for an even one. The
@@ -163,7 +164,8 @@ def _row_f1(pred: Tensor, mask: Tensor) -> Tensor:
 def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike, masks: Tensor,
                  *, target: TargetLike = None, ap_mode: str = "foreground",
                  raw_upsample: str = "nearest", **kwargs: Any) -> dict[str, MetricResult]:
-    """Segmentation test (SPEC §6.6; TokenTM Table 1; SPEC_NEXT §9.2).
+    """Segmentation test (TokenTM, Wu et al., CVPR 2024, Table 1; Chefer et al.'s
+    ImageNet-Segmentation protocol).
 
     The map is upsampled bilinearly, min–max normalised per image and thresholded at its
     mean. Reported: pixel accuracy (per image, averaged; every image has the same number

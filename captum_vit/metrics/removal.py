@@ -1,6 +1,6 @@
 """Patch maps from any attribution, and the removal engine of the faithfulness metrics.
 
-Removal always works on the model's patch grid (SPEC §6.3):
+Removal always works on the model's patch grid:
 
 * ``removal="token"`` (default, true token masking, SkipPLUS §4.1): a removed patch's
   token is dropped from the sequence right after the positional embedding
@@ -13,7 +13,7 @@ Removal always works on the model's patch grid (SPEC §6.3):
   blur of the image, kernel 11, σ 5, reflect padding) or ``"random"`` (uniform noise in
   ``[min, max]`` of the image, seeded per example id), and the model runs on the images.
 
-Two extensions serve the seeds' protocols (:mod:`captum_vit.metrics.protocols`):
+Two extensions serve the papers' protocols (:mod:`captum_vit.metrics.protocols`):
 ``unit="pixel"`` ranks the single pixels of the bilinearly upsampled map instead of the
 patches (Chefer et al.'s and TIS's pixel perturbations; needs a pixel baseline), and
 ``removal`` may be a fill callable ``(images, seeds) -> fill images`` instead of a name
@@ -66,7 +66,7 @@ Metric = TypeVar("Metric", bound=Callable[..., Any])
 
 def vector_targets(metric: Metric) -> Metric:
     """Let a metric ``f(model, inputs, ..., target=...)`` take vector targets on a model
-    that outputs an image embedding (SPEC_NEXT §7.5).
+    that outputs an image embedding (:mod:`captum_vit.targets`).
 
     The target (a vector, one per image, or an :class:`~captum_vit.EmbeddingTarget` set)
     becomes the model's scores for the whole metric (every adapter of the model, the
@@ -225,7 +225,7 @@ def gaussian_blur(images: Tensor, kernel_size: int = 11, sigma: float = 5.0) -> 
 
 
 def baseline_images(inputs: Tensor, removal: str, seeds: Sequence[int]) -> Tensor:
-    """The fill images [B, C, H, W] of a pixel baseline (SPEC §6.3)."""
+    """The fill images [B, C, H, W] of a pixel baseline (see the module docstring)."""
     check_choice("removal", removal, REMOVALS[1:])
     if removal == "black":
         return torch.zeros_like(inputs)

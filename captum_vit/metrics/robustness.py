@@ -1,4 +1,5 @@
-"""Robustness and complexity: Max-Sensitivity (SPEC §6.7) and sparseness (SPEC §6.8)."""
+"""Robustness and complexity: Max-Sensitivity (Yeh et al., NeurIPS 2019) and
+sparseness (Gini index)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def gini(values: Tensor) -> Tensor:
 def sparseness(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                target: TargetLike = None, pixel_reduce: str = "abs",
                attribute_kwargs: dict | None = None) -> MetricResult:
-    """Sparseness (SPEC §6.8): Gini index of ``|map|`` over the patches (higher = sparser).
+    """Sparseness: Gini index of ``|map|`` over the patches (higher = sparser).
 
     Args:
         model (nn.Module): a supported ViT classifier.
@@ -63,7 +64,8 @@ def max_sensitivity(model: nn.Module, inputs: Tensor, attribution: AttributionLi
                     target: TargetLike = None, radius: float = 0.02, n_samples: int = 10,
                     seed: int = 0, example_ids: Any = None, pixel_reduce: str = "abs",
                     attribute_kwargs: dict | None = None) -> MetricResult:
-    r"""Max-Sensitivity (SPEC §6.7; Yeh et al.) through ``captum.metrics.sensitivity_max``.
+    r"""Max-Sensitivity (Yeh et al., NeurIPS 2019; TIS Table 4) through
+    ``captum.metrics.sensitivity_max``.
 
     :math:`\max_{\|\delta\|_\infty \le r} \|\Phi(x + \delta) - \Phi(x)\| / \|\Phi(x)\|` over
     ``n_samples`` uniform draws, where :math:`\Phi` is the patch map (the same map every

@@ -1,5 +1,4 @@
-"""SaCo — the Salience-guided Faithfulness Coefficient (Wu et al., CVPR 2024, Alg. 1;
-SPEC_NEXT §9.1).
+"""SaCo — the Salience-guided Faithfulness Coefficient (Wu et al., CVPR 2024, Alg. 1).
 
 Per image, with the map ``m`` over the P patch tokens and K groups:
 
@@ -16,7 +15,7 @@ much as groups of lower salience. Groups are removed through the removal engine
 (:class:`~captum_vit.metrics.removal.RemovalEngine`): true token removal by default
 (the adapters' subset engine), or a pixel baseline (``removal="black"``, ``"mean"``,
 ``"blur"``, ``"random"`` or a fill callable). The paper's fill value for pixel removal is
-not confirmed here (SPEC_NEXT: "verify the paper's fill value for parity"). Cost: K removal
+not confirmed here (to be verified against the paper for parity). Cost: K removal
 jobs per image, batched over images and groups.
 """
 

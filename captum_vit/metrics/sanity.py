@@ -1,4 +1,4 @@
-"""Model-randomisation sanity check (SPEC §6.8; Adebayo et al., 2018).
+"""Model-randomisation sanity check (Adebayo et al., NeurIPS 2018).
 
 The maps of the model are compared (Spearman rank correlation over the patches) with the
 maps of copies whose parameters are randomised in cascade from the top: first the head
