@@ -10,11 +10,10 @@ from torch import nn
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """The test machine is shared: one intra-op thread is much faster for tiny models."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """Obsolete: tests/conftest.py sets torch's thread count once per session
+    (``CAPTUM_VIT_TEST_THREADS`` / ``--threads``, default 1). Kept so that a module which
+    still imports it works; it leaves the count as configured."""
     yield
-    torch.set_num_threads(n)
 
 
 def linear_toy(seed: int = 0) -> nn.Module:

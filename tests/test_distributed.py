@@ -17,9 +17,7 @@ from captum_vit.data.specs import load_data, model_batch
 from captum_vit.metrics.suite import autocasting, evaluate
 from captum_vit.models import load_model
 from captum_vit.registry import method_factory
-from tests.metrics_toys import one_thread
 
-__all__ = ["one_thread"]
 METRICS = ["deletion", "insertion", "token_ratio", "pointing_game", "segmentation",
            "sparseness"]
 

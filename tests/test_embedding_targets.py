@@ -27,6 +27,7 @@ from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
     EMBEDDING_FAMILIES,
     TIMM_EMBED_FAMILIES,
+    assert_close_scaled,
     assert_unchanged,
     embedding_dim,
     make_inputs,
@@ -63,14 +64,14 @@ def test_adapter_forward_equals_the_models_embedding(family):
     assert a.embedding and a.num_classes == embedding_dim(model)
     if family in TIMM_EMBED_FAMILIES:
         x = make_inputs(family, batch=2)
-        torch.testing.assert_close(a.run(a.embed(x)), model(x), rtol=0, atol=1e-12)
+        assert_close_scaled(a.run(a.embed(x)), model(x))
         return
     for size in ((32, 32), (24, 40)):
         x = torch.randn(2, 3, *size, dtype=torch.float64)
         kw = {"interpolate_pos_encoding": size != (32, 32)}
         out = model(pixel_values=x, **kw)
         ref = out.image_embeds if hasattr(out, "image_embeds") else out.pooler_output
-        torch.testing.assert_close(a.run(a.embed(x)), ref, rtol=0, atol=1e-12)
+        assert_close_scaled(a.run(a.embed(x)), ref)
 
 
 def timm_twin(clip: torch.nn.Module, t: torch.Tensor) -> torch.nn.Module:
@@ -122,7 +123,7 @@ def test_clip_dot_target_equals_a_classifier_whose_logit_is_the_dot_product(name
     x = make_inputs("hf_clip", batch=2)
     kw = FAST.get(name, {})
     emb = adapt(clip).model_outputs(x)
-    torch.testing.assert_close(twin(x)[:, 0], emb @ t, rtol=0, atol=1e-12)
+    assert_close_scaled(twin(x)[:, 0], emb @ t)
     ours = build_method(name, clip).attribute(
         x, target=EmbeddingTarget(t, similarity="dot"), output="tokens", **kw)
     ref = build_method(name, twin).attribute(x, target=0, output="tokens", **kw)
@@ -140,7 +141,7 @@ def test_decompx_is_complete_for_cosine_scores(family, route):
     target = EmbeddingTarget(t, index=[2, 0], scale=4.0, bias=-1.0)
     res = DecompX(model, route=route).decompose(x, target)
     ref = 4.0 * cos[torch.arange(2), torch.tensor([2, 0])] - 1.0
-    torch.testing.assert_close(res.logit, ref, rtol=0, atol=1e-12)
+    assert_close_scaled(res.logit, ref)
     torch.testing.assert_close(res.tokens.sum(-1) + res.bias, ref, rtol=0, atol=1e-10)
     assert res.target.tolist() == [2, 0]
 
@@ -218,7 +219,7 @@ def test_dual_models_are_explained_through_their_image_features(kind):
     a = adapt(model)
     feats = model.get_image_features(pixel_values=x)
     feats = feats if isinstance(feats, torch.Tensor) else feats.pooler_output
-    torch.testing.assert_close(a.run(a.embed(x)), feats, rtol=0, atol=1e-12)
+    assert_close_scaled(a.run(a.embed(x)), feats)
     t = model.get_text_features(input_ids=torch.tensor([[3, 4, 5], [6, 7, 8]]))
     t = (t if isinstance(t, torch.Tensor) else t.pooler_output).detach()
     res = DecompX(model, route="explicit").decompose(x, EmbeddingTarget(t, index=[1, 0]))

@@ -18,6 +18,7 @@ from captum_vit.adapters import adapt
 from tests.helpers import (
     ALL_FAMILIES,
     FAMILIES,
+    assert_close_scaled,
     assert_close_to_reference,
     assert_unchanged,
     family_marks,
@@ -61,7 +62,8 @@ def test_raw_attention_streams_the_last_block(family):
     tr = adapt(model).trace(x)
     ref = torch.einsum("bn,bnm->bm", readout_rows(tr), tr.blocks[-1].attn.mean(1))
     out = RawAttention(model).attribute(x, output="tokens")
-    assert torch.equal(out, ref[:, tr.layout.num_prefix:])
+    # the same product written another way (another einsum, a streamed trace): last bits
+    assert_close_scaled(out, ref[:, tr.layout.num_prefix:])
 
 
 @pytest.mark.parametrize("family", ["vit", "avgpool", "layerscale", "distilled", "registers",
@@ -89,10 +91,10 @@ def test_fused_trace_recomputes_probabilities_and_their_gradients():
         g_o = gradients(target_scores(fused.logits, TARGET), [h.o for h in heads])
     assert fused.blocks == [] and [l for l, _ in kept] == list(range(len(tr.blocks)))
     assert all(rec.attn is None for _, rec in kept)
-    torch.testing.assert_close(fused.logits, tr.logits, rtol=1e-13, atol=1e-13)
+    assert_close_scaled(fused.logits, tr.logits)
     for rec, h, g, go in zip(tr.blocks, heads, grads, g_o, strict=True):
-        torch.testing.assert_close(h.probs(), rec.attn, rtol=1e-13, atol=1e-15)
-        torch.testing.assert_close(h.probs_grad(go), g, rtol=1e-11, atol=1e-13)
+        assert_close_scaled(h.probs(), rec.attn)
+        assert_close_scaled(h.probs_grad(go), g)
 
 
 @pytest.mark.parametrize("variant", ["paper", "residual"])
@@ -166,9 +168,9 @@ def test_last_rows_trace_gives_the_full_logits_and_gradients(family):
         g_full = gradients(target_scores(full.logits, TARGET), [r.attn for r in full.blocks])
         g_short = gradients(target_scores(short.logits, TARGET), [r.attn for r in short.blocks])
     assert short.blocks[-1].out.shape[1] == rows
-    torch.testing.assert_close(short.logits, full.logits, rtol=1e-13, atol=1e-13)
+    assert_close_scaled(short.logits, full.logits)
     for a, b in zip(g_short, g_full, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        assert_close_scaled(a, b)
     assert adapt(make_model("avgpool")).readout_row_count is None
     from captum_vit.adapters import Ops
 

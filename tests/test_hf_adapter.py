@@ -12,6 +12,7 @@ from captum_vit import GAE, DecompX
 from captum_vit.adapters import HFViTAdapter, adapt
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
+    assert_close_scaled,
     assert_unchanged,
     make_hf_model,
     make_inputs,
@@ -77,7 +78,7 @@ def test_hf_twin_of_a_timm_model_gets_identical_maps_from_every_method(distilled
     timm_model = randomize_(timm_model, 0).double().eval()
     hf = hf_twin(timm_model, distilled)
     x = make_inputs("vit", batch=2)
-    torch.testing.assert_close(adapt(hf).model_logits(x), timm_model(x), rtol=0, atol=1e-12)
+    assert_close_scaled(adapt(hf).model_logits(x), timm_model(x))
     kw = {"tis": {"n_masks": 16}}
     for name in available_methods(compositions=True):
         ours = build_method(name, hf).attribute(x, target=[1, 3], output="tokens",
@@ -98,7 +99,7 @@ def test_adapter_forward_equals_the_models_own_at_two_sizes(family):
     for size in ((32, 32), (24, 40)):  # native, then the model's own interpolation
         x = torch.randn(2, 3, *size, dtype=torch.float64)
         ref = model(pixel_values=x, interpolate_pos_encoding=size != (32, 32)).logits
-        torch.testing.assert_close(ad.run(ad.embed(x)), ref, rtol=0, atol=1e-12)
+        assert_close_scaled(ad.run(ad.embed(x)), ref)
         assert ad.layout(x).grid == (size[0] // 8, size[1] // 8)
     assert_unchanged(model, before)
 
@@ -169,8 +170,7 @@ def test_dinov2_cls_mean_readout_and_layerscale(family):
     h, w = make_inputs(family)[0].shape[-2:]
     for size in ((32, 32), (h, w)):  # DINOv2 always interpolates its position embeddings
         x = torch.randn(2, 3, *size, dtype=torch.float64)
-        torch.testing.assert_close(ad.run(ad.embed(x)), model(pixel_values=x).logits,
-                                   rtol=0, atol=1e-12)
+        assert_close_scaled(ad.run(ad.embed(x)), model(pixel_values=x).logits)
     lay = ad.layout(x)
     r = lay.readout_weights(dtype=torch.float64)
     assert r[0] == 0.5 and r[1:k].abs().sum() == 0
@@ -194,8 +194,7 @@ def test_dinov2_swiglu_gated_rule():
     ad = adapt(model)
     assert ad.blocks[0].gate_weight is not None
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    torch.testing.assert_close(ad.run(ad.embed(x)), model(pixel_values=x).logits, rtol=0,
-                               atol=1e-12)
+    assert_close_scaled(ad.run(ad.embed(x)), model(pixel_values=x).logits)
     exp = DecompX(model, route="explicit").decompose(x, [0, 3])
     torch.testing.assert_close(exp.tokens.sum(-1) + exp.bias, exp.logit, rtol=0, atol=1e-10)
     torch.testing.assert_close(DecompX(model).decompose(x, [0, 3]).tokens, exp.tokens,

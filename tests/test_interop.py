@@ -17,10 +17,7 @@ from captum_vit.metrics.localization import patch_centres_in, pointing_game, ups
 from captum_vit.metrics.removal import example_seeds
 from captum_vit.metrics.robustness import max_sensitivity
 from captum_vit.registry import method_factory
-from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
-from tests.metrics_toys import one_thread
-
-__all__ = ["one_thread"]
+from tests.helpers import assert_close_scaled, assert_unchanged, make_inputs, make_model, snapshot
 
 
 def _tokens(model, x, y, cls=GAE):
@@ -138,8 +135,7 @@ def test_export_quantus_arrays_chunks_and_file(tmp_path):
     np.testing.assert_array_equal(out["y_batch"], pred.numpy())
     assert out["y_batch"].dtype == np.int64
     # chunks of 2 vs one batch of 5: batched matmuls round differently (float64)
-    np.testing.assert_allclose(out["a_batch"], _pixels(_tokens(model, x, pred), x, model),
-                               rtol=1e-12, atol=0)
+    assert_close_scaled(out["a_batch"], _pixels(_tokens(model, x, pred), x, model))
     np.testing.assert_array_equal(out["s_batch"], masks[:, None].numpy())
     saved = np.load(tmp_path / "b.npz")
     assert sorted(saved.files) == ["a_batch", "s_batch", "x_batch", "y_batch"]
@@ -222,7 +218,7 @@ def test_quantus_max_sensitivity_equals_captum_vit_with_the_same_noise(bundled):
     theirs = quantus.MaxSensitivity(nr_samples=n, lower_bound=r, perturb_func=Replay(),
                                     disable_warnings=True)(model, **batch, explain_func=explain)
     ours = max_sensitivity(model, x, GAE(model), radius=r, n_samples=n, seed=seed).per_example
-    np.testing.assert_allclose(theirs, ours.numpy(), rtol=1e-12, atol=0)
+    assert_close_scaled(theirs, ours.numpy())
     assert ours.min() > 0
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from captum_vit import CPLRP, PLUS, AttnLRP, DecompX, SkipPLUS, TransformerAttribution
 from captum_vit.adapters import adapt
 from tests.helpers import (
+    assert_close_scaled,
     assert_unchanged,
     family_marks,
     have_transformers,
@@ -312,7 +313,7 @@ def test_softmax_rule_equals_lxts_explicit_rule():
     r = torch.randn(3, 4, 7, 7, generator=g, dtype=torch.float64)
     s = x.softmax(-1)
     (grad,) = torch.autograd.grad(s, x, r / s.detach())
-    close(x.detach() * grad, softmax_rule(x.detach(), s.detach(), r), 1e-13)
+    assert_close_scaled(x.detach() * grad, softmax_rule(x.detach(), s.detach(), r))
 
 
 # -- CP-LRP = DecompX ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from captum_vit import GAE, AttnGradCAM, DecompX, RawAttention, Rollout, TokenTM
 from captum_vit._base import gradients_with_pool
 from captum_vit.adapters import adapt
 from captum_vit.methods.tokentm import transformation_weights
-from tests.helpers import make_inputs, make_model
+from tests.helpers import assert_close_scaled, make_inputs, make_model
 
 MAP_FAMILIES = ["map", "map_cls_reg"]
 
@@ -67,8 +67,8 @@ def test_adapter_forward_equals_model(case):
     model, x, _, (logits, *_) = case
     a = adapt(model)
     assert a.layout(x).readout == "map"
-    torch.testing.assert_close(a.run(a.embed(x)), model(x), rtol=0, atol=1e-12)
-    torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-12)
+    assert_close_scaled(a.run(a.embed(x)), model(x))
+    assert_close_scaled(logits, model(x))
 
 
 def test_raw_attention_reads_the_pool(case):
@@ -76,10 +76,10 @@ def test_raw_attention_reads_the_pool(case):
     k = adapt(model).num_prefix
     w = ap.mean(1)[:, 0]
     got = RawAttention(model).attribute(x, t, output="tokens")
-    torch.testing.assert_close(got, w[:, k:], rtol=0, atol=1e-12)
+    assert_close_scaled(got, w[:, k:])
     last = torch.einsum("bn,bnm->bm", w, attns[-1].detach().mean(1))
     got = RawAttention(model, source="last_block").attribute(x, t, output="tokens")
-    torch.testing.assert_close(got, last[:, k:], rtol=0, atol=1e-12)
+    assert_close_scaled(got, last[:, k:])
 
 
 def test_rollout_starts_from_the_pool_row(case):
@@ -90,8 +90,7 @@ def test_rollout_starts_from_the_pool_row(case):
         m = a.detach().mean(1) + torch.eye(n, dtype=a.dtype)
         r = torch.einsum("bn,bnm->bm", r, m / m.sum(-1, keepdim=True))
     k = adapt(model).num_prefix
-    torch.testing.assert_close(Rollout(model).attribute(x, t, output="tokens"), r[:, k:],
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(Rollout(model).attribute(x, t, output="tokens"), r[:, k:])
 
 
 def test_gae_treats_the_pool_as_a_layer_without_identity(case):
@@ -104,8 +103,7 @@ def test_gae_treats_the_pool_as_a_layer_without_identity(case):
     w = (gp * ap).clamp(min=0).mean(1)[:, 0]
     ref = torch.einsum("bn,bnm->bm", w, big_r)
     k = adapt(model).num_prefix
-    torch.testing.assert_close(GAE(model).attribute(x, t, output="tokens"), ref[:, k:],
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(GAE(model).attribute(x, t, output="tokens"), ref[:, k:])
 
 
 def test_attn_gradcam_runs_on_the_pool(case):
@@ -114,8 +112,7 @@ def test_attn_gradcam_runs_on_the_pool(case):
     g, a = gp[:, :, 0], ap[:, :, 0]  # [B, H, N]
     wh = g[..., k:].mean(-1, keepdim=True)
     ref = (wh * a).mean(1).clamp(min=0)
-    torch.testing.assert_close(AttnGradCAM(model).attribute(x, t, output="tokens"),
-                               ref[:, k:], rtol=0, atol=1e-12)
+    assert_close_scaled(AttnGradCAM(model).attribute(x, t, output="tokens"), ref[:, k:])
 
 
 def test_tokentm_pool_row_uses_pool_transformation_weights(case):
@@ -133,7 +130,7 @@ def test_tokentm_pool_row_uses_pool_transformation_weights(case):
     tr = tm.adapter.trace(x, grad=True)
     _, pool_grad = gradients_with_pool(tr, tr.logits.gather(1, t[:, None])[:, 0], [])
     got = tm._readout(tr, pool_grad, torch.float64, tr.logits.argmax(-1))
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert_close_scaled(got, ref)
 
 
 @pytest.mark.parametrize("route", ["explicit", "gradient"])
@@ -164,4 +161,4 @@ def test_true_token_removal_pools_over_the_kept_tokens(case):
     for blk in m.blocks:
         h = blk(h)
     ref = m.forward_head(m.norm(h))
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert_close_scaled(got, ref)

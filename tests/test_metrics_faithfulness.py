@@ -25,9 +25,7 @@ from captum_vit.metrics.removal import (
     remove_pixels,
 )
 from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
-from tests.metrics_toys import linear_toy, one_thread, toy_contributions, toy_inputs
-
-__all__ = ["one_thread"]
+from tests.metrics_toys import linear_toy, toy_contributions, toy_inputs
 
 
 # -- known answers ---------------------------------------------------------------------------

@@ -9,9 +9,7 @@ import torch
 
 from captum_vit.metrics import MetricResult, pointing_game, segmentation
 from tests.helpers import assert_unchanged, snapshot
-from tests.metrics_toys import linear_toy, one_thread, toy_inputs
-
-__all__ = ["one_thread"]
+from tests.metrics_toys import linear_toy, toy_inputs
 
 
 def _grid(cells):

@@ -23,9 +23,6 @@ from captum_vit.metrics import (
 from captum_vit.metrics.removal import RemovalEngine
 from captum_vit.registry import method_factory
 from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
-from tests.metrics_toys import one_thread
-
-__all__ = ["one_thread"]
 
 
 def test_gini_and_spearman_known_answers():

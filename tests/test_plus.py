@@ -14,6 +14,7 @@ from captum_vit.methods.decompx import DecompX
 from captum_vit.methods.ixg import AttIxG, TokenIxG
 from tests.helpers import (
     ReferenceCapture,
+    assert_close_scaled,
     assert_close_to_reference,
     assert_unchanged,
     make_inputs,
@@ -130,7 +131,7 @@ def test_noise_tunnel_base_equals_hand_sum():
     got = plus.attribute(x, TARGETS, output="tokens", **kw)
     torch.manual_seed(7)
     ref = _by_hand(model, x, [0, 2], factory, **kw)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert_close_scaled(got, ref)
 
 
 # -- layers, batch, model state, interop ----------------------------------------------
@@ -141,10 +142,10 @@ def test_layer_ranges():
     assert SkipPLUS(model, "ixg").layers == (2,)  # ceil(3/2); the authors' L//2 gives 1
     one = SkipPLUS(model, "ixg").attribute(x, TARGETS, output="tokens")
     direct = TokenIxG(model, layer=2).attribute(x, TARGETS, output="tokens")
-    torch.testing.assert_close(one, direct, rtol=0, atol=1e-14)
+    assert_close_scaled(one, direct)
     two = PLUS(model, "ixg", layers=[2, 1]).attribute(x, TARGETS, output="tokens")
     ref = direct + TokenIxG(model, layer=1).attribute(x, TARGETS, output="tokens")
-    torch.testing.assert_close(two, ref, rtol=0, atol=1e-14)
+    assert_close_scaled(two, ref)
 
 
 def test_model_unchanged_also_on_error():

@@ -86,6 +86,7 @@ def test_view_forward_and_trace_are_the_models(family):
             assert view.layout(x).num_blocks == view.num_blocks
             x_l = view.embed(x)
             assert not x_l.requires_grad
+            # bit for bit: the view runs the same plain ops as the trace, on the same shapes
             torch.testing.assert_close(x_l, full.states[l], rtol=0, atol=0)
             close(view.run(x_l), logits, 1e-12)
             tr = view.trace(x)

@@ -22,7 +22,7 @@ from captum_vit.adapters import SubnetworkAdapter, adapt
 from captum_vit.methods._masks import interpolation_matrix, patch_means
 from captum_vit.methods.rise import rise_masks
 from captum_vit.methods.vitcx import NOISE_SEED_STRIDE, vitcx_masks
-from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
+from tests.helpers import assert_close_scaled, assert_unchanged, make_inputs, make_model, snapshot
 
 TARGETS = torch.tensor([1, 4, 0])
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -67,13 +67,13 @@ def patch_means_loop(pixels: torch.Tensor, patch: int) -> torch.Tensor:
 def test_interpolation_matrices_match_torch_and_scipy():
     g = torch.rand(3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     ours = interpolation_matrix(5, 24, "clamp") @ g @ interpolation_matrix(7, 40, "clamp").T
-    close(ours, F.interpolate(g[None], size=(24, 40), mode="bilinear",
-                              align_corners=False)[0], 1e-14)
+    assert_close_scaled(ours, F.interpolate(g[None], size=(24, 40), mode="bilinear",
+                                            align_corners=False)[0])
     for s, out in ((7, 40), (8, 36), (3, 16)):  # skimage resize(order=1, mode="reflect")
         grid = (torch.rand(s, s, generator=torch.Generator().manual_seed(s)) < 0.5).double()
         ref = ndi.zoom(grid.numpy(), out / s, order=1, mode="mirror", grid_mode=True)
         u = interpolation_matrix(s, out, "mirror")
-        close(u @ grid @ u.T, torch.from_numpy(ref), 1e-14)
+        assert_close_scaled(u @ grid @ u.T, torch.from_numpy(ref))
         assert torch.allclose(u.sum(1), torch.ones(out, dtype=torch.float64))
 
 
@@ -98,7 +98,7 @@ def test_rise_masks_follow_the_authors_construction(size, s, p):
                       grid_mode=True)
         assert up.shape == ((s + 1) * ch, (s + 1) * cw)
         ref = torch.from_numpy(up[ox[i]:ox[i] + h, oy[i]:oy[i] + w].copy())
-        close(m[i], ref, 1e-14)
+        assert_close_scaled(m[i], ref)
     tokens = rise_masks(200, (3, 5), p, generator=torch.Generator().manual_seed(0))
     assert tokens.grids.shape == (200, 3, 5) and tokens.grids.dtype == torch.bool
 
@@ -327,7 +327,7 @@ def test_known_answer_one_patch_model():
                              generator=torch.Generator().manual_seed(0))
     other = x.clone()
     other[:, :, :8, :8] = 0  # patch 0 (not j) changes nothing
-    torch.testing.assert_close(model(other), model(x), rtol=0, atol=1e-12)
+    assert_close_scaled(model(other), model(x))
     for removal in ("pixels", "tokens"):
         r = RISE(model).attribute(x, 0, n_masks=200, removal=removal, output="tokens")
         c = ViTCX(model).attribute(x, 0, removal=removal, output="tokens")
@@ -410,4 +410,4 @@ def test_patch_means_handles_partial_patches():
     pix = torch.arange(7 * 10, dtype=torch.float64).reshape(1, 7, 10)
     got = patch_means(pix, lay)
     ref = torch.stack([pix[0, r:r + 4, c:c + 4].mean() for r in (0, 4) for c in (0, 4, 8)])
-    close(got[0], ref, 1e-14)
+    assert_close_scaled(got[0], ref)

@@ -15,9 +15,6 @@ from captum_vit.metrics.saco import group_sizes, saco_coefficient
 from captum_vit.metrics.suite import METRICS, evaluate_batch
 from captum_vit.registry import method_factory
 from tests.helpers import make_inputs, make_model
-from tests.metrics_toys import one_thread
-
-__all__ = ["one_thread"]
 
 
 def _logits_without(model, x, drop, removal):

@@ -13,7 +13,7 @@ import torch
 from captum_vit.adapters import adapt, subset_logits
 from captum_vit.adapters.subsets import FORWARD_OVERHEAD_TOKENS, plan_chunks
 from captum_vit.metrics import RemovalEngine, ranking
-from tests.helpers import FAMILIES, make_inputs, make_model
+from tests.helpers import FAMILIES, assert_close_scaled, make_inputs, make_model
 
 
 def _random_keep(batch: int, subsets: int, patches: int, seed: int) -> torch.Tensor:
@@ -50,10 +50,9 @@ def test_every_job_equals_its_shortened_sequence_alone(family):
     for batch_size in (None, 1, 4):  # one padded forward / no padding / mixed chunks
         out = subset_logits(adapter, x0, keep, batch_size=batch_size)
         assert out.shape == ref.shape and out.dtype == torch.float64
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        assert_close_scaled(out, ref)
     shared = subset_logits(adapter, x0, keep[:1])  # [1, S, P] masks shared by the batch
-    torch.testing.assert_close(shared, _one_by_one(adapter, x0, keep[:1].expand(3, -1, -1)),
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(shared, _one_by_one(adapter, x0, keep[:1].expand(3, -1, -1)))
 
 
 def test_empty_job_without_prefix_tokens_has_logits_zero():
@@ -64,8 +63,7 @@ def test_empty_job_without_prefix_tokens_has_logits_zero():
     keep[:, 1, 5] = True
     out = subset_logits(adapter, adapter.embed(x), keep, batch_size=2)
     assert torch.equal(out[:, [0, 2]], torch.zeros(2, 2, 5, dtype=torch.float64))
-    torch.testing.assert_close(out[:, 1], adapter.run(adapter.embed(x), keep=keep[:, 1]),
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(out[:, 1], adapter.run(adapter.embed(x), keep=keep[:, 1]))
 
 
 @pytest.mark.parametrize("family", ["vit", "avgpool"])
@@ -76,13 +74,12 @@ def test_reusing_the_full_logits_equals_recomputing(family):
     keep = _random_keep(2, 5, 16, seed=1)
     full = model(x)
     reused = subset_logits(adapter, x0, keep, batch_size=3, full_logits=full)
-    torch.testing.assert_close(reused, subset_logits(adapter, x0, keep, batch_size=3),
-                               rtol=0, atol=1e-12)
+    assert_close_scaled(reused, subset_logits(adapter, x0, keep, batch_size=3))
     sentinel = torch.full_like(full, 7.0)  # proves the all-kept jobs are not recomputed
     out = subset_logits(adapter, x0, keep, full_logits=sentinel)
     full = keep.all(-1)  # subset 0 and any other that happens to keep every patch
     assert full[:, 0].all() and (out[full] == 7.0).all()
-    torch.testing.assert_close(out[~full], reused[~full], rtol=0, atol=1e-12)
+    assert_close_scaled(out[~full], reused[~full])
 
 
 def test_reduce_stores_its_values_instead_of_the_logits():
@@ -96,7 +93,7 @@ def test_reduce_stores_its_values_instead_of_the_logits():
                           reduce=lambda z, i: z.softmax(-1).gather(1, target[i, None])[:, 0])
     assert probs.shape == (2, 6)
     ref = logits.softmax(-1).gather(2, target[:, None, None].expand(-1, 6, 1))[..., 0]
-    torch.testing.assert_close(probs, ref, rtol=0, atol=1e-12)
+    assert_close_scaled(probs, ref)
 
 
 def test_progress_bar_counts_every_job(capsys):
@@ -192,7 +189,7 @@ def test_removal_engine_reuses_the_clean_logits(removal):
     for mode, counts in (("delete", [0, 4, 16]), ("insert", [0, 8, 16])):
         ref = eng.logits(x, order, counts, mode=mode)
         out = eng.logits(x, order, counts, mode=mode, full_logits=clean)
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        assert_close_scaled(out, ref)
         full_step = 0 if mode == "delete" else 2
         assert torch.equal(out[:, full_step], clean)
     with pytest.raises(ValueError, match="full_logits"):

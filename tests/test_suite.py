@@ -9,9 +9,6 @@ from captum_vit.data.specs import load_data, model_batch
 from captum_vit.metrics import report, suite
 from captum_vit.models import load_model
 from captum_vit.registry import method_factory
-from tests.metrics_toys import one_thread
-
-__all__ = ["one_thread"]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from captum_vit.methods.tis import (
 )
 from tests.helpers import (
     FAMILIES,
+    assert_close_scaled,
     assert_close_to_reference,
     assert_unchanged,
     make_inputs,
@@ -55,7 +56,9 @@ def test_per_image_masks_equal_shared_masks(parity):
     shared = tis.attribute(x, target=targets, masks=masks, output="tokens")
     per_image = tis.attribute(x, target=targets, masks=masks.expand(2, -1, -1),
                               output="tokens")
-    assert torch.equal(shared, per_image)
+    # [1, M, P] masks broadcast vs [2, M, P] ones: other strides and GEMM shapes, so the
+    # scores may differ in the last bit
+    assert_close_scaled(shared, per_image)
 
 
 # --- slow reference from SPEC §5, through timm's own modules ---------------------------------
@@ -124,7 +127,7 @@ def test_fused_attention_ops_equal_the_generic_forward(family):
     x0 = adapter.embed(x)
     keep = torch.tensor([[0, 3, 5, 9], [1, 2, 8, 15]])
     fused = adapter.run(x0, keep=keep, ops=FusedOps())
-    torch.testing.assert_close(fused, adapter.run(x0, keep=keep, ops=Ops()), rtol=0, atol=1e-12)
+    assert_close_scaled(fused, adapter.run(x0, keep=keep, ops=Ops()))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -137,7 +140,7 @@ def test_kmeans_path_matches_reference_on_every_family(family):
                              for b in range(2)])
     adapter = adapt(model)
     features, logits = layer_features(adapter, adapter.embed(x))
-    torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-12)
+    assert_close_scaled(logits, model(x))
     ours = kmeans_masks(features, n_masks, ratios, seed)
     assert torch.equal(ours, ref_masks)
     ref_map, _ = reference_tis(model, x, target, ref_masks)
@@ -223,7 +226,7 @@ def test_batch_invariance():
         batched = tis.attribute(x, target=target, output="tokens", internal_batch_size=7, **kw)
         single = torch.cat([tis.attribute(x[i:i + 1], target=target[i:i + 1],
                                           output="tokens", **kw) for i in range(3)])
-        torch.testing.assert_close(batched, single, rtol=0, atol=1e-12)
+        assert_close_scaled(batched, single)
 
 
 def test_internal_batch_size_does_not_change_the_result():
@@ -232,7 +235,7 @@ def test_internal_batch_size_does_not_change_the_result():
     outs = [tis.attribute(x, target=2, n_masks=8, internal_batch_size=ibs, output="tokens")
             for ibs in (1, 3, 128, None)]
     for o in outs[1:]:
-        torch.testing.assert_close(o, outs[0], rtol=0, atol=1e-12)
+        assert_close_scaled(o, outs[0])
 
 
 def test_target_none_explains_the_predicted_class():

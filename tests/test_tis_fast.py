@@ -1,5 +1,5 @@
-"""TIS fast paths (issue 21): the shared first-block work equals the plain forward bit for
-bit, the anytime mode at tolerance 1.0 equals the exact algorithm, the batched torch
+"""TIS fast paths (issue 21): the shared first-block work equals the plain forward (to
+rounding), the anytime mode at tolerance 1.0 equals the exact algorithm, the batched torch
 KMeans finds scikit-learn's clusters, and the progress bar option."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sklearn.cluster import KMeans
 from captum_vit.adapters import adapt, subset_logits
 from captum_vit.methods._kmeans import kmeans, kmeans_plusplus
 from captum_vit.methods.tis import TIS, complete_scores, kmeans_masks, layer_features, spearman
-from tests.helpers import ALL_FAMILIES, family_marks, make_inputs, make_model
+from tests.helpers import ALL_FAMILIES, assert_close_scaled, family_marks, make_inputs, make_model
 
 SHARED_FAMILIES = ["vit", "registers", "layerscale", "nonsquare", "beit", "eva02",
                    "eva_dinov3", "map", "hf_vit", "hf_dinov2_reg"]
@@ -26,10 +26,13 @@ def _random_keep(adapter, x0, subsets, seed=1):
     return keep
 
 
-# --- shared first block == plain forward, bit for bit ----------------------------------------
+# --- shared first block == plain forward -----------------------------------------------------
+# The gathered first block and the plain one run the same arithmetic on differently shaped
+# tensors; which GEMM / softmax kernels run depends on the processor and the shapes, so the
+# last bit may differ: equal to 1e-12 of the logits' scale, not bit for bit.
 @pytest.mark.parametrize("family", [pytest.param(f, marks=family_marks(f))
                                     for f in SHARED_FAMILIES])
-def test_shared_first_block_equals_plain_forward_bit_for_bit(family, monkeypatch):
+def test_shared_first_block_equals_plain_forward(family, monkeypatch):
     from captum_vit.adapters import subsets
 
     assert family in ALL_FAMILIES
@@ -47,7 +50,7 @@ def test_shared_first_block_equals_plain_forward_bit_for_bit(family, monkeypatch
     gathered.clear()
     plain = subset_logits(adapter, x0, keep, batch_size=16, share_first_block=False)
     assert not gathered
-    assert torch.equal(shared, plain)
+    assert_close_scaled(shared, plain)
 
 
 @pytest.mark.parametrize("family", ["vit", "eva02"])
@@ -62,7 +65,7 @@ def test_tis_shared_first_block_equals_without(family, monkeypatch):
     monkeypatch.setattr(tis_module, "mask_scores",
                         lambda *a, **k: real(*a, **{**k, "share_first_block": False}))
     plain = tis.attribute(x, target=target, n_masks=24, output="tokens")
-    assert torch.equal(shared, plain)
+    assert_close_scaled(shared, plain)  # the scores differ in the last bit at most
 
 
 # --- anytime mode ----------------------------------------------------------------------------
@@ -76,7 +79,9 @@ def test_anytime_at_tolerance_one_equals_exact(family):
     anytime = tis.attribute(x, target=target, n_masks=48, tolerance=1.0, round_size=16,
                             output="tokens")
     assert tis.last_masks_used.tolist() == [48, 48]
-    assert torch.equal(anytime, exact)
+    # the same masks scored in rounds of 16 instead of one pass: other GEMM shapes, so the
+    # scores may differ in the last bit
+    assert_close_scaled(anytime, exact)
 
 
 def test_anytime_stops_early_and_per_image():
@@ -88,15 +93,21 @@ def test_anytime_stops_early_and_per_image():
     used = tis.last_masks_used
     assert used.shape == (3,) and used.dtype == torch.long
     assert (used < 64).all() and (used % 8 == 0).all()
-    # an image stops on its own: alone it uses as many masks and gets the same map
-    batch = tis.attribute(x, target=target, n_masks=64, tolerance=0.6, round_size=8,
+    # an image stops on its own: alone it uses as many masks and gets the same map. The
+    # masks are given: on this model k-means++ meets exact ties (two candidates whose
+    # potentials agree to the last bit), which rounding decides, so an image's clusters
+    # can change with the batch's GEMM shapes or the thread count (seen with 2 threads)
+    adapter = adapt(model)
+    masks = kmeans_masks(layer_features(adapter, adapter.embed(x))[0], 64, [0.5], 0)
+    batch = tis.attribute(x, target=target, masks=masks, tolerance=0.6, round_size=8,
                           output="tokens")
     used = tis.last_masks_used.clone()
+    assert (used < 64).all()
     for b in range(3):
-        alone = tis.attribute(x[b:b + 1], target=target[b:b + 1], n_masks=64, tolerance=0.6,
-                              round_size=8, output="tokens")
+        alone = tis.attribute(x[b:b + 1], target=target[b:b + 1], masks=masks[b:b + 1],
+                              tolerance=0.6, round_size=8, output="tokens")
         assert tis.last_masks_used.tolist() == [int(used[b])]
-        torch.testing.assert_close(alone, batch[b:b + 1], rtol=1e-12, atol=0)
+        assert_close_scaled(alone, batch[b:b + 1])
 
 
 def _ridge_reference(w, masks, used, ridge):
@@ -163,7 +174,7 @@ def test_anytime_map_from_the_masks_used(surrogate):
         used[0, order] = True
         w = mask_scores(adapter, x0, target, masks) * used
         ref = masks_to_map(_ridge_reference(w, masks, used, RIDGE), masks)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=0)
+    assert_close_scaled(out, ref)
 
 
 def test_spearman_matches_scipy_with_ties():
@@ -216,7 +227,7 @@ def test_batched_kmeans_matches_sklearn_on_fixed_seed(shape, k, seed):
     for b in range(shape[0]):
         km = KMeans(k, n_init=1, random_state=seed).fit(x[b].numpy())
         assert _same_partition(km.labels_, labels[b])
-        np.testing.assert_allclose(centers[b].numpy(), km.cluster_centers_, rtol=0, atol=1e-12)
+        assert_close_scaled(centers[b].numpy(), km.cluster_centers_)
 
 
 def test_batched_kmeans_matches_sklearn_on_separated_clusters():
@@ -255,11 +266,21 @@ def test_torch_and_sklearn_kmeans_give_the_same_tis_masks(family):
 # --- progress bar ----------------------------------------------------------------------------
 @pytest.mark.parametrize("tolerance", [None, 0.5])
 @pytest.mark.parametrize("show,expect_bar", [(True, True), (False, False), (None, False)])
-def test_progress_bar_option(show, expect_bar, tolerance, capsys):
+def test_progress_bar_option(show, expect_bar, tolerance, capsys, monkeypatch):
+    import captum_vit.methods.tis as tis_module
+
+    # None shows the bar once the scoring has run PROGRESS_DELAY seconds: out of reach here,
+    # so the outcome does not depend on how fast (or how busy) the machine is
+    monkeypatch.setattr(tis_module, "PROGRESS_DELAY", 1e9)
     model, x = make_model("vit"), make_inputs("vit", batch=1)
     TIS(model).attribute(x, n_masks=16, round_size=4, tolerance=tolerance,
-                         show_progress=show)  # None: only once the scoring has run 2 s
+                         show_progress=show)
     assert ("TIS" in capsys.readouterr().err) == expect_bar
+    if show is None:  # ... and with no delay, at once
+        monkeypatch.setattr(tis_module, "PROGRESS_DELAY", 0.0)
+        TIS(model).attribute(x, n_masks=16, round_size=4, tolerance=tolerance,
+                             show_progress=show)
+        assert "TIS" in capsys.readouterr().err
 
 
 # --- the benchmark's re-implementation of the authors' loop ----------------------------------
@@ -271,7 +292,7 @@ def test_authors_loop_gives_our_map_on_the_same_masks():
     masks = torch.stack([authors_masks(model, x[i:i + 1], 10, seed=0) for i in range(2)])
     ours = TIS(model).attribute(x, target=target, masks=masks, output="tokens")
     theirs = authors_tis(model, x, target, 10, masks=masks, batch_size=4)
-    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0)
+    assert_close_scaled(ours, theirs)
     assert authors_tis(model, x[:1], target[:1], 10).shape == (1, masks.shape[-1])
 
 
@@ -280,4 +301,4 @@ def test_converged_correlation_is_spearman_brown_square_root():
 
     rho = torch.tensor([-0.3, 0.0, 0.5, 0.8, 1.0], dtype=torch.float64)
     want = [0.0, 0.0, (1 / 1.5) ** 0.5, (1.6 / 1.8) ** 0.5, 1.0]
-    assert converged_correlation(rho).tolist() == pytest.approx(want, abs=1e-15)
+    assert_close_scaled(converged_correlation(rho), torch.tensor(want, dtype=torch.float64))
