@@ -1,4 +1,4 @@
-r"""Layer-wise Relevance Propagation rules as modified backward passes (SPEC_NEXT §8.6).
+r"""Layer-wise Relevance Propagation rules as modified backward passes.
 
 Every rule here is a custom autograd function whose forward returns exactly the model's
 value and whose backward returns a modified gradient :math:`\tilde g`, so that the
@@ -12,8 +12,8 @@ forward:
 
 - :class:`LRPOps` — CP-LRP (Ali et al., ICML 2022) and AttnLRP (Achtibat et al., ICML
   2024). With its defaults (``method="cp"``) it *is* the linearised forward
-  ``Ops(linearize=True)`` of DecompX's gradient route (SPEC §3): CP-LRP at the tokens of
-  block ``s`` equals DecompX started at ``s``.
+  ``Ops(linearize=True)`` of DecompX's gradient route (:mod:`captum_vit.methods.decompx`):
+  CP-LRP at the tokens of block ``s`` equals DecompX started at ``s``.
 - :class:`CheferOps` — the LRP pass of Chefer, Gur & Wolf (CVPR 2021): α1β0 on linear
   maps, identity on LayerNorm, GELU and softmax, halved LRP-0 on the attention matmuls and
   the rescaled residual add of their ``layers_ours.py``.
@@ -311,8 +311,9 @@ def _with_qk_norm_rule(p: AttentionParts, rule: str, what: str,
 
 # -- CP-LRP and AttnLRP -------------------------------------------------------------------
 class LRPOps(Ops):
-    r"""CP-LRP and AttnLRP as primitive operations of the canonical forward (SPEC_NEXT
-    §8.6.2–8.6.3); the forward values are the model's.
+    r"""CP-LRP (Ali et al., ICML 2022) and AttnLRP (Achtibat et al., ICML 2024, in the
+    efficient form of Arras et al. 2025) as primitive operations of the canonical forward;
+    the forward values are the model's.
 
     Common to both: LayerNorm (and a cosine target's norm) by the LN rule — the standard
     deviation detached, the centring kept — and linear maps by the :math:`\varepsilon`-rule
@@ -408,8 +409,8 @@ def _uniform_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tenso
 # -- Chefer et al. 2021 -------------------------------------------------------------------
 class CheferOps(Ops):
     r"""The LRP pass of Chefer, Gur & Wolf (CVPR 2021; Transformer-Explainability
-    ``layers_ours.py`` and ``ViT_LRP.py``) as primitive operations (SPEC_NEXT §8.6.1); the
-    forward values are the model's.
+    ``layers_ours.py`` and ``ViT_LRP.py``) as primitive operations; the forward values
+    are the model's.
 
     - Linear maps (q/k/v, output projection, MLP, head): α1β0, bias ignored, Chefer's
       stabiliser :math:`10^{-9}`.

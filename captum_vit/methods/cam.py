@@ -1,4 +1,5 @@
-r"""The CAM family on ViT tokens at block ``l`` (SkipPLUS App. E.1.1, Fig. 12; SPEC_NEXT §8.3).
+r"""The CAM family on ViT tokens at block ``l`` (SkipPLUS, Mehri et al. 2024, App. E.1.1,
+Fig. 12).
 
 A convolutional CAM reads the activations :math:`X` of a layer (channels x positions) and
 the gradient :math:`G = \partial s_c / \partial X` of the target score. On a ViT the
@@ -6,9 +7,9 @@ the gradient :math:`G = \partial s_c / \partial X` of the target score. On a ViT
 features are the channels, the N tokens the positions) and :math:`G = g_l`, both from one
 forward and one backward pass. Every variant below is one rule turning ``(X, G)`` into a
 map over the N tokens (prefix columns are dropped at the output); ``relu=True`` (default,
-the papers) clips the map at 0. SPEC_NEXT §8.3 says the SkipPLUS presets call the CAMs with
-``relu=False`` ("verify"): not verified here — the authors' analysis code has no licence
-and was not read for this; pass ``relu=False`` to follow the SPEC's reading of it.
+the papers) clips the map at 0. The SkipPLUS authors' presets may call the CAMs with
+``relu=False``, a reading of their code that is not confirmed (their analysis code has no
+licence and was not read for this); pass ``relu=False`` to follow that reading.
 
 Channel-weight variants compute :math:`w_c` over the token set ``T``
 (``weight_tokens="all"``, the SkipPLUS authors' code, default; ``"patches"``: the patch
@@ -29,8 +30,19 @@ Position-wise variants (no channel weights, ``weight_tokens`` does not apply):
   :class:`~captum_vit.methods.ixg.TokenIxG`).
 * :class:`GradCAMElementWise`: :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c] X[j, c])`.
 
-:math:`\varepsilon = 10^{-7}` (:data:`EPS`, pytorch-grad-cam's value). Score-CAM, which
-needs no gradient but one forward per channel, is
+The :math:`\varepsilon` are pytorch-grad-cam 1.5.7's: :math:`10^{-6}` in GradCAM++
+(:data:`GRADCAM_PP_EPS`, its ``grad_cam_plusplus.py``), :math:`10^{-7}` in XGradCAM
+(:data:`XGRADCAM_EPS`, its ``xgrad_cam.py``); ``eps=`` sets either. On ViT tokens the
+gradients are small, so GradCAM++'s :math:`\varepsilon` is not a negligible stabiliser:
+it dominates most denominators of :math:`\alpha` and the map depends on it.
+
+Where the activations are read (``at``): ``"residual"`` (default) is the block input
+:math:`x_l` above; ``"norm1"`` is the output of block ``l``'s first LayerNorm (the
+pre-attention norm), :math:`X = u_l = \mathrm{LN}_1(x_l)` and
+:math:`G = \partial s_c / \partial u_l`. That is the layer of pytorch-grad-cam's ViT
+recipe (``target_layers=[model.blocks[-1].norm1]`` with a ``reshape_transform`` that
+drops the class token: ``at="norm1"`` with ``weight_tokens="patches"`` at the default
+block ``L-1``). Score-CAM, which needs no gradient but one forward per channel, is
 :class:`~captum_vit.methods.scorecam.ScoreCAM`.
 """
 
@@ -57,8 +69,18 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import ViTAdapter
 
-EPS = 1e-7
-"""``ε`` of the GradCAM++ and XGradCAM denominators (SPEC_NEXT §8.3)."""
+GRADCAM_PP_EPS = 1e-6
+"""Default ``ε`` of GradCAM++'s denominators (pytorch-grad-cam 1.5.7,
+``grad_cam_plusplus.py``)."""
+
+XGRADCAM_EPS = 1e-7
+"""Default ``ε`` of XGradCAM's denominators (pytorch-grad-cam 1.5.7, ``xgrad_cam.py``)."""
+
+EPS = XGRADCAM_EPS
+"""XGradCAM's default ``ε`` (:data:`XGRADCAM_EPS`); GradCAM++ uses :data:`GRADCAM_PP_EPS`."""
+
+SITES = ("residual", "norm1")
+"""Where a CAM reads block ``l``: its input ``x_l`` or its first LayerNorm's output."""
 
 WEIGHT_TOKENS = ("all", "patches")
 """Token sets ``T`` over which channel weights are computed."""
@@ -70,52 +92,78 @@ def block_layer(name: str, value: Any, num_blocks: int) -> int:
 
 
 def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
-                    layers: Sequence[int], *, score: str = "logit"
+                    layers: Sequence[int], *, score: str = "logit", at: str = "residual"
                     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
-    """Block inputs ``x_l`` and ``g_l = d s_c / d x_l`` of every block in ``layers`` from
-    one forward and one backward.
+    """Block inputs ``x_l`` (or their first LayerNorm's outputs ``u_l``) and the gradients
+    ``g = d s_c / d x_l`` (``d s_c / d u_l``) of every block in ``layers`` from one forward
+    and one backward.
 
-    Same values as :func:`~captum_vit.methods.ixg.layer_gradients` at those blocks; the
-    backward asks for them only, so it stops at the lowest one.
+    With ``at="residual"`` the same values as
+    :func:`~captum_vit.methods.ixg.layer_gradients` at those blocks; the backward asks for
+    them only, so it stops at the lowest one.
 
     Args:
         adapter (ViTAdapter): the model's adapter.
         inputs (Tensor): validated images [B, C, H, W].
         target (Tensor or None): class per image; ``None`` = predicted class.
-        layers (sequence of int): block indices (``L`` = the last block's output).
+        layers (sequence of int): block indices (``L`` = the last block's output, with
+            ``at="residual"`` only).
         score (str): ``"logit"`` or ``"probability"``.
+        at (str): ``"residual"`` (default): the block input ``x_l``; ``"norm1"``: the
+            output ``u_l = LN1(x_l)`` of block ``l``'s first (pre-attention) LayerNorm,
+            the adapter's ``BlockParts.norm1`` (timm's ``norm1``, Hugging Face's
+            ``layernorm_before``).
 
     Returns:
         (X per layer [B, N, D] detached, G per layer [B, N, D], resolved target [B]).
+
+    Raises:
+        ValueError: ``at="norm1"`` with ``L`` in ``layers`` (no block ``L``).
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> xs, gs, t = block_gradients(adapt(model), images, None, [5, 11], at="norm1")
     """
+    check_choice("at", at, SITES)
+    if at == "norm1" and any(l >= adapter.num_blocks for l in layers):
+        raise ValueError(f"at='norm1' reads a block's first LayerNorm: layers must be below "
+                         f"{adapter.num_blocks}; got {list(layers)}")
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
         tr = adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
-        xs = [tr.states[l] for l in layers]
+        if at == "norm1":  # BlockRecord.u = LN1(x_l), in the graph of the score
+            xs = [tr.blocks[l - tr.start].u for l in layers]
+        else:
+            xs = [tr.states[l] for l in layers]
         gs = gradients(target_scores(tr.logits, t, score), xs)
     return [x.detach() for x in xs], [g.detach() for g in gs], t
 
 
 def block_gradient(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, layer: int, *,
-                   score: str = "logit") -> tuple[Tensor, Tensor, Tensor]:
+                   score: str = "logit", at: str = "residual") -> tuple[Tensor, Tensor, Tensor]:
     """:func:`block_gradients` of one block: ``(X, G, target)``."""
-    (x,), (g,), t = block_gradients(adapter, inputs, target, [layer], score=score)
+    (x,), (g,), t = block_gradients(adapter, inputs, target, [layer], score=score, at=at)
     return x, g, t
 
 
 class _TokenCAM(ViTGradientAttribution):
-    """Shared front of the CAMs: ``(X, G)`` at block ``layer``, :meth:`cam`, optional ReLU.
+    """Shared front of the CAMs: ``(X, G)`` at block ``layer`` (read at ``at``),
+    :meth:`cam`, optional ReLU.
 
     Subclasses implement :meth:`cam` only.
     """
 
     layer_local = True
-    """PLUS evaluates it on a one-block window: the map at block ``l`` (SPEC_NEXT §8.5)."""
+    """PLUS evaluates it on a one-block window: the map at block ``l``
+    (:mod:`captum_vit.combinators`)."""
 
-    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True) -> None:
+    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True, *,
+                 at: str = "residual") -> None:
         super().__init__(model)
         self.layer = block_layer("layer", layer, self.adapter.num_blocks)
         self.relu = check_scalar(relu, "relu", bool)
+        self.at = check_choice("at", at, SITES)
 
     @log_usage()
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
@@ -147,15 +195,16 @@ class _TokenCAM(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        x, g, _t = block_gradient(self.adapter, inputs, target, self.layer, score=score)
+        x, g, _t = block_gradient(self.adapter, inputs, target, self.layer, score=score,
+                                  at=self.at)
         return self.layer_map(x, g, self.adapter.num_prefix)
 
     plus_aggregates = ("subnetwork", "layer")
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
-        """PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): this CAM at every block of
-        ``layers`` (layer-local: both aggregates coincide) from one forward and one
+        """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): this CAM at every
+        block of ``layers`` (layer-local: both aggregates coincide) from one forward and one
         backward, [len(layers), B, N].
 
         Examples::
@@ -165,20 +214,23 @@ class _TokenCAM(ViTGradientAttribution):
         """
         check_choice("aggregate", aggregate, ("subnetwork", "layer"))
         check_choice("score", score, SCORES)
-        xs, gs, _t = block_gradients(self.adapter, inputs, target, layers, score=score)
+        xs, gs, _t = block_gradients(self.adapter, inputs, target, layers, score=score,
+                                     at=self.at)
         k = self.adapter.num_prefix
         return torch.stack([self.layer_map(x, g, k) for x, g in zip(xs, gs, strict=True)])
 
     def layer_map(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
-        """This CAM's token map from any block's ``(x_l, g_l)``: :meth:`cam` in the
+        """This CAM's token map from any block's ``(X, G)``: :meth:`cam` in the
         accumulation dtype, then the ReLU if ``relu=True``. PLUS/SkipPLUS sum it over
-        blocks (SPEC_NEXT §8.5: a CAM is layer-local, ``A(f_l)`` is its map at block
-        ``l``), e.g. from :func:`~captum_vit.methods.ixg.layer_gradients`'
-        ``trace.states[l]`` and ``grads[l]``.
+        blocks (a CAM is layer-local: on the sub-network :math:`f_l` it is its map at
+        block ``l``; :mod:`captum_vit.combinators`), e.g. from
+        :func:`~captum_vit.methods.ixg.layer_gradients`' ``trace.states[l]`` and
+        ``grads[l]`` (``at="residual"``) or from :func:`block_gradients`.
 
         Args:
-            x (Tensor): activations ``X = x_l`` [B, N, D].
-            g (Tensor): gradients ``G = g_l`` [B, N, D].
+            x (Tensor): activations ``X`` [B, N, D]: ``x_l``, or ``u_l`` with
+                ``at="norm1"``.
+            g (Tensor): gradients ``G = d s_c / d X`` [B, N, D].
             num_prefix (int): ``K``, the prefix tokens before the patches.
 
         Returns:
@@ -208,8 +260,8 @@ class _ChannelWeightCAM(_TokenCAM):
     :meth:`channel_weights` on the rows of the token set ``T``."""
 
     def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
-                 weight_tokens: str = "all") -> None:
-        super().__init__(model, layer, relu)
+                 weight_tokens: str = "all", *, at: str = "residual") -> None:
+        super().__init__(model, layer, relu, at=at)
         self.weight_tokens = check_choice("weight_tokens", weight_tokens, WEIGHT_TOKENS)
 
     def cam(self, x: Tensor, g: Tensor, num_prefix: int) -> Tensor:
@@ -225,19 +277,28 @@ class _ChannelWeightCAM(_TokenCAM):
 class GradCAM(_ChannelWeightCAM):
     r"""Grad-CAM (Selvaraju et al. 2017) on the tokens of block ``layer``:
     :math:`w_c = \mathrm{mean}_{t \in T} G[t, c]`, :math:`m_j = \sum_c w_c X[j, c]`, with
-    :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l` (SPEC_NEXT §8.3).
+    :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l` (SkipPLUS App. E.1.1).
+
+    With ``at="norm1"`` :math:`X` is block ``l``'s first LayerNorm output
+    :math:`u_l = \mathrm{LN}_1(x_l)` and :math:`G = \partial s_c / \partial u_l`;
+    ``GradCAM(model, at="norm1", weight_tokens="patches")`` is pytorch-grad-cam's ViT recipe
+    (``target_layers=[model.blocks[-1].norm1]``, class token dropped) before its resize
+    and min-max scaling (its ReLU is ``relu=True``).
 
     Cost: one forward and one backward (down to block ``layer``).
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
-        layer (int, optional): block ``l`` in ``[0, L-1]`` whose input is read; ``None``
+        layer (int, optional): block ``l`` in ``[0, L-1]`` that is read; ``None``
             (default) = the last block ``L-1``.
         relu (bool, optional): clip the map at 0 (default True, the paper; the SkipPLUS
             presets use False).
         weight_tokens (str, optional): token set ``T`` of the channel weights: ``"all"``
             (default, prefix and patch tokens, the SkipPLUS authors' code) or
             ``"patches"`` (patch tokens only, pytorch-grad-cam's ViT reshape).
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT recipe).
 
     Examples::
 
@@ -245,6 +306,8 @@ class GradCAM(_ChannelWeightCAM):
         >>> attr = GradCAM(model).attribute(images, target=labels)
         >>> signed = GradCAM(model, layer=6, relu=False, weight_tokens="patches").attribute(
         ...     images, target=labels, output="tokens")
+        >>> recipe = GradCAM(model, at="norm1", weight_tokens="patches").attribute(
+        ...     images, target=labels, output="grid")
     """
 
     def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
@@ -262,7 +325,17 @@ class GradCAMPlusPlus(_ChannelWeightCAM):
         w_c = \sum_{t \in T} \alpha[t, c]\,\mathrm{ReLU}(G[t, c]),\quad
         m_j = \sum_c w_c X[j, c],
 
-    with :math:`\alpha = 0` where :math:`G = 0` and :math:`\varepsilon = 10^{-7}`.
+    with :math:`\alpha = 0` where :math:`G = 0` and :math:`\varepsilon = 10^{-6}` by
+    default (pytorch-grad-cam 1.5.7's GradCAM++, :data:`GRADCAM_PP_EPS`).
+
+    **The map depends on** :math:`\varepsilon` **on ViT tokens.** Token gradients are
+    small, so :math:`2G^2 + (\sum_{t'} X[t', c]) G^3` is mostly far below
+    :math:`\varepsilon`: on the bundled FashionMNIST ViT at block ``L-1`` its median is
+    about :math:`10^{-8}`, and the maps of eight sample images change by 1 % to 260 %
+    (relative L2) between :math:`\varepsilon = 10^{-7}` and :math:`10^{-6}`. Where
+    :math:`\varepsilon` dominates, :math:`\alpha \approx G^2 / \varepsilon` and
+    :math:`w_c \approx \sum_t \mathrm{ReLU}(G)^3 / \varepsilon`. Pass ``eps`` to match
+    another implementation, and compare maps only at the same :math:`\varepsilon`.
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
@@ -270,16 +343,28 @@ class GradCAMPlusPlus(_ChannelWeightCAM):
         relu (bool, optional): clip the map at 0 (default True).
         weight_tokens (str, optional): ``"all"`` (default) or ``"patches"``: the token set
             ``T`` of :math:`\alpha`'s activation sum and of :math:`w_c`.
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT recipe).
+        eps (float, optional): :math:`\varepsilon` of :math:`\alpha`'s denominator,
+            ``>= 0``. Default ``1e-6`` (pytorch-grad-cam's).
 
     Examples::
 
         >>> from captum_vit.methods.cam import GradCAMPlusPlus
         >>> attr = GradCAMPlusPlus(model).attribute(images, target=labels, output="grid")
+        >>> older = GradCAMPlusPlus(model, eps=1e-7).attribute(images, target=labels)
     """
+
+    def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
+                 weight_tokens: str = "all", *, at: str = "residual",
+                 eps: float = GRADCAM_PP_EPS) -> None:
+        super().__init__(model, layer, relu, weight_tokens, at=at)
+        self.eps = float(check_scalar(eps, "eps", float, min_val=0))
 
     def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
         g2 = g * g
-        alpha = g2 / (2 * g2 + x.sum(1, keepdim=True) * g2 * g + EPS)
+        alpha = g2 / (2 * g2 + x.sum(1, keepdim=True) * g2 * g + self.eps)
         alpha = torch.where(g != 0, alpha, torch.zeros_like(alpha))
         return (alpha * g.clamp(min=0)).sum(1)
 
@@ -294,7 +379,8 @@ class XGradCAM(_ChannelWeightCAM):
         w_c = \frac{\sum_{t \in T} G[t, c]\, |X[t, c]|}{\sum_{t \in T} |X[t, c]|
         + \varepsilon},\qquad m_j = \sum_c w_c X[j, c]
 
-    (the map uses the signed :math:`X` in both; :math:`\varepsilon = 10^{-7}`). A
+    (the map uses the signed :math:`X` in both; :math:`\varepsilon = 10^{-7}` by default,
+    pytorch-grad-cam 1.5.7's XGradCAM, :data:`XGRADCAM_EPS`). A
     transformer's features are signed, so the plain denominator can be near 0; the plus
     form avoids that.
 
@@ -305,6 +391,11 @@ class XGradCAM(_ChannelWeightCAM):
         weight_tokens (str, optional): ``"all"`` (default) or ``"patches"``: the token set
             ``T`` of the sums.
         plus (bool, optional): XGradCAM+ (default False).
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT recipe).
+        eps (float, optional): :math:`\varepsilon` of the denominator, ``>= 0``. Default
+            ``1e-7`` (pytorch-grad-cam's).
 
     Examples::
 
@@ -314,13 +405,15 @@ class XGradCAM(_ChannelWeightCAM):
     """
 
     def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
-                 weight_tokens: str = "all", plus: bool = False) -> None:
-        super().__init__(model, layer, relu, weight_tokens)
+                 weight_tokens: str = "all", plus: bool = False, *, at: str = "residual",
+                 eps: float = XGRADCAM_EPS) -> None:
+        super().__init__(model, layer, relu, weight_tokens, at=at)
         self.plus = check_scalar(plus, "plus", bool)
+        self.eps = float(check_scalar(eps, "eps", float, min_val=0))
 
     def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
         a = x.abs() if self.plus else x
-        return (g * a).sum(1) / (a.sum(1) + EPS)
+        return (g * a).sum(1) / (a.sum(1) + self.eps)
 
 
 class LayerCAM(_TokenCAM):
@@ -334,6 +427,9 @@ class LayerCAM(_TokenCAM):
         model (torch.nn.Module): a supported Vision Transformer.
         layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
         relu (bool, optional): clip the map at 0 (default True).
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT recipe).
 
     Examples::
 
@@ -349,13 +445,16 @@ class HiResCAM(_TokenCAM):
     r"""HiResCAM (Draelos & Carin 2020) at one block: :math:`m_j = \sum_c G[j, c]\,
     X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
 
-    With ``relu=False`` this is exactly token Input x Gradient at block ``l``
-    (:class:`~captum_vit.methods.ixg.TokenIxG` ``(model, layer=l)``).
+    With ``relu=False`` (and ``at="residual"``) this is exactly token Input x Gradient at
+    block ``l`` (:class:`~captum_vit.methods.ixg.TokenIxG` ``(model, layer=l)``).
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
         layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
         relu (bool, optional): clip the map at 0 (default True).
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT recipe).
 
     Examples::
 
@@ -377,6 +476,9 @@ class GradCAMElementWise(_TokenCAM):
         layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
         relu (bool, optional): clip the map at 0 (default True; the map is non-negative
             anyway).
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT recipe).
 
     Examples::
 

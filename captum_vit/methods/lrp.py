@@ -1,7 +1,7 @@
 r"""Conservative LRP for Vision Transformers: CP-LRP (Ali et al., "XAI for Transformers:
 Better Explanations through Conservative Propagation", ICML 2022) and AttnLRP (Achtibat et
 al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers", ICML
-2024), SPEC_NEXT §8.6.2–8.6.3.
+2024).
 
 Both are one forward and one backward pass in the "relevance as gradient" form (Arras et
 al. 2025, LXT's ``efficient`` module): every rule is a custom backward
@@ -152,10 +152,10 @@ class _LRPAttribution(ViTGradientAttribution):
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5, gradient route): the map of every
-        sub-network :math:`f_l`, :math:`m_l = \sum_c x_l \odot \tilde g_{x_l}`, from one
-        forward and one backward, [len(layers), B, N] (the rules of blocks :math:`\geq l`
-        are the same in :math:`f_l` and in the model).
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): the
+        map of every sub-network :math:`f_l`, :math:`m_l = \sum_c x_l \odot \tilde
+        g_{x_l}`, from one forward and one backward, [len(layers), B, N] (the rules of
+        blocks :math:`\geq l` are the same in :math:`f_l` and in the model).
 
         Args:
             inputs (Tensor): validated images [B, C, H, W].
@@ -187,7 +187,7 @@ class _LRPAttribution(ViTGradientAttribution):
 
 class CPLRP(_LRPAttribution):
     r"""CP-LRP, conservative propagation for Transformers (Ali et al., ICML 2022, the
-    "AH-rule" and "LN-rule"; SPEC_NEXT §8.6.2).
+    "AH-rule" and "LN-rule").
 
     Gradient × Input with a modified backward:
 
@@ -206,10 +206,10 @@ class CPLRP(_LRPAttribution):
       as CLIP's) takes the LN rule.
 
     With the defaults the relevance at the input tokens :math:`x_s` of block :math:`s` is
-    DecompX started at :math:`s` (SPEC §3): the same linearised forward
-    (``LRPOps() == Ops(linearize=True)``), so ``CPLRP(model)`` and ``DecompX(model)``
-    give the same numbers, and without biases the relevance of all tokens (prefix tokens
-    included) sums to the logit.
+    DecompX started at :math:`s` (:mod:`captum_vit.methods.decompx`): the same linearised
+    forward (``LRPOps() == Ops(linearize=True)``), so ``CPLRP(model)`` and
+    ``DecompX(model)`` give the same numbers, and without biases the relevance of all
+    tokens (prefix tokens included) sums to the logit.
 
     *Verified against AmeenAli/XAI_Transformers (MIT; its attention-only BERT-like model
     has no MLP):* the softmax output is detached (= q, k detached), the LayerNorm's
@@ -256,7 +256,7 @@ class CPLRP(_LRPAttribution):
 
 class AttnLRP(_LRPAttribution):
     r"""AttnLRP, attention-aware LRP (Achtibat et al., ICML 2024; efficient
-    Gradient × Input form of Arras et al. 2025 / LXT; SPEC_NEXT §8.6.3).
+    Gradient × Input form of Arras et al. 2025 / LXT).
 
     Rules (each a modified backward, the forward is the model's):
 
@@ -297,9 +297,26 @@ class AttnLRP(_LRPAttribution):
     finding:* LXT's documentation tunes γ per layer by eye (its ViT example sweeps
     conv γ ∈ {0.1, 0.25, 100} × linear γ ∈ {0, 0.01, 0.05, 0.1, 1}, hence the separate
     ``gamma_embed``) and states no fixed values; the paper's appendix values could not be
-    checked here, so there is no preset and the default is γ = 0. LXT's torchvision preset
-    applies γ to ``nn.Linear`` modules, which leaves torchvision's fused q/k/v
-    in-projection (not an ``nn.Linear``) at γ = 0; here the q/k/v projections take γ too.
+    checked here, so there is no preset and the default is γ = 0.
+
+    *Which maps LXT's γ reaches* (checked against rachtibat/LRP-eXplains-Transformers:
+    ``examples/vit_torch.py``, ``lxt/efficient/models/vit_torch.py``,
+    ``lxt/efficient/patches.py``, ``lxt/explicit/models/openclip.py``, and torchvision's
+    ``nn.MultiheadAttention``): its ViT example registers zennit's ``Gamma`` on every
+    ``nn.Conv2d`` and ``nn.Linear`` module of torchvision's ``vit_b_16``, and zennit's
+    rules act through module hooks. torchvision's attention computes its packed q/k/v
+    in-projection (``in_proj_weight``, a parameter) and its output projection
+    (``out_proj``'s weight, passed to ``F.multi_head_attention_forward``; ``out_proj``
+    itself is never called, so its hooks never run) as plain functions. LXT's γ therefore
+    reaches the patch projection (the convolution's γ), the two MLP linear maps of every
+    block and the classifier head only; in the attention, q and k are detached (its CP
+    preset) and v and the output projection keep their true gradient (ε-rule,
+    :math:`\varepsilon \to 0`). Its OpenCLIP example does the same: its v and output
+    projections are its own ``LinearInProjection`` / ``LinearOutProjection`` modules (not
+    ``nn.Linear``) under its ε-rule. Here γ applies to every linear map, the attention's
+    v and output projections included (with ``attention="cp"`` the q/k projections receive
+    no relevance), so ``AttnLRP(model, attention="cp", gamma=γ)`` is not LXT's ViT
+    setting inside the attention when γ > 0.
 
     **Patent note** (LXT README): "LRP is a patented technology that can only be used
     free of charge for personal and scientific purposes." Implemented from the papers.
@@ -323,9 +340,9 @@ class AttnLRP(_LRPAttribution):
 
         >>> from captum_vit import AttnLRP
         >>> attr = AttnLRP(model).attribute(images, target=labels)
-        >>> lxt_vit = AttnLRP(model, attention="cp", gamma=0.05, gamma_embed=0.25,
-        ...                   at="pixels")
-        >>> pix = lxt_vit.attribute(images, target=labels)
+        >>> lxt_like = AttnLRP(model, attention="cp", gamma=0.05, gamma_embed=0.25,
+        ...                    at="pixels")
+        >>> pix = lxt_like.attribute(images, target=labels)
     """
 
     def __init__(self, model: nn.Module, attention: str = "attnlrp", gamma: float = 0.0,

@@ -1,4 +1,5 @@
-r"""Score-CAM (Wang et al., CVPRW 2020) on ViT tokens at block ``l`` (SPEC_NEXT §8.3).
+r"""Score-CAM (Wang et al., CVPRW 2020) on ViT tokens at block ``l`` (as the CAM family of
+SkipPLUS, Mehri et al. 2024, App. E.1.1; :mod:`captum_vit.methods.cam`).
 
 Each of the D channels of the block input :math:`X = x_l \in \mathbb{R}^{N \times D}` gives
 a mask over the patches, :math:`M_c[j] = (X[j, c] - \min_P X[:, c]) / (\max_P X[:, c] -
@@ -10,7 +11,9 @@ sequence of the prefix tokens plus the patches with :math:`M_c \ge 0.5` (true to
 removal). The map is :math:`m_j = \sum_c \mathrm{softmax}_c(s)_c\, X[j, c]` over all
 tokens; no gradients. Cost per image: one clean forward plus D masked forwards (768 for
 ViT-B), batched over channels and images (``max_channels``: only the channels of largest
-variance, "Faster Score-CAM").
+variance, "Faster Score-CAM"). With ``at="norm1"`` the channels are those of block
+``l``'s first LayerNorm output :math:`\mathrm{LN}_1(x_l)` instead (pytorch-grad-cam's ViT
+layer).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from captum_vit._base import (
     score_reduce,
 )
 from captum_vit.adapters import (
+    BlockRecord,
     FusedOps,
     Layout,
     ViTAdapter,
@@ -40,7 +44,7 @@ from captum_vit.adapters import (
     subset_forwards,
     subset_logits,
 )
-from captum_vit.methods.cam import block_layer
+from captum_vit.methods.cam import SITES, block_layer
 
 REMOVALS = ("pixels", "tokens")
 """How a channel's mask is applied: pixel multiplication or true token removal."""
@@ -109,7 +113,7 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
 
 class ScoreCAM(ViTPerturbationAttribution):
     r"""Score-CAM on the tokens of block ``layer``: channel weights from the model's
-    scores of the image masked by each channel (SPEC_NEXT §8.3).
+    scores of the image masked by each channel (Wang et al., CVPRW 2020).
 
     With :math:`X = x_l \in \mathbb{R}^{N \times D}` and, for every channel :math:`c`, the
     mask :math:`M_c = \mathrm{minmax}(X[P, c])` over the patch rows :math:`P` (0 for a
@@ -120,11 +124,28 @@ class ScoreCAM(ViTPerturbationAttribution):
         w = \mathrm{softmax}_c(s),\qquad m_j = \sum_c w_c X[j, c],
 
     ``up`` = nearest upsampling of the patch grid to pixels (each pixel takes its patch's
-    value), :math:`p` the softmax probability (``score="probability"``, default; the
-    target logit with ``score="logit"``, pytorch-grad-cam's convention). With
-    ``removal="tokens"`` the masked forward instead keeps the prefix tokens and the patch
-    tokens with :math:`M_c \ge 0.5` (true token removal, tokens taken after the positional
-    embedding, SPEC §6.3). No baseline score is subtracted (pytorch-grad-cam, SPEC).
+    value), :math:`p` the softmax probability (``score="probability"``, default, the
+    paper; the target logit with ``score="logit"``). With ``removal="tokens"`` the masked
+    forward instead keeps the prefix tokens and the patch tokens with
+    :math:`M_c \ge 0.5` (true token removal, tokens taken after the positional
+    embedding, as SkipPLUS §4.1). No baseline score is subtracted. With ``at="norm1"``,
+    :math:`X` is block ``l``'s first LayerNorm output :math:`\mathrm{LN}_1(x_l)` (masks
+    and map alike).
+
+    pytorch-grad-cam 1.5.7 (``score_cam.py``, ``ScoreCAM`` with a ViT
+    ``reshape_transform``) differs in its conventions: it upsamples the activations
+    bilinearly (``UpsamplingBilinear2d``, corners aligned) to the image size and
+    min-max normalises each channel over the pixels with :math:`10^{-8}` added to the
+    denominator (a constant channel gives a zero mask there too); it scores with its
+    target, by default ``ClassifierOutputTarget``, the logit; it reads every score as a
+    Python number (``.item()``) and collects them with ``torch.Tensor``, i.e. in float32
+    whatever the model's dtype, so its softmax and weights are float32 (a float64 model's
+    scores are rounded to float32); and it returns the map after a ReLU, per-image min-max
+    scaling and a resize (float32). This class masks with the patch-constant upsampling of
+    masks normalised over the patch rows (no :math:`10^{-8}`), defaults to the
+    probability, keeps the scores, the softmax and the map in the model's dtype (float32
+    for half precision), and returns the raw map. ``score="logit"`` and
+    ``output="tokens"`` come closest to it; the masks still differ.
 
     Cost: one clean forward plus D masked forwards per image (768 for ViT-B/16), batched
     ``batch_size`` at a time over channels AND images; no backward. ``attribute(...,
@@ -147,6 +168,9 @@ class ScoreCAM(ViTPerturbationAttribution):
             :func:`~captum_vit.adapters.subsets.subset_logits`).
         progress (bool, optional): tqdm progress bar over the masked forwards. Default
             False.
+        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
+            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
+            pytorch-grad-cam's ViT layer).
 
     Attributes:
         num_forwards (int): model evaluations of the last ``attribute`` call (0 before).
@@ -157,20 +181,24 @@ class ScoreCAM(ViTPerturbationAttribution):
         >>> attr = ScoreCAM(model, batch_size=128).attribute(images, target=labels)
         >>> grid = ScoreCAM(model, removal="tokens", progress=True).attribute(
         ...     images, target=labels, output="grid")
+        >>> recipe = ScoreCAM(model, at="norm1").attribute(images, target=labels,
+        ...                                                 score="logit")
     """
 
     layer_local = True
-    """PLUS evaluates it on a one-block window: the map at block ``l`` (SPEC_NEXT §8.5)."""
+    """PLUS evaluates it on a one-block window: the map at block ``l``
+    (:mod:`captum_vit.combinators`)."""
 
     def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True,
-                 batch_size: int = 64, removal: str = "pixels", progress: bool = False
-                 ) -> None:
+                 batch_size: int = 64, removal: str = "pixels", progress: bool = False, *,
+                 at: str = "residual") -> None:
         super().__init__(model)
         self.layer = block_layer("layer", layer, self.adapter.num_blocks)
         self.relu = check_scalar(relu, "relu", bool)
         self.batch_size = check_scalar(batch_size, "batch_size", int, min_val=1)
         self.removal = check_choice("removal", removal, REMOVALS)
         self.progress = check_scalar(progress, "progress", bool)
+        self.at = check_choice("at", at, SITES)
         self.num_forwards = 0
 
     @log_usage()
@@ -221,7 +249,13 @@ class ScoreCAM(ViTPerturbationAttribution):
             ops = FusedOps()
             x0 = adapter.embed(inputs)
             x = adapter.run(x0, 0, self.layer, ops=ops)  # X = x_l
-            logits = adapter.run(x, self.layer, ops=ops)  # the clean forward
+            if self.at == "norm1":  # X = LN1(x_l), recorded by block l itself
+                rec: list[BlockRecord] = []
+                out = adapter.block(x, self.layer, ops, rec)
+                x = rec[0].u
+                logits = adapter.run(out, self.layer + 1, ops=ops)  # the clean forward
+            else:
+                logits = adapter.run(x, self.layer, ops=ops)  # the clean forward
         t = resolve_target(target, logits)
         x = x.to(dt)
         if max_channels is not None and max_channels < x.shape[-1]:
