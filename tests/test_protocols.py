@@ -23,9 +23,7 @@ from captum_vit.metrics.protocols import (
 from captum_vit.metrics.removal import image_space_zero, tis_baseline, upsample
 from captum_vit.models import Preprocess
 from tests.helpers import make_inputs, make_model
-from tests.metrics_toys import one_thread
 
-__all__ = ["one_thread"]
 NAMES = ("chefer21_perturbation", "tokentm_perturbation", "tokentm_aopc_lodds",
          "tokentm_segmentation", "tis_insdel", "skipplus_token_ratio", "skipplus_seg_ap")
 
@@ -65,7 +63,9 @@ def test_every_preset_of_the_spec_is_there_with_its_exact_settings():
     f = get_protocol("chefer21_perturbation").factories(["Rollout", "gae"])
     assert isinstance(f["Rollout"](model), Rollout) and f["Rollout"](model).start_layer == 1
     assert get_protocol("tis_insdel").factories(["rollout"])["rollout"](model).start_layer == 0
-    pre = get_protocol("tokentm_segmentation").preprocess(Preprocess(3, (32, 32), (0.1,), (0.2,)))
+    own = Preprocess(3, (32, 32), (0.1,), (0.2,))
+    assert get_protocol("tokentm_segmentation").preprocess(own) is own  # the model's by default
+    pre = get_protocol("tokentm_segmentation").preprocess(own, normalization="paper")
     assert (pre.mean, pre.std) == half
     assert get_protocol("tis_insdel").preprocess(pre) is pre
     with pytest.raises(ValueError, match="unknown --protocol 'nope'"):
@@ -157,7 +157,9 @@ def test_each_preset_runs_end_to_end_and_writes_the_seed_table(tmp_path, name, c
     if name == "chefer21_perturbation":
         assert set(cols) == {"perturbation_neg_predicted", "perturbation_pos_predicted",
                              "perturbation_neg_label", "perturbation_pos_label"}
-        assert data["config"]["normalization"] == [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]
+        # the model's own normalisation (random:vit_tiny has none), not the paper's 0.5
+        assert data["config"]["normalization"] == [None, None]
+        assert data["config"]["protocol_normalization"] == "model"
         assert cols["perturbation_pos_label"]["x"] == list(CHEFER_FRACTIONS)
     if name == "tokentm_aopc_lodds":
         assert cols["aopc"]["x"] == list(TOKENTM_FRACTIONS)

@@ -10,13 +10,18 @@ Under ``torchrun --nproc_per_node=K -m captum_vit.cli evaluate --num-examples N 
 (``WORLD_SIZE`` > 1; spell ``--n`` as ``--num-examples`` there) every rank evaluates the
 batches ``i ≡ rank (mod K)`` (gloo on CPU, nccl on CUDA) and rank 0 writes the files;
 every random choice is seeded by ``--seed`` and the example index, so the files equal
-those of a single process.
+those of a single process (except the measured time per image).
+
+The command shows one progress bar per method (``method 3/7: gae``), prints the results
+as an aligned table on standard output at the end (with each method's seconds per image,
+also stored in ``results.json`` and ``results.md``), and its messages on standard error.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -63,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--num-examples under torchrun, whose own parser mistakes --n for an "
                         "abbreviation of its options)")
     p.add_argument("--subset", type=positive_int, default=None, metavar="N",
-                   help="a seeded random subset of N examples of --data (the seeds' fixed "
-                        "subsets); its indices are saved in results.json")
+                   help="a seeded random subset of N examples of --data (as the papers' "
+                        "seeded subsets, e.g. TIS's 5,000 ImageNet val images); its indices "
+                        "are saved in results.json")
     p.add_argument("--subset-seed", type=int, default=0, metavar="S",
                    help="seed of --subset (default 0)")
     p.add_argument("--class-map", default=None, metavar="FILE",
@@ -83,9 +89,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16: run forwards and backwards under torch.autocast in bfloat16 "
                         "(GPU throughput; maps and metrics stay float32; --dtype float32)")
     p.add_argument("--protocol", default=None, choices=tuple(protocols.PROTOCOLS),
-                   help="a seed's evaluation protocol (SPEC_NEXT §9.6): fixes the metrics, "
-                        "removal, steps, explained class and normalisation, prints them and "
-                        "also writes protocol.md in the seed's table layout")
+                   help="a paper's evaluation protocol: fixes the metrics, removal, steps and "
+                        "explained class, prints them and also writes protocol.md in the "
+                        "paper's table layout")
+    p.add_argument("--protocol-normalization", default="model",
+                   choices=protocols.NORMALIZATIONS,
+                   help="with --protocol: 'model' (default) feeds the model its own "
+                        "normalisation; 'paper' the paper's Normalize(mean, std), meant for "
+                        "the paper's own model (refused when its channel count differs from "
+                        "the model's). A warning says when the two differ")
     p.add_argument("--out", default="evaluation", help="output folder (created at once)")
 
 
@@ -104,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``captum-vit evaluate``; returns the exit status (files written by rank 0)."""
     methods = parse_methods(args.methods, compose=args.compose)
     proto = None if args.protocol is None else protocols.get_protocol(args.protocol)
+    if proto is None and args.protocol_normalization != "model":
+        raise ValueError("--protocol-normalization applies to --protocol runs only; drop it "
+                         "(without a preset the model's own normalisation is used)")
     if proto is not None:  # the preset's options replace --metrics/--removal/--steps/--target
         defaults = argparse.ArgumentParser()
         add_arguments(defaults)
@@ -126,11 +141,12 @@ def run(args: argparse.Namespace) -> int:
             return _run_protocol(args, proto, lm, model, data, methods, scoring, rank)
         metrics = suite.parse_metrics(args.metrics, has_masks=data.has_masks)
         factories = {m: method_factory(m, seed=args.seed) for m in methods}
+        seconds: dict[str, float] = {}
         with scoring:
             results = suite.evaluate(model, data, factories, metrics, preprocess=lm.preprocess,
                                      batch_size=args.batch_size, target=args.target,
                                      removal=args.removal, n_steps=args.steps, seed=args.seed,
-                                     progress=True, autocast=args.autocast)
+                                     progress=True, autocast=args.autocast, timings=seconds)
         if rank == 0:
             config = {"model": args.model, "data": args.data, "methods": methods,
                       "metrics": metrics, "n": len(data), "batch_size": args.batch_size,
@@ -143,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                 config.update(target_embeddings=args.target_embeddings,
                               similarity=args.similarity, embedding_scale=args.embedding_scale,
                               embedding_bias=args.embedding_bias)
-            report.write_outputs(args.out, results, config)
+            report.write_outputs(args.out, results, config, seconds)
+            print(report.text_table(results, seconds), end="", flush=True)
             print(f"wrote {args.out}/results.md, results.csv, results.json", file=sys.stderr)
     return 0
 
@@ -151,22 +168,39 @@ def run(args: argparse.Namespace) -> int:
 def _run_protocol(args: argparse.Namespace, proto: protocols.Protocol, lm: Any, model: Any,
                   data: Any, methods: list[str], scoring: Any, rank: int) -> int:
     """``--protocol``: print the preset's settings, evaluate, write results.* and protocol.md."""
-    preprocess = proto.preprocess(lm.preprocess)
+    own, choice = lm.preprocess, args.protocol_normalization
+    preprocess = proto.preprocess(own, choice)  # refuses a paper normalisation that cannot fit
+    warning = proto.normalization_warning(own, choice)
     if rank == 0:
-        print(proto.summary(preprocess), file=sys.stderr)
-    with scoring:
-        results = protocols.run_protocol(proto, model, data, methods, preprocess=preprocess,
+        print(proto.summary(own, choice), file=sys.stderr)
+        if warning is not None:
+            print(f"warning: {warning}", file=sys.stderr)
+    seconds: dict[str, float] = {}
+    with scoring, warnings.catch_warnings():
+        # printed above on rank 0 (and written to protocol.md), not once per process
+        warnings.simplefilter("ignore", protocols.ProtocolNormalizationWarning)
+        results = protocols.run_protocol(proto, model, data, methods, preprocess=own,
                                          batch_size=args.batch_size, seed=args.seed,
                                          progress=True, has_masks=data.has_masks,
-                                         autocast=args.autocast)
+                                         autocast=args.autocast, normalization=choice,
+                                         timings=seconds)
     if rank == 0:
         config = {"model": args.model, "data": args.data, "methods": methods,
                   "protocol": proto.name, "settings": dict(proto.settings),
-                  "normalization": [preprocess.mean, preprocess.std], "n": len(data),
+                  "normalization": [preprocess.mean, preprocess.std],
+                  "protocol_normalization": choice,
+                  "normalization_rule": proto.normalization_rule(own, choice), "n": len(data),
                   "batch_size": args.batch_size, "seed": args.seed, "removal": "protocol",
                   "dtype": args.dtype, **subset_config(args, data)}
-        report.write_outputs(args.out, results, config)
+        if warning is not None:
+            config["normalization_warning"] = warning
+        report.write_outputs(args.out, results, config, seconds)
         protocols.write_protocol_table(args.out, proto, results, config)
+        rows = protocols.protocol_rows(proto, results)
+        for row, m in zip(rows, results, strict=True):
+            row.append(f"{seconds[m]:.4g}" if m in seconds else "")
+        print(report.aligned_table(["method", *(c.header for c in proto.columns), "s/image"],
+                                   rows), end="", flush=True)
         print(f"wrote {args.out}/protocol.md, results.md, results.csv, results.json",
               file=sys.stderr)
     return 0

@@ -1,19 +1,29 @@
-"""Evaluation presets: the seeds' protocols, one name each (SPEC_NEXT §9.6).
+"""Evaluation presets: the papers' protocols, one name each.
 
-``captum-vit evaluate --protocol NAME`` runs a preset: it fixes the data handling (the
-normalisation where the seed's script fixes it; images are resized to the model's input,
-bilinear, no crop, masks nearest), the removal, the steps and x-grid, the baselines, the
-explained class (predicted and/or ground truth), the metrics and method options (Chefer's
-scripts run Rollout and Chefer'21 with ``start_layer=1``), prints what it fixed, and writes,
-besides the usual ``results.*`` files, ``protocol.md``: the seed's table layout (its rows and
-columns) so the numbers can be put beside the paper's. The data come from ``--data``.
+``captum-vit evaluate --protocol NAME`` runs a preset: it fixes the data handling (images
+are resized to the model's input, bilinear, no crop, masks nearest), the removal, the steps
+and x-grid, the baselines, the explained class (predicted and/or ground truth), the metrics
+and method options (Chefer's scripts run Rollout and Chefer'21 with ``start_layer=1``),
+prints what it fixed, and writes, besides the usual ``results.*`` files, ``protocol.md``:
+the paper's table layout (its rows and columns) so the numbers can be put beside the
+paper's. The data come from ``--data``.
+
+Normalisation: a paper's ``Normalize(mean, std)`` belongs to the paper's model, so every
+preset feeds the model its own normalisation (model card, timm data config, Hugging Face
+image processor: :func:`captum_vit.models.load_model`) unless the paper's is asked for
+(``--protocol-normalization paper``, ``normalization="paper"``). The paper's normalisation
+is refused when its channel count differs from the model's input channels, and a warning
+(:class:`ProtocolNormalizationWarning`, also in ``protocol.md``) says when the paper's
+normalisation differs from the model's. Fills defined in ``[0, 1]`` image space (Chefer's
+pixel zeroing) are converted with the normalisation actually used, so they stay image-space
+zeros whichever is chosen; TIS's baselines are defined in the normalised input space.
 
 An option a preset fixes (``--metrics``, ``--removal``, ``--steps``, ``--target``) given
 with a value other than its default is refused: the preset would silently overrule it.
 
 :data:`PROTOCOLS` holds every preset; adding one is one :class:`Protocol` row. Each
 preset's docstring-level notes (``notes``) say what was and was not verified against the
-seed's code.
+authors' code.
 
 Examples::
 
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +46,7 @@ from typing import Any
 
 from torch import nn
 
+from captum_vit._base import check_choice
 from captum_vit.metrics import faithfulness as fa
 from captum_vit.metrics.localization import segmentation
 from captum_vit.metrics.removal import image_space_zero, tis_baseline
@@ -48,6 +60,16 @@ TOKENTM_FRACTIONS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1
 START_LAYER_1 = {"rollout": {"start_layer": 1}, "chefer21": {"start_layer": 1}}
 FIXED_OPTIONS = ("metrics", "removal", "steps", "target")
 """Command-line options every preset fixes (given explicitly with another value: refused)."""
+NORMALIZATIONS = ("model", "paper")
+"""Choices of ``--protocol-normalization`` / ``normalization=``: ``"model"`` (default) feeds
+the model its own normalisation; ``"paper"`` the normalisation of the paper's script where
+the preset records one (:attr:`Protocol.normalization`), else the model's own."""
+
+
+class ProtocolNormalizationWarning(UserWarning):
+    """A preset's (paper's) normalisation differs from the model's own: either the run uses
+    the model's and may differ from the paper's numbers, or it uses the paper's and feeds the
+    model inputs it was not trained on."""
 
 
 @dataclass(frozen=True)
@@ -67,21 +89,22 @@ class Protocol:
 
     Attributes:
         name (str): the preset's name (``--protocol NAME``).
-        source (str): the seed / paper and table it reproduces.
+        source (str): the paper and table it reproduces.
         metrics (Callable): ``(mean, std) -> {name: MetricSpec}``: the preset's own metric
             table, given the normalisation of the model's inputs (fills in ``[0, 1]``
             image space need it).
         targets (tuple[str, ...]): explained classes, one evaluation pass each
             (``"predicted"``, ``"label"``).
-        columns (tuple[Column, ...]): the seed's table columns (``protocol.md``).
+        columns (tuple[Column, ...]): the paper's table columns (``protocol.md``).
         settings (dict): what the preset fixes, printed and stored in ``results.json``.
-        normalization (tuple, optional): ``(mean, std)`` the seed's script uses; ``None``:
-            the model's own.
+        normalization (tuple, optional): ``(mean, std)`` the paper's script uses, for the
+            paper's model (applied only with ``normalization="paper"``); ``None``: the
+            script does not fix one (the model's own is always used).
         needs_labels (bool): ground-truth labels are read (accuracy or explained class).
         method_options (dict): canonical method name -> constructor options.
         optional (dict): metric name -> what it needs (``"masks"``): run only when the
             data has it.
-        notes (str): what was and was not verified against the seed's code.
+        notes (str): what was and was not verified against the paper's code.
     """
 
     name: str
@@ -107,14 +130,104 @@ class Protocol:
         return [n for n in self.metrics(None, None)
                 if n not in self.optional or (self.optional[n] == "masks" and has_masks)]
 
-    def preprocess(self, preprocess: Any) -> Any:
-        """The model's :class:`~captum_vit.models.Preprocess` with the preset's
-        normalisation (unchanged when the preset uses the model's own)."""
-        if self.normalization is None:
+    def preprocess(self, preprocess: Any, normalization: str = "model") -> Any:
+        r"""The preprocessing the preset feeds the model.
+
+        Args:
+            preprocess (Preprocess): the model's own
+                :class:`~captum_vit.models.Preprocess` (``load_model(...).preprocess``).
+            normalization (str, optional): ``"model"``: the model's own normalisation
+                (``preprocess`` unchanged); ``"paper"``: the paper's
+                :attr:`normalization` where the preset records one. Default ``"model"``.
+
+        Returns:
+            Preprocess: ``preprocess``, or a copy with the paper's mean and std.
+
+        Raises:
+            ValueError: an unknown ``normalization``, or ``"paper"`` with a paper
+                normalisation whose channel count differs from the model's input channels.
+
+        Examples::
+
+            >>> from captum_vit.models import load_model
+            >>> own = load_model("zoo:vit_fmnist_loc").preprocess
+            >>> get_protocol("chefer21_perturbation").preprocess(own) is own
+            True
+        """
+        check_choice("normalization", normalization, NORMALIZATIONS)
+        if normalization == "model" or self.normalization is None:
             return preprocess
         mean, std = self.normalization
         c = preprocess.channels
-        return dataclasses.replace(preprocess, mean=tuple(mean[:c]), std=tuple(std[:c]))
+        if len(mean) not in (1, c) or len(std) not in (1, c):
+            raise ValueError(
+                f"--protocol {self.name} --protocol-normalization paper: the paper's "
+                f"normalisation (mean {_values(mean)}, std {_values(std)}) is for "
+                f"{len(mean)}-channel inputs, but the model takes {c}-channel inputs; drop "
+                "--protocol-normalization paper (normalization='model' in Python) to use "
+                f"the model's own normalisation ({_norm_text(preprocess)})")
+        return dataclasses.replace(preprocess, mean=tuple(float(v) for v in mean),
+                                   std=tuple(float(v) for v in std))
+
+    def normalization_warning(self, preprocess: Any, normalization: str = "model"
+                              ) -> str | None:
+        r"""The warning to give when the paper's normalisation differs from the model's.
+
+        Args:
+            preprocess (Preprocess): the model's own
+                :class:`~captum_vit.models.Preprocess`.
+            normalization (str, optional): the choice of :data:`NORMALIZATIONS` the run
+                uses. Default ``"model"``.
+
+        Returns:
+            str or None: the message, or ``None`` when the preset records no paper
+            normalisation or the paper's equals the model's.
+
+        Examples::
+
+            >>> from captum_vit.models import load_model
+            >>> own = load_model("zoo:vit_fmnist_loc").preprocess
+            >>> get_protocol("tis_insdel").normalization_warning(own) is None
+            True
+        """
+        check_choice("normalization", normalization, NORMALIZATIONS)
+        if self.normalization is None or _same_normalization(self.normalization, preprocess):
+            return None
+        paper = f"mean {_values(self.normalization[0])}, std {_values(self.normalization[1])}"
+        own = _norm_text(preprocess)
+        if normalization == "paper":
+            return (f"--protocol {self.name}: the paper's normalisation ({paper}) differs "
+                    f"from the model's own ({own}); with --protocol-normalization paper the "
+                    "model gets inputs normalised unlike its training data, which can lower "
+                    "its accuracy and every metric. Use it only for the paper's own model; "
+                    "drop it to use the model's normalisation")
+        return (f"--protocol {self.name}: the paper normalised with {paper}, for its own "
+                f"model; this run uses the model's own normalisation ({own}), so the numbers "
+                "need not match the paper's table. --protocol-normalization paper applies the "
+                "paper's normalisation (for the paper's model)")
+
+    def normalization_rule(self, preprocess: Any = None, normalization: str = "model") -> str:
+        r"""The normalisation the run uses, in words (printed and in ``protocol.md``).
+
+        Args:
+            preprocess (Preprocess, optional): the model's own
+                :class:`~captum_vit.models.Preprocess` (to name its mean and std).
+            normalization (str, optional): the choice of :data:`NORMALIZATIONS` the run
+                uses. Default ``"model"``.
+
+        Returns:
+            str: e.g. ``"the model's own (mean 0.1, std 0.25); the paper's: mean (0.5, 0.5,
+            0.5), std (0.5, 0.5, 0.5) (--protocol-normalization paper)"``.
+        """
+        check_choice("normalization", normalization, NORMALIZATIONS)
+        own = "the model's own" if preprocess is None else \
+            f"the model's own ({_norm_text(preprocess)})"
+        if self.normalization is None:
+            return f"{own}; the paper's script fixes none"
+        paper = f"mean {_values(self.normalization[0])}, std {_values(self.normalization[1])}"
+        if normalization == "paper":
+            return f"the paper's ({paper}, --protocol-normalization paper)"
+        return f"{own}; the paper's: {paper} (--protocol-normalization paper)"
 
     def factories(self, methods: Sequence[str], *, seed: int = 0
                   ) -> dict[str, Callable[[nn.Module], Any]]:
@@ -138,16 +251,20 @@ class Protocol:
                 out[m] = method_factory(m, seed=seed)
         return out
 
-    def summary(self, preprocess: Any = None) -> str:
-        """The settings the preset fixes, one per line (printed by the command)."""
+    def summary(self, preprocess: Any = None, normalization: str = "model") -> str:
+        r"""The settings the preset fixes, one per line (printed by the command).
+
+        Args:
+            preprocess (Preprocess, optional): the model's own
+                :class:`~captum_vit.models.Preprocess` (to print its normalisation).
+            normalization (str, optional): the choice of :data:`NORMALIZATIONS` the run
+                uses. Default ``"model"``.
+
+        Returns:
+            str: the lines.
+        """
         lines = [f"--protocol {self.name}: {self.source}"]
-        norm = self.normalization
-        if norm is None and preprocess is not None:
-            norm_text = f"the model's own (mean {preprocess.mean}, std {preprocess.std})"
-        elif norm is None:
-            norm_text = "the model's own"
-        else:
-            norm_text = f"mean {norm[0]}, std {norm[1]} (the seed's script)"
+        norm_text = self.normalization_rule(preprocess, normalization)
         lines.append(f"  data: images resized to the model's input (bilinear, no crop), "
                      f"masks nearest; normalisation: {norm_text}")
         lines.append(f"  explained class: {' and '.join(self.targets)}")
@@ -163,6 +280,39 @@ def _bound(cls: type, opts: dict) -> Callable[[nn.Module], Any]:
     def factory(model: nn.Module) -> Any:
         return cls(model, **opts)
     return factory
+
+
+def _values(v: Sequence[float] | None) -> str:
+    """``(0.5, 0.5, 0.5)`` -> ``"(0.5, 0.5, 0.5)"``, ``(0.1,)`` -> ``"0.1"``, ``None`` ->
+    ``"none"``."""
+    if v is None:
+        return "none"
+    if len(v) == 1:
+        return f"{float(v[0]):g}"
+    return "(" + ", ".join(f"{float(f):g}" for f in v) + ")"
+
+
+def _norm_text(preprocess: Any) -> str:
+    """A Preprocess's normalisation in words."""
+    mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
+    if mean is None or std is None:
+        return "none: inputs in [0, 1]"
+    return f"mean {_values(mean)}, std {_values(std)}"
+
+
+def _same_normalization(paper: tuple[Sequence[float], Sequence[float]], preprocess: Any) -> bool:
+    """Whether the paper's ``(mean, std)`` equals the preprocessing's, channel by channel
+    (no normalisation = mean 0, std 1; a different channel count is never the same)."""
+    c = int(preprocess.channels)
+    if len(paper[0]) not in (1, c) or len(paper[1]) not in (1, c):
+        return False
+    pairs = ((paper[0], preprocess.mean, 0.0), (paper[1], preprocess.std, 1.0))
+    for ours, theirs, neutral in pairs:
+        a = [float(v) for v in ours] * (c // len(ours))
+        b = [neutral] * c if theirs is None else [float(v) for v in theirs] * (c // len(theirs))
+        if any(abs(x - y) > 1e-6 for x, y in zip(a, b, strict=True)):
+            return False
+    return True
 
 
 def _short(v: Any) -> str:
@@ -270,7 +420,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
               "Table 2 (the script prints curves only)."),
     Protocol(
         "tokentm_perturbation",
-        "TokenTM (Wu et al., CVPR 2024), seed 000 §2.3 and Table 2",
+        "TokenTM (Wu et al., CVPR 2024), perturbation test (Table 2)",
         _perturbation_metrics(TOKENTM_FRACTIONS), ("predicted", "label"),
         _perturbation_columns(),
         {"removal": "zero the top-k pixels of the bilinearly upsampled map in [0, 1] image "
@@ -279,18 +429,18 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
          "accuracy": "top-1 against the ground-truth label",
          "auc": "trapezoid over x in [0, 1], accuracy in percent"},
         needs_labels=True,
-        notes="Seed 000 states 5 % increments from 0 to 100 %; the normalisation is the "
-              "model's own (not stated by the seed)."),
+        notes="The paper states 5 % increments from 0 to 100 %; it states no "
+              "normalisation (the model's own is used)."),
     Protocol(
         "tokentm_aopc_lodds",
-        "TokenTM (Wu et al., CVPR 2024), seed 000 Eq. 1-2 (AOPC / LOdds tables)",
+        "TokenTM (Wu et al., CVPR 2024), AOPC / LOdds tables",
         _aopc_lodds, ("predicted",),
         (Column("AOPC ↑", "predicted", "aopc"), Column("LOdds ↓", "predicted", "lodds")),
         {"removal": "zero the top-k pixels in [0, 1] image space (as tokentm_perturbation)",
          "fractions": TOKENTM_FRACTIONS,
          "aopc": "mean_K [p(y|x) - p(y|x_K)], y predicted",
          "lodds": "-mean_K log(p(y|x) / p(y|x_K))"},
-        notes="K = 0, 5, ..., 100 % as seed 000 states (K = 0 adds a zero term)."),
+        notes="K = 0, 5, ..., 100 % as the paper states (K = 0 adds a zero term)."),
     Protocol(
         "tokentm_segmentation",
         "TokenTM (Wu et al., CVPR 2024) Table 1 = Chefer's imagenet_seg_eval.py",
@@ -308,7 +458,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
               "Masks are resized by nearest-exact, PIL's NEAREST may differ at borders."),
     Protocol(
         "tis_insdel",
-        "TIS (Englebert et al., ICCV-W 2023), seed 004 §4 and metrics/",
+        "TIS (Englebert et al., ICCV-W 2023), insertion / deletion (the authors' metrics code)",
         _tis_metrics, ("label",),
         tuple(Column(f"{k} ({n}) {a}", "label", f"{c}_{n}")
               for n in ("mean", "blur", "black", "random")
@@ -326,11 +476,13 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
         needs_labels=True, optional={"pointing_game": "masks"},
         notes="Verified in aenglebert/Transformer_Input_Sampling metrics/utils.py: "
               "ceil(HW/n_steps) pixels per step, curves without the start point, softmax of "
-              "the class; the stored snapshot has only blur and random baselines (mean and "
-              "black from SPEC_NEXT). Not reproduced: TIS's Resize(256) + CenterCrop(224) "
-              "(the images are resized to the model's input); the AUC convention of the "
-              "tables (the repository writes curves only). TIS used a seeded 5,000-image "
-              "subset: pass --subset 5000 --subset-seed S."),
+              "the class; the repository as checked has only blur and random baselines "
+              "(mean and black follow the paper's description). The baselines live in the "
+              "model's normalised input space, as TIS defines them (black = 0 = the "
+              "normalisation's mean colour). Not reproduced: TIS's Resize(256) + "
+              "CenterCrop(224) (the images are resized to the model's input); the AUC "
+              "convention of the tables (the repository writes curves only). TIS used a "
+              "seeded 5,000-image subset: pass --subset 5000 --subset-seed S."),
     Protocol(
         "skipplus_token_ratio",
         "SkipPLUS (Mehri et al., CVPRW 2024) §4.1, A.1-A.2",
@@ -356,8 +508,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
          "target": "the data's label (ImageNet-S: the present class with the largest area "
                    ">= 5 %)"},
         needs_labels=True,
-        notes="From the SkipPLUS authors' code as recorded in SPEC_NEXT; not verified on "
-              "real ImageNet-S files."),
+        notes="From the SkipPLUS authors' code; not verified on real ImageNet-S files."),
 )}
 """Preset name -> :class:`Protocol` (the only list of preset names)."""
 
@@ -405,7 +556,8 @@ def check_fixed_options(protocol: Protocol, given: Mapping[str, Any],
 def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
                  methods: Sequence[str], *, preprocess: Any, batch_size: int = 16,
                  seed: int = 0, progress: bool = False, has_masks: bool = False,
-                 autocast: str = "none") -> Results:
+                 autocast: str = "none", normalization: str = "model",
+                 timings: dict[str, float] | None = None) -> Results:
     r"""Evaluate ``methods`` under a preset: one :func:`~captum_vit.metrics.suite.evaluate`
     pass per explained class, merged (columns get a ``_predicted`` / ``_label`` suffix when
     the preset has both passes).
@@ -415,34 +567,58 @@ def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
         model (nn.Module): the model (on its device and dtype).
         data (Sequence): examples ``(image, label, mask)``.
         methods (Sequence[str]): method names.
-        preprocess (Preprocess): the preset's preprocessing (:meth:`Protocol.preprocess`).
-        batch_size (int): images per batch. Default 16.
-        seed (int): seed of every random choice. Default 0.
-        progress (bool): progress bars. Default False.
-        has_masks (bool): whether the data has masks (optional mask metrics).
-        autocast (str): passed to :func:`~captum_vit.metrics.suite.evaluate`.
+        preprocess (Preprocess): the model's own preprocessing
+            (``load_model(...).preprocess``); ``normalization`` decides whether the
+            paper's normalisation replaces its mean and std (:meth:`Protocol.preprocess`).
+        batch_size (int, optional): images per batch. Default 16.
+        seed (int, optional): seed of every random choice. Default 0.
+        progress (bool, optional): progress bars. Default False.
+        has_masks (bool, optional): whether the data has masks (optional mask metrics).
+        autocast (str, optional): passed to :func:`~captum_vit.metrics.suite.evaluate`.
+        normalization (str, optional): ``"model"`` (the model's own normalisation) or
+            ``"paper"`` (the paper's, where the preset records one; refused when its
+            channel count differs from the model's). A
+            :class:`ProtocolNormalizationWarning` is given when the paper's normalisation
+            differs from the model's. Default ``"model"``.
+        timings (dict, optional): filled with method -> seconds per image, summed over
+            the preset's passes (:func:`~captum_vit.metrics.suite.evaluate`).
 
     Returns:
         dict: method -> column -> :class:`MetricResult`.
 
+    Raises:
+        ValueError: a preset that needs masks on data without them, an unknown
+            ``normalization`` or a paper normalisation of another channel count.
+
     Examples::
 
+        >>> from captum_vit.models import load_model
+        >>> lm = load_model("zoo:vit_fmnist_loc")
         >>> p = get_protocol("tokentm_aopc_lodds")
-        >>> res = run_protocol(p, model, data, ["gae"], preprocess=p.preprocess(lm.preprocess))
+        >>> res = run_protocol(p, lm.model, data, ["gae"], preprocess=lm.preprocess)
         >>> res["gae"]["aopc"].value
     """
     if protocol.needs_masks and not has_masks:
         raise ValueError(f"--protocol {protocol.name} needs ground-truth masks, which the data "
                          "lacks; use --data imagenet-seg:PATH, imagenet-s:PATH or synthetic")
+    own = preprocess
+    preprocess = protocol.preprocess(own, normalization) if own is not None else None
+    message = None if own is None else protocol.normalization_warning(own, normalization)
+    if message is not None:
+        warnings.warn(message, ProtocolNormalizationWarning, stacklevel=2)
     mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
     table = protocol.metrics(mean, std)
     names = protocol.metric_names(has_masks=has_masks)
     factories = protocol.factories(methods, seed=seed)
     out: Results = {m: {} for m in methods}
     for target in protocol.targets:
+        seconds: dict[str, float] = {}
         res = evaluate(model, data, factories, names, preprocess=preprocess,
                        batch_size=batch_size, target=target, seed=seed, progress=progress,
-                       table=table, autocast=autocast)
+                       table=table, autocast=autocast, timings=seconds)
+        if timings is not None:
+            for m, t in seconds.items():
+                timings[m] = timings.get(m, 0.0) + t
         for m in methods:
             for c, r in res[m].items():
                 key = f"{c}_{target}" if len(protocol.targets) > 1 else c
@@ -450,8 +626,51 @@ def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
     return out
 
 
+def protocol_rows(protocol: Protocol, results: Results) -> list[list[str]]:
+    r"""The cells of the paper's table: one row per method (its name first), the preset's
+    columns formatted as in ``protocol.md`` (2 decimals for a column holding a value >= 1,
+    such as percentages, else 4; empty where a column is missing).
+
+    Args:
+        protocol (Protocol): the preset.
+        results (dict): method -> column -> :class:`MetricResult` (:func:`run_protocol`).
+
+    Returns:
+        list[list[str]]: rows ``[method, cell, ...]`` in the order of :attr:`Protocol.columns`.
+    """
+    several = len(protocol.targets) > 1
+
+    def value(cols: Mapping[str, MetricResult], c: Column) -> float | None:
+        r = cols.get(f"{c.key}_{c.target}" if several else c.key)
+        return None if r is None else r.value * c.scale
+
+    wide = {c: any(abs(v) >= 1 for cols in results.values()
+                   if (v := value(cols, c)) is not None and not math.isnan(v))
+            for c in protocol.columns}
+    rows = []
+    for m, cols in results.items():
+        vals = [m]
+        for c in protocol.columns:
+            v = value(cols, c)
+            vals.append("" if v is None else "nan" if math.isnan(v)
+                        else f"{v:.2f}" if wide[c] else f"{v:.4f}")
+        rows.append(vals)
+    return rows
+
+
 def protocol_table(protocol: Protocol, results: Results, config: Mapping[str, Any]) -> str:
-    r"""The seed's table (``protocol.md``): one row per method, the seed's columns.
+    r"""The paper's table (``protocol.md``): one row per method, the paper's columns, then
+    the normalisation the run used, a warning when the paper's differs from the model's,
+    and the preset's notes.
+
+    Args:
+        protocol (Protocol): the preset.
+        results (dict): method -> column -> :class:`MetricResult` (:func:`run_protocol`).
+        config (Mapping): ``model``, ``data`` and ``n`` for the title; optional
+            ``normalization_rule`` and ``normalization_warning`` (the command's).
+
+    Returns:
+        str: the markdown text.
 
     Examples::
 
@@ -459,28 +678,16 @@ def protocol_table(protocol: Protocol, results: Results, config: Mapping[str, An
         ...                      {"model": "timm:vit_base_patch16_224", "data": "cifar10:..",
         ...                       "n": 1000}))
     """
-    several = len(protocol.targets) > 1
     lines = [f"# {protocol.source}", "",
              f"`--protocol {protocol.name}`: {config.get('model')} on {config.get('data')} "
              f"(n={config.get('n')})", "",
              "| method | " + " | ".join(c.header for c in protocol.columns) + " |",
              "|---|" + "---:|" * len(protocol.columns)]
-    def value(cols: Mapping[str, MetricResult], c: Column) -> float | None:
-        r = cols.get(f"{c.key}_{c.target}" if several else c.key)
-        return None if r is None else r.value * c.scale
-
-    # one number format per column: 2 decimals when it holds a value >= 1 (percentages,
-    # AUCs in percent), else 4
-    wide = {c: any(abs(v) >= 1 for cols in results.values()
-                   if (v := value(cols, c)) is not None and not math.isnan(v))
-            for c in protocol.columns}
-    for m, cols in results.items():
-        vals = []
-        for c in protocol.columns:
-            v = value(cols, c)
-            vals.append("" if v is None else "nan" if math.isnan(v)
-                        else f"{v:.2f}" if wide[c] else f"{v:.4f}")
-        lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    lines += ["| " + " | ".join(row) + " |" for row in protocol_rows(protocol, results)]
+    if config.get("normalization_rule"):
+        lines += ["", f"Normalisation: {config['normalization_rule']}."]
+    if config.get("normalization_warning"):
+        lines += ["", f"**Warning:** {config['normalization_warning']}."]
     if protocol.notes:
         lines += ["", f"Notes: {protocol.notes}"]
     return "\n".join(lines) + "\n"
@@ -494,6 +701,7 @@ def write_protocol_table(out: str | Path, protocol: Protocol, results: Results,
     return path
 
 
-__all__ = ["CHEFER_FRACTIONS", "Column", "FIXED_OPTIONS", "PROTOCOLS", "Protocol",
-           "TOKENTM_FRACTIONS", "check_fixed_options", "get_protocol", "protocol_table",
+__all__ = ["CHEFER_FRACTIONS", "Column", "FIXED_OPTIONS", "NORMALIZATIONS", "PROTOCOLS",
+           "Protocol", "ProtocolNormalizationWarning", "TOKENTM_FRACTIONS",
+           "check_fixed_options", "get_protocol", "protocol_rows", "protocol_table",
            "run_protocol", "write_protocol_table"]

@@ -12,6 +12,10 @@ import torch
 from torch import Tensor
 
 REDUCTIONS = ("mean", "nanmean", "iou")
+LEGEND_INSIDE = 8
+"""Up to this many curves the legend sits inside the axes; beyond, outside on the right."""
+LEGEND_ROWS = 20
+"""Entries per legend column outside the axes (more curves: more columns)."""
 
 
 @dataclass
@@ -103,6 +107,10 @@ def plot_curves(results: Mapping[str, MetricResult], path: str | Path | None = N
                 ylabel: str | None = None) -> Any:
     """Plot the mean curve of several results (e.g. one per method) on one axis.
 
+    Up to :data:`LEGEND_INSIDE` curves the legend sits inside the axes; with more it goes
+    outside on the right, in a smaller font and :data:`LEGEND_ROWS` entries per column,
+    and the figure widens to keep the axes' size.
+
     Args:
         results (Mapping[str, MetricResult]): label -> result with curves.
         path (str or Path, optional): where to save a PNG; the figure is closed after saving.
@@ -123,7 +131,9 @@ def plot_curves(results: Mapping[str, MetricResult], path: str | Path | None = N
         matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    many = len(results) > LEGEND_INSIDE
+    ncol = -(-len(results) // LEGEND_ROWS) if many else 1
+    fig, ax = plt.subplots(figsize=(5 + 2.0 * ncol if many else 5, 3.5))
     name = None
     # 20 distinct colours, solid then dashed, so that up to 40 methods stay apart
     colours = plt.get_cmap("tab20").colors if len(results) > 10 else [None] * 10
@@ -138,7 +148,11 @@ def plot_curves(results: Mapping[str, MetricResult], path: str | Path | None = N
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel or "mean over examples")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if many:
+        ax.legend(fontsize=6, ncol=ncol, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0.0)
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     if path is not None:
         fig.savefig(str(path), dpi=100, metadata={"Software": None})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -301,14 +302,18 @@ def evaluate(model: nn.Module, data: Sequence[Any],
              preprocess: Callable[[Tensor], Tensor] | None = None, batch_size: int = 16,
              target: str = "predicted", removal: str = "token", n_steps: int = 20,
              seed: int = 0, progress: bool = False, targets: Any = None,
-             table: Mapping[str, MetricSpec] | None = None, autocast: str = "none"
+             table: Mapping[str, MetricSpec] | None = None, autocast: str = "none",
+             timings: dict[str, float] | None = None
              ) -> dict[str, dict[str, MetricResult]]:
-    r"""Evaluate methods × metrics over a data set, batch by batch.
+    r"""Evaluate methods × metrics over a data set, method by method, batch by batch.
 
     Images are converted to the model's input shape, preprocessed and cast to the
-    model's device and dtype (:func:`captum_vit.data.specs.model_batch`). Under an
-    initialised process group each rank evaluates its share of the batches and the
-    results are gathered on every rank.
+    model's device and dtype (:func:`captum_vit.data.specs.model_batch`). The methods run
+    one after another, each over every batch (the batches are read again for each method),
+    so progress and timings are per method; every random choice is seeded by ``seed`` and
+    the example index, so the order changes no result. Under an initialised process group
+    each rank evaluates its share of the batches and the results are gathered on every
+    rank.
 
     Args:
         model (nn.Module): a supported ViT classifier (on its device and dtype).
@@ -324,7 +329,8 @@ def evaluate(model: nn.Module, data: Sequence[Any],
         removal (str, optional): patch removal. Default ``"token"``.
         n_steps (int, optional): deletion / insertion steps. Default 20.
         seed (int, optional): seed of every random choice. Default 0.
-        progress (bool, optional): a progress bar on rank 0. Default False.
+        progress (bool, optional): on rank 0, a progress bar over the batches of each
+            method in turn (``method 3/7: gae``). Default False.
         targets (Tensor or EmbeddingTarget, optional): for a model that outputs an image
             embedding, the target vectors ``[T, D′]`` it is scored against (e.g. text
             embeddings of the class prompts, in label order): the set acts as ``T``
@@ -337,6 +343,10 @@ def evaluate(model: nn.Module, data: Sequence[Any],
             (:func:`captum_vit._base.accumulation_dtype`) and the metrics reduce in
             float32/float64. The adapter's self-check runs at full precision first.
             Default ``"none"``.
+        timings (dict, optional): filled with method -> seconds per image: the wall-clock
+            time of the method's maps and metrics (data loading excluded), summed over
+            the batches (and over the processes under ``torchrun``), divided by the number
+            of examples. Default ``None`` (not reported).
 
     Returns:
         dict[str, dict[str, MetricResult]]: method -> column -> result over every example.
@@ -379,24 +389,29 @@ def evaluate(model: nn.Module, data: Sequence[Any],
     batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
     attrs = {m: f(model) for m, f in factories.items()}
     local: dict[int, dict[str, dict[str, MetricResult]]] = {}
+    seconds = dict.fromkeys(factories, 0.0)
     with each_warning_once(), _scored(model, targets):
-        for b in tqdm(range(rank, len(batches), world), disable=not progress or rank != 0,
-                      desc=f"evaluate (rank {rank})" if world > 1 else "evaluate",
-                      file=sys.stderr):
-            x, labels, masks = model_batch(data, batches[b], input_shape=shape,
-                                           preprocess=preprocess, device=param.device,
-                                           dtype=param.dtype)
-            with autocasting(model, x, autocast):
-                local[b] = {m: evaluate_batch(
-                    model, x, factories[m], metrics, attribution=attrs[m], labels=labels,
-                    masks=masks, target=target, example_ids=batches[b], removal=removal,
-                    batch_size=batch_size * 4, n_steps=n_steps, seed=seed, table=table)
-                    for m in factories}
-    parts: list[Any] = [local]
+        for k, m in enumerate(factories, 1):
+            for b in tqdm(range(rank, len(batches), world), disable=not progress or rank != 0,
+                          desc=f"method {k}/{len(factories)}: {m}"
+                          + (f" (rank {rank})" if world > 1 else ""), file=sys.stderr):
+                x, labels, masks = model_batch(data, batches[b], input_shape=shape,
+                                               preprocess=preprocess, device=param.device,
+                                               dtype=param.dtype)
+                start = time.perf_counter()
+                with autocasting(model, x, autocast):
+                    local.setdefault(b, {})[m] = evaluate_batch(
+                        model, x, factories[m], metrics, attribution=attrs[m], labels=labels,
+                        masks=masks, target=target, example_ids=batches[b], removal=removal,
+                        batch_size=batch_size * 4, n_steps=n_steps, seed=seed, table=table)
+                seconds[m] += time.perf_counter() - start  # results are on the CPU: synced
+    parts: list[Any] = [(local, seconds)]
     if world > 1:
         parts = [None] * world
-        torch.distributed.all_gather_object(parts, local)
-    merged = {k: v for p in parts for k, v in p.items()}
+        torch.distributed.all_gather_object(parts, (local, seconds))
+    merged = {k: v for p, _ in parts for k, v in p.items()}
+    if timings is not None:
+        timings.update({m: sum(t[m] for _, t in parts) / n for m in factories})
     return {m: {c: MetricResult.cat([merged[b][m][c] for b in range(len(batches))])
                 for c in merged[0][m]} for m in factories}
 
