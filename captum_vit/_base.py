@@ -1,4 +1,4 @@
-"""The Captum front shared by every method (DESIGN.md §3).
+"""The Captum front shared by every method.
 
 A method implements ``_token_maps(inputs, target, **kwargs) -> [B, N]`` on top of the
 adapter; this module validates the inputs and target, resolves ``target=None`` to the
@@ -7,7 +7,7 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 from captum.attr import GradientAttribution, PerturbationAttribution
 from torch import Tensor, nn
 
+from captum_vit._text import count_noun
 from captum_vit.adapters import Layout, Trace, ViTAdapter, adapt
 from captum_vit.adapters.base import TargetHead, probabilities
 from captum_vit.targets import embedding_target, is_embedding_target
@@ -23,9 +24,10 @@ from captum_vit.targets import embedding_target, is_embedding_target
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
 AGGREGATES = ("subnetwork", "layer")
-"""How PLUS / SkipPLUS sum a recursion base over the start blocks (SPEC_NEXT §8.5):
-``"subnetwork"`` runs the base on every sub-network ``f_l`` (Eq. 3 literally), ``"layer"``
-sums the readout rows of its per-block matrices ``w F_l`` (no identity)."""
+"""How PLUS / SkipPLUS sum a recursion base over the start blocks
+(:mod:`captum_vit.combinators`): ``"subnetwork"`` runs the base on every sub-network
+``f_l`` (SkipPLUS, Mehri et al. 2024, Eq. 3 literally), ``"layer"`` sums the readout rows of
+its per-block matrices ``w F_l`` (no identity)."""
 TargetLike = int | Sequence[int] | Tensor | np.ndarray | np.integer | None
 
 
@@ -92,19 +94,70 @@ def check_scalar(x: Any, name: str, target_type: type | tuple[type, ...], *,
     return x
 
 
+PREPROCESS_HINT = (
+    "preprocess the images into a float tensor [B, C, H, W] normalised as the model "
+    "expects, e.g. torch.stack([preprocess(img) for img in images]) with "
+    "preprocess = captum_vit.models.load_model(spec).preprocess, or timm's "
+    "timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))")
+"""The end of the message for inputs that are not a tensor yet."""
+
+
+def input_type_hint(inputs: Any) -> str:
+    """How to turn ``inputs`` of another type than a tensor into one, for the message.
+
+    Args:
+        inputs: what was passed as ``inputs``.
+
+    Returns:
+        str: the fix, e.g. ``pass inputs["pixel_values"]`` for a Hugging Face
+        ``BatchFeature``.
+
+    Examples::
+
+        >>> input_type_hint({"pixel_values": None})
+        'pass inputs["pixel_values"], the image tensor [B, C, H, W], not the whole dict'
+    """
+    name = type(inputs).__name__
+    if isinstance(inputs, Mapping) or hasattr(inputs, "keys"):
+        if "pixel_values" in inputs:
+            return (f'pass inputs["pixel_values"], the image tensor [B, C, H, W], not the '
+                    f"whole {'dict' if type(inputs) is dict else name}")
+        return f"pass the image tensor [B, C, H, W] it holds, not the {name}"
+    if isinstance(inputs, np.ndarray):
+        return ("convert it with torch.from_numpy(array).float(), laid out [B, C, H, W] "
+                "(channels first) and normalised as the model expects; or "
+                + PREPROCESS_HINT)
+    if isinstance(inputs, list) and inputs and all(isinstance(t, Tensor) for t in inputs):
+        return ("stack the images into one batch with torch.stack(images) (each [C, H, W]) "
+                "or torch.cat(images) (each [1, C, H, W])")
+    return PREPROCESS_HINT
+
+
 def check_images(inputs: Any) -> tuple[Tensor, bool]:
     """Validate a batch of images; accept a tensor or a 1-tuple (Captum style).
 
+    Args:
+        inputs: a floating-point tensor [B, C, H, W] or a 1-tuple holding one.
+
     Returns:
-        (images, was_tuple)
+        tuple[Tensor, bool]: the images and whether they came as a 1-tuple.
+
+    Raises:
+        TypeError: not a floating-point tensor (numpy arrays, PIL images, lists, Hugging
+            Face ``BatchFeature`` dicts: the message says how to get one).
+        ValueError: another shape, an empty batch, NaN or infinite values.
     """
     was_tuple = isinstance(inputs, tuple)
     if was_tuple:
         if len(inputs) != 1:
-            raise ValueError(f"inputs must be one tensor (or a 1-tuple), got a {len(inputs)}-tuple")
+            raise ValueError("inputs must be one tensor (or a 1-tuple holding it), got a "
+                             f"tuple of {len(inputs)} items")
         inputs = inputs[0]
     if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor [B, C, H, W], got {type(inputs).__name__}")
+        module, kind = type(inputs).__module__.split(".")[0], type(inputs).__name__
+        kind = kind if module == "builtins" else f"{module}.{kind}"
+        raise TypeError(f"inputs must be a torch.Tensor [B, C, H, W], got {kind}: "
+                        f"{input_type_hint(inputs)}")
     if inputs.dim() != 4:
         hint = " (add a batch dimension with inputs.unsqueeze(0))" if inputs.dim() == 3 else ""
         raise ValueError(f"inputs must have shape [B, C, H, W], got {tuple(inputs.shape)}{hint}")
@@ -154,7 +207,8 @@ def check_target(target: TargetLike, batch: int, num_classes: int) -> Tensor | N
         raise TypeError(f"target must be an int, a list of ints, an integer tensor or array, "
                         f"or None, got {type(target).__name__}")
     if t.numel() != batch:
-        raise ValueError(f"target has {t.numel()} entries but the batch has {batch} images; "
+        raise ValueError(f"target has {count_noun(t.numel(), 'entry', 'entries')} but the batch "
+                         f"has {count_noun(batch, 'image')}; "
                          "give one class per image or a single int")
     if ((t < 0) | (t >= num_classes)).any():
         raise ValueError(f"target values must be in [0, {num_classes}), got {t.tolist()}")
@@ -181,7 +235,7 @@ class Prepared:
     logits: Tensor | None = None
     embedding: TargetHead | None = None
     """For an embedding model: the target vectors; ``target`` then indexes them and
-    the call runs inside ``adapter.targeting(embedding)`` (SPEC_NEXT §7.5)."""
+    the call runs inside ``adapter.targeting(embedding)`` (:mod:`captum_vit.targets`)."""
 
 
 def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
@@ -199,7 +253,7 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
         inputs (Tensor or tuple): the images.
         target (int, list, Tensor, numpy, optional): class per image, ``None`` = predicted;
             for a model that outputs an embedding, target vectors (a float tensor or
-            :class:`~captum_vit.targets.EmbeddingTarget`, SPEC_NEXT §7.5).
+            :class:`~captum_vit.targets.EmbeddingTarget`).
         predict (bool, optional): also run the model and resolve ``None`` to the
             predicted class (metrics). Default False.
 
@@ -341,7 +395,7 @@ def gradients_with_pool(tr: Trace, scores: Tensor, tensors: Sequence[Tensor]
 
 def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
                  dtype: torch.dtype | None = None, target: Tensor | None = None) -> Tensor:
-    r"""Readout weights ``w`` [B, N] of one traced batch (SPEC_NEXT §7.0, §7.3).
+    r"""Readout weights ``w`` [B, N] of one traced batch.
 
     A method that ends with a token-to-token matrix ``R`` gives the map ``w R``. For the
     class token, average pooling, distillation and DINOv2's CLS+mean the weights are

@@ -31,7 +31,8 @@ channels (Quantus's default ``reduce_axes=(1,)``). ``s_batch`` is ``[B, 1, H, W]
   uniform noise, with ``mode="nearest"`` (a patch-constant map has the same
   Frobenius-norm ratio as its patch scores) and the clean prediction as ``y_batch``.
   Their defaults differ: Quantus draws 200 samples of radius 0.2 from numpy's global
-  generator, captum_vit 10 of radius 0.02 (SPEC §6.7) seeded per example.
+  generator, captum_vit 10 of radius 0.02 (TIS, Englebert et al., ICCV-W 2023, Table 4)
+  seeded per example.
 * ``quantus.PointingGame`` on a patch-constant map hits when any pixel of the top patch
   lies in the mask; captum_vit's :func:`~captum_vit.metrics.localization.pointing_game`
   when the **centre** of the top patch does. They are equal example by example when the
@@ -54,7 +55,14 @@ import torch
 from captum.attr import Attribution
 from torch import Tensor, nn
 
-from captum_vit._base import _ViTFront, check_choice, check_scalar, check_target
+from captum_vit._base import (
+    _ViTFront,
+    check_choice,
+    check_scalar,
+    check_target,
+    input_type_hint,
+)
+from captum_vit._text import count_noun
 from captum_vit.adapters import Layout, adapt
 from captum_vit.metrics.localization import check_masks, upsample
 
@@ -102,9 +110,12 @@ def _as_images(inputs: Any, model: nn.Module) -> Tensor:
     """Quantus's numpy (or tensor) images as a tensor on the model's device and dtype."""
     if isinstance(inputs, np.ndarray):
         inputs = torch.from_numpy(np.ascontiguousarray(inputs))
-    if not isinstance(inputs, Tensor) or not torch.is_floating_point(inputs):
+    if not isinstance(inputs, Tensor):
         raise TypeError("inputs must be a floating-point numpy array or tensor [B, C, H, W], "
-                        f"got {getattr(inputs, 'dtype', type(inputs).__name__)}")
+                        f"got {type(inputs).__name__}: {input_type_hint(inputs)}")
+    if not torch.is_floating_point(inputs):
+        raise TypeError("inputs must be a floating-point numpy array or tensor [B, C, H, W], "
+                        f"got {inputs.dtype} (convert with .float())")
     param = next(model.parameters())
     return inputs.to(device=param.device, dtype=param.dtype)
 
@@ -154,7 +165,8 @@ def quantus_maps(maps: Tensor, inputs: Tensor, layout: Layout, mode: str = "near
     (gh, gw), p = layout.grid, layout.num_patches
     shape = tuple(maps.shape)
     if shape[:1] != (b,):
-        raise ValueError(f"maps have shape {shape} but the batch has {b} images")
+        raise ValueError(f"maps have shape {shape} but the batch has "
+                         f"{count_noun(b, 'image')}")
     if (maps.dim() == 2 and shape[1] == p) or shape[1:] in ((gh, gw), (1, gh, gw)):
         dtype = maps.dtype
         pix = upsample(maps.reshape(b, p), layout.grid, layout.patch_size, (h, w), mode)
@@ -284,8 +296,8 @@ def export_quantus(model: nn.Module, inputs: Any, method: MethodLike | Tensor, *
     t = check_target(_as_targets(target, x.device), n, adapt(model).num_classes)
     s = None if masks is None else check_masks(masks, x)[:, None].cpu().numpy()
     if isinstance(method, Tensor) and method.shape[:1] != (n,):
-        raise ValueError(f"method maps have shape {tuple(method.shape)} but inputs has {n} "
-                         "images; give one map per image")
+        raise ValueError(f"method maps have shape {tuple(method.shape)} but inputs has "
+                         f"{count_noun(n, 'image')}; give one map per image")
     explain = None if isinstance(method, Tensor) else quantus_explain_func(
         method, mode=mode, seed=seed, **attribute_kwargs)
     ys, maps = [], []

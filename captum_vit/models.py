@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from captum_vit._text import count_noun
 from captum_vit.adapters import adapt
 from captum_vit.data.images import conform, read_json
 
@@ -84,8 +85,10 @@ class Preprocess:
         for name in ("mean", "std"):
             v = getattr(self, name)
             if v is not None and len(v) not in (1, self.channels):
-                raise ValueError(f"normalization {name} has {len(v)} values for a model with "
-                                 f"{self.channels} channels; give 1 or {self.channels}")
+                give = "1 value" if self.channels == 1 else f"1 or {self.channels} values"
+                raise ValueError(f"normalization {name} has {count_noun(len(v), 'value')} for "
+                                 f"a model with {count_noun(self.channels, 'channel')}; "
+                                 f"give {give}")
         if (self.mean is None) != (self.std is None):
             raise ValueError("normalization needs both mean and std")
 
@@ -183,6 +186,47 @@ def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
     if not names:
         raise ValueError(f"--classes {p}: the file names no class (one class name per line)")
     return names
+
+
+def class_index(name: str, class_names: Sequence[str]) -> int:
+    r"""The index of the class called ``name``: compared ignoring case, spaces and
+    punctuation (``"sneaker"``, ``"T-shirt top"``); a name that is no whole class name
+    may be the first synonym of one (``"tench"`` for ``"tench, Tinca tinca"``).
+
+    Args:
+        name (str): the class name.
+        class_names (Sequence[str]): the model's class names (index = class).
+
+    Returns:
+        int: the class index.
+
+    Raises:
+        ValueError: ``name`` matches no class (the message lists some valid names) or
+            several.
+
+    Examples::
+
+        >>> from captum_vit.models import class_index
+        >>> class_index("sneaker", ["T-shirt/top", "Sandal", "Sneaker"])
+        2
+    """
+    from captum_vit.data.specs import class_key
+
+    text = str(name).strip()
+    for key in (str.lower, class_key):
+        found = [i for i, c in enumerate(class_names) if key(str(c).strip()) == key(text)]
+        if not found:
+            found = [i for i, c in enumerate(class_names)
+                     if key(str(c).split(",")[0].strip()) == key(text)]
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise ValueError(f"{text!r} matches several classes of the model: "
+                             + ", ".join(f"{class_names[i]!r} ({i})" for i in found))
+    shown = ", ".join(str(c) for c in class_names[:12])
+    more = f", ... ({len(class_names)} in all)" if len(class_names) > 12 else ""
+    raise ValueError(f"{text!r} is not a class name of the model (compared ignoring case "
+                     f"and punctuation); valid names: {shown}{more}")
 
 
 def read_card(path: str | os.PathLike) -> dict[str, Any]:
@@ -496,5 +540,5 @@ def cached_timm_weights(cfg: Any) -> str:
 
 
 __all__ = ["LoadedModel", "Preprocess", "RANDOM_MODELS", "SPEC_HELP",
-           "cached_timm_weights", "from_card", "load_model", "read_card", "read_class_names",
-           "timm_class_names"]
+           "cached_timm_weights", "class_index", "from_card", "load_model", "read_card",
+           "read_class_names", "timm_class_names"]

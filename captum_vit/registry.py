@@ -21,6 +21,7 @@ Adding a method is one row of :data:`METHODS`.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,21 @@ from captum_vit.methods import (
     XGradCAM,
 )
 
+FAMILIES: dict[str, str] = {
+    "attention": "attention & rollout",
+    "gradient_attention": "gradient × attention",
+    "gradient": "gradient & input × gradient",
+    "cam": "CAM on tokens",
+    "decomposition": "decomposition & LRP",
+    "perturbation": "perturbation",
+    "composition": "PLUS / SkipPLUS",
+    "captum": "Captum",
+    "baseline": "baseline",
+}
+"""Method families, key -> label, in the order ``captum-vit explain`` groups its panels.
+Every :class:`MethodEntry` names one; compositions (``plus:<name>``) and
+``captum:<Class>`` have their own."""
+
 
 @dataclass(frozen=True)
 class MethodEntry:
@@ -80,6 +96,9 @@ class MethodEntry:
         quick (dict): ``attribute`` options for a quick look (``captum-vit explain``);
             the method's own defaults are the paper's.
         composable (bool): whether ``plus:<name>`` / ``skipplus:<name>`` exist.
+        family (str): a key of :data:`FAMILIES` (keyword only, required): what the
+            method computes its map from (attention, gradients and attention, CAM, a
+            decomposition or relevance propagation, perturbations).
     """
 
     name: str
@@ -91,6 +110,13 @@ class MethodEntry:
     composable: bool = True
     """Whether PLUS / SkipPLUS may take it as a base (False for FullGrad+, itself a sum
     over blocks)."""
+    family: str = field(kw_only=True)
+    """The method's family, a key of :data:`FAMILIES`."""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"{self.name}: family must be one of "
+                             f"{', '.join(map(repr, FAMILIES))}, got {self.family!r}")
 
 
 def _plain(cls: type) -> Callable[[nn.Module, int], Attribution]:
@@ -98,45 +124,51 @@ def _plain(cls: type) -> Callable[[nn.Module, int], Attribution]:
 
 
 METHODS: tuple[MethodEntry, ...] = (
-    MethodEntry("raw_attention", RawAttention, _plain(RawAttention)),
-    MethodEntry("rollout", Rollout, _plain(Rollout)),
-    MethodEntry("gae", GAE, _plain(GAE)),
-    MethodEntry("attn_gradcam", AttnGradCAM, _plain(AttnGradCAM)),
-    MethodEntry("attcat", AttCAT, _plain(AttCAT)),
-    MethodEntry("tokentm", TokenTM, _plain(TokenTM)),
+    MethodEntry("raw_attention", RawAttention, _plain(RawAttention), family="attention"),
+    MethodEntry("rollout", Rollout, _plain(Rollout), family="attention"),
+    MethodEntry("gae", GAE, _plain(GAE), family="gradient_attention"),
+    MethodEntry("attn_gradcam", AttnGradCAM, _plain(AttnGradCAM), family="gradient_attention"),
+    MethodEntry("attcat", AttCAT, _plain(AttCAT), family="gradient_attention"),
+    MethodEntry("tokentm", TokenTM, _plain(TokenTM), family="gradient_attention"),
     MethodEntry("tokentm_residual", TokenTM, lambda m, s: TokenTM(m, variant="residual"),
-                class_alias=False),
-    MethodEntry("token_ixg", TokenIxG, _plain(TokenIxG)),
-    MethodEntry("att_ixg", AttIxG, _plain(AttIxG)),
-    MethodEntry("decompx", DecompX, _plain(DecompX)),
-    MethodEntry("tis", TIS, _plain(TIS), quick={"n_masks": 128}),
-    MethodEntry("vanilla_grad", VanillaGrad, _plain(VanillaGrad)),
-    MethodEntry("attn_grad", AttnGrad, _plain(AttnGrad)),
-    MethodEntry("gradsam", GradSAM, _plain(GradSAM)),
-    MethodEntry("globenc", GlobEnc, _plain(GlobEnc)),
-    MethodEntry("alti", ALTI, _plain(ALTI)),
-    MethodEntry("gradcam", GradCAM, _plain(GradCAM)),
-    MethodEntry("gradcam_pp", GradCAMPlusPlus, _plain(GradCAMPlusPlus)),
-    MethodEntry("xgradcam", XGradCAM, _plain(XGradCAM)),
+                class_alias=False, family="gradient_attention"),
+    MethodEntry("token_ixg", TokenIxG, _plain(TokenIxG), family="gradient"),
+    MethodEntry("att_ixg", AttIxG, _plain(AttIxG), family="gradient_attention"),
+    MethodEntry("decompx", DecompX, _plain(DecompX), family="decomposition"),
+    MethodEntry("tis", TIS, _plain(TIS), quick={"n_masks": 128}, family="perturbation"),
+    MethodEntry("vanilla_grad", VanillaGrad, _plain(VanillaGrad), family="gradient"),
+    MethodEntry("attn_grad", AttnGrad, _plain(AttnGrad), family="gradient_attention"),
+    MethodEntry("gradsam", GradSAM, _plain(GradSAM), family="gradient_attention"),
+    MethodEntry("globenc", GlobEnc, _plain(GlobEnc), family="decomposition"),
+    MethodEntry("alti", ALTI, _plain(ALTI), family="decomposition"),
+    MethodEntry("gradcam", GradCAM, _plain(GradCAM), family="cam"),
+    MethodEntry("gradcam_pp", GradCAMPlusPlus, _plain(GradCAMPlusPlus), family="cam"),
+    MethodEntry("xgradcam", XGradCAM, _plain(XGradCAM), family="cam"),
     MethodEntry("xgradcam_plus", XGradCAM, lambda m, s: XGradCAM(m, plus=True),
-                class_alias=False),
-    MethodEntry("layercam", LayerCAM, _plain(LayerCAM)),
-    MethodEntry("hirescam", HiResCAM, _plain(HiResCAM)),
-    MethodEntry("gradcam_elementwise", GradCAMElementWise, _plain(GradCAMElementWise)),
-    MethodEntry("scorecam", ScoreCAM, _plain(ScoreCAM), quick={"max_channels": 128}),
-    MethodEntry("legrad", LeGrad, _plain(LeGrad)),
-    MethodEntry("bt_h", BTH, _plain(BTH), quick={"n_steps": 5}),
-    MethodEntry("bt_t", BTT, _plain(BTT), quick={"n_steps": 5}),
-    MethodEntry("tam", TAM, _plain(TAM), quick={"n_steps": 5}),
-    MethodEntry("rise", RISE, lambda m, s: RISE(m, seed=s), quick={"n_masks": 500}),
-    MethodEntry("vit_cx", ViTCX, lambda m, s: ViTCX(m, seed=s)),
-    MethodEntry("cp_lrp", CPLRP, _plain(CPLRP)),
-    MethodEntry("attnlrp", AttnLRP, _plain(AttnLRP)),
-    MethodEntry("chefer21", TransformerAttribution, _plain(TransformerAttribution)),
-    MethodEntry("fullgrad_plus", FullGradPlus, _plain(FullGradPlus), composable=False),
+                class_alias=False, family="cam"),
+    MethodEntry("layercam", LayerCAM, _plain(LayerCAM), family="cam"),
+    MethodEntry("hirescam", HiResCAM, _plain(HiResCAM), family="cam"),
+    MethodEntry("gradcam_elementwise", GradCAMElementWise, _plain(GradCAMElementWise),
+                family="cam"),
+    MethodEntry("scorecam", ScoreCAM, _plain(ScoreCAM), quick={"max_channels": 128},
+                family="cam"),
+    MethodEntry("legrad", LeGrad, _plain(LeGrad), family="gradient_attention"),
+    MethodEntry("bt_h", BTH, _plain(BTH), quick={"n_steps": 5}, family="gradient_attention"),
+    MethodEntry("bt_t", BTT, _plain(BTT), quick={"n_steps": 5}, family="gradient_attention"),
+    MethodEntry("tam", TAM, _plain(TAM), quick={"n_steps": 5}, family="gradient_attention"),
+    MethodEntry("rise", RISE, lambda m, s: RISE(m, seed=s), quick={"n_masks": 500},
+                family="perturbation"),
+    MethodEntry("vit_cx", ViTCX, lambda m, s: ViTCX(m, seed=s), family="perturbation"),
+    MethodEntry("cp_lrp", CPLRP, _plain(CPLRP), family="decomposition"),
+    MethodEntry("attnlrp", AttnLRP, _plain(AttnLRP), family="decomposition"),
+    MethodEntry("chefer21", TransformerAttribution, _plain(TransformerAttribution),
+                family="decomposition"),
+    MethodEntry("fullgrad_plus", FullGradPlus, _plain(FullGradPlus), composable=False,
+                family="gradient"),
     MethodEntry("skip_fullgrad_plus", FullGradPlus, lambda m, s: FullGradPlus(m, skip=True),
-                class_alias=False, composable=False),
-    MethodEntry("random", RandomMap, lambda m, s: RandomMap(m, seed=s), baseline=True),
+                class_alias=False, composable=False, family="gradient"),
+    MethodEntry("random", RandomMap, lambda m, s: RandomMap(m, seed=s), baseline=True,
+                family="baseline"),
 )
 """Every registered method, in the order of tables and plots."""
 
@@ -144,7 +176,8 @@ COMBINATORS: dict[str, type] = {"plus": PLUS, "skipplus": SkipPLUS}
 """Composition prefixes (``plus:<name>``) and the combinator each builds."""
 
 COMBINATOR_BASES = ("ixg", "gradient")
-"""Base kinds the combinators take that are not methods of their own (SPEC §4)."""
+"""Base kinds the combinators take that are not methods of their own: token IxG and the
+vanilla gradient (:mod:`captum_vit.combinators`)."""
 
 FEATURED_COMPOSITIONS = ("plus:decompx", "skipplus:decompx")
 """Compositions included in ``all`` (the SkipPLUS paper's headline)."""
@@ -462,6 +495,101 @@ def quick_options(name: str) -> dict:
     return dict(entry.quick) if entry is not None else {}
 
 
+def _entry(name: str) -> MethodEntry | None:
+    """The registry entry of ``name`` or of its base (a composition); ``None`` for
+    ``captum:<Class>`` and the combinator base kinds."""
+    canon = canonical_name(name)
+    composed = _split_composition(canon)
+    return _LOOKUP.get(_key(composed[1] if composed else canon))
+
+
+def method_family(name: str) -> str:
+    """The family of method ``name``, a key of :data:`FAMILIES`.
+
+    Args:
+        name (str): any spelling accepted by :func:`canonical_name`.
+
+    Returns:
+        str: the registered method's family; ``"composition"`` for ``plus:<name>`` and
+        ``skipplus:<name>``, ``"captum"`` for ``captum:<ClassName>``.
+
+    Examples::
+
+        >>> from captum_vit.registry import FAMILIES, method_family
+        >>> method_family("GAE"), method_family("HiResCAM"), method_family("SkipPLUS(DecompX)")
+        ('gradient_attention', 'cam', 'composition')
+        >>> FAMILIES[method_family("rollout")]
+        'attention & rollout'
+    """
+    canon = canonical_name(name)
+    if canon.startswith("captum:"):
+        return "captum"
+    if _split_composition(canon) is not None:
+        return "composition"
+    return _LOOKUP[_key(canon)].family
+
+
+def takes_option(name: str, option: str) -> bool:
+    """Whether the ``attribute`` of method ``name`` (of its base, for a composition) takes
+    the keyword ``option``, e.g. ``n_masks`` for TIS and RISE.
+
+    Args:
+        name (str): any spelling accepted by :func:`canonical_name`.
+        option (str): an ``attribute`` keyword.
+
+    Returns:
+        bool: False for ``captum:<ClassName>`` and the combinator base kinds.
+
+    Examples::
+
+        >>> from captum_vit.registry import takes_option
+        >>> takes_option("tis", "tolerance"), takes_option("rise", "tolerance")
+        (True, False)
+    """
+    entry = _entry(name)
+    return entry is not None and option in inspect.signature(entry.cls.attribute).parameters
+
+
+def api_defaults(name: str, options: Sequence[str] | None = None) -> dict:
+    """The API default of ``attribute`` options of method ``name`` (of its base, for a
+    composition): the keyword's default, or the constructor's where ``attribute``'s is
+    ``None`` (= the constructor's setting).
+
+    Args:
+        name (str): any spelling accepted by :func:`canonical_name`.
+        options (Sequence[str], optional): the options (default: those of
+            :func:`quick_options`).
+
+    Returns:
+        dict: option -> default (``None`` where neither gives one); options the method
+        does not take are left out.
+
+    Examples::
+
+        >>> from captum_vit.registry import api_defaults, quick_options
+        >>> quick_options("rise"), api_defaults("rise")
+        ({'n_masks': 500}, {'n_masks': 4000})
+        >>> api_defaults("bt_h"), api_defaults("tis", ["tolerance"])
+        ({'n_steps': 20}, {'tolerance': None})
+    """
+    entry = _entry(name)
+    if entry is None:
+        return {}
+    out = {}
+    for option in entry.quick if options is None else options:
+        found, value = False, None
+        for fn in (entry.cls.attribute, entry.cls.__init__):
+            param = inspect.signature(fn).parameters.get(option)
+            if param is not None:
+                found = True
+                if param.default not in (None, inspect.Parameter.empty):
+                    value = param.default
+                    break
+        if found:
+            out[option] = value
+    return out
+
+
 def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribution]:
     """A factory ``model -> Attribution`` for ``name`` (the form the metrics take).
 
@@ -490,7 +618,8 @@ def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribu
 
 
 __all__ = [
-    "COMBINATORS", "FEATURED_COMPOSITIONS", "METHODS", "MethodEntry",
-    "REPRESENTATIVE_COMPOSITIONS", "available_methods", "build_method", "canonical_name",
-    "composition_base", "method_factory", "parse_methods", "quick_options",
+    "COMBINATORS", "FAMILIES", "FEATURED_COMPOSITIONS", "METHODS", "MethodEntry",
+    "REPRESENTATIVE_COMPOSITIONS", "api_defaults", "available_methods", "build_method",
+    "canonical_name", "composition_base", "method_factory", "method_family", "parse_methods",
+    "quick_options", "takes_option",
 ]

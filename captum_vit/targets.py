@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from captum_vit._text import count_noun
 from captum_vit.adapters import adapt
 from captum_vit.adapters.base import TargetHead
 
@@ -123,7 +124,8 @@ def embedding_target(target: object, batch: int, dim: int, like: Tensor
         elif v.shape[0] == batch:
             index = torch.arange(batch)
         else:
-            raise ValueError(f"{v.shape[0]} target vectors for {batch} images: give one "
+            raise ValueError(f"{count_noun(v.shape[0], 'target vector')} for "
+                             f"{count_noun(batch, 'image')}: give one "
                              "vector, one per image, or EmbeddingTarget(vectors, index=...)")
     if index is not None:
         index = torch.as_tensor(index).reshape(-1).long().cpu()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -97,7 +99,8 @@ def upsample_map(attr: Tensor, size: tuple[int, int], *, grid: tuple[int, int] |
     if a.dim() == 1:
         gh, gw = grid if grid is not None else patch_grid(a.numel(), size)
         if gh * gw != a.numel():
-            raise ValueError(f"grid {(gh, gw)} does not fit a token map of {a.numel()} patches")
+            raise ValueError(f"grid {(gh, gw)} does not fit a token map of {a.numel()} "
+                             f"patch{'es' if a.numel() != 1 else ''}")
         a = a.reshape(gh, gw)
     elif grid is not None and tuple(a.shape) != tuple(grid):
         raise ValueError(f"grid {tuple(grid)} does not fit a map of shape {tuple(a.shape)}")
@@ -206,11 +209,100 @@ def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
     return ax
 
 
+NEAR_ZERO_RTOL = 1e-6
+"""Relative size below which :func:`near_zero` calls a map numerically zero."""
+
+NEAR_ZERO_NOTE = "≈ 0: structurally near zero here"
+"""What :func:`plot_grid` writes on the panel of a numerically zero map."""
+
+
+def near_zero(maps: Mapping[str, Tensor], *, reference: float | Sequence[float] | Tensor | None
+              = None, rtol: float = NEAR_ZERO_RTOL) -> dict[str, Tensor]:
+    r"""Which maps are numerically zero, per image: round-off drawn at full contrast would
+    show noise as signal.
+
+    The rule: the map :math:`m_i` of image :math:`i` is near zero when
+
+    .. math::
+        \max_p |m_i(p)| \le \text{rtol} \cdot s_i, \qquad
+        s_i = \max\big(r_i,\ \max_{m'} \max_p |m'_i(p)|\big),
+
+    with :math:`r_i` the ``reference`` scale of image :math:`i` (``captum-vit explain``
+    passes the largest absolute logit, the size of the explained scores) and the inner
+    maximum over every map given for that image. The float32 round-off of a quantity of
+    size :math:`s` is about :math:`10^{-7} s`, so with the default ``rtol = 1e-6`` a map
+    whose every value is within ten round-offs of zero is flagged: e.g. the plain gradient
+    summed over the channels of a class-token ViT (the gradient of a LayerNorm's input sums
+    to zero) or HiResCAM at the last block, around 1e-8 next to logits of order 1, while the
+    smallest real maps of the bundled model (TokenTM's probability-score products) sit
+    more than 100 times above the threshold. A heuristic: a map that is genuinely tiny
+    relative to the logits (scores of another unit) may also be flagged; pass
+    ``rtol=0`` to flag only exact zeros.
+
+    Args:
+        maps (Mapping[str, Tensor]): name -> maps of a batch ``[B, ...]`` (any map
+            shape).
+        reference (float, sequence or Tensor, optional): a scale per image ``[B]`` or one
+            for all; ``None`` (default): the maps' own largest value only.
+        rtol (float, optional): the relative threshold. Default :data:`NEAR_ZERO_RTOL`.
+
+    Returns:
+        dict[str, Tensor]: name -> bool ``[B]``, True where the map is near zero.
+
+    Examples::
+
+        >>> from captum_vit.viz import near_zero
+        >>> maps = {"gae": torch.rand(1, 16), "grad": 1e-9 * torch.randn(1, 16)}
+        >>> {k: v.tolist() for k, v in near_zero(maps, reference=3.0).items()}
+        {'gae': [False], 'grad': [True]}
+    """
+    if not maps:
+        return {}
+    peaks = {k: v.detach().abs().float().cpu().reshape(v.shape[0], -1).amax(1)
+             for k, v in maps.items()}
+    scale = torch.stack(list(peaks.values())).amax(0)
+    if reference is not None:
+        ref = torch.as_tensor(reference, dtype=torch.float32).abs().reshape(-1)
+        scale = torch.maximum(scale, ref.expand_as(scale) if ref.numel() == 1 else ref)
+    return {k: p <= rtol * scale for k, p in peaks.items()}
+
+
+def _plot_flat(ax, image: Tensor, attr: Tensor, title: str | None) -> None:
+    """A near-zero map's panel: the image, faded, with :data:`NEAR_ZERO_NOTE` and the
+    map's largest absolute value, without a colour scale."""
+    img = _image_to_numpy(image)
+    ax.imshow(img, cmap="gray" if img.ndim == 2 else None, alpha=0.35)
+    peak = float(attr.detach().abs().max())
+    ax.text(0.5, 0.5, f"{NEAR_ZERO_NOTE}\nmax |map| = {peak:.1e}, drawn flat",
+            transform=ax.transAxes, ha="center", va="center", fontsize=7,
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "0.6"})
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.axis("off")
+
+
+def _grouped(names: Sequence[str], groups: Mapping[str, str] | None) -> list[tuple[str, list[str]]]:
+    """``(label, names)`` per group, groups in order of first appearance (one unnamed
+    group without ``groups``; a name missing from ``groups`` is its own label)."""
+    if groups is None:
+        return [("", list(names))]
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(groups.get(n, n), []).append(n)
+    return list(out.items())
+
+
 def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
               row_titles: Sequence[str] | None = None, path: str | None = None,
-              max_cols: int = 5, display: str = "nearest"):
+              max_cols: int = 5, display: str = "nearest",
+              groups: Mapping[str, str] | None = None,
+              reference: float | Sequence[float] | Tensor | None = None,
+              near_zero_rtol: float = NEAR_ZERO_RTOL, note: str | None = None):
     """The input and every method's map: one row per image, or, for a single image, the
     panels wrapped into rows of ``max_cols``.
+
+    A map that is numerically zero for an image (:func:`near_zero`) is not stretched to
+    full contrast: its panel shows the image faded, marked :data:`NEAR_ZERO_NOTE`.
 
     Args:
         images (Tensor): [B, C, H, W].
@@ -220,16 +312,27 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
         max_cols (int, optional): panels per row for a single image. Default 5.
         display (str, optional): ``"nearest"`` (default) or ``"bilinear"``, see
             :func:`upsample_map`.
+        groups (Mapping[str, str], optional): method name -> group label (e.g. its family).
+            The panels are then ordered by group (groups in order of first appearance)
+            and labelled: for a single image the input has a row of its own, every group
+            starts a new row and its label is written beside its rows; for several
+            images the group's label is written above its first column.
+        reference (float, sequence or Tensor, optional): the scale of each image's scores
+            (e.g. its largest absolute logit) for :func:`near_zero`.
+        near_zero_rtol (float, optional): ``rtol`` of :func:`near_zero`; ``-1`` turns the
+            check off. Default :data:`NEAR_ZERO_RTOL`.
+        note (str, optional): a footnote under the panels (e.g. the settings used).
 
     Returns:
-        matplotlib.figure.Figure
+        matplotlib.figure.Figure: also when saved (then closed).
 
     Examples::
 
         >>> from captum_vit import GAE, Rollout
         >>> from captum_vit.viz import plot_grid
         >>> fig = plot_grid(images, {"GAE": GAE(model).attribute(images),
-        ...                          "Rollout": Rollout(model).attribute(images)})
+        ...                          "Rollout": Rollout(model).attribute(images)},
+        ...                 groups={"GAE": "gradient × attention", "Rollout": "attention"})
     """
     import matplotlib.pyplot as plt
 
@@ -237,29 +340,76 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
         raise ValueError(f"display must be one of {', '.join(map(repr, DISPLAYS))}, "
                          f"got {display!r}")
     b = images.shape[0]
-    panels = len(maps) + 1
+    grouped = _grouped(list(maps), groups)
+    order = [n for _, names in grouped for n in names]
+    flat = near_zero(maps, reference=reference, rtol=near_zero_rtol)
     if b == 1:
-        cols = min(max_cols, panels)
-        rows = -(-panels // cols)
+        widest = max((len(names) for _, names in grouped), default=0)
+        cols = max(1, min(max_cols, len(maps) + 1 if groups is None else widest))
+        if groups is None:
+            slots = list(range(1, len(order) + 1))
+            rows = -(-(len(order) + 1) // cols)
+        else:  # the input on row 0, every group from a new row
+            slots, row = [], 1
+            for _, names in grouped:
+                slots += [row * cols + k for k in range(len(names))]
+                row += -(-len(names) // cols)
+            rows = row
     else:
-        cols, rows = panels, b
-    fig, axes = plt.subplots(rows, cols, figsize=(2.8 * cols, 2.6 * rows), squeeze=False)
+        cols, rows = len(order) + 1, b
+    width, height = 2.8 * cols, 2.6 * rows
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for i in range(b):
         cells = list(axes.flat) if b == 1 else list(axes[i])
+        where = slots if b == 1 else list(range(1, len(order) + 1))
         img = _image_to_numpy(images[i])
         cells[0].imshow(img, cmap="gray" if img.ndim == 2 else None)
         cells[0].set_title(row_titles[i] if row_titles else "input", fontsize=9)
-        for ax, (name, m) in zip(cells[1:], maps.items(), strict=False):
-            plot_overlay(ax, images[i], m[i], title=name, display=display)
-    fig.tight_layout()
+        for slot, name in zip(where, order, strict=True):
+            if bool(flat[name][i]):
+                _plot_flat(cells[slot], images[i], maps[name][i], name)
+            else:
+                plot_overlay(cells[slot], images[i], maps[name][i], title=name, display=display)
+    labelled = groups is not None
+    if note:  # wrapped to the figure's width (8 pt: about 15 characters per inch)
+        note = "\n".join(textwrap.fill(line, max(int(width * 15), 20))
+                         for line in note.splitlines())
+    lines = note.count("\n") + 1 if note else 0
+    rect = (0.35 / width if labelled and b == 1 else 0,
+            (0.2 * lines + 0.05) / height if note else 0,
+            1, 1 - 0.3 / height if labelled and b > 1 else 1)
+    fig.tight_layout(rect=rect)
+    if labelled:
+        _label_groups(fig, axes, grouped, slots if b == 1 else None, cols)
+    if note:
+        fig.text(0.01, 0.01, note, ha="left", va="bottom", fontsize=8, color="0.25")
     if path is not None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
     return fig
 
 
-__all__ = ["COLORBAR_LABEL", "DISPLAYS", "figure_formats", "patch_grid", "plot_grid",
-           "plot_overlay", "prediction_title", "upsample_map"]
+def _label_groups(fig, axes, grouped: Sequence[tuple[str, list[str]]],
+                  slots: Sequence[int] | None, cols: int) -> None:
+    """Write each group's label beside its rows (``slots``: one image) or above its first
+    column (several images)."""
+    start = 0
+    for label, names in grouped:
+        if slots is None:
+            box = axes[0, start + 1].get_position()
+            fig.text(box.x0, min(box.y1 + 0.25 / fig.get_figheight(), 0.995), label,
+                     ha="left", va="bottom", fontsize=10, fontweight="bold")
+        else:
+            first, last = slots[start] // cols, slots[start + len(names) - 1] // cols
+            top, bottom = axes[first, 0].get_position(), axes[last, 0].get_position()
+            fig.text(0.005, (top.y1 + bottom.y0) / 2, label, rotation=90, ha="left",
+                     va="center", fontsize=10, fontweight="bold")
+        start += len(names)
+
+
+__all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "figure_formats",
+           "near_zero", "patch_grid", "plot_grid", "plot_overlay", "prediction_title",
+           "upsample_map"]
 

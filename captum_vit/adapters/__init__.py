@@ -1,8 +1,10 @@
-"""The adapter layer: the only code that knows a model's internals (DESIGN.md §1)."""
+"""The adapter layer: the only code that knows a model's internals (methods read the
+canonical parts and traces of :mod:`captum_vit.adapters.base`, never the model)."""
 
 from __future__ import annotations
 
 import contextlib
+import keyword
 from collections.abc import Callable, Iterator
 
 from torch import nn
@@ -79,22 +81,81 @@ def adapt(model: nn.Module) -> ViTAdapter:
             return adapter(model)
     for name, sub in model.named_modules():
         if name and any(applies(sub) for applies, _ in ADAPTERS):
+            path = _module_path(name)
             raise TypeError(
-                f"{type(model).__name__} wraps a supported ViT at `model.{name}` "
-                f"({type(sub).__name__}): pass that module (e.g. GAE(model.{name})) and apply "
+                f"{type(model).__name__} wraps a supported ViT at `{path}` "
+                f"({type(sub).__name__}): pass that module (e.g. GAE({path})) and apply "
                 "the wrapper's other steps, such as input normalisation, to the inputs "
                 "yourself; captum_vit explains the ViT's own forward")
+    kind = type(model).__name__
     raise TypeError(
-        f"captum_vit cannot explain a {type(model).__name__}: supported models are the "
+        f"captum_vit cannot explain {_article(kind)} {kind}: supported models are the "
         f"{SUPPORTED}"
     )
+
+
+def _module_path(name: str, root: str = "model") -> str:
+    """Python that reaches the sub-module ``name`` of ``named_modules()`` from ``root``:
+    attributes for identifiers, indexing for ``nn.Sequential`` / ``nn.ModuleList``
+    positions and other ``nn.ModuleDict`` keys.
+
+    Args:
+        name (str): a dotted name from ``named_modules()``, e.g. ``"1"`` or
+            ``"backbone.0.vit"``.
+        root (str, optional): the variable holding the model. Default ``"model"``.
+
+    Returns:
+        str: e.g. ``"model[1]"``, ``"model.backbone[0].vit"``.
+
+    Examples::
+
+        >>> _module_path("1"), _module_path("backbone.0.vit")
+        ('model[1]', 'model.backbone[0].vit')
+    """
+    out = root
+    for part in name.split("."):
+        if part.isdigit():
+            out += f"[{part}]"
+        elif part.isidentifier() and not keyword.iskeyword(part):
+            out += f".{part}"
+        else:
+            out += f"[{part!r}]"
+    return out
+
+
+def _article(word: str) -> str:
+    """``"an"`` or ``"a"`` before ``word`` as it is read aloud: ``an Xcit``, ``an MLP``,
+    ``an EvaModel``, ``a Sequential``, ``a UNet``.
+
+    Args:
+        word (str): a class name or another word.
+
+    Returns:
+        str: ``"an"`` or ``"a"``.
+
+    Examples::
+
+        >>> [_article(w) for w in ("Xcit", "MLP", "Sequential", "ResNet", "UNet")]
+        ['an', 'an', 'a', 'a', 'a']
+    """
+    w = word.lstrip("_")
+    if not w:
+        return "a"
+    first = w[0].lower()
+    spelled = len(w) == 1 or w[1].isupper() or w[1].isdigit()  # an acronym, read letter by letter
+    if first in "aeio" or first == "x":
+        return "an"
+    if first == "u":
+        return "a" if spelled or w.lower().startswith(("uni", "use", "usu", "uti")) else "an"
+    return "an" if spelled and first in "fhlmnrs" else "a"
 
 
 @contextlib.contextmanager
 def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
     r"""Within the block, attention-based maps of a classifier on ``[CLS ; mean of the
     patches]`` (Hugging Face DINOv2) read the last state as
-    :math:`w = \alpha e_0 + (1-\alpha) u_P` (SPEC_NEXT §7.4).
+    :math:`w = \alpha e_0 + (1-\alpha) u_P` (:math:`u_P` uniform over the patch rows,
+    registers excluded).
 
     The default outside any block is ``α = ½`` (the CLS-row-plus-patch-mean readout of BT
     and txv for DINO). ``alpha="logit"`` is a captum_vit choice: per image and explained

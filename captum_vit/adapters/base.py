@@ -1,12 +1,20 @@
 """Model-independent part of the adapter layer.
 
 An adapter translates one model family into a *canonical pre-LN ViT*: an embedding
-function plus, per block, the parameter tensors of SPEC §0 (views of the model's own
-parameters, never copies that could drift, never modifications). Everything after the
-embedding is computed here by one canonical forward, written once against an
+function plus, per block, the parameter tensors of the notation below (views of the
+model's own parameters, never copies that could drift, never modifications). Everything
+after the embedding is computed here by one canonical forward, written once against an
 :class:`Ops` object. Plain tensors give the real forward (with attention probabilities
-materialised); DecompX swaps in decomposition ops; the linearised switches of SPEC §3
-only change the backward pass.
+materialised); DecompX swaps in decomposition ops; the linearised switches of DecompX's
+gradient route (:mod:`captum_vit.methods.decompx`: LayerNorm variance, ``q``/``k`` and the
+activation gate detached) only change the backward pass.
+
+Notation (a pre-LayerNorm ViT in timm's layout): ``K`` prefix tokens (CLS, DIST,
+registers) come first, then the ``P`` patch tokens in raster order, ``N = K + P``. Block
+``l`` maps its input ``x_l`` to ``u_l = LN1(x_l)``, the attention probabilities ``A_l``
+[B, H, N, N] (row = query, column = key), ``x_mid,l = x_l + ls1(a_l)`` and
+``x_{l+1} = x_mid,l + ls2(MLP(LN2(x_mid,l)))``; the logits are ``head(pool(LN_f(x_L)))``,
+read through the readout weights of :meth:`Layout.readout_weights`.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captum_vit._text import count_noun
 from captum_vit.adapters._linearize import (
     activation_gate_detached,
     layer_norm_frozen_variance,
@@ -40,7 +49,7 @@ size) keys :meth:`ViTAdapter.self_check` has passed, shared by every adapter of 
 
 @dataclass(frozen=True)
 class Layout:
-    """Token layout of one input batch (SPEC §0).
+    """Token layout of one input batch (the notation of the module docstring).
 
     Attributes:
         num_prefix (int): ``K``, the prefix tokens (CLS, DIST, registers) before the patches.
@@ -49,9 +58,9 @@ class Layout:
         readout (str): ``"token"`` (row 0), ``"distilled"`` (rows 0 and 1 averaged in the
             logit; maps read row 0), ``"avg"`` (mean of the patch rows) or ``"cls_mean"``
             (DINOv2's classifier on ``[row 0 ; mean of the patch rows]``; maps read
-            ``w = α e_0 + (1 − α) u_P``, SPEC_NEXT §7.4, see ``alpha``) or ``"map"``
-            (an attention-pool head, SPEC_NEXT §7.3: the weights come from the pool's
-            attention of each image, :func:`captum_vit._base.readout_rows`).
+            ``w = α e_0 + (1 − α) u_P``, see ``alpha``) or ``"map"`` (an attention-pool
+            head, :class:`PoolParts`: the weights come from the pool's attention of each
+            image, :func:`captum_vit._base.readout_rows`).
         num_blocks (int): ``L``.
         num_heads (int): ``H``.
         image_size (tuple[int, int]): ``(H, W)`` of the input images.
@@ -78,7 +87,8 @@ class Layout:
         return self.num_prefix + self.num_patches
 
     def readout_weights(self, num_tokens: int | None = None, *, dtype=None, device=None) -> Tensor:
-        """Weights ``w`` [N] with readout row ``r = sum_i w_i row_i`` (SPEC §0).
+        """Weights ``w`` [N] with readout row ``r = sum_i w_i row_i`` (row 0 for a class
+        token, the mean of the patch rows for average pooling).
 
         Raises:
             ValueError: for the ``"map"`` readout, whose weights depend on the image.
@@ -125,7 +135,8 @@ def _consecutive(*parts: Tensor | None) -> Tensor | None:
 
 def patch_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
     r"""A patch-embedding convolution as the linear map of the unfolded patches, through
-    ``ops.linear`` (SPEC_NEXT §8.6.3: the patch conv takes the linear maps' LRP rules).
+    ``ops.linear`` (the patch conv takes the linear maps' LRP rules, as in AttnLRP,
+    Achtibat et al., ICML 2024; :mod:`captum_vit.adapters._lrp`).
 
     A convolution with ``stride == kernel_size``, no padding, dilation 1 and one group
     maps each patch :math:`p` (flattened in the order ``(channel, row, column)`` of the
@@ -168,7 +179,8 @@ def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
 
 @dataclass(frozen=True)
 class AttentionRules:
-    """Modified backward rules inside one attention (the LRP family, SPEC_NEXT §8.6).
+    """Modified backward rules inside one attention (the LRP family,
+    :mod:`captum_vit.adapters._lrp`).
 
     Every field is a function whose forward returns exactly the plain computation's value
     and whose backward is a rule's (:mod:`captum_vit.adapters._lrp`); ``None`` keeps the
@@ -224,7 +236,8 @@ class AttentionParts:
 
 @dataclass(frozen=True)
 class BlockParts(AttentionParts):
-    """Canonical parameters of one pre-LN block (SPEC §0): the attention's projections
+    """Canonical parameters of one pre-LN block (the notation of the module docstring): the
+    attention's projections
     (:class:`AttentionParts`; for timm views, i.e. slices, of the model's fused ``qkv``
     parameter, Hugging Face models keep separate q/k/v projections), the norms, LayerScale
     and the MLP."""
@@ -248,7 +261,8 @@ class BlockParts(AttentionParts):
     mlp_norm: NormParts | None = None
     """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
     rotary: Callable[[Tensor, Tensor | None], Tensor] | None = None
-    """Rotary position embedding (SPEC_NEXT §7.1), ``(heads, positions) -> heads``: applied
+    """Rotary position embedding (timm's Eva family, :mod:`captum_vit.adapters.timm_eva`),
+    ``(heads, positions) -> heads``: applied
     to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (the order of the
     installed timm's ``EvaAttention.forward``, verified) and before any detaching. It
     rotates the patch rows only (the prefix rows keep their values) with the rotary rows
@@ -256,7 +270,7 @@ class BlockParts(AttentionParts):
     ``0..n-1``); ``None`` = no RoPE."""
     inner_norm: NormParts | None = None
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
-    ``scale_attn_inner``, SPEC_NEXT §7.0); ``None`` = identity."""
+    ``scale_attn_inner``, Fang et al. 2023); ``None`` = identity."""
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
              rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -275,7 +289,7 @@ class BlockParts(AttentionParts):
             q = self.q_norm(self._heads(u, self.q_weight, self.q_bias, linear))
             k = self.k_norm(self._heads(u, self.k_weight, self.k_bias, linear))
             v = self._heads(u, self.v_weight, self.v_bias, linear)
-        if self.rotary is not None:  # after q/k norm, before detaching (SPEC_NEXT §7.1)
+        if self.rotary is not None:  # after q/k norm, before detaching (timm's Eva)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if detach_qk:
             q, k = q.detach(), k.detach()
@@ -351,10 +365,12 @@ class BlockParts(AttentionParts):
                 ``rotary`` embedding (Eva) each kept patch is rotated by the row of its
                 original position; otherwise they are unused (an absolute positional
                 embedding is already in ``u``, so a kept token carries its own).
-            detach_qk (bool): detach ``q`` and ``k`` (linearised backward, SPEC §3); the
-                forward values are unchanged.
-            rules (AttentionRules, optional): modified backward rules (LRP, SPEC_NEXT
-                §8.6); the forward values are unchanged. Needs ``materialize=True``.
+            detach_qk (bool): detach ``q`` and ``k`` (the linearised backward of DecompX's
+                gradient route, :mod:`captum_vit.methods.decompx`); the forward values are
+                unchanged.
+            rules (AttentionRules, optional): modified backward rules (LRP,
+                :mod:`captum_vit.adapters._lrp`); the forward values are unchanged. Needs
+                ``materialize=True``.
             heads (list, optional): receives this call's :class:`Heads` (per-head ``q``,
                 ``k``, ``v``, output and logit bias), from which the probabilities can be
                 recomputed later (:meth:`Heads.probs`) when the fused path kept none.
@@ -411,14 +427,15 @@ class BlockParts(AttentionParts):
         r"""Every token's value vector through the output projection, heads concatenated:
         :math:`(u W_V^\top + b_V) W_O^\top` [B, N, D], the value bias included and the
         output bias and LayerScale excluded (the ``vproj`` of Beyond Intuition's token-wise
-        BT-T, SPEC_NEXT §8.8).
+        BT-T, Chen et al., TMLR 2023).
 
         With an inner LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02's
         ``scale_attn_inner``) the value vector passes it linearised, as in TokenTM
-        (SPEC_NEXT §7.1): centred by its own mean, divided by the standard deviation of
-        the real attention output :math:`o = \mathrm{concat}_h A^h v^h` of the same token
-        (frozen) and scaled by :math:`\gamma`; :math:`\beta` excluded. That needs the
-        block's probabilities ``attn``.
+        (:mod:`captum_vit.methods.tokentm`): centred by its own mean, divided by the
+        standard deviation of the real attention output
+        :math:`o = \mathrm{concat}_h A^h v^h` of the same token (frozen) and scaled by
+        :math:`\gamma`; :math:`\beta` excluded. That needs the block's probabilities
+        ``attn``.
 
         Args:
             u (Tensor): ``LN1(x_l)`` [B, N, D].
@@ -476,7 +493,7 @@ class Heads:
 
 @dataclass(frozen=True)
 class PoolParts(AttentionParts):
-    r"""An attention-pool head (SPEC_NEXT §7.3): timm's ``AttentionPoolLatent``
+    r"""An attention-pool head: timm's ``AttentionPoolLatent``
     (``global_pool='map'``) and Hugging Face's ``SiglipMultiheadAttentionPoolingHead``.
 
     A learned latent query ``ℓ`` [Q, D_l] attends over the normed tokens ``x̂``:
@@ -511,8 +528,9 @@ class PoolParts(AttentionParts):
                 are no keys.
             detach_k (bool): detach ``k`` (linearised backward; ``q`` depends on the
                 latent only).
-            rules (AttentionRules, optional): modified backward rules (LRP, SPEC_NEXT
-                §8.6), as in :meth:`BlockParts.attention`; needs ``materialize=True``.
+            rules (AttentionRules, optional): modified backward rules (LRP,
+                :mod:`captum_vit.adapters._lrp`), as in :meth:`BlockParts.attention`; needs
+                ``materialize=True``.
 
         Returns:
             (mix [B, Q, H*d] before ``W_p``, probabilities [B, H, Q, N] or ``None``).
@@ -597,7 +615,7 @@ def _detached(parts: Any) -> Any:
 def probabilities(logits: Tensor) -> Tensor:
     """The probabilities of ``logits`` [B, classes]: softmax over the classes, or, inside
     an embedding-target call with single target vectors, the sigmoid of each score
-    (SPEC_NEXT §7.5: a softmax over one score would be constant)."""
+    (a softmax over one score would be constant; :mod:`captum_vit.targets`)."""
     return logits.sigmoid() if _PROBABILITY.get() == "sigmoid" else logits.softmax(-1)
 
 
@@ -617,7 +635,8 @@ def scores_are_classes() -> bool:
 
 @dataclass(frozen=True)
 class TargetHead:
-    r"""Scores of a model's image embedding ``e`` against target vectors (SPEC_NEXT §7.5).
+    r"""Scores of a model's image embedding ``e`` against target vectors
+    (:mod:`captum_vit.targets`).
 
     ``s_t = scale · ⟨e/‖e‖, t/‖t‖⟩ + bias`` (``cosine=True``) or ``scale · ⟨e, t⟩ + bias``
     for every row ``t`` of ``vectors`` [T, D′]: a linear head on the (normalised)
@@ -667,7 +686,7 @@ class HeadParts:
     """How the heads' outputs make the logits: ``"mean"`` (DeiT's two heads) or ``"sum"``
     (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
     attn_pool: PoolParts | None = None
-    """The attention-pool head read by ``"map"`` rows (SPEC_NEXT §7.3)."""
+    """The attention-pool head read by ``"map"`` rows (:class:`PoolParts`)."""
     target: TargetHead | None = None
     """Scores against target embeddings, applied to the model's output (embedding
     models inside :meth:`ViTAdapter.targeting`)."""
@@ -680,7 +699,8 @@ class Ops:
     :class:`FusedOps` is the plain forward without attention probabilities.
 
     Args:
-        linearize (bool): keep the forward and linearise the backward (SPEC §3).
+        linearize (bool): keep the forward and linearise the backward (DecompX's gradient
+            route, :mod:`captum_vit.methods.decompx`).
         positions (Tensor, optional): [B, N] original token indices of the sequence, passed
             to :meth:`BlockParts.attention` (``None`` = ``0..N-1``).
     """
@@ -702,7 +722,8 @@ class Ops:
 
     def gated(self, g: Any, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
         """Gated unit ``act(g) ⊙ z``; linearised: the activated gate is a constant
-        (SPEC_NEXT §7.1, the gated analogue of the zero-origin GELU rule)."""
+        (our choice: the gated analogue of DecompX's zero-origin GELU rule,
+        :mod:`captum_vit.methods.decompx`)."""
         a = act(g)
         return (a.detach() if self.linearize else a) * z
 
@@ -724,7 +745,7 @@ class Ops:
 
     def pool_attention(self, x: Any, p: PoolParts) -> tuple[Any, Tensor | None]:
         """Attention-pool mix before its output projection, [B, Q, H*d], and the pool's
-        probabilities [B, H, Q, N] (linearised: ``k`` detached, SPEC_NEXT §7.3)."""
+        probabilities [B, H, Q, N] (linearised: ``k`` detached; :class:`PoolParts`)."""
         return p.attention(x, materialize=True, detach_k=self.linearize)
 
     def pool(self, x: Any, row: int | str, num_prefix: int) -> Any:
@@ -794,7 +815,8 @@ class HeadsOps(Ops):
 
 @dataclass
 class BlockRecord:
-    """What one block saw and produced (SPEC §0 names). An attention-only record
+    """What one block saw and produced (named as in the module docstring). An
+    attention-only record
     (:meth:`ViTAdapter.block`) has ``None`` after ``attn``/``heads``."""
 
     x: Tensor  # x_l, the block input
@@ -828,6 +850,22 @@ class Trace:
         return [b.x for b in self.blocks] + [self.blocks[-1].out] if self.blocks else [self.x0]
 
 
+def _channel_mismatch(got: int, expected: int) -> str:
+    """The message for inputs with ``got`` channels fed to a model taking ``expected``,
+    with the fix (a grayscale image for an RGB model: repeat its channel)."""
+    want = count_noun(expected, "channel")
+    if got == 1 and expected > 1:
+        return (f"inputs have 1 channel (grayscale) but the model expects {want}: repeat the "
+                f"channel with inputs.expand(-1, {expected}, -1, -1) (or "
+                f"inputs.repeat(1, {expected}, 1, 1)), normalised as the model expects, or "
+                "use a model built for 1-channel inputs (e.g. timm's in_chans=1)")
+    if got == 3 and expected == 1:
+        return ("inputs have 3 channels (RGB) but the model expects 1 (grayscale): convert "
+                "them, e.g. to luminance with (inputs * torch.tensor([0.299, 0.587, "
+                "0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True), or use a 3-channel model")
+    return f"inputs have {count_noun(got, 'channel')} but the model expects {want}"
+
+
 class ViTAdapter:
     """Canonical pre-LN ViT on top of a concrete model (subclasses fill in the parts).
 
@@ -856,7 +894,8 @@ class ViTAdapter:
         projection (a convolution with stride = kernel, :func:`patch_projection`) goes
         through ``ops.linear`` and each normalisation of the embedding
         (:meth:`embedding_norms`) through ``ops.norm``, so a rule set of modified
-        backward passes (LRP at the pixels, SPEC_NEXT §8.6) reaches the pixels; prefix
+        backward passes (LRP at the pixels, :mod:`captum_vit.adapters._lrp`) reaches the
+        pixels; prefix
         tokens, position embeddings (interpolation included) and rotary tables stay the
         model's own code, and the forward values are the model's up to rounding.
         """
@@ -891,7 +930,8 @@ class ViTAdapter:
         """Names of the normalisations inside :meth:`embed` (a pre-norm such as CLIP's
         ``pre_layrnorm``); empty when the embedding is affine in the pixels (patch
         projection, prefix tokens, position embedding). ``embed(inputs, ops)`` runs each
-        of them through ``ops.norm`` (pixel-level LRP: the LN rule, SPEC_NEXT §8.6)."""
+        of them through ``ops.norm`` (pixel-level LRP: the LN rule,
+        :mod:`captum_vit.adapters._lrp`)."""
         return ()
 
     def check_inputs(self, inputs: Tensor) -> None:
@@ -911,8 +951,7 @@ class ViTAdapter:
                 f"the inputs with inputs.to({want}) or the model with "
                 f"model.to({inputs.dtype})")
         if inputs.shape[1] != self.in_chans:
-            raise ValueError(f"inputs have {inputs.shape[1]} channels but the model expects "
-                             f"{self.in_chans}")
+            raise ValueError(_channel_mismatch(inputs.shape[1], self.in_chans))
         if self.is_random():
             raise ValueError("the model is in training mode with active dropout/drop-path, "
                              "so its output is random; call model.eval() before explaining")
@@ -923,7 +962,7 @@ class ViTAdapter:
 
     embedding: bool = False
     """Whether the model outputs an image embedding (CLIP, SigLIP, head-less models)
-    rather than class logits: its targets are vectors (SPEC_NEXT §7.5)."""
+    rather than class logits: its targets are vectors (:mod:`captum_vit.targets`)."""
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The model's own output for ``inputs``: logits [B, classes] or the image
@@ -964,7 +1003,7 @@ class ViTAdapter:
     def with_cls_alpha(self, alpha: float | str) -> Iterator[None]:
         """Within the block, maps of this model (every adapter of the same model object)
         read its ``[CLS ; patch mean]`` classifier as ``w = α e_0 + (1 − α) u_P``
-        (SPEC_NEXT §7.4). See :func:`captum_vit.adapters.readout_alpha`."""
+        (see :func:`captum_vit.adapters.readout_alpha`)."""
         if self.readout != "cls_mean":
             raise ValueError(f"alpha applies to a classifier on [CLS ; mean of the patches] "
                              f"(Hugging Face DINOv2); this {type(self.model).__name__} reads "
@@ -1042,7 +1081,8 @@ class ViTAdapter:
 
     def block(self, x: Any, l: int, ops: Ops, record: list[BlockRecord] | None = None, *,
               attention_only: bool = False, rows: int | None = None) -> Any:
-        """Block ``l`` on ``x`` (SPEC §0): attention sublayer then FFN sublayer.
+        """Block ``l`` on ``x`` (the module docstring's notation): attention sublayer then
+        FFN sublayer.
 
         With ``attention_only`` the block stops once it has its attention (for methods
         that read nothing else of it): it returns ``None`` and its record has ``x``,
@@ -1065,7 +1105,7 @@ class ViTAdapter:
             return None
         if rows is not None:  # only these rows reach the readout
             a, x = a[:, :rows], x[:, :rows]
-        if p.inner_norm is not None:  # N_in (EVA-02's scale_attn_inner), SPEC_NEXT §7.0
+        if p.inner_norm is not None:  # N_in (EVA-02's scale_attn_inner)
             a = ops.norm(a, p.inner_norm)
         a = ops.linear(a, p.proj_weight, p.proj_bias)
         if p.ls1 is not None:
@@ -1097,7 +1137,8 @@ class ViTAdapter:
     def readout_logits(self, x: Any, ops: Ops | None = None, record: Trace | None = None, *,
                        final_norm: bool = True, pool: str = "model") -> Any:
         r"""The model's readout applied to the token states ``x`` [B, N, D] of any block
-        (LeGrad's per-layer scores :math:`s^l` on :math:`z^l = x_{l+1}`, SPEC_NEXT §8.7).
+        (LeGrad's per-layer scores :math:`s^l` on :math:`z^l = x_{l+1}`; Bousselham et
+        al., ICCV 2025).
 
         With the defaults this is :meth:`logits`: final norm, pooling (class token,
         average, attention pool, ...), ``fc_norm``, head(s) and, inside
@@ -1152,7 +1193,7 @@ class ViTAdapter:
             zs.append(z)
             outs.append(z if weight is None else ops.linear(z, weight, bias))
         if record is not None and self.readout == "cls_mean" and self.cls_alpha == "logit":
-            with torch.no_grad():  # |W¹_c·h_0| / (|W¹_c·h_0| + |W²_c·mean h|), SPEC_NEXT §7.4
+            with torch.no_grad():  # |W¹_c·h_0| / (|W¹_c·h_0| + |W²_c·mean h|)
                 cls, mean = (F.linear(ops.value(z).detach(), w).abs()
                              for z, (_, w, _) in zip(zs, h.heads, strict=True))
                 record.readout_alpha = cls / (cls + mean).clamp_min(torch.finfo(cls.dtype).tiny)
@@ -1165,7 +1206,8 @@ class ViTAdapter:
 
     @staticmethod
     def _attention_pool(x: Any, p: PoolParts, ops: Ops) -> tuple[Any, Tensor | None]:
-        """``z[0]`` of the attention-pool head (SPEC_NEXT §7.3) and its probabilities."""
+        """``z[0]`` of the attention-pool head (:class:`PoolParts`) and its
+        probabilities."""
         mix, probs = ops.pool_attention(x, p)
         o = ops.linear(mix, p.proj_weight, p.proj_bias)
         if p.fc1_weight is not None:
@@ -1185,7 +1227,8 @@ class ViTAdapter:
                 applies the final norm and head and returns logits.
             keep (Tensor, optional): patch indices [B, n] (or a bool mask [B, P] with the
                 same count per row) of the patch tokens to keep; prefix tokens are always
-                kept. This is true token removal (SPEC §6.3).
+                kept. This is true token removal (SkipPLUS, Mehri et al., CVPRW 2024,
+                §4.1).
             ops (Ops, optional): primitive operations (default: plain forward).
 
         Returns:
@@ -1239,7 +1282,7 @@ class ViTAdapter:
               ops: Ops | None = None, attention: str = "explicit",
               on_block: Callable[[int, BlockRecord], None] | None = None,
               logits: bool = True, last_rows: int | None = None) -> Trace:
-        r"""One forward pass recording every block (SPEC §0 names).
+        r"""One forward pass recording every block (:class:`BlockRecord`).
 
         With ``grad`` the blocks and the head run on detached views of the model's
         parameters: gradients reach the token states and every recorded tensor (the
@@ -1258,7 +1301,8 @@ class ViTAdapter:
                 the values are unchanged, but a score computed from block ``l``'s output
                 reaches the earlier blocks only through block ``l``'s input, so ONE
                 backward of :math:`\sum_l s^l(x_{l+1})` gives every
-                :math:`\partial s^l / \partial A_l` (LeGrad, SPEC_NEXT §8.7). The trace's
+                :math:`\partial s^l / \partial A_l` (LeGrad, Bousselham et al., ICCV
+                2025). The trace's
                 logits then carry gradients into the last block only.
             ops (Ops, optional): the primitive operations of the forward, e.g. an LRP
                 rule set (:mod:`captum_vit.adapters._lrp`); default ``Ops(linearize)``.

@@ -1,4 +1,4 @@
-"""``captum-vit explain``: a PNG grid of the input and every method's map.
+"""``captum-vit explain``: a figure of the input and every method's map, grouped by family.
 
 Models (``--model``): :mod:`captum_vit.models`; methods (``--methods``):
 :mod:`captum_vit.registry`; image reading: :mod:`captum_vit.data.images`; drawing:
@@ -14,21 +14,75 @@ import torch
 from tqdm import tqdm
 
 from captum_vit import viz
+from captum_vit._text import count_noun
 from captum_vit.adapters import adapt
 from captum_vit.adapters.base import probabilities
-from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
+from captum_vit.commands.options import (
+    add_target_embedding_arguments,
+    parse_class,
+    target_embeddings,
+)
 from captum_vit.data.images import conform, read_image
 from captum_vit.metrics.report import ensure_file_location
 from captum_vit.models import SPEC_HELP, load_model
-from captum_vit.registry import available_methods, build_method, parse_methods, quick_options
+from captum_vit.registry import (
+    FAMILIES,
+    METHODS,
+    api_defaults,
+    available_methods,
+    build_method,
+    method_family,
+    parse_methods,
+    quick_options,
+    takes_option,
+)
 
 DEFAULT_MODEL = "zoo:vit_fmnist_loc"
 
+EPILOG = """examples:
+  captum-vit explain                                   # bundled model, sample image, all methods
+  captum-vit explain --image shoe.png --target Sneaker --methods gae,rollout,tis --out maps.png
+  captum-vit explain --methods tis,rise --n-masks 2000 # more masks than the quick look
+  captum-vit explain --methods tis --tolerance 0.99     # TIS anytime mode
+  captum-vit explain --full --methods all              # every method at its API defaults"""
+
+
+def describe_settings(options: dict[str, dict]) -> str:
+    """Method options as text, with each option's API default, methods with the same
+    options together: ``"tis n_masks=128 (API default 1024); bt_h/tam n_steps=5 (API
+    default 20)"``.
+
+    Args:
+        options (dict[str, dict]): method name -> ``attribute`` options.
+
+    Returns:
+        str: ``""`` when no method has options.
+    """
+    by_setting: dict[str, list[str]] = {}
+    for name, opts in options.items():
+        if opts:
+            api = api_defaults(name, list(opts))
+            text = ", ".join(f"{k}={v} (API default {api.get(k)})" for k, v in opts.items())
+            by_setting.setdefault(text, []).append(name)
+    return "; ".join(f"{'/'.join(ns)} {text}" for text, ns in by_setting.items())
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``captum-vit explain``."""
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"{SPEC_HELP} (default: the bundled model)")
+    """Options of ``captum-vit explain``.
+
+    Args:
+        p (argparse.ArgumentParser): the command's parser.
+    """
+    p.description = (
+        "Explain one image with every requested method and save a figure: the input and "
+        "one panel per method, grouped by method family. A map that is numerically zero "
+        "(e.g. the plain gradient of a class-token ViT) is marked and drawn flat.\n\n"
+        "The slow methods run with quick settings: "
+        f"{describe_settings({e.name: e.quick for e in METHODS})}. --full runs every method "
+        "at its API defaults (slower); --n-masks (TIS, RISE) and --tolerance (TIS's "
+        "anytime mode) set their budget either way.")
+    p.epilog = EPILOG
+    p.add_argument("--model", default=DEFAULT_MODEL, help=SPEC_HELP)
     p.add_argument("--pretrained", action="store_true",
                    help="with --model timm:NAME: load its pretrained weights from the local "
                         "cache (never downloads); without it the timm model has random weights")
@@ -40,21 +94,101 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated names or 'all' "
                         f"({', '.join(available_methods(baselines=False))}; also GAE, "
                         "plus:<name>, SkipPLUS(<name>), captum:<Class>)")
-    p.add_argument("--target", type=int, default=None,
-                   help="class to explain, or the row of --target-embeddings (default: "
-                        "predicted)")
+    p.add_argument("--target", default=None, metavar="CLASS",
+                   help="class to explain: an index or a class name of the model, any case "
+                        "(e.g. Sneaker), or the row of --target-embeddings (default: the "
+                        "predicted class)")
     add_target_embedding_arguments(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of random models")
+    p.add_argument("--full", action="store_true",
+                   help="run every method at its API defaults instead of the quick settings "
+                        "(see above)")
+    p.add_argument("--n-masks", type=_positive_int, default=None, metavar="N",
+                   help="masks of TIS and RISE (default: the quick settings, or the API "
+                        "defaults with --full)")
+    p.add_argument("--tolerance", type=float, default=None, metavar="RHO",
+                   help="TIS anytime mode: stop scoring masks once the estimated correlation "
+                        "with the converged map reaches RHO, e.g. 0.99 (default: off, every "
+                        "mask is scored)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random models and methods")
     p.add_argument("--display", default="nearest", choices=viz.DISPLAYS,
                    help="nearest: each patch one colour, as computed (default); bilinear: "
                         "smoothed for display")
-    p.add_argument("--out", default="explain.png", help="output PNG path (its folder is created)")
+    p.add_argument("--out", default="explain.png",
+                   help="output file, PNG unless its suffix names another format (.pdf, "
+                        ".svg ...); its folder is created")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def method_options(name: str, args: argparse.Namespace) -> dict:
+    """The ``attribute`` options of method ``name`` under the command's options: the quick
+    settings (none with ``--full``), then ``--n-masks`` and ``--tolerance`` where the
+    method takes them.
+
+    Args:
+        name (str): a canonical method name.
+        args (argparse.Namespace): the parsed options.
+
+    Returns:
+        dict: keyword arguments for ``attribute``.
+    """
+    opts = {} if args.full else quick_options(name)
+    if args.n_masks is not None and takes_option(name, "n_masks"):
+        opts["n_masks"] = args.n_masks
+    if args.tolerance is not None and takes_option(name, "tolerance"):
+        opts["tolerance"] = args.tolerance
+    return opts
+
+
+def settings_note(options: dict[str, dict], full: bool) -> str:
+    """The figure's footnote: the settings the methods ran with and how to change them.
+
+    Args:
+        options (dict[str, dict]): method name -> the options it ran with.
+        full (bool): whether ``--full`` was given.
+
+    Returns:
+        str: one or two lines.
+    """
+    used = describe_settings(options)
+    if full:
+        return "every method at its API defaults (--full)" + (f", except {used}" if used else "")
+    if not any(quick_options(n) for n in options):
+        return f"settings: {used}" if used else "every method at its API defaults"
+    return (f"quick settings: {used}\n"
+            "rerun with --full for every method's API defaults (slower)")
+
+
+def _out_file(path: str) -> str:
+    """The file ``--out`` writes: a name without suffix gets ``.png`` (what matplotlib
+    appends), so the message names the real file."""
+    out = ensure_file_location(path, formats=viz.figure_formats())
+    return str(out if out.suffix else out.with_name(out.name + ".png"))
 
 
 def run(args: argparse.Namespace) -> int:
-    """Explain one image with every requested method and write the PNG grid."""
+    """Explain one image with every requested method and write the figure.
+
+    Args:
+        args (argparse.Namespace): the parsed options.
+
+    Returns:
+        int: the exit status.
+    """
     names = parse_methods(args.methods, for_explain=True)
-    out = ensure_file_location(args.out, formats=viz.figure_formats())
+    if args.tolerance is not None and not 0 < args.tolerance <= 1:
+        raise ValueError(f"--tolerance must be in (0, 1], got {args.tolerance}")
+    out = _out_file(args.out)
+    for option, value in (("n_masks", args.n_masks), ("tolerance", args.tolerance)):
+        if value is not None and not any(takes_option(n, option) for n in names):
+            print(f"note: --{option.replace('_', '-')} applies to none of the methods "
+                  "given", file=sys.stderr)
     lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
                     class_names=args.classes, targets=target_embeddings(args))
     scoring = lm.scoring()  # embedding models: scored against --target-embeddings
@@ -69,18 +203,30 @@ def run(args: argparse.Namespace) -> int:
     else:
         image = read_image(args.image)
     x = lm.preprocess(image)[None]
+    family = {n: method_family(n) for n in names}
+    order = list(FAMILIES)
+    names = sorted(names, key=lambda n: order.index(family[n]))  # stable within a family
+    options = {n: method_options(n, args) for n in names}
     with scoring:
         with torch.no_grad():
-            probs = probabilities(adapt(lm.model).model_logits(x))[0]
-        if args.target is not None and not 0 <= args.target < probs.shape[0]:
-            raise ValueError(f"--target must be in [0, {probs.shape[0]}), got {args.target}")
-        target = int(probs.argmax()) if args.target is None else args.target
+            logits = adapt(lm.model).model_logits(x)[0]
+        probs = probabilities(logits[None])[0]
+        target = parse_class(args.target, lm.class_names, probs.shape[0])
+        target = int(probs.argmax()) if target is None else target
         maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
-                    x, target=target, output="grid", **quick_options(name))
+                    x, target=target, output="grid", **options[name])
                 for name in tqdm(names, desc="methods", file=sys.stderr)}
+    scale = float(logits.detach().abs().max())
+    flat = [n for n, z in viz.near_zero(maps, reference=scale).items() if bool(z[0])]
+    for n in flat:
+        print(f"note: {n}'s map is numerically zero here (max |map| "
+              f"{float(maps[n].abs().max()):.1e} next to logits up to {scale:.3g}); drawn "
+              "flat", file=sys.stderr)
     shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
-    viz.plot_grid(shown[None], maps, path=str(out), display=args.display,
+    viz.plot_grid(shown[None], maps, path=out, display=args.display,
+                  groups={n: FAMILIES[family[n]] for n in names}, reference=scale,
+                  note=settings_note(options, args.full),
                   row_titles=[viz.prediction_title(probs, target, lm.class_names, sep="\n")])
-    print(f"wrote {out}: {len(maps)} methods, "
-          f"{viz.prediction_title(probs, target, lm.class_names)}")
+    count = count_noun(len(maps), "method")
+    print(f"wrote {out}: {count}, {viz.prediction_title(probs, target, lm.class_names)}")
     return 0

@@ -1,16 +1,109 @@
-"""Options shared by the sub-commands (parsing only)."""
+"""Options shared by the sub-commands (parsing only).
+
+Importing this module does not import torch (``captum-vit --help`` uses it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
+import textwrap
+from collections.abc import Sequence
 from typing import Any
 
-from captum_vit.targets import SIMILARITIES
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` of the commands: every option with a default shows it ("(default:
+    ...)", unless its text already says), prose paragraphs of descriptions and epilogs
+    are wrapped while indented lines (examples) are kept as written, and reST literals
+    (double backquotes) are written plainly."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").replace("``", "")
+        default = action.default
+        if ("default" in text.lower() or default is None or isinstance(default, bool)
+                or default == argparse.SUPPRESS or not action.option_strings
+                or text == argparse.SUPPRESS):
+            return text
+        if isinstance(default, list | tuple):
+            default = " ".join(map(str, default))
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+    def _format_text(self, text: str) -> str:
+        """Wrap every paragraph of prose to the terminal; keep paragraphs with indented
+        lines (examples) as written."""
+        text = text.replace("``", "")
+        if "%(prog)" in text:
+            text = text % {"prog": self._prog}
+        width = max(self._width - self._current_indent, 11)
+        indent = " " * self._current_indent
+        paragraphs = []
+        for para in text.strip("\n").split("\n\n"):
+            if any(line.startswith(" ") for line in para.splitlines()):
+                paragraphs.append(para)
+            else:
+                paragraphs.append(textwrap.fill(" ".join(para.split()), width,
+                                                initial_indent=indent, subsequent_indent=indent))
+        return "\n\n".join(paragraphs) + "\n\n"
+
+
+def parse_class(value: str | int | None, class_names: Sequence[str] | None, num_classes: int,
+                *, option: str = "--target") -> int | None:
+    """The class index named by a command-line value: an integer index, or a class name
+    of the model (matched ignoring case, spaces and punctuation; see
+    :func:`captum_vit.models.class_index`).
+
+    Args:
+        value (str, int or None): e.g. ``"7"``, ``"Sneaker"`` or ``"sneaker"``; ``None``
+            stays ``None`` (the predicted class).
+        class_names (Sequence[str], optional): the model's class names (``None`` when
+            unknown: then only indices are accepted).
+        num_classes (int): the number of classes (or target vectors).
+        option (str, optional): the option's name, for messages. Default ``"--target"``.
+
+    Returns:
+        int or None: the class index.
+
+    Raises:
+        ValueError: an index out of range, or a name that is no class of the model (the
+            message lists valid names).
+
+    Examples::
+
+        >>> from captum_vit.commands.options import parse_class
+        >>> parse_class("Sneaker", ["T-shirt/top", "Sneaker"], 2), parse_class("0", None, 2)
+        (1, 0)
+    """
+    if value is None:
+        return None
+    text = str(value).strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        index = int(text)
+        if not 0 <= index < num_classes:
+            raise ValueError(f"{option} must be in [0, {num_classes}), got {index}")
+        return index
+    if not class_names:
+        raise ValueError(f"{option} {text!r}: this model has no class names, so give a "
+                         f"class index in [0, {num_classes}) (or name the classes with "
+                         "--classes FILE, one per line)")
+    from captum_vit.models import class_index
+
+    try:
+        return class_index(text, class_names)
+    except ValueError as e:
+        raise ValueError(f"{option} {e}; or give a class index in [0, {num_classes})"
+                         ) from None
 
 
 def add_target_embedding_arguments(p: argparse.ArgumentParser) -> None:
     """``--target-embeddings`` and its scoring options, for models that output an image
-    embedding (CLIP, SigLIP, timm ``num_classes=0``; SPEC_NEXT §7.5)."""
+    embedding (CLIP, SigLIP, timm ``num_classes=0``).
+
+    Args:
+        p (argparse.ArgumentParser): the command's parser.
+    """
+    from captum_vit.targets import SIMILARITIES
+
     p.add_argument("--target-embeddings", default=None, metavar="FILE",
                    help="for a model that outputs an image embedding: the vectors to score it "
                         "against, [T, D′] in a .npy, .pt or .safetensors file (e.g. text "
@@ -25,7 +118,14 @@ def add_target_embedding_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def target_embeddings(args: argparse.Namespace) -> Any:
-    """The :class:`~captum_vit.targets.EmbeddingTarget` named by the options, or ``None``."""
+    """The :class:`~captum_vit.targets.EmbeddingTarget` named by the options, or ``None``.
+
+    Args:
+        args (argparse.Namespace): the parsed options.
+
+    Returns:
+        EmbeddingTarget or None
+    """
     if args.target_embeddings is None:
         return None
     from captum_vit.targets import EmbeddingTarget, read_target_embeddings

@@ -1,4 +1,4 @@
-"""Token Transformation Matters (Wu et al., CVPR 2024). SPEC §2.
+"""Token Transformation Matters (Wu et al., CVPR 2024).
 
 Eq. numbers are the paper's. A sublayer turns original tokens ``E`` into transformed
 tokens ``Ẽ``; its *transformation weights* (Eq. 12-13) are
@@ -108,7 +108,8 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
                             v_bias: Tensor | None, proj_weight: Tensor, norm: NormParts,
                             num_heads: int, eps: float = EPS) -> Tensor:
     r"""Per-head weights ``W^h`` [B, H, N] of an attention sublayer with an inner LayerNorm
-    ``N_in`` before ``W_O`` (EVA-02's ``scale_attn_inner``; SPEC_NEXT §7.1).
+    ``N_in`` before ``W_O`` (EVA-02's ``scale_attn_inner``; our extension of the paper's
+    Eq. 5, which has no such norm: ``N_in`` is linearised with frozen statistics).
 
     ``E = x`` and :math:`\tilde E^h = N_{in}^{lin}(u W_V^h \oplus 0)\, W_O`: head ``h``'s
     values zero-padded to the full width ``H d``, centred by their own mean
@@ -162,7 +163,7 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
 class TokenTM(ViTGradientAttribution):
     r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).
 
-    **variant="paper"** (default, SPEC §2, Eq. 9-20): for block :math:`l` the attention
+    **variant="paper"** (default, the paper's Eq. 9-20): for block :math:`l` the attention
     sublayer has original tokens :math:`E = x_l` and per-head transformed tokens
     :math:`\tilde E^h = \mathrm{LN_1}(x_l) W_V^h W_O^h` (Eq. 5, biases excluded), giving
     :math:`W^h` (Eq. 12-13) and
@@ -173,7 +174,7 @@ class TokenTM(ViTGradientAttribution):
     :math:`C_0 = \mathrm{diag}(L(x_{0,i}))` (Eq. 18) and :math:`C \leftarrow U_{ffn}
     U_{attn} C` (Eq. 19) the map is the readout row of :math:`C` (Eq. 20). The gradient
     is of the target probability (the paper differentiates :math:`p(c)`). With an inner
-    attention LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02, SPEC_NEXT §7.1),
+    attention LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02; our extension),
     :math:`\tilde E^h = N_{in}^{lin}(\mathrm{LN_1}(x_l) W_V^h \oplus 0) W_O` with the
     statistics of the real attention output frozen (:func:`head_weights_inner_norm`).
 
@@ -196,12 +197,15 @@ class TokenTM(ViTGradientAttribution):
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.
-        variant (str, optional): ``"paper"`` (default) or ``"residual"``.
+        variant (str, optional): ``"paper"`` (default) or ``"residual"``, in any case
+            (``"Paper"``), like method names.
     """
 
     plus_aggregates = ("subnetwork",)
 
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
+        if isinstance(variant, str):
+            variant = variant.strip().lower().replace("-", "_")
         check_choice("variant", variant, VARIANTS)
         super().__init__(model)
         self.variant = variant
@@ -256,7 +260,7 @@ class TokenTM(ViTGradientAttribution):
         if p.inner_norm is None:
             w = head_weights(x, u, p.v_weight.detach().to(dt), p.proj_weight.detach().to(dt),
                              p.num_heads)  # [B, H, N]
-        else:  # N_in before W_O (EVA-02), SPEC_NEXT §7.1
+        else:  # N_in before W_O (EVA-02), see head_weights_inner_norm
             w = head_weights_inner_norm(
                 x, u, rec.heads.probs().detach().to(dt), p.v_weight.detach().to(dt),
                 None if p.v_bias is None else p.v_bias.detach().to(dt),
@@ -266,7 +270,8 @@ class TokenTM(ViTGradientAttribution):
     def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype, target: Tensor,
                  last_out: Tensor | None = None) -> Tensor:
         """The row ``r`` that starts the propagation, [B, N]. An attention-pool head
-        (SPEC_NEXT §7.3) is one more attention layer without identity:
+        (``global_pool='map'``; our choice, its query is not a token so there is no
+        residual path) is one more attention layer without identity:
         ``u = mean_h[ReLU(∇A_p^h) ⊙ (A_p^h W_p^h)][0, :]`` with ``W_p^h`` from
         ``(E, Ẽ^h) = (x̂, x̂ W_v^h W_p^h)``, ``x̂`` the normed last state ``last_out``
         (default: the trace's last record)."""
@@ -333,15 +338,16 @@ class TokenTM(ViTGradientAttribution):
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str | None = None) -> Tensor:
-        r"""PLUS / SkipPLUS fast path (SPEC_NEXT §8.5): TokenTM of every sub-network
-        :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,
+        r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): TokenTM of every
+        sub-network :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,
         [len(layers), B, N].
 
         With :math:`r_L` the readout row and :math:`r_l = r_{l+1} U_{ffn,l} U_{attn,l}`,
         the map of :math:`f_l` is :math:`r_l\, \mathrm{diag}(L(x_{l,i}))`: Eq. 18 at the
         sub-network's input :math:`x_l` (the sub-network's gradients are the model's).
         Only ``aggregate="subnetwork"``: TokenTM's block factor
-        :math:`U_{ffn} U_{attn}` has no identity-free per-block form in SPEC_NEXT §8.5.
+        :math:`U_{ffn} U_{attn}` has no identity-free per-block form for
+        ``aggregate="layer"`` to sum (:mod:`captum_vit.combinators`).
 
         Args:
             inputs (Tensor): validated images [B, C, H, W].
@@ -361,7 +367,7 @@ class TokenTM(ViTGradientAttribution):
         if aggregate != "subnetwork":
             raise ValueError(f"aggregate must be 'subnetwork' for TokenTM, got {aggregate!r}: "
                              "its block factor U_ffn U_attn has no identity-free per-block "
-                             "matrix (SPEC_NEXT §8.5)")
+                             "matrix (see captum_vit.combinators)")
         score = DEFAULT_SCORE[self.variant] if score is None else score
         check_choice("score", score, SCORES)
         return self._maps(inputs, target, layers, score)

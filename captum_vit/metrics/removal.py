@@ -48,6 +48,7 @@ from captum_vit._base import (
     check_scalar,
     prepare,
 )
+from captum_vit._text import count_noun
 from captum_vit.adapters import Layout, ViTAdapter, adapt, subset_logits
 from captum_vit.adapters.subsets import image_logits
 from captum_vit.targets import embedding_target
@@ -106,7 +107,8 @@ def example_seeds(example_ids: Sequence[int] | Tensor | None, batch: int, seed: 
     """One seed per example from its dataset index (never from the rank or the batch)."""
     ids = list(range(batch)) if example_ids is None else [int(i) for i in example_ids]
     if len(ids) != batch:
-        raise ValueError(f"example_ids has {len(ids)} entries for a batch of {batch}")
+        raise ValueError(f"example_ids has {count_noun(len(ids), 'entry', 'entries')} for a "
+                         f"batch of {batch}")
     return [seed * 1_000_003 + i for i in ids]
 
 
@@ -162,7 +164,8 @@ def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str)
     h, w = inputs.shape[-2:]
     shape = tuple(maps.shape)
     if shape[:1] != (b,):
-        raise ValueError(f"attribution maps have shape {shape} but the batch has {b} images")
+        raise ValueError(f"attribution maps have shape {shape} but the batch has "
+                         f"{count_noun(b, 'image')}")
     if maps.dim() == 2 and shape[1] == p:
         return maps
     if maps.dim() == 2 and shape[1] == layout.num_tokens:
