@@ -76,6 +76,32 @@ def init_from(model: torch.nn.Module, path: str) -> list[str]:
     return changed
 
 
+def load_teacher(path: str) -> torch.nn.Module:
+    """The trained model in ``path`` (safetensors, with its model card ``.json`` beside it),
+    in eval mode with frozen weights: the teacher of a distillation."""
+    from safetensors.torch import load_file
+
+    card = json.loads(Path(path).with_suffix(".json").read_text())
+    teacher = build_model(card["timm_kwargs"])
+    teacher.load_state_dict(load_file(path))
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                      labels: torch.Tensor, alpha: float, temperature: float) -> torch.Tensor:
+    """``(1 - alpha) * CE(student, labels; smoothing 0.1) + alpha * T^2 * KL(teacher_T ||
+    student_T)`` with both softmaxes at temperature ``T`` (Hinton et al. 2015); ``alpha = 0``
+    is the plain loss."""
+    hard = F.cross_entropy(student_logits, labels, label_smoothing=0.1)
+    if alpha == 0:
+        return hard
+    t = temperature
+    soft = F.kl_div(F.log_softmax(student_logits / t, -1), F.log_softmax(teacher_logits / t, -1),
+                    reduction="batchmean", log_target=True) * t * t
+    return (1 - alpha) * hard + alpha * soft
+
+
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int = 500) -> float:
     model.eval()
@@ -111,6 +137,12 @@ def main() -> None:
     ap.add_argument("--init-from", default=None,
                     help="safetensors of a trained model to start from (e.g. to add register "
                          "tokens to a trained model and fine-tune it)")
+    ap.add_argument("--distill-from", default=None,
+                    help="safetensors of a trained model (card beside it) whose logits the "
+                         "student also matches (knowledge distillation)")
+    ap.add_argument("--distill-alpha", type=float, default=0.5,
+                    help="weight of the distillation term (with --distill-from)")
+    ap.add_argument("--distill-temperature", type=float, default=2.0)
     ap.add_argument("--out-dir", default=str(ROOT / "captum_vit" / "zoo"))
     args = ap.parse_args()
 
@@ -132,6 +164,11 @@ def main() -> None:
             src_meta = json.loads(src_card.read_text())
             init_note.update(command=src_meta.get("command"),
                              duration_minutes=src_meta.get("duration_minutes"))
+    teacher = load_teacher(args.distill_from) if args.distill_from else None
+    alpha = args.distill_alpha if teacher is not None else 0.0
+    distill_note = None if teacher is None else {
+        "path": Path(args.distill_from).name, "alpha": alpha,
+        "temperature": args.distill_temperature}
     tr_img, tr_lab = load_fashion_mnist("train")
     te_img, te_lab = load_fashion_mnist("test")
     test = build_arrays(te_img, te_lab, split="test", seed=0)  # FashionMNIST-Loc test split
@@ -139,6 +176,8 @@ def main() -> None:
     val_x, val_y = test["images"][:2000], test["labels"][:2000]
 
     model.to(args.device)
+    if teacher is not None:
+        teacher.to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = args.train_n // args.batch_size
     total = steps_per_epoch * args.epochs
@@ -166,7 +205,11 @@ def main() -> None:
                 g["lr"] = lr_at(step)
             xb = xs[i * args.batch_size:(i + 1) * args.batch_size]
             yb = ys[i * args.batch_size:(i + 1) * args.batch_size]
-            loss = F.cross_entropy(model(xb), yb, label_smoothing=0.1)
+            if teacher is not None:
+                with torch.no_grad():
+                    t_logits = teacher(xb)
+            loss = distillation_loss(model(xb), t_logits if teacher is not None else None, yb,
+                                     alpha, args.distill_temperature)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -202,6 +245,7 @@ def main() -> None:
         "command": "python scripts/train_zoo.py " + " ".join(sys.argv[1:]),
         "seed": args.seed,
         "init_from": init_note,
+        "distilled_from": distill_note,
         "duration_minutes": round(minutes, 1),
         "threads": args.threads,
         "device": args.device,

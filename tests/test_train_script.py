@@ -80,3 +80,34 @@ def test_a_tiny_run_is_deterministic_and_writes_weights_and_card(tmp_path):
     assert 0 <= card["accuracy"]["fashionmnist_loc_test_10000"] <= 1
     # the card's kwargs rebuild the saved model exactly (strict load)
     VisionTransformer(**card["timm_kwargs"]).load_state_dict(wa)
+
+
+def test_distillation_loss_is_the_weighted_sum_of_its_two_terms(train_zoo):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g)
+    y = torch.randint(0, 10, (6,), generator=g)
+    hard = F.cross_entropy(s, y, label_smoothing=0.1)
+    # KL(p_t || p_s) at temperature T, written out, times T^2
+    T = 2.0
+    pt, ps = (t / T).softmax(-1), (s / T).softmax(-1)
+    soft = (pt * (pt.log() - ps.log())).sum(-1).mean() * T * T
+    torch.testing.assert_close(train_zoo.distillation_loss(s, t, y, 0.0, T), hard)
+    torch.testing.assert_close(train_zoo.distillation_loss(s, t, y, 0.3, T),
+                               0.7 * hard + 0.3 * soft)
+    # a student equal to its teacher pays no distillation term
+    torch.testing.assert_close(train_zoo.distillation_loss(s, s, y, 1.0, T), torch.tensor(0.0),
+                               atol=1e-6, rtol=0)
+
+
+def test_load_teacher_reads_weights_and_card(train_zoo, tmp_path):
+    torch.manual_seed(0)
+    src = train_zoo.build_model(_kwargs(0))
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()},
+              str(tmp_path / "t.safetensors"))
+    (tmp_path / "t.json").write_text(json.dumps({"timm_kwargs": _kwargs(0)}))
+    teacher = train_zoo.load_teacher(str(tmp_path / "t.safetensors"))
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(teacher(x), src.eval()(x))
