@@ -207,6 +207,9 @@ def write_summary(out: Path, n: int) -> None:
     for m in models:
         ys = summary["ablation"][m]
         ax.plot(range(len(ys)), ys, marker="o", label=f"{m} ({len(ys)} blocks)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("skipped blocks k (sum over sub-networks from block k)")
     ax.set_ylabel("deletion AUC (lower is better)")
     ax.legend(fontsize=7)
