@@ -10,9 +10,9 @@ model, the ablation).
 
 Example (about 25 minutes on the project's 2-core CPU with two processes)::
 
-    torchrun --standalone --nproc_per_node=2 scripts/paper_claims.py --n 512
+    torchrun --standalone --nproc_per_node=2 scripts/paper_claims.py --num-examples 512
 
-or ``python scripts/paper_claims.py --n 512`` in one process.
+or ``python scripts/paper_claims.py --num-examples 512`` in one process.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def ablation_factories(num_blocks: int) -> dict[str, Callable]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=512, help="test images")
+    ap.add_argument("--num-examples", type=int, default=512, dest="n", help="test images")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--out", default=str(ROOT / "docs" / "paper_claims"))
@@ -156,7 +156,7 @@ def write_summary(out: Path, n: int) -> None:
                "minutes": {m: p["minutes"] for m, p in parts.items()}}
     lines = [f"# The papers' claims on both bundled models ({summary['n']} test images)",
              "", "Regenerate with `torchrun --standalone --nproc_per_node=2 "
-             f"scripts/paper_claims.py --n {summary['n']}` ("
+             f"scripts/paper_claims.py --num-examples {summary['n']}` ("
              + "; ".join(f"`{m}`: {summary['minutes'][m]:.1f} min with "
                          f"{count_noun(parts[m]['processes'], 'process', 'processes')}"
                          for m in models)
