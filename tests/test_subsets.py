@@ -66,6 +66,29 @@ def test_empty_job_without_prefix_tokens_has_logits_zero():
     assert_close_scaled(out[:, 1], adapter.run(adapter.embed(x), keep=keep[:, 1]))
 
 
+@pytest.mark.parametrize("family", ["eva02", "beit"])
+def test_no_patch_under_an_average_readout_has_logits_zero(family):
+    """A class token but ``global_pool='avg'`` (BEiT, many EVA-02 classifiers): keeping no
+    patch leaves the mean of nothing, so the logits are 0 (uniform), not NaN, and
+    deletion's last step is 1/C instead of poisoning every example's AUC."""
+    from captum_vit.adapters import pools_patches
+    from captum_vit.adapters.subsets import subset_forwards
+    from captum_vit.metrics import deletion
+
+    model, x = make_model(family), make_inputs(family, batch=2)
+    adapter = adapt(model)
+    assert adapter.num_prefix > 0 and pools_patches(adapter)
+    keep = torch.zeros(2, 2, 16, dtype=torch.bool)
+    keep[:, 1, 3] = True
+    out = subset_logits(adapter, adapter.embed(x), keep, batch_size=2)
+    assert torch.equal(out[:, 0], torch.zeros(2, 5, dtype=torch.float64))
+    assert_close_scaled(out[:, 1], adapter.run(adapter.embed(x), keep=keep[:, 1]))
+    assert subset_forwards(keep, adapter.num_prefix, reuse_full=False, pools_patches=True) == 2
+    res = deletion(model, x, torch.rand(2, 16, dtype=torch.float64), target=[0, 1], n_steps=4)
+    assert torch.isfinite(res.per_example).all()
+    assert_close_scaled(res.curves[:, -1], torch.full((2,), 0.2, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("family", ["vit", "avgpool"])
 def test_reusing_the_full_logits_equals_recomputing(family):
     model, x = make_model(family), make_inputs(family, batch=2)

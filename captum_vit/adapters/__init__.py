@@ -26,7 +26,12 @@ from captum_vit.adapters.base import (
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
-from captum_vit.adapters.subsets import image_logits, subset_forwards, subset_logits
+from captum_vit.adapters.subsets import (
+    image_logits,
+    pools_patches,
+    subset_forwards,
+    subset_logits,
+)
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
@@ -191,6 +196,6 @@ __all__ = [
     "SubnetworkAdapter", "Trace",
     "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "image_logits", "readout_alpha",
-    "subset_forwards", "subset_logits",
+    "pools_patches", "subset_forwards", "subset_logits",
     "SUPPORTED",
 ]

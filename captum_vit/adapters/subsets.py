@@ -203,17 +203,26 @@ def _forward_chunk(adapter: ViTAdapter, x0: Tensor, images: Tensor, keep: Tensor
 
 
 def _without_forward(kept: Tensor, num_patches: int, num_prefix: int,
-                     reuse_full: bool) -> tuple[Tensor, Tensor]:
+                     reuse_full: bool, pools_patches: bool = False) -> tuple[Tensor, Tensor]:
     """The jobs :func:`subset_logits` answers without a forward: ``(reused, empty)``, those
-    keeping every patch (given the full logits) and those keeping no token at all."""
+    keeping every patch (given the full logits) and those without output: no token at all,
+    or no patch when the readout averages the patch rows (the mean of nothing)."""
     reused = kept == num_patches if reuse_full else torch.zeros_like(kept, dtype=torch.bool)
-    return reused, kept + num_prefix == 0
+    return reused, kept + (0 if pools_patches else num_prefix) == 0
 
 
-def subset_forwards(keep: Tensor, num_prefix: int, *, reuse_full: bool) -> int:
+def pools_patches(adapter: ViTAdapter) -> bool:
+    """Whether the adapter's readout averages the patch rows (``'avg'``, ``'cls_mean'``):
+    then a subset without patches has no output, even with prefix tokens kept."""
+    return adapter.readout in ("avg", "cls_mean")
+
+
+def subset_forwards(keep: Tensor, num_prefix: int, *, reuse_full: bool,
+                    pools_patches: bool = False) -> int:
     """How many sequences :func:`subset_logits` runs through the model for ``keep``
     [B, S, P] (with ``reuse_full``: ``full_logits`` given; expand masks shared by the
-    batch to B first), for reporting a method's forwards (``num_forwards``).
+    batch to B first; ``pools_patches``: :func:`pools_patches` of the adapter), for
+    reporting a method's forwards (``num_forwards``).
 
     Examples::
 
@@ -223,7 +232,8 @@ def subset_forwards(keep: Tensor, num_prefix: int, *, reuse_full: bool) -> int:
         >>> subset_forwards(keep, 0, reuse_full=True)   # and the empty one has no tokens
         1
     """
-    reused, empty = _without_forward(keep.sum(-1), keep.shape[-1], num_prefix, reuse_full)
+    reused, empty = _without_forward(keep.sum(-1), keep.shape[-1], num_prefix, reuse_full,
+                                     pools_patches)
     return int((~(reused | empty)).sum())
 
 
@@ -237,8 +247,9 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
     Job ``(b, s)`` runs the prefix tokens plus the patch tokens ``keep[b, s]`` of image
     ``b`` (each keeps its position). Jobs of all images and subsets are batched together
     by :func:`plan_chunks`; a chunk mixing lengths is padded with key masks, which equals
-    running every job alone. A job that keeps no token at all (no prefix tokens and no
-    patch kept) has no output; its logits are defined as 0 (uniform probabilities).
+    running every job alone. A job without output (no token at all, or no patch when the
+    readout averages the patch rows: :func:`pools_patches`) has its logits defined as 0
+    (uniform probabilities).
     No gradients. The first block's token-wise work (``LN1`` and the ``q``, ``k``, ``v``
     heads) is computed once per image and gathered for every job
     (:class:`FirstBlockShared`).
@@ -295,7 +306,8 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
         out[ii, jj] = values
 
     run = torch.ones_like(kept, dtype=torch.bool)
-    reused, empty = _without_forward(kept, n - k, k, full_logits is not None)
+    reused, empty = _without_forward(kept, n - k, k, full_logits is not None,
+                                     pools_patches(adapter))
     with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="seq", delay=progress_delay,
                                disable=not show_progress) as bar:
         for done, logits_of in ((reused, lambda i: full_logits[i]),

@@ -32,7 +32,13 @@ from captum_vit._base import (
     resolve_target,
     score_reduce,
 )
-from captum_vit.adapters import FusedOps, image_logits, subset_forwards, subset_logits
+from captum_vit.adapters import (
+    FusedOps,
+    image_logits,
+    pools_patches,
+    subset_forwards,
+    subset_logits,
+)
 from captum_vit.methods._masks import (
     GridMasks,
     interpolation_matrix,
@@ -274,7 +280,8 @@ class RISE(ViTPerturbationAttribution):
                               reduce=reduce, show_progress=show_progress, desc="RISE")
             sal = w @ keep[0].to(device=w.device, dtype=dt) / (n_masks * p)
             self.num_forwards = forwards + subset_forwards(
-                keep.expand(b, -1, -1), k, reuse_full=logits is not None)
+                keep.expand(b, -1, -1), k, reuse_full=logits is not None,
+                pools_patches=pools_patches(adapter))
         else:
             masks = rise_masks(n_masks, grid_size or 7, p, tuple(inputs.shape[-2:]),
                                generator=gen)

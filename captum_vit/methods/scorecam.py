@@ -41,6 +41,7 @@ from captum_vit.adapters import (
     Layout,
     ViTAdapter,
     image_logits,
+    pools_patches,
     subset_forwards,
     subset_logits,
 )
@@ -273,7 +274,8 @@ class ScoreCAM(ViTPerturbationAttribution):
             s = subset_logits(adapter, x0, keep, batch_size=self.batch_size,
                               full_logits=logits, reduce=scores,
                               show_progress=self.progress, desc="ScoreCAM")
-            self.num_forwards = b + subset_forwards(keep, k, reuse_full=True)
+            self.num_forwards = b + subset_forwards(keep, k, reuse_full=True,
+                                                    pools_patches=pools_patches(adapter))
         with torch.no_grad():
             m = torch.einsum("bnd,bd->bn", x, s.softmax(-1))
             return m.clamp(min=0) if self.relu else m

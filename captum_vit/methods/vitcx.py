@@ -35,7 +35,13 @@ from captum_vit._base import (
     score_reduce,
     target_scores,
 )
-from captum_vit.adapters import FusedOps, image_logits, subset_forwards, subset_logits
+from captum_vit.adapters import (
+    FusedOps,
+    image_logits,
+    pools_patches,
+    subset_forwards,
+    subset_logits,
+)
 from captum_vit.methods._masks import (
     GridMasks,
     interpolation_matrix,
@@ -339,8 +345,9 @@ class ViTCX(ViTPerturbationAttribution):
             keep[bb, :len(m)] = m >= 0.5
         s = subset_logits(self.adapter, x0, keep, batch_size=batch_size, full_logits=logits,
                           reduce=reduce, show_progress=show_progress, desc="ViT-CX")
-        self.num_forwards = len(soft) + subset_forwards(keep, self.adapter.num_prefix,
-                                                        reuse_full=True)
+        self.num_forwards = len(soft) + subset_forwards(
+            keep, self.adapter.num_prefix, reuse_full=True,
+            pools_patches=pools_patches(self.adapter))
         out = []
         for bb, m in enumerate(soft):
             cover = m.sum(0)

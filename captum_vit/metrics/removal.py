@@ -5,9 +5,9 @@ Removal always works on the model's patch grid:
 * ``removal="token"`` (default, true token masking, SkipPLUS §4.1): a removed patch's
   token is dropped from the sequence right after the positional embedding
   (``adapter.embed`` then ``adapter.run(x0, keep=...)``); prefix tokens are always kept,
-  so no fill value is ever invented. For a model without prefix tokens (``global_pool=
-  'avg'``, no class token) an empty sequence has no output; its logits are defined as 0
-  (uniform probabilities).
+  so no fill value is ever invented. A sequence without patches has no output when the
+  model has no prefix tokens or averages the patch rows (``global_pool='avg'``, as BEiT's
+  and many EVA-02 classifiers do): its logits are defined as 0 (uniform probabilities).
 * pixel baselines: the removed patches' pixels are replaced by ``"black"`` (0 in the
   model's input space), ``"mean"`` (the image's per-channel mean), ``"blur"`` (Gaussian
   blur of the image, kernel 11, σ 5, reflect padding) or ``"random"`` (uniform noise in
