@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,30 @@ def test_a_tiny_run_is_deterministic_and_writes_weights_and_card(tmp_path):
     assert 0 <= card["accuracy"]["fashionmnist_loc_test_10000"] <= 1
     # the card's kwargs rebuild the saved model exactly (strict load)
     VisionTransformer(**card["timm_kwargs"]).load_state_dict(wa)
+
+
+@needs_fashion_mnist
+def test_two_processes_take_the_steps_of_one(tmp_path):
+    """Under torchrun each process takes half of every batch and the gradients are
+    averaged: the weights equal a one-process run's up to summation order."""
+    args = ["--name", "tiny", "--embed-dim", "16", "--depth", "1", "--heads", "2",
+            "--epochs", "1", "--train-n", "256", "--batch-size", "64", "--warmup-steps", "2",
+            "--seed", "3", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path / "one")],
+                   check=True, capture_output=True, env=env)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2", str(SCRIPT), *args, "--out-dir", str(tmp_path / "two")],
+                   check=True, capture_output=True, env=env)
+    one, two = (load_file(str(tmp_path / r / "tiny.safetensors")) for r in ("one", "two"))
+    assert one.keys() == two.keys()
+    for k in one:  # float32 training: 4 steps of AdamW from the same start
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
+    c1, c2 = (json.loads((tmp_path / r / "tiny.json").read_text()) for r in ("one", "two"))
+    assert c2["processes"] == 2 and c1["processes"] == 1
+    assert c2["command"].startswith("torchrun --standalone --nproc_per_node=2 scripts/")
+    assert abs(c1["accuracy"]["fashionmnist_loc_test_10000"]
+               - c2["accuracy"]["fashionmnist_loc_test_10000"]) <= 0.002
 
 
 def test_distillation_loss_is_the_weighted_sum_of_its_two_terms(train_zoo):
