@@ -17,8 +17,7 @@ from captum.attr import GradientAttribution, PerturbationAttribution
 from torch import Tensor, nn
 
 from captum_vit._text import count_noun
-from captum_vit.adapters import Layout, Trace, ViTAdapter, adapt
-from captum_vit.adapters.base import TargetHead, probabilities
+from captum_vit.adapters import Layout, TargetHead, Trace, ViTAdapter, adapt, probabilities
 from captum_vit.targets import embedding_target, is_embedding_target
 
 OUTPUTS = ("pixels", "grid", "tokens")

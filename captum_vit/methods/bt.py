@@ -394,7 +394,7 @@ class BTT(_BeyondIntuition):
     Attention perception with token weights: for every block :math:`l \geq s`,
     :math:`o_j = \lVert (v W_O)_j \rVert_2 / \lVert x_{l,j} \rVert_2` with ``v`` the value
     vectors (heads concatenated, value bias included; :math:`W_O` without its bias:
-    :meth:`~captum_vit.adapters.base.BlockParts.value_outputs`), :math:`\hat A_l =
+    :meth:`~captum_vit.adapters.parts.BlockParts.value_outputs`), :math:`\hat A_l =
     (\mathrm{mean}_h A_l^h)\,\mathrm{diag}(o)` and :math:`R \leftarrow R + \hat A_l R`
     from :math:`R = I`. Map :math:`m = w (W \odot |R|)` with the reasoning feedback
     ``W`` of :class:`BTH` (:func:`reasoning_feedback`).

@@ -5,7 +5,7 @@ hila-chefer/Transformer-Explainability (MIT), ``baselines/ViT/ViT_LRP.py`` and
 
 1. A plain backward of the score gives :math:`\nabla A_l^h`.
 2. An LRP backward from the head with initial relevance one-hot at the explained class
-   (:class:`~captum_vit.adapters._lrp.CheferOps`: α1β0 linear maps, identity LayerNorm /
+   (:class:`~captum_vit.adapters.rules.CheferOps`: α1β0 linear maps, identity LayerNorm /
    GELU / softmax, halved LRP-0 attention matmuls, rescaled residual adds) gives the
    relevance :math:`R^{A_l^h}` of every block's post-softmax attention (after the halving).
 3. :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` and the
@@ -39,16 +39,15 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Trace, ViTAdapter
-from captum_vit.adapters._lrp import CheferOps
-from captum_vit.adapters._lrp import divide as _divide
+from captum_vit.adapters import CheferOps, Trace, ViTAdapter
+from captum_vit.adapters import divide as _divide
 
 
 def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
                 score: str = "logit", start: int = 0
                 ) -> tuple[Trace, Tensor, list[Tensor], list[Tensor], Tensor | None,
                            Tensor | None]:
-    r"""One forward with Chefer's rules (:class:`~captum_vit.adapters._lrp.CheferOps`) and
+    r"""One forward with Chefer's rules (:class:`~captum_vit.adapters.rules.CheferOps`) and
     two backward passes through it: the true gradient of the score gives
     :math:`\nabla A_l`, the LRP backward from initial relevance one-hot at the class
     (:math:`R = 1`, not the logit) gives :math:`R^{A_l}`, for blocks ``start .. L-1``.
@@ -96,7 +95,7 @@ class TransformerAttribution(ViTGradientAttribution):
     :math:`\nabla A_l^h` from one backward of the score and :math:`R^{A_l^h}` the LRP
     relevance of the attention probabilities (one-hot start, α1β0 on linear maps, identity
     on LayerNorm/GELU/softmax, halved LRP-0 on the attention matmuls, rescaled residual
-    adds; :class:`~captum_vit.adapters._lrp.CheferOps`); the map is the readout row of
+    adds; :class:`~captum_vit.adapters.rules.CheferOps`); the map is the readout row of
     :math:`(I + \bar A_{L-1}) \cdots (I + \bar A_s)` (no row normalisation).
 
     Differences from the reference code (``ViT_LRP.py``, batch size 1): batched, the
@@ -116,7 +115,7 @@ class TransformerAttribution(ViTGradientAttribution):
     attention-pool head (``"map"``) reads
     :math:`w = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_p \odot R^{A_p})[0, :]` (the pool as one
     more attention without identity). Model families beyond the reference ViT use the
-    rules documented in :class:`~captum_vit.adapters._lrp.CheferOps`.
+    rules documented in :class:`~captum_vit.adapters.rules.CheferOps`.
 
     Cost: one forward (with the rules) and two backward passes through it, the true
     gradient (:math:`\nabla A`) and the LRP backward; the α1β0 rule costs two matrix

@@ -21,7 +21,7 @@ numbered D1-D6 and the code cites them:
   the agreement of the two routes are what the tests check.)
 - D5 Residual / LayerScale: component-wise.
 - D6 Pooling and head: the readout row (the CLS row, or the mean of the patch rows;
-  :meth:`~captum_vit.adapters.base.Layout.readout_weights`), then the classifier (D2).
+  :meth:`~captum_vit.adapters.Layout.readout_weights`), then the classifier (D2).
 
 Two routes give the same numbers: ``"explicit"`` carries the components through the
 adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token
@@ -52,9 +52,16 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockParts, BlockRecord, NormParts, Ops, PoolParts, ViTAdapter
-from captum_vit.adapters._linearize import activation_gate
-from captum_vit.adapters.base import AttentionParts
+from captum_vit.adapters import (
+    AttentionParts,
+    BlockParts,
+    BlockRecord,
+    NormParts,
+    Ops,
+    PoolParts,
+    ViTAdapter,
+    activation_gate,
+)
 
 ROUTES = ("gradient", "explicit")
 DEFAULT_MAX_MEMORY = 1 << 30  # bytes of decomposed activations per chunk of sources

@@ -41,8 +41,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Ops, Trace
-from captum_vit.adapters.base import TargetHead
+from captum_vit.adapters import Ops, TargetHead, Trace
 from captum_vit.targets import embedding_target
 
 READOUTS = ("model", "mean")

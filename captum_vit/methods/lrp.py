@@ -5,7 +5,7 @@ al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers
 
 Both are one forward and one backward pass in the "relevance as gradient" form (Arras et
 al. 2025, LXT's ``efficient`` module): every rule is a custom backward
-(:mod:`captum_vit.adapters._lrp`), and the relevance of a tensor :math:`z` is
+(:mod:`captum_vit.adapters.rules`), and the relevance of a tensor :math:`z` is
 :math:`R_z = z \odot \tilde g_z`. The token map is :math:`m_j = \sum_c R_{x_0}[j, c]`
 (``at="tokens"``) or the pixel relevance :math:`\sum_{\mathrm{channels}} X \odot \tilde
 g_X` summed over each patch (``at="pixels"``; it differs from the tokens by the relevance
@@ -42,8 +42,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Ops, Trace, ViTAdapter
-from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
+from captum_vit.adapters import ACT_RULES, ATTENTION_RULES, LRPOps, Ops, Trace, ViTAdapter
 from captum_vit.methods._masks import patch_sums
 
 SITES = ("tokens", "pixels")

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_choice, check_scalar, check_target
-from captum_vit.adapters.base import log_probabilities, probabilities, scores_are_classes
+from captum_vit.adapters import log_probabilities, probabilities, scores_are_classes
 from captum_vit.metrics.removal import (
     AttributionLike,
     RemovalEngine,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_scalar
-from captum_vit.adapters.base import probabilities
+from captum_vit.adapters import probabilities
 from captum_vit.metrics.removal import (
     AttributionLike,
     Removal,

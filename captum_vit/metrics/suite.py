@@ -30,8 +30,7 @@ from captum.attr import Attribution
 from torch import Tensor, nn
 
 from captum_vit._base import check_choice, check_scalar
-from captum_vit.adapters import adapt
-from captum_vit.adapters.base import scores_are_classes
+from captum_vit.adapters import adapt, scores_are_classes
 from captum_vit.metrics import faithfulness as fa
 from captum_vit.metrics.localization import pointing_game, segmentation
 from captum_vit.metrics.removal import REMOVALS, patch_maps
