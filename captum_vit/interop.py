@@ -56,7 +56,9 @@ from captum.attr import Attribution
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    _ViTFront,
+    ViTFront as _ViTFront,
+)
+from captum_vit._base import (
     check_choice,
     check_scalar,
     check_target,

@@ -13,7 +13,8 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
   :func:`scores_are_classes` (:mod:`~captum_vit.adapters.scoring`);
 - canonical parameters and the one attention: :class:`BlockParts`, :class:`AttentionParts`,
   :class:`PoolParts`, :class:`HeadParts`, :class:`NormParts`, :class:`Heads`,
-  :class:`AttentionRules` (:mod:`~captum_vit.adapters.parts`);
+  :class:`AttentionRules`, the derived views :class:`ValuePath` and
+  :data:`BLOCK_FEATURES` (:mod:`~captum_vit.adapters.parts`);
 - forward strategies and linearised primitives: :class:`Ops`, :class:`FusedOps`,
   :class:`HeadsOps`, :func:`patch_projection`, :func:`layer_norm_frozen_variance`,
   :func:`activation_gate_detached`, :func:`activation_gate` (:mod:`~captum_vit.adapters.ops`);
@@ -63,6 +64,7 @@ from captum_vit.adapters.ops import (
     patch_projection,
 )
 from captum_vit.adapters.parts import (
+    BLOCK_FEATURES,
     AttentionParts,
     AttentionRules,
     BlockParts,
@@ -70,6 +72,7 @@ from captum_vit.adapters.parts import (
     Heads,
     NormParts,
     PoolParts,
+    ValuePath,
     key_padding_bias,
 )
 from captum_vit.adapters.rules import (
@@ -306,13 +309,14 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
 
 
 __all__ = [
-    "ACT_RULES", "ADAPTERS", "ATTENTION_RULES", "CHEFER_STABILIZER", "FAMILY_CONTRACT",
+    "ACT_RULES", "ADAPTERS", "ATTENTION_RULES", "BLOCK_FEATURES", "CHEFER_STABILIZER",
+    "FAMILY_CONTRACT",
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFEmbeddingAdapter",
     "HFViTAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout", "NormParts", "Ops",
     "PoolParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter", "TimmEvaAdapter",
-    "TimmViTAdapter", "Trace", "TraceOptions", "ViTAdapter",
+    "TimmViTAdapter", "Trace", "TraceOptions", "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
     "identity_rule", "image_logits", "key_padding_bias", "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",

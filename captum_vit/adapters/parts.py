@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,18 +338,144 @@ class BlockParts(AttentionParts):
         dt = u.dtype  # parameters follow u (maps accumulate in float32 for half models)
         v = F.linear(u, self.v_weight.to(dt), None if self.v_bias is None
                      else self.v_bias.to(dt))  # [B, N, H*d]
-        if self.inner_norm is not None:
-            if attn is None:
-                raise ValueError("value_outputs of a block with an inner attention norm "
-                                 "needs the block's attention probabilities (attn=)")
-            b, n, a = v.shape
-            o = attn.to(v.dtype) @ v.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-            o = o.transpose(1, 2).reshape(b, n, a)
-            inv = torch.rsqrt(o.var(-1, unbiased=False, keepdim=True) + self.inner_norm.eps)
-            v = (v - v.mean(-1, keepdim=True)) * inv
-            if self.inner_norm.weight is not None:
-                v = v * self.inner_norm.weight.to(dt)
-        return F.linear(v, self.proj_weight.to(dt))
+        path = self.value_path(dt)
+        if path.centre is None:
+            return F.linear(v, path.weight)
+        if attn is None:
+            raise ValueError("value_outputs of a block with an inner attention norm "
+                             "needs the block's attention probabilities (attn=)")
+        b, n, a = v.shape
+        o = attn.to(v.dtype) @ v.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        return path.outputs(v, path.inv_std(o.transpose(1, 2).reshape(b, n, a)))
+
+    def value_path(self, dtype: torch.dtype | None = None) -> ValuePath:
+        """The path of the values through this block's output projection, with the inner
+        norm's rule (EVA-02's ``scale_attn_inner``) folded in (:class:`ValuePath`).
+
+        Args:
+            dtype (torch.dtype, optional): the dtype of the returned tensors (default:
+                the parameters').
+
+        Returns:
+            ValuePath: ``W'_O``, the centring vector and the frozen scale of the inner
+            norm (``centre=None`` without one).
+
+        Examples::
+
+            >>> path = adapter.blocks[0].value_path(torch.float64)
+            >>> path.weight.shape     # [D, H*d]
+            torch.Size([192, 192])
+        """
+        return ValuePath.of(self.proj_weight if dtype is None else self.proj_weight.to(dtype),
+                            self.inner_norm)
+
+    def features(self) -> tuple[str, ...]:
+        """The names of this block's features beyond the plain pre-LN block
+        (:data:`BLOCK_FEATURES`): ``"inner_norm"``, ``"mlp_norm"``, ``"gated_mlp"``,
+        ``"rotary"``, ``"attn_bias"``, ``"layer_scale"``, ``"qk_norm"``.
+
+        Returns:
+            tuple[str, ...]: the features present, in :data:`BLOCK_FEATURES` order.
+        """
+        present = {
+            "inner_norm": self.inner_norm is not None,
+            "mlp_norm": self.mlp_norm is not None,
+            "gated_mlp": self.gate_weight is not None,
+            "rotary": self.rotary is not None,
+            "attn_bias": self.attn_bias is not None,
+            "layer_scale": self.ls1 is not None or self.ls2 is not None,
+            "qk_norm": not (_is_identity(self.q_norm) and _is_identity(self.k_norm)),
+        }
+        return tuple(f for f in BLOCK_FEATURES if present[f])
+
+    def refuse(self, method: str, supported: Sequence[str] = ()) -> None:
+        """Refuse a block with a feature ``method`` has no rule for.
+
+        Args:
+            method (str): the method's name, for the message.
+            supported (Sequence[str], optional): the features of :data:`BLOCK_FEATURES`
+                the method has a rule for.
+
+        Raises:
+            TypeError: naming the first feature of this block not in ``supported``.
+
+        Examples::
+
+            >>> adapter.blocks[0].refuse("MyMethod", supported=("layer_scale",))
+        """
+        for feature in self.features():
+            if feature not in supported:
+                raise TypeError(f"{method} has no rule for the block feature {feature!r} "
+                                f"({BLOCK_FEATURES[feature]}) of this model")
+
+
+BLOCK_FEATURES: dict[str, str] = {
+    "inner_norm": "a LayerNorm before the attention's output projection, EVA-02's "
+                  "scale_attn_inner",
+    "mlp_norm": "a LayerNorm on the MLP's hidden units, timm's scale_mlp",
+    "gated_mlp": "a gated MLP such as SwiGLU",
+    "rotary": "rotary position embedding",
+    "attn_bias": "a relative position bias on the attention logits",
+    "layer_scale": "LayerScale",
+    "qk_norm": "normalised queries and keys",
+}
+"""The features a :class:`BlockParts` may have beyond the plain pre-LN block, with what
+each is (:meth:`BlockParts.features`)."""
+
+
+def _is_identity(fn: Callable[[Tensor], Tensor]) -> bool:
+    return isinstance(fn, torch.nn.Identity)
+
+
+@dataclass(frozen=True)
+class ValuePath:
+    r"""How the values of an attention reach its output projection, linearised at an inner
+    LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02's ``scale_attn_inner``, Fang et
+    al. 2023), the one place of this rule.
+
+    A value vector :math:`v_i` [H*d] (any part of one, e.g. one head's values zero-padded
+    to the full width) leaves the projection as
+    :math:`(v_i W'^{\top}_O - m_i c)\, s_i` with :math:`W'_O = W_O \mathrm{diag}(\gamma)`,
+    :math:`c = W_O \gamma`, :math:`m_i` the mean of :math:`v_i` over the full width and
+    :math:`s_i = 1/\sigma_i` the inverse standard deviation of the *real* attention
+    output of token ``i`` (frozen statistics, as in DecompX's LayerNorm rule); ``β`` and
+    every bias are excluded. Without an inner norm it is :math:`v_i W_O^\top`.
+
+    Attributes:
+        weight (Tensor): :math:`W'_O` [D, H*d] (:math:`W_O` without an inner norm).
+        centre (Tensor or None): :math:`c` [D]; ``None`` = no inner norm.
+        eps (float): the inner norm's epsilon (0 without one).
+    """
+
+    weight: Tensor
+    centre: Tensor | None
+    eps: float = 0.0
+
+    @classmethod
+    def of(cls, proj_weight: Tensor, inner_norm: NormParts | None) -> ValuePath:
+        """The path through ``proj_weight`` (:math:`W_O` [D, H*d]) and ``inner_norm``
+        (``None`` = none), in ``proj_weight``'s dtype."""
+        if inner_norm is None:
+            return cls(proj_weight, None)
+        gamma = torch.ones(proj_weight.shape[1], dtype=proj_weight.dtype,
+                           device=proj_weight.device) if inner_norm.weight is None \
+            else inner_norm.weight.to(proj_weight.dtype)
+        return cls(proj_weight * gamma, proj_weight @ gamma, inner_norm.eps)
+
+    def inv_std(self, mix: Tensor) -> Tensor | None:
+        r""":math:`s_i = 1/\sigma_i` [B, N] of the real attention output ``mix``
+        [B, N, H*d] (before :math:`W_O`); ``None`` without an inner norm."""
+        if self.centre is None:
+            return None
+        return torch.rsqrt(mix.var(-1, unbiased=False) + self.eps)
+
+    def outputs(self, v: Tensor, inv_std: Tensor | None) -> Tensor:
+        """The linearised outputs [..., N, D] of values ``v`` [..., N, H*d] with the scale
+        ``inv_std`` [..., N] of :meth:`inv_std`."""
+        y = F.linear(v, self.weight)
+        if self.centre is None:
+            return y
+        return (y - v.mean(-1, keepdim=True) * self.centre) * inv_std[..., None]
 
 
 @dataclass(frozen=True)

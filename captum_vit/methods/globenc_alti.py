@@ -261,15 +261,14 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
     b, n, d = x.shape
     heads, hd = p.num_heads, p.head_dim
     v = F.linear(_centred_scaled(x, p.norm1), p.v_weight.to(dt)).reshape(b, n, heads, hd)
-    wo = p.proj_weight.to(dt).reshape(d, heads, hd)  # [D, H, d]
+    path = p.value_path(dt)  # W_O with the inner norm's rule folded in (adapters.parts)
+    wo = path.weight.reshape(d, heads, hd)  # [D, H, d]
     inv_in = None
-    if p.inner_norm is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
-        if p.inner_norm.weight is not None:
-            wo = wo * p.inner_norm.weight.to(dt).reshape(1, heads, hd)
+    if path.centre is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
         z = torch.einsum("bnhe,dhe->bhnd", v, wo)
-        z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * wo.sum((1, 2))
+        z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * path.centre
         real_mix, _ = p.attention(rec.u.detach(), materialize=True)
-        inv_in = torch.rsqrt(real_mix.to(dt).var(-1, unbiased=False) + p.inner_norm.eps)
+        inv_in = path.inv_std(real_mix.to(dt))
     else:
         z = torch.einsum("bnhe,dhe->bhnd", v, wo)  # [B, H, N, D]
     if p.ls1 is not None:

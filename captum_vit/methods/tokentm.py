@@ -35,7 +35,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace
+from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace, ValuePath
 
 VARIANTS = ("paper", "residual")
 
@@ -141,11 +141,9 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
     real = v if v_bias is None else v + v_bias
     o = attn @ real.reshape(b, n, num_heads, d).transpose(1, 2)  # A^h v^h, [B, H, N, d]
     o = o.transpose(1, 2).reshape(b, n, a)
-    inv = torch.rsqrt(o.var(-1, unbiased=False) + norm.eps)[..., None]  # 1/σ_i, [B, N, 1]
-    gamma = torch.ones(a, dtype=x.dtype, device=x.device) if norm.weight is None \
-        else norm.weight.to(x.dtype)
-    wo = proj_weight * gamma  # W'_O, [D, H*d]
-    c = proj_weight @ gamma  # W_O γ, [D]
+    path = ValuePath.of(proj_weight, norm)  # the inner norm's rule, adapters.parts
+    inv = path.inv_std(o)[..., None]  # 1/σ_i, [B, N, 1]
+    wo, c = path.weight, path.centre  # W'_O = W_O diag(γ) [D, H*d], W_O γ [D]
     vh = v.reshape(b, n, num_heads, d)
     m = vh.sum(-1) / a  # mean of the zero-padded head values, [B, N, H]
     xw = (x @ wo).reshape(b, n, num_heads, d)  # x_i W'^h_O

@@ -49,7 +49,7 @@ from captum_vit._base import (
     prepare,
 )
 from captum_vit._text import count_noun
-from captum_vit.adapters import Layout, ViTAdapter, adapt, subset_logits
+from captum_vit.adapters import Layout, ViTAdapter, adapt, grid_to_pixels, subset_logits
 from captum_vit.adapters.subsets import image_logits
 from captum_vit.targets import embedding_target
 
@@ -138,7 +138,7 @@ def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, lay
     Returns:
         Tensor: [B, P] patch scores (detached).
     """
-    from captum_vit._base import _ViTFront
+    from captum_vit._base import ViTFront as _ViTFront
 
     check_choice("pixel_reduce", pixel_reduce, PIXEL_REDUCES)
     kw = dict(attribute_kwargs or {})
@@ -198,14 +198,8 @@ def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
         torch.Size([2, 224, 224])
     """
     check_choice("mode", mode, UPSAMPLE_MODES)
-    b = scores.shape[0]
-    g = scores.reshape(b, 1, *grid).double()
-    full = (grid[0] * patch_size[0], grid[1] * patch_size[1])
-    if mode == "nearest":
-        up = g.repeat_interleave(patch_size[0], 2).repeat_interleave(patch_size[1], 3)
-    else:
-        up = F.interpolate(g, size=full, mode=mode, align_corners=False)
-    return up[:, 0, :size[0], :size[1]]
+    g = scores.reshape(scores.shape[0], *grid).double()
+    return grid_to_pixels(g, size, patch_size=patch_size, mode=mode)
 
 
 def ranking(scores: Tensor) -> Tensor:
@@ -496,9 +490,7 @@ class RemovalEngine:
 
 def patch_pixels(removed: Tensor, layout: Layout, size: tuple[int, int]) -> Tensor:
     """Patch masks [B, P] (bool) as pixel masks [B, H, W] of an image of ``size``."""
-    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
-    m = removed.reshape(-1, gh, gw).repeat_interleave(ph, 1).repeat_interleave(pw, 2)
-    return m[:, :size[0], :size[1]]
+    return grid_to_pixels(removed.reshape(-1, *layout.grid), size, patch_size=layout.patch_size)
 
 
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
