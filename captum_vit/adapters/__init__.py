@@ -10,7 +10,7 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 - token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
 - what a score is: :class:`TargetHead`, :func:`probabilities`, :func:`log_probabilities`,
-  :func:`scores_are_classes` (:mod:`~captum_vit.adapters.scoring`);
+  :func:`scores_are_classes`, :func:`probability_kind` (:mod:`~captum_vit.adapters.scoring`);
 - canonical parameters and the one attention: :class:`BlockParts`, :class:`AttentionParts`,
   :class:`PoolParts`, :class:`HeadParts`, :class:`NormParts`, :class:`Heads`,
   :class:`AttentionRules`, the derived views :class:`ValuePath` and
@@ -93,6 +93,7 @@ from captum_vit.adapters.scoring import (
     TargetHead,
     log_probabilities,
     probabilities,
+    probability_kind,
     scores_are_classes,
 )
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
@@ -320,6 +321,7 @@ __all__ = [
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
     "identity_rule", "image_logits", "key_padding_bias", "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
+    "probability_kind",
     "readout_alpha", "scale_gradient", "scores_are_classes", "stabilized_divide",
     "subset_forwards", "subset_logits", "tokens_to_grid",
 ]

@@ -64,7 +64,7 @@ from captum_vit._text import count_noun
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import FusedOps, HeadsOps, Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts, Heads, PoolParts, _detached
-from captum_vit.adapters.scoring import _PROBABILITY, TargetHead
+from captum_vit.adapters.scoring import TargetHead, probability_kind
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
 
@@ -346,12 +346,8 @@ class ViTAdapter(abc.ABC):
         if target is None:
             yield
             return
-        token = _PROBABILITY.set(target.probability)
-        try:
-            with self.state.override(target=target):
-                yield
-        finally:
-            _PROBABILITY.reset(token)
+        with probability_kind(target.probability), self.state.override(target=target):
+            yield
 
     # -- what the model is -------------------------------------------------------------------
     @property

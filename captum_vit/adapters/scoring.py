@@ -10,7 +10,9 @@ targets on it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,33 @@ _PROBABILITY: contextvars.ContextVar[str] = contextvars.ContextVar("probability"
 """How scores become probabilities in the current call: ``"softmax"`` over the classes
 (or over a set of target embeddings), ``"sigmoid"`` per score (one target vector)."""
 
+
+
+@contextlib.contextmanager
+def probability_kind(kind: str) -> Iterator[None]:
+    """Within the block :func:`probabilities` (and :func:`log_probabilities`,
+    :func:`scores_are_classes`) treat scores as ``kind``: ``"softmax"`` (competing classes)
+    or ``"sigmoid"`` (independent scores); the previous kind is restored on exit.
+
+    Args:
+        kind (str): ``"softmax"`` or ``"sigmoid"``.
+
+    Raises:
+        ValueError: another ``kind``.
+
+    Examples::
+
+        >>> with probability_kind("sigmoid"):
+        ...     probabilities(torch.zeros(1, 1))
+        tensor([[0.5000]])
+    """
+    if kind not in ("softmax", "sigmoid"):
+        raise ValueError(f"kind must be 'softmax' or 'sigmoid'; got {kind!r}")
+    token = _PROBABILITY.set(kind)
+    try:
+        yield
+    finally:
+        _PROBABILITY.reset(token)
 
 
 def probabilities(logits: Tensor) -> Tensor:
