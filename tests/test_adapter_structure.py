@@ -131,6 +131,23 @@ def test_cls_alpha_is_adapter_state_seen_by_views():
     assert ad.cls_alpha == 0.5 and view.cls_alpha == 0.5
 
 
+def test_adapters_and_methods_can_be_deep_copied():
+    import copy
+    import pickle
+
+    from captum_vit import GAE
+
+    model, x = make_model("vit"), make_inputs("vit")
+    method = GAE(model)
+    ad = method.adapter
+    with ad.targeting(TargetHead(torch.randn(2, 5, dtype=torch.float64))):
+        clone = copy.deepcopy(method)
+        assert clone.adapter.state is not ad.state
+        assert clone.adapter.head.target is None  # the copy's settings start fresh
+    assert torch.equal(clone.attribute(x, target=0), method.attribute(x, target=0))
+    assert pickle.loads(pickle.dumps(ad.state)).settings == ad.state.settings
+
+
 def test_settings_do_not_leak_into_other_threads():
     import threading
 

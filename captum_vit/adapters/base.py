@@ -52,7 +52,6 @@ import contextvars
 import copy
 import dataclasses
 import functools
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,6 +143,14 @@ class AdapterState:
             yield self._var.get()
         finally:
             self._var.reset(token)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AdapterState:
+        # a deep copy of an adapter (of a method holding one) is the adapter of a copied
+        # model: fresh settings and memo (a context variable cannot be copied)
+        return AdapterState()
+
+    def __reduce__(self) -> tuple[type[AdapterState], tuple[()]]:
+        return AdapterState, ()
 
     def renewed(self) -> AdapterState:
         """A state for a rebuilt adapter of the same model: the same settings (a rebuild
@@ -660,11 +667,8 @@ class ViTAdapter(abc.ABC):
     def _layout_of_tokens(self, x: Tensor, inputs: Tensor | None) -> Layout:
         if inputs is not None:
             return self.layout(inputs)
-        p = x.shape[1] - self.num_prefix
-        side = math.isqrt(p)
-        grid = (side, side) if side * side == p else (1, p)
-        return Layout(self.num_prefix, grid, (1, 1), self.readout, self.num_blocks,
-                      self.blocks[0].num_heads, grid)
+        return Layout.of_tokens(x.shape[1], self.num_prefix, self.readout, self.num_blocks,
+                                self.blocks[0].num_heads)
 
     # -- safety ---------------------------------------------------------------------------
     def self_check(self, inputs: Tensor) -> None:

@@ -11,17 +11,21 @@ registers) come first, then the ``P`` patch tokens in raster order, ``N = K + P`
 reads the last state through :meth:`Layout.readout_weights`.
 
 Extending it. A model made of *stages* (Swin, SAM's image encoder: each stage has its own
-token grid, windowed attention inside it and a patch merge between stages) describes its
-maps on the grid of the stage they are read from: a :class:`Layout` is the geometry of the
-token rows a map is *returned on* (the grid of the patches whose scores the methods output,
-and the pixel size of one such patch), not of every block. A family with stages returns
-the layout of its last stage's grid (or of the grid of the block a target reads), and the
-merges are part of its blocks (:mod:`captum_vit.adapters.base`), so the front, the metrics
-and the plots need no change: they only ever go from that grid to pixels here.
+token grid, windowed attention inside it and a patch merge between stages) still returns
+its maps on one grid: a :class:`Layout` is the geometry of the token rows a map is
+*returned on* (the grid of the patches whose scores the methods output, and the pixel size
+of one such patch), not of every block. A family with stages returns the layout of its
+first stage's grid (maps are carried back through the merges onto it, as the matrix
+methods' chains do), with no prefix rows; the windows, per-stage grids and merges are
+part of its blocks (:mod:`captum_vit.adapters.base`). The front, the metrics and the plots
+then need no change: they only ever go from that grid to pixels here. A score read from
+the rows of any block (not only the readout) needs no geometry beyond this either: its
+rows are token rows of the block's own grid, named by index.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +65,32 @@ class Layout:
     num_heads: int
     image_size: tuple[int, int]
     alpha: float | str = 0.5
+
+    @classmethod
+    def of_tokens(cls, num_tokens: int, num_prefix: int, readout: str, num_blocks: int,
+                  num_heads: int) -> Layout:
+        """The layout of token states without images: a square grid when the patch count
+        is a square, else one row; each token is a one-pixel patch.
+
+        Args:
+            num_tokens (int): ``N``, prefix tokens included.
+            num_prefix (int): ``K``.
+            readout (str): one of :data:`READOUTS`.
+            num_blocks (int): ``L``.
+            num_heads (int): ``H``.
+
+        Returns:
+            Layout: with ``image_size`` equal to the grid.
+
+        Examples::
+
+            >>> Layout.of_tokens(17, 1, "token", 12, 3).grid
+            (4, 4)
+        """
+        p = num_tokens - num_prefix
+        side = math.isqrt(p)
+        grid = (side, side) if side * side == p else (1, p)
+        return cls(num_prefix, grid, (1, 1), readout, num_blocks, num_heads, grid)
 
     @property
     def num_patches(self) -> int:
