@@ -8,9 +8,11 @@ from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import SCORES, TargetLike, ViTGradientAttribution, check_choice
-from captum_vit.methods.ixg import layer_gradients
+from captum_vit.methods._engines import layer_gradients
+from captum_vit.methods.table import register_method
 
 
+@register_method("attcat", family="gradient_attention")
 class AttCAT(ViTGradientAttribution):
     r"""Attentive Class Activation Tokens.
 

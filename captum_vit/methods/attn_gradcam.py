@@ -20,8 +20,10 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
+from captum_vit.methods.table import register_method
 
 
+@register_method("attn_gradcam", family="gradient_attention")
 class AttnGradCAM(ViTGradientAttribution):
     r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
     \nabla A^h[r, j]` of the last block, map

@@ -43,6 +43,8 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import FusedOps, Trace, ViTAdapter
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods.table import register_method
 
 N_STEPS = 20
 """Steps of the reasoning feedback's integrated gradient (the papers' and codes' 20)."""
@@ -182,12 +184,10 @@ def _support(w: Tensor) -> Tensor:
     return (w != 0).any(0).nonzero().squeeze(1)
 
 
-class _BeyondIntuition(ViTGradientAttribution):
+class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
     """Shared machinery of :class:`BTH` and :class:`BTT` (``variant`` set by each)."""
 
     variant = "head"
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, internal_batch_size: int | None = None) -> None:
         self.n_steps = check_steps(n_steps)
@@ -238,13 +238,6 @@ class _BeyondIntuition(ViTGradientAttribution):
         return self._attribute(inputs, target, output, start_layer=start_layer,
                                n_steps=n_steps, internal_batch_size=internal_batch_size,
                                score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *,
-                    start_layer: int | None = None, n_steps: int | None = None,
-                    internal_batch_size: int | None = None, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], start_layer=start_layer, n_steps=n_steps,
-                              internal_batch_size=internal_batch_size, score=score)[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None,
@@ -321,6 +314,7 @@ class _BeyondIntuition(ViTGradientAttribution):
         raise NotImplementedError  # pragma: no cover
 
 
+@register_method("bt_h", family="gradient_attention", quick={"n_steps": 5})
 class BTH(_BeyondIntuition):
     r"""Beyond Intuition, head-wise (BT-H; Chen et al., TMLR 2023, "Ours-H").
 
@@ -388,6 +382,7 @@ class BTH(_BeyondIntuition):
         return torch.einsum("bh,bhij->bij", ih, a)
 
 
+@register_method("bt_t", family="gradient_attention", quick={"n_steps": 5})
 class BTT(_BeyondIntuition):
     r"""Beyond Intuition, token-wise (BT-T; Chen et al., TMLR 2023, "Ours-T").
 

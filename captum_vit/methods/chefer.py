@@ -20,7 +20,6 @@ LRP is patented (Fraunhofer); see :class:`~captum_vit.methods.lrp.AttnLRP`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from captum.log import log_usage
@@ -42,6 +41,8 @@ from captum_vit._base import (
 from captum_vit.adapters import Trace, ViTAdapter
 from captum_vit.adapters._lrp import CheferOps
 from captum_vit.adapters._lrp import divide as _divide
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods.table import register_method
 
 
 def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
@@ -89,7 +90,8 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
             rel[-1] if pool else None)
 
 
-class TransformerAttribution(ViTGradientAttribution):
+@register_method("chefer21", family="decomposition")
+class TransformerAttribution(PLUSFastPath, ViTGradientAttribution):
     r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
 
     :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` with
@@ -185,10 +187,6 @@ class TransformerAttribution(ViTGradientAttribution):
         """
         check_choice("score", score, SCORES)
         return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], score=score)[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:

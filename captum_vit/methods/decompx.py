@@ -55,6 +55,8 @@ from captum_vit._base import (
 from captum_vit.adapters import BlockParts, BlockRecord, NormParts, Ops, PoolParts, ViTAdapter
 from captum_vit.adapters._linearize import activation_gate
 from captum_vit.adapters.base import AttentionParts
+from captum_vit.methods._engines import PLUSFastPath, layer_gradients
+from captum_vit.methods.table import register_method
 
 ROUTES = ("gradient", "explicit")
 DEFAULT_MAX_MEMORY = 1 << 30  # bytes of decomposed activations per chunk of sources
@@ -235,7 +237,8 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
     return contrib[:, :n], contrib[:, n]
 
 
-class DecompX(ViTGradientAttribution):
+@register_method("decompx", family="decomposition")
+class DecompX(PLUSFastPath, ViTGradientAttribution):
     r"""DecompX started at block ``s`` (rules D1-D6, see the module docstring): the signed
     contribution of every token of ``x_s`` to the target logit :math:`y_c`, without the bias
     source.
@@ -356,3 +359,23 @@ class DecompX(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         return self._decompose(inputs, target).tokens
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): DecompX
+        of every sub-network :math:`f_l` (started at block ``l + start_layer``) from one
+        forward and one linearised backward, [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> attr = SkipPLUS(model, DecompX).attribute(images, target=labels)
+        """
+        if aggregate != "subnetwork":
+            raise ValueError("aggregate='layer' is not defined for DecompX (it decomposes the "
+                             "whole sub-network, there is no per-block matrix); use "
+                             "aggregate='subnetwork'")
+        for l in layers:  # the check the method makes on each (L - l)-block sub-network
+            check_layer("start_layer", self.start_layer, self.adapter.num_blocks - l)
+        lg = layer_gradients(self.adapter, inputs, target, score=score, linearize=True)
+        return lg.ixg()[[l + self.start_layer for l in layers]]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from captum.log import log_usage
@@ -23,9 +22,12 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import BlockRecord, Heads
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods.table import register_method
 
 
-class GAE(ViTGradientAttribution):
+@register_method("gae", family="gradient_attention")
+class GAE(PLUSFastPath, ViTGradientAttribution):
     r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
 
     With :math:`R = I` and, for every block :math:`l = 0 .. L-1`,
@@ -78,11 +80,6 @@ class GAE(ViTGradientAttribution):
         """
         check_choice("score", score, SCORES)
         return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        # GAE is its recursion started at block 0: the sub-network map of layer 0
-        return self.plus_maps(inputs, target, [0], score=score)[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:

@@ -68,6 +68,7 @@ from captum_vit._base import (
     resolve_target,
 )
 from captum_vit.adapters import BlockRecord, NormParts, Ops, Trace, ViTAdapter
+from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods.decompx import (
     DEFAULT_MAX_MEMORY,
     Decomposed,
@@ -75,6 +76,7 @@ from captum_vit.methods.decompx import (
     source_parts,
     sources_per_chunk,
 )
+from captum_vit.methods.table import register_method
 
 MLP_CHOICES = ("ln2", "decompx")
 MEASURES = ("globenc", "alti")
@@ -343,7 +345,7 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
     return t
 
 
-class _GlobALTI(ViTGradientAttribution):
+class _GlobALTI(PLUSFastPath, ViTGradientAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
     measure: str = ""
@@ -430,9 +432,6 @@ class _GlobALTI(ViTGradientAttribution):
             out.append(t / t.sum(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny))
         return torch.stack(out)
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0])[0]
-
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every sub-network
@@ -474,6 +473,7 @@ class _GlobALTI(ViTGradientAttribution):
         return torch.stack([rows[l] for l in layers])
 
 
+@register_method("globenc", family="decomposition")
 class GlobEnc(_GlobALTI):
     r"""GlobEnc (Modarressi et al., NAACL 2022) for ViTs, as in SkipPLUS
     (Mehri et al. 2024, §5.1, App. E.2).
@@ -519,6 +519,7 @@ class GlobEnc(_GlobALTI):
     measure = "globenc"
 
 
+@register_method("alti", family="decomposition")
 class ALTI(_GlobALTI):
     r"""ALTI (Ferrando, Gállego and Costa-jussà, EMNLP 2022) for ViTs, as in SkipPLUS
     (Mehri et al. 2024, §5.1, App. E.2).

@@ -16,8 +16,10 @@ from captum_vit._base import (
     check_layers,
 )
 from captum_vit.methods.gae import GAE
+from captum_vit.methods.table import register_method
 
 
+@register_method("gradsam", family="gradient_attention")
 class GradSAM(ViTGradientAttribution):
     r"""Gradient Self-Attention Maps: gradient-weighted attention of every block, read at
     the classifier's readout row and **summed over the blocks** (not rolled out):

@@ -43,6 +43,8 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import Ops, Trace
 from captum_vit.adapters.base import TargetHead
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods.table import register_method
 from captum_vit.targets import embedding_target
 
 READOUTS = ("model", "mean")
@@ -60,7 +62,8 @@ def min_max(maps: Tensor, num_prefix: int) -> Tensor:
     return out
 
 
-class LeGrad(ViTGradientAttribution):
+@register_method("legrad", family="gradient_attention")
+class LeGrad(PLUSFastPath, ViTGradientAttribution):
     r"""LeGrad: the gradient of every layer's own readout w.r.t. that layer's attention
     (Bousselham et al., "LeGrad: An Explainability Method for Vision Transformers via
     Feature Formation Sensitivity", ICCV 2025).
@@ -137,8 +140,6 @@ class LeGrad(ViTGradientAttribution):
         ...     pixel_values, target=text_embedding, null_target=null_embedding)
     """
 
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, layers: Iterable[int] | None = None, *,
                  readout: str = "model", skip_final_norm: bool = False,
                  normalize: bool = False) -> None:
@@ -182,12 +183,6 @@ class LeGrad(ViTGradientAttribution):
         check_scalar(null_threshold, "null_threshold", float, min_val=0.0, max_val=1.0)
         return self._attribute(inputs, target, output, score=score, null_target=null_target,
                                null_threshold=null_threshold)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    null_target: Any = None, null_threshold: float = 0.8,
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], score=score, null_target=null_target,
-                              null_threshold=null_threshold)[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit", null_target: Any = None,

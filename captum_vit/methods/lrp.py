@@ -44,7 +44,9 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import Ops, Trace, ViTAdapter
 from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
+from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._masks import patch_sums
+from captum_vit.methods.table import register_method
 
 SITES = ("tokens", "pixels")
 
@@ -107,10 +109,8 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
     return maps, tr, t
 
 
-class _LRPAttribution(ViTGradientAttribution):
+class _LRPAttribution(PLUSFastPath, ViTGradientAttribution):
     """Shared front of CP-LRP and AttnLRP: the rule set, ``attribute`` and the PLUS hook."""
-
-    plus_aggregates = ("subnetwork",)
 
     def __init__(self, model: nn.Module, ops: LRPOps, at: str,
                  embed_ops: LRPOps | None = None) -> None:
@@ -185,6 +185,7 @@ class _LRPAttribution(ViTGradientAttribution):
         return maps
 
 
+@register_method("cp_lrp", family="decomposition")
 class CPLRP(_LRPAttribution):
     r"""CP-LRP, conservative propagation for Transformers (Ali et al., ICML 2022, the
     "AH-rule" and "LN-rule").
@@ -254,6 +255,7 @@ class CPLRP(_LRPAttribution):
         self.act_rule, self.epsilon = act_rule, float(epsilon)
 
 
+@register_method("attnlrp", family="decomposition")
 class AttnLRP(_LRPAttribution):
     r"""AttnLRP, attention-aware LRP (Achtibat et al., ICML 2024; efficient
     Gradient × Input form of Arras et al. 2025 / LXT).

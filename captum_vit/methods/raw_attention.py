@@ -16,10 +16,12 @@ from captum_vit._base import (
     resolve_target,
 )
 from captum_vit.adapters import BlockRecord
+from captum_vit.methods.table import register_method
 
 SOURCES = ("pool", "last_block")
 
 
+@register_method("raw_attention", family="attention")
 class RawAttention(ViTGradientAttribution):
     r"""Attention probabilities of the last block, averaged over heads, read at the
     classifier's readout row: :math:`m = \mathrm{mean}_h A_{L-1}^h[r, :]`.

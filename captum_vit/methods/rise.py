@@ -46,6 +46,7 @@ from captum_vit.methods._masks import (
     resolve_removal,
 )
 from captum_vit.methods.scorecam import REMOVALS
+from captum_vit.methods.table import register_method
 
 
 def rise_masks(n_masks: int, grid_size: int | tuple[int, int], p: float,
@@ -112,6 +113,7 @@ def _check_fill(fill: Any, inputs: Tensor) -> Tensor | None:
     return None if fill == 0 else torch.full_like(inputs, fill)
 
 
+@register_method("rise", family="perturbation", quick={"n_masks": 500}, seeded=True)
 class RISE(ViTPerturbationAttribution):
     r"""RISE (Petsiuk et al., BMVC 2018): the expected target probability of the image
     seen through random soft masks, given that a pixel is kept.

@@ -46,6 +46,7 @@ from captum_vit.adapters import (
     subset_logits,
 )
 from captum_vit.methods.cam import SITES, block_layer
+from captum_vit.methods.table import register_method
 
 REMOVALS = ("pixels", "tokens")
 """How a channel's mask is applied: pixel multiplication or true token removal."""
@@ -112,6 +113,7 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
                         device=inputs.device).reshape(b, s)
 
 
+@register_method("scorecam", family="cam", quick={"max_channels": 128})
 class ScoreCAM(ViTPerturbationAttribution):
     r"""Score-CAM on the tokens of block ``layer``: channel weights from the model's
     scores of the image masked by each channel (Wang et al., CVPRW 2020).

@@ -18,7 +18,6 @@ The integrated gradient is Beyond Intuition's reasoning feedback
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from captum.log import log_usage
@@ -38,6 +37,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
+from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods.bt import (
     N_STEPS,
     check_internal_batch_size,
@@ -45,12 +45,14 @@ from captum_vit.methods.bt import (
     reasoning_feedback,
     start_blocks,
 )
+from captum_vit.methods.table import register_method
 
 START_LAYER = 4
 """TAM's default last block of the chain (0-based, inclusive; the authors' default)."""
 
 
-class TAM(ViTGradientAttribution):
+@register_method("tam", family="gradient_attention", quick={"n_steps": 5})
+class TAM(PLUSFastPath, ViTGradientAttribution):
     r"""Transition Attention Maps (Yuan et al. 2021).
 
     Markov-chain state :math:`\sigma = w \bar A_{L-1}` (head-mean attention of the last
@@ -106,8 +108,6 @@ class TAM(ViTGradientAttribution):
         >>> plain = TAM(model, integrated=False).attribute(images, target=labels)
     """
 
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, integrated: bool = True,
                  internal_batch_size: int | None = None) -> None:
@@ -161,9 +161,6 @@ class TAM(ViTGradientAttribution):
         return self._attribute(inputs, target, output, start_layer=start_layer,
                                n_steps=n_steps, integrated=integrated,
                                internal_batch_size=internal_batch_size, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], **kwargs)[0]
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None,

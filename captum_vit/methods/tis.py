@@ -47,6 +47,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import FusedOps, ViTAdapter, subset_logits
 from captum_vit.methods._kmeans import kmeans
+from captum_vit.methods.table import register_method
 
 DEFAULT_RANDOM_STATE = 0
 """Seed used when ``random_state=None``: TIS maps are repeatable unless asked otherwise."""
@@ -420,6 +421,7 @@ def anytime_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tenso
     return w, used
 
 
+@register_method("tis", family="perturbation", quick={"n_masks": 128})
 class TIS(ViTPerturbationAttribution):
     r"""Transformer Input Sampling: the mean score of the token subsets keeping a patch.
 

@@ -36,6 +36,8 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods.table import register_method
 
 VARIANTS = ("paper", "residual")
 
@@ -160,7 +162,9 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
                               dot.permute(0, 2, 1), eps)
 
 
-class TokenTM(ViTGradientAttribution):
+@register_method("tokentm", family="gradient_attention",
+                 variants={"tokentm_residual": {"variant": "residual"}})
+class TokenTM(PLUSFastPath, ViTGradientAttribution):
     r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).
 
     **variant="paper"** (default, the paper's Eq. 9-20): for block :math:`l` the attention
@@ -200,8 +204,6 @@ class TokenTM(ViTGradientAttribution):
         variant (str, optional): ``"paper"`` (default) or ``"residual"``, in any case
             (``"Paper"``), like method names.
     """
-
-    plus_aggregates = ("subnetwork",)
 
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
         if isinstance(variant, str):

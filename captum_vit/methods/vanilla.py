@@ -31,7 +31,8 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.methods.cam import block_gradients
+from captum_vit.methods._engines import block_gradients
+from captum_vit.methods.table import register_method
 
 REDUCTIONS = ("sum", "l2", "l1", "relu_sum")
 VARIANTS = ("plain", "abs", "relu")
@@ -64,6 +65,7 @@ def reduce_channels(grad: Tensor, reduce: str = "sum") -> Tensor:
     return grad.clamp(min=0).sum(-1)
 
 
+@register_method("vanilla_grad", family="gradient")
 class VanillaGrad(ViTGradientAttribution):
     r"""Vanilla token gradient at the input of block ``layer`` (SkipPLUS App. E.1):
     :math:`m_j = \sum_c g_l[j, c]` with :math:`g_l = \partial s_c / \partial x_l`.
@@ -149,6 +151,7 @@ class VanillaGrad(ViTGradientAttribution):
                                 for g in gs])
 
 
+@register_method("attn_grad", family="gradient_attention")
 class AttnGrad(ViTGradientAttribution):
     r"""Gradient of the score w.r.t. the attention probabilities of block ``layer``, read
     at the classifier's readout row (SkipPLUS App. E.1, Fig. 8):

@@ -49,6 +49,7 @@ from captum_vit.methods._masks import (
     resolve_removal,
 )
 from captum_vit.methods.scorecam import REMOVALS
+from captum_vit.methods.table import register_method
 
 NOISE_SEED_STRIDE = 1_000_003
 """Mask ``i``'s noise is drawn from a generator seeded with ``seed * stride + i``."""
@@ -140,6 +141,7 @@ def vitcx_masks(features: Tensor, grid: tuple[int, int], size: tuple[int, int] |
     return GridMasks(sums, size or grid, up, minmax=True), labels
 
 
+@register_method("vit_cx", family="perturbation", seeded=True)
 class ViTCX(ViTPerturbationAttribution):
     r"""ViT-CX (Xie et al., IJCAI 2023): masks from the model's clustered patch
     embeddings, scored by their causal impact on the target probability.
