@@ -52,13 +52,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_scalar,
@@ -70,6 +67,7 @@ from captum_vit.methods._engines import (
     block_gradients,
     block_layer,
 )
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 GRADCAM_PP_EPS = 1e-6
@@ -86,7 +84,7 @@ WEIGHT_TOKENS = ("all", "patches")
 """Token sets ``T`` over which channel weights are computed."""
 
 
-class _TokenCAM(PLUSFastPath, ViTGradientAttribution):
+class _TokenCAM(PLUSFastPath, ScoredAttribution):
     """Shared front of the CAMs: ``(X, G)`` at block ``layer`` (read at ``at``),
     :meth:`cam`, optional ReLU.
 
@@ -104,33 +102,17 @@ class _TokenCAM(PLUSFastPath, ViTGradientAttribution):
         self.relu = check_scalar(relu, "relu", bool)
         self.at = check_choice("at", at, SITES)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default) or ``"probability"`` (softmax of
-                the target, the SkipPLUS authors' later code): the score whose gradient
-                is :math:`G`.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the map (raw, not normalised; ReLU-clipped with ``relu=True``) in the
-            requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.cam import GradCAM, HiResCAM
-            >>> attr = GradCAM(model).attribute(images, target=labels)
-            >>> grid = HiResCAM(model, layer=5, relu=False).attribute(
-            ...     images, target=labels, score="probability", output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default) or ``"probability"`` (softmax of
+        the target, the SkipPLUS authors' later code): the score whose gradient
+        is :math:`G`."""
+    returns_doc = r"""the map (raw, not normalised; ReLU-clipped with ``relu=True``) in the
+        requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit.methods.cam import GradCAM, HiResCAM
+        >>> attr = GradCAM(model).attribute(images, target=labels)
+        >>> grid = HiResCAM(model, layer=5, relu=False).attribute(
+        ...     images, target=labels, score="probability", output="grid")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -22,14 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     AGGREGATES,
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -42,6 +39,7 @@ from captum_vit.adapters import Trace, ViTAdapter
 from captum_vit.adapters._lrp import CheferOps
 from captum_vit.adapters._lrp import divide as _divide
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 
@@ -91,7 +89,7 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
 
 
 @register_method("chefer21", family="decomposition")
-class TransformerAttribution(PLUSFastPath, ViTGradientAttribution):
+class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
 
     :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` with
@@ -162,31 +160,15 @@ class TransformerAttribution(PLUSFastPath, ViTGradientAttribution):
         super().__init__(model)
         self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): what the gradient :math:`\nabla A` differentiates:
-                ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
-                always starts one-hot.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the attribution map (non-negative) in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import TransformerAttribution
-            >>> attr = TransformerAttribution(model).attribute(images, target=labels,
-            ...                                                output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): what the gradient :math:`\nabla A` differentiates:
+        ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
+        always starts one-hot."""
+    returns_doc = r"""the attribution map (non-negative) in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import TransformerAttribution
+        >>> attr = TransformerAttribution(model).attribute(images, target=labels,
+        ...                                                output="grid")
+    """
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:

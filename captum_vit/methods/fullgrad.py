@@ -10,15 +10,10 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
-    check_choice,
     check_layers,
     gradients,
     resolve_target,
@@ -26,6 +21,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts
 from captum_vit.methods._engines import skip_start
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 
@@ -74,7 +70,7 @@ class _BiasProbeOps(Ops):
 
 @register_method("fullgrad_plus", family="gradient", composable=False,
                  variants={"skip_fullgrad_plus": {"skip": True}})
-class FullGradPlus(ViTGradientAttribution):
+class FullGradPlus(ScoredAttribution):
     r"""FullGrad+ (Eq. 5-6 of SkipPLUS): the token IxG maps of the included blocks plus
     the bias-gradient maps of every bias in them,
 
@@ -111,27 +107,11 @@ class FullGradPlus(ViTGradientAttribution):
         self.skip = bool(skip)
         self.head_biases = bool(head_biases)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed FullGrad+ map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import FullGradPlus
-            >>> attr = FullGradPlus(model, skip=True).attribute(images, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    returns_doc = r"""the signed FullGrad+ map in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import FullGradPlus
+        >>> attr = FullGradPlus(model, skip=True).attribute(images, target=labels)
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -5,14 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
     AGGREGATES,
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     gradients_with_pool,
@@ -23,11 +20,12 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockRecord, Heads
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 
 @register_method("gae", family="gradient_attention")
-class GAE(PLUSFastPath, ViTGradientAttribution):
+class GAE(PLUSFastPath, ScoredAttribution):
     r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
 
     With :math:`R = I` and, for every block :math:`l = 0 .. L-1`,
@@ -54,32 +52,15 @@ class GAE(PLUSFastPath, ViTGradientAttribution):
 
     plus_aggregates = AGGREGATES
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default, as the paper) or
-                ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import GAE
-            >>> from captum.attr import NoiseTunnel
-            >>> attr = GAE(model).attribute(images, target=labels)
-            >>> smooth = NoiseTunnel(GAE(model)).attribute(
-            ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default, as the paper) or
+        ``"probability"``."""
+    examples_doc = r"""
+        >>> from captum_vit import GAE
+        >>> from captum.attr import NoiseTunnel
+        >>> attr = GAE(model).attribute(images, target=labels)
+        >>> smooth = NoiseTunnel(GAE(model)).attribute(
+        ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
+    """
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:

@@ -54,12 +54,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_images,
@@ -69,6 +66,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockRecord, NormParts, Ops, Trace, ViTAdapter
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.decompx import (
     DEFAULT_MAX_MEMORY,
     Decomposed,
@@ -345,7 +343,7 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
     return t
 
 
-class _GlobALTI(PLUSFastPath, ViTGradientAttribution):
+class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
     measure: str = ""
@@ -362,30 +360,18 @@ class _GlobALTI(PLUSFastPath, ViTGradientAttribution):
             max_memory = check_scalar(max_memory, "max_memory", int, min_val=1)
         self.max_memory = max_memory
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): validated but unused: the map is
-                class-agnostic (except the readout weights of a DINOv2 ``[CLS ; mean]``
-                classifier with ``alpha="logit"``, which depend on the class). ``None``
-                (default) means the predicted class (Captum's ``None`` means a scalar
-                output).
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the rolled-out map ``w T′_{L−1} ··· T′_0`` (non-negative, summing to
-            1 over all tokens when ``w`` does, prefix tokens included before they are
-            dropped) in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.globenc_alti import GlobEnc
-            >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
-        """
-        return self._attribute(inputs, target, output)
+    target_doc = r"""target (int, list, Tensor, optional): validated but unused: the map is
+        class-agnostic (except the readout weights of a DINOv2 ``[CLS ; mean]``
+        classifier with ``alpha="logit"``, which depend on the class). ``None``
+        (default) means the predicted class (Captum's ``None`` means a scalar
+        output)."""
+    returns_doc = r"""the rolled-out map ``w T′_{L−1} ··· T′_0`` (non-negative, summing to
+        1 over all tokens when ``w`` does, prefix tokens included before they are
+        dropped) in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit.methods.globenc_alti import GlobEnc
+        >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
+    """
 
     def block_matrices(self, inputs: Tensor) -> Tensor:
         r"""The row-normalised per-block matrices ``T_l`` (see the module docstring).

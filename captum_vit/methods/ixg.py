@@ -12,21 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     check_choice,
     check_layer,
 )
 from captum_vit.methods._engines import LayerGradients, PLUSFastPath, layer_gradients
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 
-class _LayerTerm(PLUSFastPath, ViTGradientAttribution):
+class _LayerTerm(PLUSFastPath, ScoredAttribution):
     """One per-block term of :func:`layer_gradients` (``term``) at block ``layer``; for
     PLUS / SkipPLUS a layer-local gradient-route base (one backward gives every block)."""
 
@@ -40,28 +38,12 @@ class _LayerTerm(PLUSFastPath, ViTGradientAttribution):
         self.layer = check_layer("layer", layer, self.adapter.num_blocks,
                                  allow_end=self.allow_end)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttIxG, TokenIxG
-            >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
-            >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    returns_doc = r"""the signed attribution map in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import AttIxG, TokenIxG
+        >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
+        >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

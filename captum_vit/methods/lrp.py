@@ -28,13 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_scalar,
@@ -45,6 +42,7 @@ from captum_vit._base import (
 from captum_vit.adapters import Ops, Trace, ViTAdapter
 from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods._masks import patch_sums
 from captum_vit.methods.table import register_method
 
@@ -109,7 +107,7 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
     return maps, tr, t
 
 
-class _LRPAttribution(PLUSFastPath, ViTGradientAttribution):
+class _LRPAttribution(PLUSFastPath, ScoredAttribution):
     """Shared front of CP-LRP and AttnLRP: the rule set, ``attribute`` and the PLUS hook."""
 
     def __init__(self, model: nn.Module, ops: LRPOps, at: str,
@@ -119,30 +117,14 @@ class _LRPAttribution(PLUSFastPath, ViTGradientAttribution):
         self.embed_ops = embed_ops  # the embedding's rules at the pixels; None = ops
         self.at = check_choice("at", at, SITES)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default, the papers) or
-                ``"probability"`` (the softmax then keeps its true Jacobian).
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: signed relevance per patch in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttnLRP, CPLRP
-            >>> attr = AttnLRP(model).attribute(images, target=labels)
-            >>> cp = CPLRP(model).attribute(images, target=labels, output="tokens")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default, the papers) or
+        ``"probability"`` (the softmax then keeps its true Jacobian)."""
+    returns_doc = r"""signed relevance per patch in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import AttnLRP, CPLRP
+        >>> attr = AttnLRP(model).attribute(images, target=labels)
+        >>> cp = CPLRP(model).attribute(images, target=labels, output="tokens")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
