@@ -30,16 +30,21 @@ COMMON_ARGS: dict[str, str] = {
     "output": "output (str, optional): ``\"pixels\"`` (default), ``\"grid\"`` or "
               "``\"tokens\"``.",
     "score": "score (str, optional): ``\"logit\"`` (default) or ``\"probability\"``.",
+    "plus_args": "inputs (Tensor): validated images [B, C, H, W].\n"
+                 "target (Tensor or None): class per image; ``None`` = predicted.\n"
+                 "layers (sequence of int): sorted start blocks.",
 }
-"""The description of each shared ``attribute`` argument (placeholder ``{name}``)."""
+"""The description of each shared ``attribute`` argument (placeholder ``{name}``), and
+``{plus_args}``: the first arguments of every ``plus_maps`` (the PLUS / SkipPLUS fast
+path, :class:`~captum_vit.methods.PLUSFastPath`)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fill_doc(func: F) -> F:
-    """Decorator: replace the placeholders ``{inputs}``, ``{target}``, ``{output}`` and
-    ``{score}`` standing alone on a line of ``func``'s docstring by :data:`COMMON_ARGS`,
-    indented as the placeholder.
+    """Decorator: replace the placeholders ``{inputs}``, ``{target}``, ``{output}``,
+    ``{score}`` and ``{plus_args}`` standing alone on a line of ``func``'s docstring by
+    :data:`COMMON_ARGS`, indented as the placeholder.
 
     Args:
         func (Callable): a function or method with a docstring.

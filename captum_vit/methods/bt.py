@@ -44,6 +44,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import FusedOps, Trace, ViTAdapter
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods.table import register_method
 
 N_STEPS = 20
@@ -206,22 +207,21 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
                 else check_internal_batch_size(internal_batch_size))
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   start_layer: int | None = None, n_steps: int | None = None,
                   internal_batch_size: int | None = None, score: str = "logit",
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
+            {inputs}
+            {target}
             start_layer (int, optional): overrides the constructor's ``start_layer``.
             n_steps (int, optional): overrides the constructor's ``n_steps``.
             internal_batch_size (int, optional): overrides the constructor's.
             score (str, optional): ``"logit"`` (default, as the paper) or
                 ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the attribution map in the requested ``output`` format.
@@ -239,6 +239,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
                                n_steps=n_steps, internal_batch_size=internal_batch_size,
                                score=score)
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, internal_batch_size: int | None = None,
@@ -255,9 +256,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         forward and one backward at ``X`` plus the ``n - 1`` other steps of ``W``.
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only (``W ⊙ R`` has no per-block form).
             start_layer, n_steps, internal_batch_size, score: as in :meth:`attribute`.
 

@@ -39,7 +39,7 @@ from captum_vit.adapters import Trace, ViTAdapter
 from captum_vit.adapters._lrp import CheferOps
 from captum_vit.adapters._lrp import divide as _divide
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
@@ -170,6 +170,7 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
         ...                                                output="grid")
     """
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every
@@ -183,9 +184,7 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
         ``aggregate="layer"``: :math:`w \bar A_l` (``start_layer`` unused).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` or ``"layer"``.
             score (str): ``"logit"`` (default) or ``"probability"``.
 

@@ -20,7 +20,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockRecord, Heads
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
@@ -62,6 +62,7 @@ class GAE(PLUSFastPath, ScoredAttribution):
         ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
     """
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): GAE of every sub-network
@@ -75,9 +76,7 @@ class GAE(PLUSFastPath, ScoredAttribution):
         sum over the blocks is Grad-SAM (:class:`~captum_vit.methods.gradsam.GradSAM`).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` or ``"layer"``.
             score (str): ``"logit"`` (default) or ``"probability"``.
 

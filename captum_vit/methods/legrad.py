@@ -44,6 +44,7 @@ from captum_vit._base import (
 from captum_vit.adapters import Ops, Trace
 from captum_vit.adapters.base import TargetHead
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods.table import register_method
 from captum_vit.targets import embedding_target
 
@@ -151,12 +152,13 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                                                                 self.adapter.num_blocks)
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
                   null_target: Any = None, null_threshold: float = 0.8,
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): class per image; ``None`` explains the
                 predicted class (the model's own output). For embedding models a target
                 vector (:mod:`captum_vit.targets`).
@@ -168,7 +170,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                 correction.
             null_threshold (float, optional): the correction's threshold on the null
                 map, in ``[0, 1]``. Default 0.8.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the map (non-negative; in ``[0, 1]`` with ``normalize=True``) in the
@@ -184,6 +186,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         return self._attribute(inputs, target, output, score=score, null_target=null_target,
                                null_threshold=null_threshold)
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit", null_target: Any = None,
                   null_threshold: float = 0.8) -> Tensor:
@@ -196,9 +199,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         :math:`\geq l`); the null correction and ``normalize`` act on each sum.
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only.
             score, null_target, null_threshold: as for :meth:`attribute`.
 

@@ -42,7 +42,7 @@ from captum_vit._base import (
 from captum_vit.adapters import Ops, Trace, ViTAdapter
 from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods._masks import patch_sums
 from captum_vit.methods.table import register_method
 
@@ -132,6 +132,7 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
                                    at=self.at, embed_ops=self.embed_ops)
         return maps[0]
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): the
@@ -140,9 +141,7 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
         blocks :math:`\geq l` are the same in :math:`f_l` and in the model).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only (no per-block matrix).
             score (str): ``"logit"`` (default) or ``"probability"``.
 

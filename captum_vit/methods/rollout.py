@@ -21,6 +21,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockRecord, Trace
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods.table import register_method
 
 
@@ -51,15 +52,16 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   start_layer: int | None = None, output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): validated but unused (rollout is
                 class-agnostic).
             start_layer (int, optional): overrides the constructor's ``start_layer``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the attribution map in the requested ``output`` format.

@@ -38,6 +38,7 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods.bt import (
     N_STEPS,
     check_internal_batch_size,
@@ -131,13 +132,14 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
                 else check_internal_batch_size(internal_batch_size))
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   start_layer: int | None = None, n_steps: int | None = None,
                   integrated: bool | None = None, internal_batch_size: int | None = None,
                   score: str = "logit", output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): class per image. ``None`` (default)
                 explains the predicted class of each image.
             start_layer (int, optional): overrides the constructor's ``start_layer``.
@@ -146,7 +148,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
             internal_batch_size (int, optional): overrides the constructor's.
             score (str, optional): ``"logit"`` (default, as the authors' code) or
                 ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the attribution map in the requested ``output`` format.
@@ -162,6 +164,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
                                n_steps=n_steps, integrated=integrated,
                                internal_batch_size=internal_batch_size, score=score)
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, integrated: bool | None = None,
@@ -176,9 +179,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         ``k = L-2`` down, read at ``k = l + s``.
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only.
             start_layer, n_steps, integrated, internal_batch_size, score: as in
                 :meth:`attribute`.
