@@ -45,6 +45,7 @@ every block's map.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterable
@@ -419,6 +420,16 @@ class SkipPLUS(PLUS):
 
     def _default_layers(self, num_blocks: int) -> Iterable[int]:
         return range(skip_start(num_blocks), num_blocks)
+
+
+def __getattr__(name: str) -> Any:
+    """The method classes and engines this module imported before they moved to
+    :mod:`captum_vit.methods` (``TokenIxG``, ``AttIxG``, ``DecompX``, ``layer_gradients``)
+    stay importable from here."""
+    methods = importlib.import_module("captum_vit.methods")
+    if name in methods.__all__:
+        return getattr(methods, name)
+    raise AttributeError(f"module 'captum_vit.combinators' has no attribute {name!r}")
 
 
 __all__ = ["FAST_BASES", "PLUS", "BaseLike", "FullGradPlus", "SkipPLUS", "check_layers",

@@ -71,9 +71,14 @@ checked in their own tests."""
 
 def __getattr__(name: str) -> Any:
     """``METHODS``: every registered method, in the order of tables and plots (read from
-    the table at each access, so a method registered later is in it)."""
+    the table at each access, so a method registered later is in it); the method and
+    combinator classes by name (``from captum_vit.registry import GAE`` still works)."""
     if name == "METHODS":
         return method_entries()
+    # the classes this module imported before the table filled itself stay importable
+    for module in (captum_vit.methods, captum_vit.combinators):
+        if name in module.__all__:
+            return getattr(module, name)
     raise AttributeError(f"module 'captum_vit.registry' has no attribute {name!r}")
 
 
