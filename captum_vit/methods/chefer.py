@@ -20,17 +20,13 @@ LRP is patented (Fraunhofer); see :class:`~captum_vit.methods.lrp.AttnLRP`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     AGGREGATES,
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -41,6 +37,9 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import CheferOps, Trace, ViTAdapter
 from captum_vit.adapters import divide as _divide
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods.table import register_method
 
 
 def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
@@ -88,7 +87,8 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
             rel[-1] if pool else None)
 
 
-class TransformerAttribution(ViTGradientAttribution):
+@register_method("chefer21", family="decomposition")
+class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
 
     :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` with
@@ -159,36 +159,17 @@ class TransformerAttribution(ViTGradientAttribution):
         super().__init__(model)
         self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): what the gradient :math:`\nabla A` differentiates:
-                ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
-                always starts one-hot.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+    score_doc = r"""score (str, optional): what the gradient :math:`\nabla A` differentiates:
+        ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
+        always starts one-hot."""
+    returns_doc = r"""the attribution map (non-negative) in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import TransformerAttribution
+        >>> attr = TransformerAttribution(model).attribute(images, target=labels,
+        ...                                                output="grid")
+    """
 
-        Returns:
-            Tensor: the attribution map (non-negative) in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import TransformerAttribution
-            >>> attr = TransformerAttribution(model).attribute(images, target=labels,
-            ...                                                output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], score=score)[0]
-
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every
@@ -202,9 +183,7 @@ class TransformerAttribution(ViTGradientAttribution):
         ``aggregate="layer"``: :math:`w \bar A_l` (``start_layer`` unused).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` or ``"layer"``.
             score (str): ``"logit"`` (default) or ``"probability"``.
 
