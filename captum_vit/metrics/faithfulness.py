@@ -26,13 +26,11 @@ from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_choice, check_scalar, check_target
 from captum_vit.adapters.base import log_probabilities, probabilities, scores_are_classes
+from captum_vit.metrics.maps import AttributionLike, patch_maps, ranking
 from captum_vit.metrics.removal import (
-    AttributionLike,
     RemovalEngine,
     example_seeds,
-    patch_maps,
     prepare_metric,
-    ranking,
     upsample,
     vector_targets,
 )

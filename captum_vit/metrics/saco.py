@@ -28,17 +28,10 @@ from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_scalar
 from captum_vit.adapters.base import probabilities
-from captum_vit.metrics.removal import (
-    AttributionLike,
-    Removal,
-    RemovalEngine,
-    example_seeds,
-    patch_maps,
-    prepare_metric,
-    ranking,
-    vector_targets,
-)
+from captum_vit.metrics.maps import AttributionLike, patch_maps, ranking
+from captum_vit.metrics.removal import RemovalEngine, example_seeds, prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
+from captum_vit.metrics.settings import Removal
 
 
 def group_sizes(num_units: int, n_groups: int) -> list[int]:
