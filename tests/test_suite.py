@@ -122,7 +122,8 @@ def test_settings_object_equals_the_loose_keywords(batch):
                            removal="blur", seed=3)
     one = suite.evaluate(model, data, gae, ["deletion", "aopc"],
                          settings=EvalSettings(batch_size=2, n_steps=4, removal="blur", seed=3))
-    for c in loose:
+    assert list(loose["gae"]) == list(one["gae"]) == ["deletion", "aopc"]
+    for c in loose["gae"]:
         assert torch.equal(loose["gae"][c].per_example, one["gae"][c].per_example)
     with pytest.warns(DeprecationWarning, match="explain="):
         old = suite.evaluate(model, data, gae, ["deletion"], batch_size=2, n_steps=4,
