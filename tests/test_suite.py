@@ -151,7 +151,7 @@ def test_a_metric_batch_carries_the_method_once(batch):
     assert b.attribution is b.method.attribution          # built once for the model
     assert b.method(model) is not b.attribution           # a call builds a new one
     assert b.settings.forward_batch == 64 and b.settings.seed == 2
-    assert b.removal_kwargs["batch_size"] == 64
+    assert b.removal_kwargs["settings"].jobs_per_forward == 64
     with pytest.warns(DeprecationWarning, match="settings.seed"):
         assert b.seed == 2
     with pytest.warns(DeprecationWarning, match="jobs_per_forward"):
@@ -160,3 +160,20 @@ def test_a_metric_batch_carries_the_method_once(batch):
         suite.evaluate_batch(model, x, factory, ["spy"], table={"spy": MetricSpec(spy)},
                              batch_size=5)
     assert seen[-1].settings.forward_batch == 5
+
+
+def test_removal_metrics_take_the_settings_object(batch):
+    """The settings reach the removal metrics whole; explicit keywords win."""
+    from captum_vit.metrics import aopc, deletion, saco
+
+    model, x, labels, masks = batch
+    maps = torch.rand(x.shape[0], 16, generator=torch.Generator().manual_seed(0),
+                      dtype=torch.float64)
+    s = EvalSettings(removal="random", forward_batch=5, seed=7)
+    for fn, kw in ((deletion, dict(n_steps=4)), (aopc, {}), (saco, dict(n_groups=4))):
+        a = fn(model, x, maps, settings=s, **kw).per_example
+        b = fn(model, x, maps, removal="random", batch_size=5, seed=7, **kw).per_example
+        assert torch.equal(a, b), fn.__name__
+    other = deletion(model, x, maps, n_steps=4, settings=s, seed=8).per_example
+    assert torch.equal(other, deletion(model, x, maps, n_steps=4, removal="random",
+                                       seed=8).per_example)

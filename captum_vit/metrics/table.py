@@ -120,11 +120,9 @@ class MetricBatch:
     @property
     def removal_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the removal metrics (:mod:`faithfulness`, :func:`saco`):
-        the settings' removal, forward batch (their ``batch_size``: jobs per forward) and
-        seed, the example ids and the explained class."""
-        s = self.settings
-        return dict(removal=s.removal, batch_size=s.jobs_per_forward,
-                    example_ids=self.example_ids, seed=s.seed, target=self.target)
+        the settings (their removal, ``jobs_per_forward`` and seed), the example ids and the
+        explained class."""
+        return dict(settings=self.settings, example_ids=self.example_ids, target=self.target)
 
     def __getattr__(self, name: str) -> Any:
         if name in _RENAMED:  # the loose settings of older versions
