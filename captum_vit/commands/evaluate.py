@@ -30,7 +30,7 @@ import torch
 from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
 from captum_vit.data.specs import SPEC_HELP as DATA_HELP
 from captum_vit.data.specs import load_data
-from captum_vit.metrics import protocols, report, suite
+from captum_vit.metrics import parallel, protocols, report, suite
 from captum_vit.metrics.settings import REMOVALS, EvalSettings
 from captum_vit.metrics.table import MethodFactory
 from captum_vit.models import SPEC_HELP as MODEL_HELP
@@ -148,9 +148,23 @@ def _bound(cls: type, opts: dict) -> MethodFactory:
 
 
 def settings_of(args: argparse.Namespace) -> EvalSettings:
-    """The :class:`~captum_vit.metrics.settings.EvalSettings` of the command's options
-    (``--removal``, ``--steps``, ``--batch-size``, ``--seed``, ``--target``,
-    ``--autocast``)."""
+    """The :class:`~captum_vit.metrics.settings.EvalSettings` of the command's options.
+
+    Args:
+        args (argparse.Namespace): parsed options: ``--removal``, ``--steps``,
+            ``--batch-size``, ``--seed``, ``--target`` (the settings' ``explain``),
+            ``--autocast``.
+
+    Returns:
+        EvalSettings: the settings (``forward_batch``: 4 jobs per image of a batch).
+
+    Examples::
+
+        >>> p = argparse.ArgumentParser()
+        >>> add_arguments(p)
+        >>> settings_of(p.parse_args(["--target", "label"])).explain
+        'label'
+    """
     return EvalSettings(removal=args.removal, n_steps=args.steps, batch_size=args.batch_size,
                         seed=args.seed, explain=args.target, autocast=args.autocast)
 
@@ -181,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         suite.parse_metrics(args.metrics)  # names checked before any work
     report.ensure_folder(args.out)
-    with suite.distributed(args.device) as (device, rank, _):
+    with parallel.distributed(args.device) as (device, rank, _):
         lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
                         class_names=args.classes, targets=target_embeddings(args))
         model = lm.model.to(device=device, dtype=getattr(torch, args.dtype))

@@ -20,6 +20,9 @@ import torch
 def rank_world() -> tuple[int, int]:
     """``(rank, world size)`` of this process: ``(0, 1)`` without a process group.
 
+    Returns:
+        tuple[int, int]: the rank and the number of processes.
+
     Examples::
 
         >>> from captum_vit.metrics.parallel import rank_world
@@ -35,6 +38,12 @@ def rank_world() -> tuple[int, int]:
 def shard(n_batches: int) -> range:
     """The batch indices this process evaluates: ``rank, rank + K, ...`` below ``n_batches``.
 
+    Args:
+        n_batches (int): the number of batches of the whole evaluation.
+
+    Returns:
+        range: this rank's batch indices.
+
     Examples::
 
         >>> from captum_vit.metrics.parallel import shard
@@ -48,6 +57,12 @@ def shard(n_batches: int) -> range:
 def gather(part: Any) -> list[Any]:
     """Every rank's ``part`` (picklable), in rank order, on every rank; ``[part]`` for a
     single process (``torch.distributed.all_gather_object``).
+
+    Args:
+        part (Any): this rank's results.
+
+    Returns:
+        list: one entry per rank.
 
     Examples::
 

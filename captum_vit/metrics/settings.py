@@ -131,6 +131,11 @@ def settings_from(settings: EvalSettings | None, legacy: Mapping[str, Any], *,
 
     Raises:
         TypeError: an unknown keyword argument.
+
+    Examples::
+
+        >>> settings_from(None, {}, where="evaluate", n_steps=5, seed=None).n_steps
+        5
     """
     extra = dict(legacy)
     if "target" in extra:
