@@ -402,7 +402,6 @@ class ViTFront:
         raise NotImplementedError  # pragma: no cover
 
 
-_ViTFront = ViTFront
 """The former private name of :class:`ViTFront` (kept while other modules move over)."""
 
 
