@@ -32,7 +32,9 @@ from timm.models.vision_transformer import VisionTransformer
 from captum_vit.adapters import adapt
 from captum_vit.data.specs import load_data, model_batch
 from captum_vit.metrics.removal import patch_maps
-from captum_vit.metrics.suite import AUTOCAST, METRICS, MetricBatch, autocasting
+from captum_vit.metrics.settings import EvalSettings
+from captum_vit.metrics.suite import AUTOCAST, METRICS, autocasting
+from captum_vit.metrics.table import BoundMethod, MetricBatch
 from captum_vit.models import RANDOM_MODELS
 from captum_vit.registry import method_factory
 
@@ -119,10 +121,11 @@ def main() -> int:
                 methods[m](lambda a=attr, x=x, t=t, lay=layout: patch_maps(a, x, t, lay),
                            len(ids))
             maps = patch_maps(gae(model), x, t, layout)
-            batch = MetricBatch(model=model, inputs=x, maps=maps, attribution=gae(model),
-                                factory=gae, target=t, labels=None, masks=masks,
-                                example_ids=ids, removal="token",
-                                batch_size=4 * args.batch_size, n_steps=args.steps)
+            batch = MetricBatch(model=model, inputs=x, maps=maps,
+                                method=BoundMethod(gae, model), target=t, labels=None,
+                                masks=masks, example_ids=ids,
+                                settings=EvalSettings(batch_size=args.batch_size,
+                                                      n_steps=args.steps))
             for m, meter in metrics.items():
                 meter(lambda m=m, b=batch: METRICS[m].compute(b), len(ids))
         print(f"{ids[-1] + 1}/{args.n} images, {time.perf_counter() - first:.0f} s",

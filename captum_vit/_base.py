@@ -17,8 +17,16 @@ from captum.attr import GradientAttribution, PerturbationAttribution
 from torch import Tensor, nn
 
 from captum_vit._text import count_noun
-from captum_vit.adapters import Layout, Trace, ViTAdapter, adapt
-from captum_vit.adapters.base import TargetHead, probabilities
+from captum_vit.adapters import (
+    Layout,
+    TargetHead,
+    Trace,
+    ViTAdapter,
+    adapt,
+    grid_to_pixels,
+    probabilities,
+    tokens_to_grid,
+)
 from captum_vit.targets import embedding_target, is_embedding_target
 
 OUTPUTS = ("pixels", "grid", "tokens")
@@ -332,13 +340,10 @@ def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -
     """Patch scores [B, P] -> tokens, a grid [B, 1, gh, gw] or pixels shaped like the images."""
     if output == "tokens":
         return tokens
-    gh, gw = layout.grid
-    grid = tokens.reshape(tokens.shape[0], 1, gh, gw)
+    grid = tokens_to_grid(tokens, layout)
     if output == "grid":
         return grid
-    ph, pw = layout.patch_size
-    h, w = images.shape[-2:]
-    pix = grid.repeat_interleave(ph, dim=2).repeat_interleave(pw, dim=3)[..., :h, :w]
+    pix = grid_to_pixels(grid, images.shape[-2:], patch_size=layout.patch_size)
     return pix.expand(-1, images.shape[1], -1, -1).contiguous()
 
 
@@ -347,8 +352,29 @@ def accumulation_dtype(t: Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
-class _ViTFront:
-    """Input/target/output handling shared by gradient and perturbation methods."""
+class ViTFront:
+    """The Captum front of every method of the package: input, target and output handling
+    shared by gradient and perturbation methods.
+
+    A method subclasses :class:`ViTGradientAttribution` or
+    :class:`ViTPerturbationAttribution` and implements ``_token_maps(inputs, target,
+    **kwargs) -> [B, N]``; ``attribute`` (Captum's signature) prepares the inputs and the
+    target with :func:`prepare`, computes the token maps inside the adapter's
+    :meth:`~captum_vit.adapters.ViTAdapter.targeting` and formats them
+    (:func:`format_output`). Other code recognises a method of the package by
+    ``isinstance(attribution, ViTFront)`` (it takes ``output="tokens"``).
+
+    Args:
+        model (nn.Module): a supported ViT, or an adapter
+            (:func:`captum_vit.adapters.adapt`).
+
+    Examples::
+
+        >>> from captum_vit import GAE
+        >>> from captum_vit._base import ViTFront
+        >>> isinstance(GAE(model), ViTFront)
+        True
+    """
 
     adapter: ViTAdapter
 
@@ -376,11 +402,14 @@ class _ViTFront:
         raise NotImplementedError  # pragma: no cover
 
 
-class ViTGradientAttribution(_ViTFront, GradientAttribution):
+"""The former private name of :class:`ViTFront` (kept while other modules move over)."""
+
+
+class ViTGradientAttribution(ViTFront, GradientAttribution):
     """Base of the gradient- and attention-based ViT methods."""
 
 
-class ViTPerturbationAttribution(_ViTFront, PerturbationAttribution):
+class ViTPerturbationAttribution(ViTFront, PerturbationAttribution):
     """Base of the perturbation-based ViT methods."""
 
 

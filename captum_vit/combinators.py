@@ -1,4 +1,5 @@
-"""PLUS, SkipPLUS and FullGrad+ (Mehri et al., CVPRW 2024, "SkipPLUS").
+"""PLUS and SkipPLUS (Mehri et al., CVPRW 2024, "SkipPLUS") over any method; FullGrad+ lives
+in :mod:`captum_vit.methods.fullgrad` (importable from here too).
 
 For a base attribution method ``A`` and the sub-network ``f_l`` that runs blocks
 ``l .. L-1`` and the head on the block input ``x_l``:
@@ -14,7 +15,10 @@ Raw sums, no per-layer normalisation; token maps ``[B, N, D]`` are summed over `
 ``x_l``), a Captum attribution on the token states ``x_l`` with ``f_l`` as its forward
 function. Where one pass serves every start block the base takes a *fast path*.
 
-Hook API (what a method class implements to compose with PLUS; all optional):
+Hook API (what a method class implements to compose with PLUS; all optional; the base
+class :class:`~captum_vit.methods.PLUSFastPath` declares it and gives the default
+``_token_maps``; this module knows no method class, only the protocol and the names of
+:mod:`captum_vit.methods.table`):
 
 - ``plus_maps(inputs, target, layers, *, aggregate="subnetwork", **options) -> Tensor``:
   the maps ``A(f_l)(x_l)`` of every start block in ``layers`` (sorted distinct ints),
@@ -41,11 +45,10 @@ every block's map.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,21 +60,17 @@ from captum_vit._base import (
     AGGREGATES,
     SCORES,
     TargetLike,
+    ViTFront,
     ViTGradientAttribution,
-    _ViTFront,
     accumulation_dtype,
     check_choice,
-    check_layer,
     check_layers,
     check_scalar,
-    gradients,
     resolve_target,
-    target_scores,
 )
-from captum_vit.adapters import BlockParts, NormParts, Ops, PoolParts
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
-from captum_vit.methods.decompx import DecompX
-from captum_vit.methods.ixg import AttIxG, TokenIxG, layer_gradients
+from captum_vit.methods import FullGradPlus, per_layer_fast, skip_start
+from captum_vit.methods.table import composition_base, register_combinator, sums_blocks
 
 # names of the one-backward bases -> per-layer map kind
 FAST_BASES = {"ixg": "ixg", "token_ixg": "ixg", "att_ixg": "att_ixg", "decompx": "decompx",
@@ -82,66 +81,13 @@ _LAYER_KINDS = ("ixg", "att_ixg", "gradient")
 BaseLike = str | type | Callable[[Callable[..., Tensor]], Attribution]
 
 
-def skip_start(num_blocks: int) -> int:
-    """SkipPLUS's first layer ``m = ceil(L/2)`` (Eq. 4; the authors' code uses ``L // 2``,
-    which is the same for even ``L`` and one block earlier for odd ``L``)."""
-    return math.ceil(num_blocks / 2)
-
-
-def per_layer_fast(kind: str, adapter: Any, inputs: Tensor, target: Tensor | None,
-                   score: str = "logit") -> Tensor:
-    """Every block's base map ``[L, B, N]`` from one forward and one backward.
-
-    ``kind``: ``"ixg"`` (``sum_d x_l * grad``), ``"att_ixg"`` (AttCAT term),
-    ``"decompx"`` (IxG with the linearised backward, :mod:`captum_vit.methods.decompx`),
-    ``"gradient"`` (``sum_d grad``, i.e. Captum's ``Saliency(abs=False)`` summed over channels).
-    """
-    lg = layer_gradients(adapter, inputs, target, score=score, linearize=kind == "decompx")
-    if kind == "att_ixg":
-        return lg.att_ixg()
-    if kind == "gradient":
-        dt = accumulation_dtype(inputs)
-        return torch.stack([g.to(dt).sum(-1) for g in lg.grads[:-1]])
-    return lg.ixg()[:-1]
-
-
-def _gradient_route_maps(method: Attribution, inputs: Tensor, target: Tensor | None,
-                         layers: tuple[int, ...], *, aggregate: str = "subnetwork",
-                         score: str = "logit") -> Tensor:
-    """The fast path of :class:`TokenIxG`, :class:`AttIxG` and :class:`DecompX` (their
-    ``plus_maps``): the map at block ``l + layer`` (``l + start_layer``) of the model for
-    every start block ``l``, from one backward (as the method on each sub-network)."""
-    adapter = method.adapter
-    L = adapter.num_blocks
-    if isinstance(method, DecompX):
-        name, offset, kind, end = "start_layer", method.start_layer, "decompx", False
-        if aggregate != "subnetwork":
-            raise ValueError("aggregate='layer' is not defined for DecompX (it decomposes the "
-                             "whole sub-network, there is no per-block matrix); use "
-                             "aggregate='subnetwork'")
-    else:
-        check_choice("score", score, SCORES)
-        name, offset, end = "layer", method.layer, isinstance(method, TokenIxG)
-        kind = "ixg" if end else "att_ixg"
-    for l in layers:  # the check the method makes on each (L - l)-block sub-network
-        check_layer(name, offset, L - l, allow_end=end)
-    lg = layer_gradients(adapter, inputs, target, score=score, linearize=kind == "decompx")
-    maps = lg.att_ixg() if kind == "att_ixg" else lg.ixg()
-    return maps[[l + offset for l in layers]]
-
-
-_GRADIENT_ROUTE = {TokenIxG: ("subnetwork", "layer"), AttIxG: ("subnetwork", "layer"),
-                   DecompX: ("subnetwork",)}
-"""Method classes whose fast path lives here (their ``plus_maps``) -> their aggregates."""
-
-
-def _package_method(method: Attribution) -> _ViTFront | None:
+def _package_method(method: Attribution) -> ViTFront | None:
     """The captum_vit method of ``method``: itself, or the method a Captum wrapper
     (``NoiseTunnel``) wraps; ``None`` for a plain Captum attribution."""
-    if isinstance(method, _ViTFront):
+    if isinstance(method, ViTFront):
         return method
     inner = getattr(method, "attribution_method", None)
-    return inner if isinstance(inner, _ViTFront) else None
+    return inner if isinstance(inner, ViTFront) else None
 
 
 def _accepted_options(method: Attribution) -> set[str] | None:
@@ -153,6 +99,7 @@ def _accepted_options(method: Attribution) -> set[str] | None:
         "inputs", "target", "output"}
 
 
+@register_combinator("plus")
 class PLUS(ViTGradientAttribution):
     r"""PLUS (Eq. 3 of SkipPLUS): :math:`\sum_{l \in \mathcal{L}} A(f_l)(x_l)` summed over
     all blocks :math:`\mathcal{L} = 0..L-1`, where :math:`f_l` runs blocks
@@ -253,17 +200,15 @@ class PLUS(ViTGradientAttribution):
         if isinstance(base, str):
             if base in FAST_BASES and (self.fast or base == "gradient"):
                 return base
-            from captum_vit.registry import composition_base  # the registry imports us
-
             try:
                 resolved = composition_base(base)
             except ValueError as e:
                 raise ValueError(f"unknown base {base!r}: {e}") from None
             if isinstance(resolved, str) and not self.fast and resolved == "ixg":
-                return TokenIxG
+                return composition_base("token_ixg")  # the registered TokenIxG
             return resolved
         if isinstance(base, type):
-            if issubclass(base, PLUS | FullGradPlus):
+            if sums_blocks(base):
                 raise TypeError(f"base {base.__name__} is itself a sum over blocks; PLUS and "
                                 "SkipPLUS take one base method (nested compositions are not "
                                 "supported)")
@@ -281,7 +226,7 @@ class PLUS(ViTGradientAttribution):
         if not isinstance(method, Attribution):
             raise TypeError(f"base factory returned {type(method).__name__}, not a Captum "
                             "Attribution")
-        if isinstance(method, PLUS | FullGradPlus):
+        if sums_blocks(type(method)):
             raise TypeError(f"base {type(method).__name__} is itself a sum over blocks; PLUS "
                             "and SkipPLUS take one base method (nested compositions are not "
                             "supported)")
@@ -296,11 +241,9 @@ class PLUS(ViTGradientAttribution):
                 raise ValueError(f"aggregate='layer' is not defined for the Captum base {name} "
                                  "(no per-block matrix); use aggregate='subnetwork'")
             return
-        self.layer_local = bool(getattr(method, "layer_local", False)) or isinstance(
-            method, TokenIxG | AttIxG)
-        hook_aggregates = next((agg for cls, agg in _GRADIENT_ROUTE.items()
-                                if isinstance(probe, cls)), None)
-        if hook_aggregates is None and callable(getattr(probe, "plus_maps", None)):
+        self.layer_local = bool(getattr(method, "layer_local", False))
+        hook_aggregates = None  # the fast-path protocol (PLUSFastPath), read by duck typing
+        if callable(getattr(probe, "plus_maps", None)):
             hook_aggregates = tuple(getattr(probe, "plus_aggregates", ("subnetwork",)))
         if self.fast and hook_aggregates is not None:
             self.route = "hook"
@@ -408,12 +351,8 @@ class PLUS(ViTGradientAttribution):
     def _hook_maps(self, inputs: Tensor, target: Tensor | None,
                    kwargs: dict[str, Any]) -> Tensor:
         probe = self._probe
-        if isinstance(probe, tuple(_GRADIENT_ROUTE)):
-            maps = _gradient_route_maps(probe, inputs, target, self.layers,
-                                        aggregate=self.aggregate, **kwargs)
-        else:
-            maps = probe.plus_maps(inputs, target, self.layers, aggregate=self.aggregate,
-                                   **kwargs)
+        maps = probe.plus_maps(inputs, target, self.layers, aggregate=self.aggregate,
+                               **kwargs)
         want = (len(self.layers), inputs.shape[0], self.adapter.layout(inputs).num_tokens)
         if not isinstance(maps, Tensor) or tuple(maps.shape) != want:
             raise RuntimeError(f"{type(probe).__name__}.plus_maps returned "
@@ -456,6 +395,7 @@ class PLUS(ViTGradientAttribution):
         return self.layer_maps(inputs, target, score=score, base_kwargs=base_kwargs).sum(0)
 
 
+@register_combinator("skipplus")
 class SkipPLUS(PLUS):
     r"""SkipPLUS (Eq. 4): PLUS summed over the second half of the blocks only,
     :math:`\sum_{l=m}^{L-1} A(f_l)(x_l)` with :math:`m = \lceil L/2 \rceil`.
@@ -482,128 +422,15 @@ class SkipPLUS(PLUS):
         return range(skip_start(num_blocks), num_blocks)
 
 
-class _BiasProbeOps(Ops):
-    """Plain forward that adds a zero "probe" ``[B, N, C]`` to the output of every
-    biased linear map and LayerNorm while ``active``; ``d s / d probe`` is the gradient
-    at that op's output, so ``sum_c bias_c * grad[..., c]`` is its bias-gradient map."""
-
-    def __init__(self) -> None:
-        super().__init__(linearize=False)
-        self.active = False
-        self.probes: list[tuple[Tensor, Tensor]] = []  # (bias, probe)
-
-    def _probe(self, out: Tensor, bias: Tensor | None) -> Tensor:
-        if not self.active or bias is None or out.dim() != 3:
-            return out  # post-pooling ops ([B, C]) have no token axis
-        probe = torch.zeros_like(out, requires_grad=True)
-        self.probes.append((bias, probe))
-        return out + probe
-
-    def norm(self, x: Tensor, p: NormParts) -> Tensor:
-        return self._probe(super().norm(x, p), p.bias)
-
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return self._probe(super().linear(x, weight, bias), bias)
-
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Tensor | None]:
-        if not self.active:
-            return super().attention(u, p)
-        b, n, _ = u.shape
-        probed = {}
-        for name in ("q_bias", "k_bias", "v_bias"):  # each bias counted once
-            bias = getattr(p, name)
-            if bias is not None:  # the probe enters the q/k/v output via its bias
-                probe = torch.zeros((b, n, bias.shape[0]), dtype=u.dtype, device=u.device,
-                                    requires_grad=True)
-                self.probes.append((bias, probe))
-                probed[name] = bias + probe
-        return super().attention(u, replace(p, **probed))
+def __getattr__(name: str) -> Any:
+    """The method classes and engines this module imported before they moved to
+    :mod:`captum_vit.methods` (``TokenIxG``, ``AttIxG``, ``DecompX``, ``layer_gradients``)
+    stay importable from here."""
+    methods = importlib.import_module("captum_vit.methods")
+    if name in methods.__all__:
+        return getattr(methods, name)
+    raise AttributeError(f"module 'captum_vit.combinators' has no attribute {name!r}")
 
 
-    def pool_attention(self, x: Tensor, p: PoolParts) -> tuple[Tensor, Tensor | None]:
-        self.active = False  # an attention-pool head's outputs have no token axis
-        return super().pool_attention(x, p)
-
-
-class FullGradPlus(ViTGradientAttribution):
-    r"""FullGrad+ (Eq. 5-6 of SkipPLUS): the token IxG maps of the included blocks plus
-    the bias-gradient maps of every bias in them,
-
-    .. math::
-        m = \sum_{l \in \mathcal{L}} \sum_d x_l \odot \nabla x_l
-          + \sum_{l \in \mathcal{L}} \sum_{b \in B_l} \sum_c b_c\, \nabla o_b[:, c]
-
-    where :math:`o_b` is the output of the op owning bias :math:`b`; the biases of a
-    block are qkv, output projection, fc1, fc2 and the LayerNorm shifts
-    :math:`\beta` of norm1 and norm2, each counted once. All gradients come from one
-    backward pass. ``skip=True`` sums blocks :math:`\lceil L/2 \rceil .. L-1` (SkipPLUS).
-
-    The patch-embedding bias is already inside :math:`x_0` (covered by IxG at block 0)
-    and the shifts of qk-norm LayerNorms act inside the attention logits; neither is
-    counted. Biases after the last block belong to no block; with
-    ``head_biases=True`` the final LayerNorm's :math:`\beta` (which has a token axis)
-    is added too. The ``fc_norm`` shift and the classifier bias act after pooling, have
-    no token position and never count.
-
-    Args:
-        model (torch.nn.Module): a supported Vision Transformer.
-        skip (bool, optional): SkipPLUS layer range instead of all blocks. Default False.
-        layers (iterable of int, optional): overrides the summed blocks.
-        head_biases (bool, optional): also count the final norm's shift. Default False.
-    """
-
-    def __init__(self, model: nn.Module, skip: bool = False, *,
-                 layers: Iterable[int] | None = None, head_biases: bool = False) -> None:
-        super().__init__(model)
-        L = self.adapter.num_blocks
-        if layers is None:
-            layers = range(skip_start(L) if skip else 0, L)
-        self.layers = check_layers(layers, L)
-        self.skip = bool(skip)
-        self.head_biases = bool(head_biases)
-
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed FullGrad+ map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import FullGradPlus
-            >>> attr = FullGradPlus(model, skip=True).attribute(images, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        ops = _BiasProbeOps()
-        with torch.enable_grad():
-            x = self.adapter.embed(inputs).detach().requires_grad_()
-            states = []
-            for l in range(self.adapter.num_blocks):
-                states.append(x)
-                ops.active = l in self.layers
-                x = self.adapter.block(x, l, ops)
-            ops.active = self.head_biases
-            logits = self.adapter.logits(x, ops)
-            t = resolve_target(target, logits)
-            xs = [states[l] for l in self.layers]
-            probes = [p for _, p in ops.probes]
-            grads = gradients(target_scores(logits, t, score), xs + probes)
-        dt = accumulation_dtype(inputs)
-        with torch.no_grad():
-            m = sum((x.detach().to(dt) * g.to(dt)).sum(-1)
-                    for x, g in zip(xs, grads[:len(xs)], strict=True))
-            for (bias, _), g in zip(ops.probes, grads[len(xs):], strict=True):
-                m = m + (g.to(dt) * bias.detach().to(dt)).sum(-1)
-        return m
+__all__ = ["FAST_BASES", "PLUS", "BaseLike", "FullGradPlus", "SkipPLUS", "check_layers",
+           "per_layer_fast", "skip_start"]

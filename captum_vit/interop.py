@@ -56,7 +56,7 @@ from captum.attr import Attribution
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    _ViTFront,
+    ViTFront,
     check_choice,
     check_scalar,
     check_target,
@@ -230,7 +230,7 @@ def quantus_explain_func(method: MethodLike, *, mode: str = "nearest", seed: int
               **{k: v for k, v in kwargs.items() if k not in QUANTUS_KEYWORDS}}
         x = _as_images(inputs, model)
         attribution = build(model)
-        if isinstance(attribution, _ViTFront):
+        if isinstance(attribution, ViTFront):
             kw.setdefault("output", "tokens")
         maps = attribution.attribute(x, target=_as_targets(targets, x.device), **kw)
         if isinstance(maps, tuple) and len(maps) == 1:

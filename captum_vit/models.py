@@ -23,22 +23,26 @@ are kept in :attr:`LoadedModel.card`.
 
 Class names may also come from a text file (one name per line, :func:`read_class_names`),
 which ``--classes FILE`` passes for any model.
+
+The card reader and :class:`LoadedModel` live in :mod:`captum_vit.cards` (below this module
+and :mod:`captum_vit.zoo`), :class:`Preprocess` in :mod:`captum_vit.data.transforms` and
+:func:`class_index` in :mod:`captum_vit.data.classes`; all are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from captum_vit._text import count_noun
 from captum_vit.adapters import adapt
-from captum_vit.data.images import conform, read_json
+from captum_vit.cards import LoadedModel, from_card, loaded_model, read_card
+from captum_vit.data.classes import class_index
+from captum_vit.data.transforms import Preprocess
 
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "vit_tiny": dict(img_size=32, patch_size=8, in_chans=3, embed_dim=48, depth=3, num_heads=4,
@@ -50,115 +54,6 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
 SPEC_HELP = ("zoo:NAME | timm:NAME [--pretrained] | file:PATH.safetensors (+ PATH.json card) | "
              f"hf:NAME_OR_PATH (local only) | random:{'|'.join(RANDOM_MODELS)}")
 """One-line summary of the model specs (command-line help)."""
-
-_ARCHITECTURES = ("VisionTransformer", "timm.models.vision_transformer.VisionTransformer")
-
-
-@dataclass(frozen=True)
-class Preprocess:
-    """An image of any size -> the model's normalised input ``[C, H, W]``.
-
-    Takes what :func:`captum_vit.data.images.as_image` takes (PIL image, numpy array in
-    ``[0, 255]`` or ``[0, 1]``, ``[C, H, W]`` tensor), converts the channels (3 -> 1 by
-    luminance, 1 -> 3 by repetition), resizes bilinearly to ``size`` and subtracts ``mean``
-    and divides by ``std`` per channel (no normalisation when they are ``None``).
-
-    Attributes:
-        channels (int): channels of the model's input.
-        size (tuple[int, int]): ``(H, W)`` of the model's input.
-        mean (tuple[float, ...], optional): per-channel mean (one value for all channels).
-        std (tuple[float, ...], optional): per-channel standard deviation.
-
-    Examples::
-
-        >>> pre = Preprocess(1, (56, 56), (0.1,), (0.25,))
-        >>> pre(torch.rand(3, 100, 80)).shape
-        torch.Size([1, 56, 56])
-    """
-
-    channels: int
-    size: tuple[int, int]
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("mean", "std"):
-            v = getattr(self, name)
-            if v is not None and len(v) not in (1, self.channels):
-                give = "1 value" if self.channels == 1 else f"1 or {self.channels} values"
-                raise ValueError(f"normalization {name} has {count_noun(len(v), 'value')} for "
-                                 f"a model with {count_noun(self.channels, 'channel')}; "
-                                 f"give {give}")
-        if (self.mean is None) != (self.std is None):
-            raise ValueError("normalization needs both mean and std")
-
-    def __call__(self, image: Any) -> Tensor:
-        x = conform(image, self.channels, self.size)
-        if self.mean is None or self.std is None:
-            return x
-        mean = x.new_tensor(self.mean)[:, None, None]
-        std = x.new_tensor(self.std)[:, None, None]
-        return (x - mean) / std
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model with what is needed to feed and read it.
-
-    Attributes:
-        model (nn.Module): the model, in eval mode.
-        preprocess (Preprocess): image -> normalised input ``[C, H, W]``.
-        class_names (tuple[str, ...], optional): a name per output class, or ``None``
-            when unknown.
-        card (dict, optional): the model card (``zoo:`` and ``file:`` models).
-        random_weights (bool): whether the weights are random (``random:``, ``timm:``
-            without ``pretrained``).
-    """
-
-    model: nn.Module
-    preprocess: Preprocess
-    class_names: tuple[str, ...] | None = None
-    card: dict | None = None
-    random_weights: bool = False
-    targets: Any = None
-    """For a model that outputs an image embedding: the target vectors it is scored
-    against (an :class:`~captum_vit.targets.EmbeddingTarget` without index)."""
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        """The model's ``(channels, (H, W))`` (from its adapter)."""
-        return adapt(self.model).input_shape
-
-    @property
-    def num_classes(self) -> int:
-        """The model's number of output classes (from its adapter), or the number of
-        target vectors of an embedding model."""
-        if self.targets is not None:
-            return int(self.targets.vectors.reshape(-1, self.targets.vectors.shape[-1]
-                                                    ).shape[0])
-        return adapt(self.model).num_classes
-
-    def scoring(self) -> Any:
-        """A context in which the model's scores are its classes: for an embedding model,
-        :func:`captum_vit.targets.scoring` against :attr:`targets` (call it after moving
-        the model to its device and dtype); for a classifier, nothing.
-
-        Raises:
-            ValueError: an embedding model without target vectors.
-        """
-        import contextlib
-
-        from captum_vit.targets import scoring
-
-        if self.targets is not None:
-            return scoring(self.model, self.targets)
-        if adapt(self.model).embedding:
-            raise ValueError(f"this {type(self.model).__name__} outputs an image embedding, "
-                             "not classes: give the vectors to score it against with "
-                             "--target-embeddings FILE (.npy/.pt, [T, D′], e.g. text "
-                             "embeddings of class prompts; --classes names them)")
-        return contextlib.nullcontext()
-
 
 def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
     r"""Class names from a text file: one name per line, blank lines ignored.
@@ -186,112 +81,6 @@ def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
     if not names:
         raise ValueError(f"--classes {p}: the file names no class (one class name per line)")
     return names
-
-
-def class_index(name: str, class_names: Sequence[str]) -> int:
-    r"""The index of the class called ``name``: compared ignoring case, spaces and
-    punctuation (``"sneaker"``, ``"T-shirt top"``); a name that is no whole class name
-    may be the first synonym of one (``"tench"`` for ``"tench, Tinca tinca"``).
-
-    Args:
-        name (str): the class name.
-        class_names (Sequence[str]): the model's class names (index = class).
-
-    Returns:
-        int: the class index.
-
-    Raises:
-        ValueError: ``name`` matches no class (the message lists some valid names) or
-            several.
-
-    Examples::
-
-        >>> from captum_vit.models import class_index
-        >>> class_index("sneaker", ["T-shirt/top", "Sandal", "Sneaker"])
-        2
-    """
-    from captum_vit.data.specs import class_key
-
-    text = str(name).strip()
-    for key in (str.lower, class_key):
-        found = [i for i, c in enumerate(class_names) if key(str(c).strip()) == key(text)]
-        if not found:
-            found = [i for i, c in enumerate(class_names)
-                     if key(str(c).split(",")[0].strip()) == key(text)]
-        if len(found) == 1:
-            return found[0]
-        if len(found) > 1:
-            raise ValueError(f"{text!r} matches several classes of the model: "
-                             + ", ".join(f"{class_names[i]!r} ({i})" for i in found))
-    shown = ", ".join(str(c) for c in class_names[:12])
-    more = f", ... ({len(class_names)} in all)" if len(class_names) > 12 else ""
-    raise ValueError(f"{text!r} is not a class name of the model (compared ignoring case "
-                     f"and punctuation); valid names: {shown}{more}")
-
-
-def read_card(path: str | os.PathLike) -> dict[str, Any]:
-    r"""Read a model card (the zoo's format, see the module docstring).
-
-    Args:
-        path (str or os.PathLike): the ``.json`` card.
-
-    Returns:
-        dict: the card, with ``timm_kwargs`` set (from ``kwargs`` for older cards).
-
-    Raises:
-        FileNotFoundError: if the card does not exist.
-        ValueError: if it is not JSON or lacks the model's keyword arguments.
-
-    Examples::
-
-        >>> from captum_vit.models import read_card
-        >>> read_card("captum_vit/zoo/vit_fmnist_loc.json")["timm_kwargs"]["patch_size"]
-        7
-    """
-    p = Path(path)
-    card = read_json(p, "model card", "put the JSON card (with 'timm_kwargs') beside the "
-                     "weights")
-    if not isinstance(card, dict):
-        raise ValueError(f"model card {p} must hold a JSON object")
-    kwargs = card.get("timm_kwargs", card.get("kwargs"))
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"model card {p} needs 'timm_kwargs': the keyword arguments of timm's "
-                         "VisionTransformer")
-    arch = card.get("architecture", "VisionTransformer")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"model card {p}: architecture {arch!r} is not supported; cards "
-                         "describe a timm VisionTransformer")
-    return {**card, "timm_kwargs": kwargs}
-
-
-def from_card(card: dict[str, Any], weights: str | os.PathLike, *,
-              class_names: Sequence[str] | None = None) -> LoadedModel:
-    r"""Build the model a card describes and load its safetensors weights (strictly).
-
-    Args:
-        card (dict): a card as :func:`read_card` returns it.
-        weights (str or os.PathLike): the ``.safetensors`` state dict.
-        class_names (Sequence[str], optional): class names, overriding the card's.
-
-    Returns:
-        LoadedModel: the model (eval mode), the card's preprocessing and class names.
-
-    Examples::
-
-        >>> from captum_vit.models import from_card, read_card
-        >>> lm = from_card(read_card("m.json"), "m.safetensors")
-    """
-    from safetensors.torch import load_file
-    from timm.models.vision_transformer import VisionTransformer
-
-    w = Path(weights)
-    if not w.is_file():
-        raise FileNotFoundError(f"weights {w} not found (a .safetensors state dict)")
-    model = VisionTransformer(**card["timm_kwargs"])
-    model.load_state_dict(load_file(str(w)), strict=True)
-    norm = card.get("normalization") or {}
-    names = class_names if class_names is not None else card.get("class_names")
-    return _finish(model.eval(), norm.get("mean"), norm.get("std"), names, card=card)
 
 
 def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
@@ -360,54 +149,13 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = VisionTransformer(**RANDOM_MODELS[name]).eval()
-        lm = _finish(model, None, None, None, random_weights=True)
+        lm = loaded_model(model, None, None, None, random_weights=True)
     else:
         raise ValueError(f"unknown model {spec!r}; use {SPEC_HELP}")
     if class_names is None and targets is None:
         return lm
-    return _finish(lm.model, lm.preprocess.mean, lm.preprocess.std, class_names, card=lm.card,
-                   random_weights=lm.random_weights, targets=targets)
-
-
-def _finish(model: nn.Module, mean: Sequence[float] | float | None,
-            std: Sequence[float] | float | None, class_names: Sequence[str] | None, *,
-            card: dict | None = None, random_weights: bool = False,
-            targets: Any = None) -> LoadedModel:
-    """The LoadedModel of ``model``: preprocessing at its input shape, checked names and
-    target vectors."""
-    adapter = adapt(model)
-    channels, size = adapter.input_shape
-    num_classes = adapter.num_classes
-    if targets is not None:
-        from captum_vit.targets import EmbeddingTarget, read_target_embeddings
-
-        if not adapter.embedding:
-            raise ValueError(f"target embeddings are for models that output an image "
-                             f"embedding; this {type(model).__name__} is a classifier")
-        if isinstance(targets, (str, os.PathLike)):
-            targets = read_target_embeddings(targets)
-        if not isinstance(targets, EmbeddingTarget):
-            targets = EmbeddingTarget(targets)
-        v = targets.vectors
-        if v.shape[-1] != num_classes or v.dim() not in (1, 2):
-            raise ValueError(f"target embeddings must be [T, {num_classes}] (the model's "
-                             f"embedding size), got {tuple(v.shape)}")
-        num_classes = 1 if v.dim() == 1 else int(v.shape[0])
-
-    def values(v: Sequence[float] | float | None) -> tuple[float, ...] | None:
-        if v is None:
-            return None
-        return tuple(float(f) for f in v) if isinstance(v, (list, tuple)) else (float(v),)
-
-    names = None
-    if class_names is not None:
-        names = tuple(str(n) for n in class_names)
-        if len(names) != num_classes:
-            what = "target vectors" if targets is not None else "classes"
-            raise ValueError(f"{len(names)} class names for a model with {num_classes} "
-                             f"{what}; give one name per output class")
-    pre = Preprocess(int(channels), (int(size[0]), int(size[1])), values(mean), values(std))
-    return LoadedModel(model, pre, names, card, random_weights, targets)
+    return loaded_model(lm.model, lm.preprocess.mean, lm.preprocess.std, class_names,
+                        card=lm.card, random_weights=lm.random_weights, targets=targets)
 
 
 def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
@@ -424,8 +172,9 @@ def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
         model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(
             file=path, custom_load=path.endswith(".npz")))
     cfg = model.pretrained_cfg
-    return _finish(model.eval(), cfg.get("mean", (0.5, 0.5, 0.5)), cfg.get("std", (0.5, 0.5, 0.5)),
-                   timm_class_names(model), random_weights=not pretrained)
+    return loaded_model(model.eval(), cfg.get("mean", (0.5, 0.5, 0.5)),
+                        cfg.get("std", (0.5, 0.5, 0.5)), timm_class_names(model),
+                        random_weights=not pretrained)
 
 
 def timm_class_names(model: nn.Module) -> tuple[str, ...] | None:
@@ -486,7 +235,7 @@ def _hf(name: str) -> LoadedModel:
     labels = [config.id2label[i] for i in sorted(config.id2label)]
     names = None if labels == [f"LABEL_{i}" for i in range(len(labels))] \
         or adapt(model).embedding else labels
-    return _finish(model, 0.5 if mean is None else mean, 0.5 if std is None else std, names)
+    return loaded_model(model, 0.5 if mean is None else mean, 0.5 if std is None else std, names)
 
 
 def cached_timm_weights(cfg: Any) -> str:

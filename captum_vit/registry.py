@@ -16,7 +16,10 @@ A name is one of
 
 :func:`canonical_name` turns every spelling into one canonical string, so ``"GAE"``,
 ``"gae"`` and ``"G_A_E"`` are the same method everywhere (tables, CLI, Python).
-Adding a method is one row of :data:`METHODS`.
+The table itself is filled by :func:`register_method` beside each class (the decorator
+lives in :mod:`captum_vit.methods.table`, below the methods; re-exported here) and the one
+import list :mod:`captum_vit.methods`: adding a method is its file plus one import line.
+:data:`METHODS` reads the table.
 """
 
 from __future__ import annotations
@@ -24,160 +27,29 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from typing import Any
 
 from captum.attr import Attribution
 from torch import nn
 
-from captum_vit.combinators import PLUS, FullGradPlus, SkipPLUS
-from captum_vit.methods import (
-    ALTI,
-    BTH,
-    BTT,
-    CPLRP,
-    GAE,
-    RISE,
-    TAM,
-    TIS,
-    AttCAT,
-    AttIxG,
-    AttnGrad,
-    AttnGradCAM,
-    AttnLRP,
-    DecompX,
-    GlobEnc,
-    GradCAM,
-    GradCAMElementWise,
-    GradCAMPlusPlus,
-    GradSAM,
-    HiResCAM,
-    LayerCAM,
-    LeGrad,
-    RandomMap,
-    RawAttention,
-    Rollout,
-    ScoreCAM,
-    TokenIxG,
-    TokenTM,
-    TransformerAttribution,
-    VanillaGrad,
-    ViTCX,
-    XGradCAM,
+import captum_vit.combinators  # noqa: F401  (registers PLUS and SkipPLUS)
+import captum_vit.methods  # noqa: F401  (the one import list: registers every method)
+from captum_vit.methods.table import (
+    COMBINATOR_BASES,
+    COMBINATORS,
+    FAMILIES,
+    MethodEntry,
+    canonical_name,
+    captum_class,
+    composition_base,
+    lookup,
+    method_entries,
+    method_names,
+    register_combinator,
+    register_method,
+    split_composition,
+    unregister_method,
 )
-
-FAMILIES: dict[str, str] = {
-    "attention": "attention & rollout",
-    "gradient_attention": "gradient × attention",
-    "gradient": "gradient & input × gradient",
-    "cam": "CAM on tokens",
-    "decomposition": "decomposition & LRP",
-    "perturbation": "perturbation",
-    "composition": "PLUS / SkipPLUS",
-    "captum": "Captum",
-    "baseline": "baseline",
-}
-"""Method families, key -> label, in the order ``captum-vit explain`` groups its panels.
-Every :class:`MethodEntry` names one; compositions (``plus:<name>``) and
-``captum:<Class>`` have their own."""
-
-
-@dataclass(frozen=True)
-class MethodEntry:
-    """One registered method.
-
-    Attributes:
-        name (str): canonical snake_case name.
-        cls (type): the attribution class.
-        build (Callable): ``build(model, seed) -> Attribution``.
-        class_alias (bool): whether the class name also names this entry (False for a
-            non-default configuration of a class, e.g. ``tokentm_residual``).
-        baseline (bool): a reference row (``random``), not an explanation: left out of
-            ``explain``'s default grid.
-        quick (dict): ``attribute`` options for a quick look (``captum-vit explain``);
-            the method's own defaults are the paper's.
-        composable (bool): whether ``plus:<name>`` / ``skipplus:<name>`` exist.
-        family (str): a key of :data:`FAMILIES` (keyword only, required): what the
-            method computes its map from (attention, gradients and attention, CAM, a
-            decomposition or relevance propagation, perturbations).
-    """
-
-    name: str
-    cls: type
-    build: Callable[[nn.Module, int], Attribution]
-    class_alias: bool = True
-    baseline: bool = False
-    quick: dict = field(default_factory=dict)
-    composable: bool = True
-    """Whether PLUS / SkipPLUS may take it as a base (False for FullGrad+, itself a sum
-    over blocks)."""
-    family: str = field(kw_only=True)
-    """The method's family, a key of :data:`FAMILIES`."""
-
-    def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"{self.name}: family must be one of "
-                             f"{', '.join(map(repr, FAMILIES))}, got {self.family!r}")
-
-
-def _plain(cls: type) -> Callable[[nn.Module, int], Attribution]:
-    return lambda model, seed: cls(model)
-
-
-METHODS: tuple[MethodEntry, ...] = (
-    MethodEntry("raw_attention", RawAttention, _plain(RawAttention), family="attention"),
-    MethodEntry("rollout", Rollout, _plain(Rollout), family="attention"),
-    MethodEntry("gae", GAE, _plain(GAE), family="gradient_attention"),
-    MethodEntry("attn_gradcam", AttnGradCAM, _plain(AttnGradCAM), family="gradient_attention"),
-    MethodEntry("attcat", AttCAT, _plain(AttCAT), family="gradient_attention"),
-    MethodEntry("tokentm", TokenTM, _plain(TokenTM), family="gradient_attention"),
-    MethodEntry("tokentm_residual", TokenTM, lambda m, s: TokenTM(m, variant="residual"),
-                class_alias=False, family="gradient_attention"),
-    MethodEntry("token_ixg", TokenIxG, _plain(TokenIxG), family="gradient"),
-    MethodEntry("att_ixg", AttIxG, _plain(AttIxG), family="gradient_attention"),
-    MethodEntry("decompx", DecompX, _plain(DecompX), family="decomposition"),
-    MethodEntry("tis", TIS, _plain(TIS), quick={"n_masks": 128}, family="perturbation"),
-    MethodEntry("vanilla_grad", VanillaGrad, _plain(VanillaGrad), family="gradient"),
-    MethodEntry("attn_grad", AttnGrad, _plain(AttnGrad), family="gradient_attention"),
-    MethodEntry("gradsam", GradSAM, _plain(GradSAM), family="gradient_attention"),
-    MethodEntry("globenc", GlobEnc, _plain(GlobEnc), family="decomposition"),
-    MethodEntry("alti", ALTI, _plain(ALTI), family="decomposition"),
-    MethodEntry("gradcam", GradCAM, _plain(GradCAM), family="cam"),
-    MethodEntry("gradcam_pp", GradCAMPlusPlus, _plain(GradCAMPlusPlus), family="cam"),
-    MethodEntry("xgradcam", XGradCAM, _plain(XGradCAM), family="cam"),
-    MethodEntry("xgradcam_plus", XGradCAM, lambda m, s: XGradCAM(m, plus=True),
-                class_alias=False, family="cam"),
-    MethodEntry("layercam", LayerCAM, _plain(LayerCAM), family="cam"),
-    MethodEntry("hirescam", HiResCAM, _plain(HiResCAM), family="cam"),
-    MethodEntry("gradcam_elementwise", GradCAMElementWise, _plain(GradCAMElementWise),
-                family="cam"),
-    MethodEntry("scorecam", ScoreCAM, _plain(ScoreCAM), quick={"max_channels": 128},
-                family="cam"),
-    MethodEntry("legrad", LeGrad, _plain(LeGrad), family="gradient_attention"),
-    MethodEntry("bt_h", BTH, _plain(BTH), quick={"n_steps": 5}, family="gradient_attention"),
-    MethodEntry("bt_t", BTT, _plain(BTT), quick={"n_steps": 5}, family="gradient_attention"),
-    MethodEntry("tam", TAM, _plain(TAM), quick={"n_steps": 5}, family="gradient_attention"),
-    MethodEntry("rise", RISE, lambda m, s: RISE(m, seed=s), quick={"n_masks": 500},
-                family="perturbation"),
-    MethodEntry("vit_cx", ViTCX, lambda m, s: ViTCX(m, seed=s), family="perturbation"),
-    MethodEntry("cp_lrp", CPLRP, _plain(CPLRP), family="decomposition"),
-    MethodEntry("attnlrp", AttnLRP, _plain(AttnLRP), family="decomposition"),
-    MethodEntry("chefer21", TransformerAttribution, _plain(TransformerAttribution),
-                family="decomposition"),
-    MethodEntry("fullgrad_plus", FullGradPlus, _plain(FullGradPlus), composable=False,
-                family="gradient"),
-    MethodEntry("skip_fullgrad_plus", FullGradPlus, lambda m, s: FullGradPlus(m, skip=True),
-                class_alias=False, composable=False, family="gradient"),
-    MethodEntry("random", RandomMap, lambda m, s: RandomMap(m, seed=s), baseline=True,
-                family="baseline"),
-)
-"""Every registered method, in the order of tables and plots."""
-
-COMBINATORS: dict[str, type] = {"plus": PLUS, "skipplus": SkipPLUS}
-"""Composition prefixes (``plus:<name>``) and the combinator each builds."""
-
-COMBINATOR_BASES = ("ixg", "gradient")
-"""Base kinds the combinators take that are not methods of their own: token IxG and the
-vanilla gradient (:mod:`captum_vit.combinators`)."""
 
 FEATURED_COMPOSITIONS = ("plus:decompx", "skipplus:decompx")
 """Compositions included in ``all`` (the SkipPLUS paper's headline)."""
@@ -197,22 +69,21 @@ without covering more code. Perturbation bases (TIS) cost one run per block and 
 checked in their own tests."""
 
 
+def __getattr__(name: str) -> Any:
+    """``METHODS``: every registered method, in the order of tables and plots (read from
+    the table at each access, so a method registered later is in it); the method and
+    combinator classes by name (``from captum_vit.registry import GAE`` still works)."""
+    if name == "METHODS":
+        return method_entries()
+    # the classes this module imported before the table filled itself stay importable
+    for module in (captum_vit.methods, captum_vit.combinators):
+        if name in module.__all__:
+            return getattr(module, name)
+    raise AttributeError(f"module 'captum_vit.registry' has no attribute {name!r}")
+
+
 def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
-def _lookup() -> dict[str, MethodEntry]:
-    table: dict[str, MethodEntry] = {}
-    for e in METHODS:
-        table[_key(e.name)] = e
-    for e in METHODS:
-        if e.class_alias:
-            table.setdefault(_key(e.cls.__name__), e)
-    return table
-
-
-_LOOKUP = _lookup()
-_COMPOSED = re.compile(r"^\s*([A-Za-z_-]+)\s*(?::\s*(.+?)|\(\s*(.+?)\s*\))\s*$")
 
 
 def available_methods(*, baselines: bool = True, compositions: bool = False) -> list[str]:
@@ -236,85 +107,7 @@ def available_methods(*, baselines: bool = True, compositions: bool = False) -> 
         True
     """
     extra = [*FEATURED_COMPOSITIONS, *REPRESENTATIVE_COMPOSITIONS] if compositions else []
-    return _names(baselines, extra)
-
-
-def _names(baselines: bool, compositions: Sequence[str]) -> list[str]:
-    names = [e.name for e in METHODS if not e.baseline] + list(compositions)
-    return names + [e.name for e in METHODS if e.baseline and baselines]
-
-
-def _unknown(name: str) -> ValueError:
-    return ValueError(
-        f"unknown method {name!r}; choose from {', '.join(available_methods())}, "
-        "'plus:<name>', 'skipplus:<name>' (or 'SkipPLUS(<name>)') or 'captum:<ClassName>'")
-
-
-def _captum_class(name: str) -> type:
-    import captum.attr
-
-    cls = getattr(captum.attr, name.split(":", 1)[1].strip(), None)
-    if not (isinstance(cls, type) and issubclass(cls, Attribution)):
-        raise ValueError(f"unknown Captum attribution class in {name!r}; use a class name "
-                         "from captum.attr such as 'captum:IntegratedGradients'")
-    return cls
-
-
-def _split_composition(canon: str) -> tuple[str, str] | None:
-    """``(prefix, base)`` of a canonical composition name, ``None`` for another name."""
-    prefix, sep, inner = canon.partition(":")
-    return (prefix, inner) if sep and prefix in COMBINATORS else None
-
-
-def _base_name(inner: str, name: str) -> str:
-    """The canonical name of the base of composition ``name``."""
-    if _key(inner) in COMBINATOR_BASES:
-        return _key(inner)
-    canon = canonical_name(inner)
-    if _split_composition(canon) is not None:
-        raise ValueError(f"nested composition {name!r}: PLUS and SkipPLUS take one base method, "
-                         f"not another composition ({canon!r})")
-    entry = _LOOKUP.get(_key(canon))
-    if entry is not None and not entry.composable:
-        raise ValueError(f"{name!r}: {entry.name} is itself a sum over blocks (FullGrad+), "
-                         "not a base for PLUS/SkipPLUS; compose its base instead (plus:ixg)")
-    return canon
-
-
-def canonical_name(name: str) -> str:
-    """The canonical spelling of a method name (see the module docstring).
-
-    Args:
-        name (str): any accepted spelling.
-
-    Returns:
-        str: the canonical name, e.g. ``"skipplus:decompx"`` for ``"SkipPLUS(DecompX)"``.
-
-    Raises:
-        TypeError: if ``name`` is not a str.
-        ValueError: for an unknown name (the message lists the known ones) or a nested
-            composition.
-
-    Examples::
-
-        >>> from captum_vit.registry import canonical_name
-        >>> canonical_name("GAE"), canonical_name("SkipPLUS(DecompX)")
-        ('gae', 'skipplus:decompx')
-        >>> canonical_name("PLUS(TokenTM_Residual)")
-        'plus:tokentm_residual'
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"method name must be a str, got {type(name).__name__}")
-    if name.strip().lower().startswith("captum:"):
-        cls = _captum_class(name)
-        return f"captum:{cls.__name__}"
-    m = _COMPOSED.match(name)
-    if m and _key(m.group(1)) in COMBINATORS:
-        return f"{_key(m.group(1))}:{_base_name((m.group(2) or m.group(3)).strip(), name)}"
-    entry = _LOOKUP.get(_key(name))
-    if entry is None:
-        raise _unknown(name)
-    return entry.name
+    return method_names(baselines, extra)
 
 
 def _compositions(compose: str | Sequence[str] | None) -> list[str]:
@@ -341,7 +134,7 @@ def _composable(canon: str) -> bool:
     FullGrad+ or baselines)."""
     if canon.startswith("captum:"):
         return True
-    entry = _LOOKUP.get(_key(canon))
+    entry = lookup(canon)
     return entry is not None and entry.composable and not entry.baseline
 
 
@@ -383,7 +176,7 @@ def parse_methods(values: Sequence[str] | str, *, for_explain: bool = False,
     out: list[str] = []
     for n in names:
         if n.lower() == "all":
-            out += _names(not for_explain, FEATURED_COMPOSITIONS)
+            out += method_names(not for_explain, FEATURED_COMPOSITIONS)
         else:
             out.append(canonical_name(n))
     with_compositions = []
@@ -406,44 +199,6 @@ def _split(value: str) -> list[str]:
         else:
             cur += ch
     return parts + [cur]
-
-
-def composition_base(name: str, *, seed: int = 0) -> str | type | Callable:
-    """What :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` take as base for the
-    method called ``name``.
-
-    Args:
-        name (str): a registered method (any spelling), a combinator base kind (``ixg``,
-            ``gradient``) or ``captum:<ClassName>``; not a composition.
-        seed (int, optional): seed of seeded methods. Default 0.
-
-    Returns:
-        The base kind (str), the Captum class, or a factory ``f -> Attribution`` building
-        the registered method on each sub-network ``f``.
-
-    Raises:
-        ValueError: unknown name, a composition, or a method that cannot be a base.
-
-    Examples::
-
-        >>> from captum_vit import PLUS
-        >>> from captum_vit.registry import composition_base
-        >>> plus = PLUS(model, composition_base("tokentm_residual"))
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"method name must be a str, got {type(name).__name__}")
-    canon = _base_name(name, name)
-    if canon in COMBINATOR_BASES:
-        return canon
-    if canon.startswith("captum:"):
-        return _captum_class(canon)
-    entry = _LOOKUP[_key(canon)]
-
-    def factory(f: nn.Module) -> Attribution:
-        return entry.build(f, seed)
-
-    factory.__name__ = canon
-    return factory
 
 
 def build_method(name: str, model: nn.Module, *, seed: int = 0) -> Attribution:
@@ -470,12 +225,12 @@ def build_method(name: str, model: nn.Module, *, seed: int = 0) -> Attribution:
     """
     canon = canonical_name(name)
     if canon.startswith("captum:"):
-        return _captum_class(canon)(model)
-    composed = _split_composition(canon)
+        return captum_class(canon)(model)
+    composed = split_composition(canon)
     if composed is not None:
         prefix, inner = composed
         return COMBINATORS[prefix](model, composition_base(inner, seed=seed))
-    return _LOOKUP[_key(canon)].build(model, seed)
+    return lookup(canon).build(model, seed)
 
 
 def quick_options(name: str) -> dict:
@@ -490,8 +245,8 @@ def quick_options(name: str) -> dict:
         ({'n_masks': 128}, {'n_masks': 128})
     """
     canon = canonical_name(name)
-    composed = _split_composition(canon)
-    entry = _LOOKUP.get(_key(composed[1] if composed else canon))
+    composed = split_composition(canon)
+    entry = lookup(composed[1] if composed else canon)
     return dict(entry.quick) if entry is not None else {}
 
 
@@ -499,8 +254,8 @@ def _entry(name: str) -> MethodEntry | None:
     """The registry entry of ``name`` or of its base (a composition); ``None`` for
     ``captum:<Class>`` and the combinator base kinds."""
     canon = canonical_name(name)
-    composed = _split_composition(canon)
-    return _LOOKUP.get(_key(composed[1] if composed else canon))
+    composed = split_composition(canon)
+    return lookup(composed[1] if composed else canon)
 
 
 def method_family(name: str) -> str:
@@ -524,9 +279,9 @@ def method_family(name: str) -> str:
     canon = canonical_name(name)
     if canon.startswith("captum:"):
         return "captum"
-    if _split_composition(canon) is not None:
+    if split_composition(canon) is not None:
         return "composition"
-    return _LOOKUP[_key(canon)].family
+    return lookup(canon).family
 
 
 def takes_option(name: str, option: str) -> bool:
@@ -618,7 +373,8 @@ def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribu
 
 
 __all__ = [
-    "COMBINATORS", "FAMILIES", "FEATURED_COMPOSITIONS", "METHODS", "MethodEntry",
+    "COMBINATORS", "COMBINATOR_BASES", "FAMILIES", "FEATURED_COMPOSITIONS", "METHODS",  # noqa: F822
+    "MethodEntry", "register_combinator", "register_method", "unregister_method",
     "REPRESENTATIVE_COMPOSITIONS", "api_defaults", "available_methods", "build_method",
     "canonical_name", "composition_base", "method_factory", "method_family", "parse_methods",
     "quick_options", "takes_option",

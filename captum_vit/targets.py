@@ -20,8 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._text import count_noun
-from captum_vit.adapters import adapt
-from captum_vit.adapters.base import TargetHead
+from captum_vit.adapters import TargetHead, adapt
 
 SIMILARITIES = ("cosine", "dot")
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from captum_vit.adapters import grid_to_pixels
 
 SIGNS = ("auto", "all", "positive", "negative", "absolute_value")
 DISPLAYS = ("nearest", "bilinear")
@@ -109,9 +110,7 @@ def upsample_map(attr: Tensor, size: tuple[int, int], *, grid: tuple[int, int] |
                          "[gh, gw], [1, gh, gw] or [C, H, W]")
     if tuple(a.shape) == size:
         return a
-    if display == "nearest":
-        return F.interpolate(a[None, None], size=size, mode="nearest-exact")[0, 0]
-    return F.interpolate(a[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
+    return grid_to_pixels(a, size, mode=display)
 
 
 def prediction_title(probs: Tensor, target: int, class_names: Sequence[str] | None = None, *,

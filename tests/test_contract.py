@@ -25,10 +25,23 @@ from tests.helpers import (
     snapshot,
 )
 
-# every registered method, plus compositions over the other kinds of base the combinators take
-METHODS = available_methods(compositions=True) + [
-    "plus:ixg", "plus:gradient", "plus:captum:InputXGradient", "skipplus:captum:Saliency"]
-CASES = [pytest.param(m, f, marks=family_marks(f)) for m in METHODS for f in ALL_FAMILIES]
+
+def contract_methods() -> list[str]:
+    """Every registered method, plus compositions over the other kinds of base the
+    combinators take (read from the registry at each call)."""
+    return available_methods(compositions=True) + [
+        "plus:ixg", "plus:gradient", "plus:captum:InputXGradient", "skipplus:captum:Saliency"]
+
+
+def contract_cases() -> list:
+    """The ``(name, family)`` parameters of the contract tests: every name of
+    :func:`contract_methods` on every family of ``tests.helpers.ALL_FAMILIES``."""
+    return [pytest.param(m, f, marks=family_marks(f)) for m in contract_methods()
+            for f in ALL_FAMILIES]
+
+
+METHODS = contract_methods()
+CASES = contract_cases()
 FAST = {"tis": {"n_masks": 16}}  # TIS: fewer masks than the paper's 1024 (still clustered)
 # BT-H / BT-T / TAM: 3 integration steps instead of 20, and a start block inside the
 # 3-block contract models (the defaults 3 and 4 leave R = I / σ = w Ā_{L-1} there)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captum_vit.adapters import adapt
-from captum_vit.adapters._linearize import (
+from captum_vit.adapters import (
     activation_gate_detached,
+    adapt,
     layer_norm_frozen_variance,
 )
 from captum_vit.methods.decompx import DecompX, sources_per_chunk

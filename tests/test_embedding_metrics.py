@@ -62,8 +62,8 @@ def test_every_suite_metric_on_a_target_set_equals_the_twin_classifier(clip, met
     twin = set_twin(clip, t)
     x = make_inputs("hf_clip", batch=3)
     names = [m for m in METRICS if m != "randomization"]  # stages hold other parameters
-    kw = dict(masks=masks_for(x), labels=torch.tensor([2, 0, 1]), target="label",
-              batch_size=5)
+    kw = dict(masks=masks_for(x), labels=torch.tensor([2, 0, 1]), explain="label",
+              forward_batch=5)
     ref = evaluate_batch(twin, x, method_factory(method), names, **kw)
     with scoring(clip, EmbeddingTarget(t, similarity="dot")):
         ours = evaluate_batch(clip, x, method_factory(method), names, **kw)
@@ -135,7 +135,7 @@ def test_evaluate_over_a_data_set_with_target_vectors(clip):
     twin = set_twin(clip, t)
     data = [(make_inputs("hf_clip", batch=1, seed=i)[0], i % 3, None) for i in range(5)]
     methods = {"gae": method_factory("gae")}
-    kw = dict(batch_size=2, target="label")
+    kw = dict(batch_size=2, explain="label")
     ours = evaluate(clip, data, methods, ["deletion", "aopc"], targets=EmbeddingTarget(
         t, similarity="dot"), **kw)
     ref = evaluate(twin, data, methods, ["deletion", "aopc"], **kw)

@@ -554,7 +554,7 @@ def test_alpha_beta_linear_equals_the_explicit_rule(dtype):
     """Chefer's α1β0 backward (computed as (xW + |x||W|)/2 and S W ± S |W|) equals the rule
     written pair by pair, with exact zeros where an input is 0 and where an output has
     only negative contributions (z = 0: no relevance passes)."""
-    from captum_vit.adapters._lrp import CHEFER_STABILIZER, BackwardMode, _AlphaBetaLinear
+    from captum_vit.adapters.rules import CHEFER_STABILIZER, BackwardMode, _AlphaBetaLinear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 12, generator=g, dtype=torch.float64)

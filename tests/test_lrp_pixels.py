@@ -22,9 +22,7 @@ from torch import nn
 
 from captum_vit import CPLRP, AttnLRP
 from captum_vit._base import prepare
-from captum_vit.adapters import FusedOps, Ops, adapt
-from captum_vit.adapters._lrp import LRPOps
-from captum_vit.adapters.base import patch_projection
+from captum_vit.adapters import FusedOps, LRPOps, Ops, adapt, patch_projection
 from captum_vit.methods._masks import patch_sums
 from tests.helpers import (
     ALL_FAMILIES,

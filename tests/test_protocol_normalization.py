@@ -22,6 +22,9 @@ from captum_vit.metrics.protocols import (
     run_protocol,
 )
 from captum_vit.models import Preprocess, load_model
+from captum_vit.registry import method_factory
+
+RANDOM = {"random": method_factory("random")}
 
 PAPER_NORMALIZED = ("chefer21_perturbation", "tokentm_segmentation")
 
@@ -63,10 +66,10 @@ def test_every_preset_feeds_the_model_the_images_it_scores_plainly(bundled, name
     capsys.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProtocolNormalizationWarning)
-        run_protocol(p, lm.model, data, ["random"], preprocess=lm.preprocess, batch_size=64,
+        run_protocol(p, lm.model, data, RANDOM, preprocess=lm.preprocess, batch_size=64,
                      has_masks=True)
-    assert len(fed) == 2 * 2 * len(p.targets)  # 2 batches of 64 per pass, twice
-    for k in range(2 * len(p.targets)):
+    assert len(fed) == 2 * 2 * len(p.explain)  # 2 batches of 64 per pass, twice
+    for k in range(2 * len(p.explain)):
         x = torch.cat(fed[2 * k:2 * k + 2])
         assert torch.equal(x, plain), name
         assert _accuracy(lm.model, x, labels) == pytest.approx(108 / 128), name
@@ -105,7 +108,7 @@ def test_a_three_channel_paper_normalisation_is_refused_on_a_one_channel_model(
                                          r"but the model takes 1-channel inputs; drop"):
         p.preprocess(lm.preprocess, normalization="paper")
     with pytest.raises(ValueError, match="1-channel"):
-        run_protocol(p, lm.model, bundled[1], ["random"], preprocess=lm.preprocess,
+        run_protocol(p, lm.model, bundled[1], RANDOM, preprocess=lm.preprocess,
                      has_masks=True, normalization="paper")
     out = tmp_path / "o"
     assert main(["evaluate", "--data", "sample", "--n", "2", "--methods", "random",
@@ -143,14 +146,14 @@ def test_a_warning_says_when_the_paper_normalisation_differs(bundled, tmp_path, 
     monkeypatch.setattr(suite, "evaluate_batch", lambda *a, **k: {})
     with pytest.warns(ProtocolNormalizationWarning, match="the paper normalised with mean "
                       r"\(0.5, 0.5, 0.5\).*model's own normalisation \(mean 0.1, std 0.25\)"):
-        run_protocol(p, lm.model, data, ["random"], preprocess=lm.preprocess, batch_size=64)
+        run_protocol(p, lm.model, data, RANDOM, preprocess=lm.preprocess, batch_size=64)
     # no warning when they agree, or when the paper fixes none
     half = Preprocess(3, (32, 32), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     assert p.normalization_warning(half) is None
     assert p.normalization_warning(Preprocess(3, (32, 32), (0.5,), (0.5,)), "paper") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProtocolNormalizationWarning)
-        run_protocol(get_protocol("tokentm_aopc_lodds"), lm.model, data, ["random"],
+        run_protocol(get_protocol("tokentm_aopc_lodds"), lm.model, data, RANDOM,
                      preprocess=lm.preprocess, batch_size=64)
     # no normalisation at all (random:vit_tiny) differs from the paper's too; with 'paper'
     # the warning says the model gets inputs unlike its training data

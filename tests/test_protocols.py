@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from captum_vit.cli import main
+from captum_vit.commands.evaluate import protocol_factories
 from captum_vit.methods import Rollout, TokenIxG
 from captum_vit.metrics import deletion, perturbation_test
 from captum_vit.metrics.protocols import (
@@ -22,6 +23,7 @@ from captum_vit.metrics.protocols import (
 )
 from captum_vit.metrics.removal import image_space_zero, tis_baseline, upsample
 from captum_vit.models import Preprocess
+from captum_vit.registry import method_factory
 from tests.helpers import make_inputs, make_model
 
 NAMES = ("chefer21_perturbation", "tokentm_perturbation", "tokentm_aopc_lodds",
@@ -46,7 +48,7 @@ def test_every_preset_of_the_spec_is_there_with_its_exact_settings():
     }
     for name, (targets, metrics, norm, labels, masks) in expected.items():
         p = get_protocol(name)
-        assert (p.targets, p.metric_names(has_masks=True), p.normalization, p.needs_labels,
+        assert (p.explain, p.metric_names(has_masks=True), p.normalization, p.needs_labels,
                 p.needs_masks) == (targets, metrics, norm, labels, masks), name
     assert get_protocol("tis_insdel").metric_names(has_masks=False)[-1] == "max_sensitivity"
     assert "pointing_game" not in get_protocol("tis_insdel").metric_names(has_masks=False)
@@ -60,9 +62,10 @@ def test_every_preset_of_the_spec_is_there_with_its_exact_settings():
                                                            "chefer21": {"start_layer": 1}}
     assert not get_protocol("tis_insdel").method_options
     model = make_model("vit")
-    f = get_protocol("chefer21_perturbation").factories(["Rollout", "gae"])
+    f = protocol_factories(get_protocol("chefer21_perturbation"), ["Rollout", "gae"])
     assert isinstance(f["Rollout"](model), Rollout) and f["Rollout"](model).start_layer == 1
-    assert get_protocol("tis_insdel").factories(["rollout"])["rollout"](model).start_layer == 0
+    assert protocol_factories(get_protocol("tis_insdel"), ["rollout"])["rollout"](
+        model).start_layer == 0
     own = Preprocess(3, (32, 32), (0.1,), (0.2,))
     assert get_protocol("tokentm_segmentation").preprocess(own) is own  # the model's by default
     pre = get_protocol("tokentm_segmentation").preprocess(own, normalization="paper")
@@ -182,8 +185,10 @@ def test_options_a_preset_fixes_are_refused(tmp_path, capsys):
     check_fixed_options(get_protocol("tis_insdel"), {"steps": 20}, {"steps": 20})
     model = make_model("vit")
     with pytest.raises(ValueError, match="needs ground-truth masks"):
-        run_protocol(get_protocol("skipplus_seg_ap"), model, [], ["gae"],
-                     preprocess=None, has_masks=False)
+        run_protocol(get_protocol("skipplus_seg_ap"), model, [],
+                     {"gae": method_factory("gae")}, preprocess=None, has_masks=False)
+    with pytest.raises(TypeError, match="protocol_factories"):  # names: the caller's step
+        run_protocol(get_protocol("tokentm_aopc_lodds"), model, [], ["gae"], preprocess=None)
 
 
 def _loader_data(name, tmp_path):

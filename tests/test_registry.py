@@ -16,6 +16,7 @@ from captum_vit.registry import (
     canonical_name,
     method_factory,
     parse_methods,
+    quick_options,
 )
 from tests.helpers import make_inputs, make_model
 
@@ -112,7 +113,60 @@ def test_check_scalar_accepts_numpy_and_ints_for_floats():
 
 
 def test_quick_options_live_in_the_registry():
-    from captum_vit.registry import quick_options
-
     assert quick_options("TIS") == quick_options("tis") == {"n_masks": 128}
     assert quick_options("gae") == {} and quick_options("skipplus:decompx") == {}
+
+
+def test_a_new_method_is_its_class_and_one_decorator():
+    """A method registered with ``@register_method`` beside its class (here a throw-away
+    one defined in the test) is in ``available_methods()``, the CLI's name parser, the
+    compositions and the contract suite's parameters, and passes the contract; no other
+    list names it. It is removed afterwards."""
+    from captum.log import log_usage
+
+    from captum_vit._base import ViTGradientAttribution
+    from captum_vit.registry import register_method, unregister_method
+    from tests import test_contract
+
+    @register_method("throwaway_norm", family="gradient", quick={"scale": 2.0},
+                     variants={"throwaway_norm_half": {"scale": 0.5}})
+    class ThrowawayNorm(ViTGradientAttribution):
+        """The norm of every embedded token times ``scale`` (a test method)."""
+
+        def __init__(self, model, scale: float = 1.0) -> None:
+            super().__init__(model)
+            self.scale = scale
+
+        @log_usage()
+        def attribute(self, inputs, target=None, *, scale: float | None = None,
+                      output: str = "pixels"):
+            return self._attribute(inputs, target, output, scale=scale)
+
+        def _token_maps(self, inputs, target, *, scale=None, **_):
+            return self.adapter.embed(inputs).norm(dim=-1) * (scale or self.scale)
+
+    try:
+        assert {"throwaway_norm", "throwaway_norm_half"} <= set(available_methods())
+        assert available_methods()[-1] == "random"  # baselines still close the table
+        assert parse_methods("ThrowawayNorm,Throwaway-Norm-Half", compose="skipplus") == [
+            "throwaway_norm", "skipplus:throwaway_norm", "throwaway_norm_half",
+            "skipplus:throwaway_norm_half"]
+        assert "throwaway_norm" in parse_methods("all")
+        assert quick_options("skipplus:throwaway_norm") == {"scale": 2.0}
+        model, x = make_model("vit"), make_inputs("vit", batch=2)
+        assert build_method("throwaway_norm_half", model).scale == 0.5
+        assert "throwaway_norm" in test_contract.contract_methods()
+        cases = [p.values for p in test_contract.contract_cases()]
+        assert ("throwaway_norm", "vit") in cases and ("skipplus:throwaway_norm", "vit") \
+            not in cases  # compositions: the representative ones only
+        test_contract.test_outputs_batch_and_targets("throwaway_norm", "vit")
+        plus = build_method("plus:throwaway_norm", model)
+        assert plus.attribute(x, target=[0, 1], output="tokens").shape == (2, 16)
+        with pytest.raises(ValueError, match="taken by ThrowawayNorm"):
+            register_method("throwaway-norm", family="gradient")(GAE)
+    finally:
+        removed = unregister_method("throwaway_norm")
+    assert [e.name for e in removed] == ["throwaway_norm", "throwaway_norm_half"]
+    assert "throwaway_norm" not in available_methods()
+    with pytest.raises(ValueError, match="unknown method"):
+        canonical_name("throwaway_norm")

@@ -404,7 +404,7 @@ def test_constructor_and_subnetwork_errors():
 
 
 def test_patch_means_handles_partial_patches():
-    from captum_vit.adapters.base import Layout
+    from captum_vit.adapters import Layout
 
     lay = Layout(1, (2, 3), (4, 4), "token", 1, 1, (2, 3))
     pix = torch.arange(7 * 10, dtype=torch.float64).reshape(1, 7, 10)

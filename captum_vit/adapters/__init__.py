@@ -1,30 +1,101 @@
 """The adapter layer: the only code that knows a model's internals (methods read the
-canonical parts and traces of :mod:`captum_vit.adapters.base`, never the model)."""
+canonical parts and traces, never the model).
+
+Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
+
+- :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
+- the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
+  :class:`AdapterState`, :class:`AdapterSettings`, the family adapters and
+  :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
+- token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
+  (:mod:`~captum_vit.adapters.layout`);
+- what a score is: :class:`TargetHead`, :func:`probabilities`, :func:`log_probabilities`,
+  :func:`scores_are_classes`, :func:`probability_kind` (:mod:`~captum_vit.adapters.scoring`);
+- canonical parameters and the one attention: :class:`BlockParts`, :class:`AttentionParts`,
+  :class:`PoolParts`, :class:`HeadParts`, :class:`NormParts`, :class:`Heads`,
+  :class:`AttentionRules`, the derived views :class:`ValuePath` and
+  :data:`BLOCK_FEATURES` (:mod:`~captum_vit.adapters.parts`);
+- forward strategies and linearised primitives: :class:`Ops`, :class:`FusedOps`,
+  :class:`HeadsOps`, :func:`patch_projection`, :func:`layer_norm_frozen_variance`,
+  :func:`activation_gate_detached`, :func:`activation_gate` (:mod:`~captum_vit.adapters.ops`);
+- LRP rule sets: :class:`LRPOps`, :class:`CheferOps` and their helpers
+  (:mod:`~captum_vit.adapters.rules`);
+- trace records and options: :class:`Trace`, :class:`BlockRecord`, :class:`TraceOptions`
+  (:mod:`~captum_vit.adapters.trace`);
+- the subset engine: :func:`subset_logits`, :func:`subset_forwards`, :func:`image_logits`,
+  :func:`pools_patches` (:mod:`~captum_vit.adapters.subsets`).
+
+Names starting with ``_`` are private to this package.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import keyword
+import threading
+import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
 from captum_vit.adapters.base import (
-    BlockParts,
-    BlockRecord,
-    FusedOps,
-    HeadParts,
-    Heads,
-    HeadsOps,
-    Layout,
-    NormParts,
-    Ops,
-    PoolParts,
-    Trace,
+    FAMILY_CONTRACT,
+    AdapterSettings,
+    AdapterState,
     ViTAdapter,
 )
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
+from captum_vit.adapters.layout import (
+    GRID_MODES,
+    READOUTS,
+    Layout,
+    grid_to_pixels,
+    tokens_to_grid,
+)
+from captum_vit.adapters.ops import (
+    FusedOps,
+    HeadsOps,
+    Ops,
+    activation_gate,
+    activation_gate_detached,
+    layer_norm_frozen_variance,
+    patch_projection,
+)
+from captum_vit.adapters.parts import (
+    BLOCK_FEATURES,
+    AttentionParts,
+    AttentionRules,
+    BlockParts,
+    HeadParts,
+    Heads,
+    NormParts,
+    PoolParts,
+    ValuePath,
+    key_padding_bias,
+)
+from captum_vit.adapters.rules import (
+    ACT_RULES,
+    ATTENTION_RULES,
+    CHEFER_STABILIZER,
+    LRP_METHODS,
+    BackwardMode,
+    CheferOps,
+    LRPOps,
+    divide,
+    identity_rule,
+    lrp_linear,
+    scale_gradient,
+    stabilized_divide,
+)
+from captum_vit.adapters.scoring import (
+    TargetHead,
+    log_probabilities,
+    probabilities,
+    probability_kind,
+    scores_are_classes,
+)
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
 from captum_vit.adapters.subsets import (
     image_logits,
@@ -35,6 +106,7 @@ from captum_vit.adapters.subsets import (
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
+from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_vit, TimmViTAdapter),
@@ -55,11 +127,38 @@ SUPPORTED = (
 )
 
 
-def adapt(model: nn.Module) -> ViTAdapter:
-    """Pick the adapter for ``model`` from the :data:`ADAPTERS` table.
+_ADAPTED: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ViTAdapter], tuple[Any, ...]]] \
+    = weakref.WeakKeyDictionary()
+"""The memo of :func:`adapt`: per model (held weakly) its adapter (held weakly: the
+adapter holds the model, so a strong value would keep every model alive) and the
+fingerprint of the parameters it was built on (:func:`_fingerprint`)."""
+_ADAPTED_LOCK = threading.Lock()
+
+
+def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """What an adapter's views depend on: every parameter's identity, storage, dtype and
+    device (``model.to(dtype)``, ``load_state_dict(..., assign=True)`` or a replaced
+    parameter change it; in-place updates do not, the views see them)."""
+    return tuple((name, id(p), p.data_ptr(), p.dtype, p.device)
+                 for name, p in model.named_parameters())
+
+
+def adapt(model: nn.Module, *, refresh: bool = False) -> ViTAdapter:
+    """The adapter of ``model``, picked from the :data:`ADAPTERS` table; one per model.
+
+    The adapter is memoised per model object (weakly: neither the model nor the adapter is
+    kept alive by the memo), so ``adapt(model) is adapt(model)`` while the adapter is in
+    use, and per-model settings (:meth:`ViTAdapter.targeting`,
+    :meth:`ViTAdapter.with_cls_alpha`) and the self-check memo are its state. It is
+    rebuilt when the model's parameters were replaced (``model.to(dtype)``,
+    ``load_state_dict(..., assign=True)``, a new ``nn.Parameter``) and with
+    ``refresh=True`` (e.g. after replacing a sub-module); a rebuilt adapter keeps the
+    settings in force and checks the model again.
 
     Args:
         model (nn.Module): a supported Vision Transformer classifier.
+        refresh (bool, optional): build a new adapter even if the parameters are the
+            same. Default ``False``.
 
     Returns:
         ViTAdapter: the canonical view of ``model`` (the model itself is not modified).
@@ -76,14 +175,16 @@ def adapt(model: nn.Module) -> ViTAdapter:
         >>> model = timm.create_model("vit_tiny_patch16_224", num_classes=10).eval()
         >>> adapt(model).num_blocks
         12
+        >>> adapt(model) is adapt(model)
+        True
     """
     if isinstance(model, ViTAdapter):
         return model
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for applies, adapter in ADAPTERS:
+    for applies, adapter_class in ADAPTERS:
         if applies(model):
-            return adapter(model)
+            return _memoised(model, adapter_class, refresh)
     for name, sub in model.named_modules():
         if name and any(applies(sub) for applies, _ in ADAPTERS):
             path = _module_path(name)
@@ -97,6 +198,23 @@ def adapt(model: nn.Module) -> ViTAdapter:
         f"captum_vit cannot explain {_article(kind)} {kind}: supported models are the "
         f"{SUPPORTED}"
     )
+
+
+def _memoised(model: nn.Module, adapter_class: type[ViTAdapter], refresh: bool) -> ViTAdapter:
+    """The memoised adapter of ``model`` (:data:`_ADAPTED`), built anew when there is
+    none alive, the parameters were replaced, or ``refresh``."""
+    fingerprint = _fingerprint(model)
+    with _ADAPTED_LOCK:
+        entry = _ADAPTED.get(model)
+        old = entry[0]() if entry is not None else None
+        if old is not None and not refresh and entry[1] == fingerprint \
+                and type(old) is adapter_class:
+            return old
+        adapter = adapter_class(model)
+        if old is not None:  # the settings in force stay in force
+            adapter.__dict__["_state"] = old.state.renewed()
+        _ADAPTED[model] = (weakref.ref(adapter), fingerprint)
+        return adapter
 
 
 def _module_path(name: str, root: str = "model") -> str:
@@ -169,8 +287,9 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
     ``h``: the final LayerNorm's output; ``h̄`` its mean over the patches). DecompX, IxG and
     the gradient methods follow the logit exactly and do not use ``α``.
 
-    The setting holds for every adapter of this model object and lives in a context
-    variable; the model is not changed.
+    The setting is state of the model's adapter (:func:`adapt`, one per model; the
+    previous setting is restored on exit, also after an exception, and other threads are
+    not affected); the model is not changed.
 
     Args:
         model (nn.Module): a DINOv2 classifier (``Dinov2(WithRegisters)ForImageClassification``).
@@ -191,11 +310,18 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
 
 
 __all__ = [
-    "ADAPTERS", "BlockParts", "BlockRecord", "FusedOps", "HFEmbeddingAdapter", "HFViTAdapter",
-    "HeadParts", "Heads", "HeadsOps", "Layout", "NormParts", "Ops", "PoolParts",
-    "SubnetworkAdapter", "Trace",
-    "TimmBeitAdapter",
-    "TimmEvaAdapter", "TimmViTAdapter", "ViTAdapter", "adapt", "image_logits", "readout_alpha",
-    "pools_patches", "subset_forwards", "subset_logits",
-    "SUPPORTED",
+    "ACT_RULES", "ADAPTERS", "ATTENTION_RULES", "BLOCK_FEATURES", "CHEFER_STABILIZER",
+    "FAMILY_CONTRACT",
+    "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
+    "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
+    "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFEmbeddingAdapter",
+    "HFViTAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout", "NormParts", "Ops",
+    "PoolParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter", "TimmEvaAdapter",
+    "TimmViTAdapter", "Trace", "TraceOptions", "ValuePath", "ViTAdapter",
+    "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
+    "identity_rule", "image_logits", "key_padding_bias", "layer_norm_frozen_variance",
+    "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
+    "probability_kind",
+    "readout_alpha", "scale_gradient", "scores_are_classes", "stabilized_divide",
+    "subset_forwards", "subset_logits", "tokens_to_grid",
 ]

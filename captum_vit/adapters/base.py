@@ -1,33 +1,58 @@
-"""Model-independent part of the adapter layer.
+"""The adapter: first what a model family implements, then the engine.
 
-An adapter translates one model family into a *canonical pre-LN ViT*: an embedding
-function plus, per block, the parameter tensors of the notation below (views of the
-model's own parameters, never copies that could drift, never modifications). Everything
-after the embedding is computed here by one canonical forward, written once against an
-:class:`Ops` object. Plain tensors give the real forward (with attention probabilities
-materialised); DecompX swaps in decomposition ops; the linearised switches of DecompX's
-gradient route (:mod:`captum_vit.methods.decompx`: LayerNorm variance, ``q``/``k`` and the
-activation gate detached) only change the backward pass.
+Design (the layers of the package's DESIGN: the adapter owns all model maths). A family
+adapter is a *declaration*: it says where the model keeps the canonical parameters
+(:mod:`captum_vit.adapters.parts`, views of the model's own tensors), how images become
+the first token states, and what geometry a batch has (:mod:`captum_vit.adapters.layout`).
+Everything after the embedding is computed by the engine below, once, against an
+:class:`~captum_vit.adapters.ops.Ops` object (:mod:`captum_vit.adapters.ops`): the plain,
+fused and linearised forwards, the LRP rule sets (:mod:`captum_vit.adapters.rules`) and the
+decompositions of the methods are all the same canonical forward with other primitives.
 
-Notation (a pre-LayerNorm ViT in timm's layout): ``K`` prefix tokens (CLS, DIST,
-registers) come first, then the ``P`` patch tokens in raster order, ``N = K + P``. Block
-``l`` maps its input ``x_l`` to ``u_l = LN1(x_l)``, the attention probabilities ``A_l``
-[B, H, N, N] (row = query, column = key), ``x_mid,l = x_l + ls1(a_l)`` and
-``x_{l+1} = x_mid,l + ls2(MLP(LN2(x_mid,l)))``; the logits are ``head(pool(LN_f(x_L)))``,
-read through the readout weights of :meth:`Layout.readout_weights`.
+What a family implements is the abstract part of :class:`ViTAdapter` (each member
+documented there): the attributes ``model``, ``blocks``, ``head``, ``num_prefix``,
+``readout`` and ``in_chans``, and the abstract members :meth:`~ViTAdapter.layout`,
+:meth:`~ViTAdapter.embed`, :attr:`~ViTAdapter.input_shape` and
+:meth:`~ViTAdapter.parameter_stages` (:data:`FAMILY_CONTRACT`); optional hooks with
+defaults (:meth:`~ViTAdapter.refresh`, :meth:`~ViTAdapter.embedding_norms`,
+:meth:`~ViTAdapter.check_inputs`, :meth:`~ViTAdapter.is_random`,
+:meth:`~ViTAdapter.model_outputs`, ``embedding``). The engine (run, trace, self-check,
+targeting) is written against that contract only, so a view of a model
+(:class:`~captum_vit.adapters.subnetwork.SubnetworkAdapter`) is one more implementation of
+it, delegating to the model's adapter.
+
+Why this contract reaches further models without touching the methods:
+
+- *A score read from any block's token rows.* The methods see a trace (records of every
+  block, :mod:`captum_vit.adapters.trace`) and a score, never the head: the score is the
+  engine's :meth:`~ViTAdapter.readout_logits` of any block's states, and inside
+  :meth:`~ViTAdapter.targeting` the head itself is replaced (a :class:`TargetHead`,
+  :mod:`captum_vit.adapters.scoring`). A target reading other rows of another block is one
+  more head over the recorded states; no family member changes.
+- *Models made of stages* (Swin, SAM's image encoder: per stage its own token grid,
+  windowed attention and a patch merge). The engine walks ``blocks`` with
+  :meth:`~ViTAdapter.block`, the only place a block's maths lives, and the one attention
+  (:meth:`~captum_vit.adapters.parts.BlockParts.attention`) takes the key mask and the
+  tokens' positions: a windowed block is an attention whose mask and positions come from
+  its window partition, and a merge is one more canonical operation between two blocks of
+  a family's ``block``. The family declares these; the :class:`Layout` it returns is the
+  grid the maps land on (the first stage's for Swin), so the front, the metrics and the
+  plots convert maps to pixels unchanged.
+
+Per-model settings (target embeddings, the CLS share of a ``[CLS ; mean]`` readout, the
+detached parameters of a gradient trace) and the self-check memo are state of the adapter
+(:class:`AdapterState`), and :func:`captum_vit.adapters.adapt` keeps one adapter per model.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import contextvars
 import copy
 import dataclasses
 import functools
-import math
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,819 +60,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit._text import count_noun
-from captum_vit.adapters._linearize import (
-    activation_gate_detached,
-    layer_norm_frozen_variance,
-)
-
-READOUTS = ("token", "avg", "distilled", "cls_mean", "map")
-
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
-"""Per model (held weakly, the model is never touched): the (adapter, dtype, device, input
-size) keys :meth:`ViTAdapter.self_check` has passed, shared by every adapter of it."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Token layout of one input batch (the notation of the module docstring).
-
-    Attributes:
-        num_prefix (int): ``K``, the prefix tokens (CLS, DIST, registers) before the patches.
-        grid (tuple[int, int]): ``(gh, gw)`` patch grid.
-        patch_size (tuple[int, int]): ``(ph, pw)`` in pixels.
-        readout (str): ``"token"`` (row 0), ``"distilled"`` (rows 0 and 1 averaged in the
-            logit; maps read row 0), ``"avg"`` (mean of the patch rows) or ``"cls_mean"``
-            (DINOv2's classifier on ``[row 0 ; mean of the patch rows]``; maps read
-            ``w = α e_0 + (1 − α) u_P``, see ``alpha``) or ``"map"`` (an attention-pool
-            head, :class:`PoolParts`: the weights come from the pool's attention of each
-            image, :func:`captum_vit._base.readout_rows`).
-        num_blocks (int): ``L``.
-        num_heads (int): ``H``.
-        image_size (tuple[int, int]): ``(H, W)`` of the input images.
-        alpha (float or str): the ``"cls_mean"`` readout's CLS share ``α`` (default ½), or
-            ``"logit"``: per image and class from the logit's two parts
-            (:func:`readout_alpha`).
-    """
-
-    num_prefix: int
-    grid: tuple[int, int]
-    patch_size: tuple[int, int]
-    readout: str
-    num_blocks: int
-    num_heads: int
-    image_size: tuple[int, int]
-    alpha: float | str = 0.5
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefix + self.num_patches
-
-    def readout_weights(self, num_tokens: int | None = None, *, dtype=None, device=None) -> Tensor:
-        """Weights ``w`` [N] with readout row ``r = sum_i w_i row_i`` (row 0 for a class
-        token, the mean of the patch rows for average pooling).
-
-        Raises:
-            ValueError: for the ``"map"`` readout, whose weights depend on the image.
-        """
-        if self.readout == "map" or (self.readout == "cls_mean" and self.alpha == "logit"):
-            raise ValueError("this readout's weights depend on the image (an attention-pool "
-                             "head, or alpha='logit'): use captum_vit._base.readout_rows")
-        n = self.num_tokens if num_tokens is None else num_tokens
-        w = torch.zeros(n, dtype=dtype, device=device)
-        if self.readout in ("avg", "cls_mean"):
-            w[self.num_prefix:] = 1.0 / (n - self.num_prefix)
-        if self.readout == "cls_mean":
-            alpha = float(self.alpha)
-            w *= 1.0 - alpha
-            w[0] = alpha
-        elif self.readout != "avg":
-            w[0] = 1.0
-        return w
-
-
-@dataclass(frozen=True)
-class NormParts:
-    """A LayerNorm over the last dimension."""
-
-    weight: Tensor | None
-    bias: Tensor | None
-    eps: float
-
-
-def _consecutive(*parts: Tensor | None) -> Tensor | None:
-    """The tensors as one when they are consecutive row slices of one tensor (timm's fused
-    ``qkv`` parameter), else ``None`` (separate projections, or a part was replaced)."""
-    first = parts[0]
-    if first is None or first.dim() == 0:
-        return None
-    rows = first.shape[0] * first.stride(0)
-    for i, t in enumerate(parts[1:], start=1):
-        if t is None or t.shape != first.shape or t.stride() != first.stride() \
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
-                or t.storage_offset() != first.storage_offset() + i * rows:
-            return None
-    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
-
-
-def patch_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
-    r"""A patch-embedding convolution as the linear map of the unfolded patches, through
-    ``ops.linear`` (the patch conv takes the linear maps' LRP rules, as in AttnLRP,
-    Achtibat et al., ICML 2024; :mod:`captum_vit.adapters._lrp`).
-
-    A convolution with ``stride == kernel_size``, no padding, dilation 1 and one group
-    maps each patch :math:`p` (flattened in the order ``(channel, row, column)`` of the
-    kernel) to :math:`W p + b` with :math:`W` the kernel as a ``[D, C k_h k_w]`` matrix;
-    rows and columns of the image beyond the last whole patch are dropped, as the
-    convolution drops them.
-
-    Args:
-        inputs (Tensor): images [B, C, H, W] (already padded as the model pads them).
-        conv (nn.Module): the model's patch convolution (its own parameters, reshaped).
-        ops (Ops): supplies ``linear``.
-        what (str): the convolution's name in the model, for the error message.
-
-    Returns:
-        Tensor: the patch embeddings [B, gh, gw, D] (channels last).
-
-    Raises:
-        TypeError: ``conv`` is not such a convolution (overlapping or padded patches).
-    """
-    if not isinstance(conv, nn.Conv2d) or tuple(conv.stride) != tuple(conv.kernel_size) \
-            or conv.padding not in ("valid", (0, 0)) or tuple(conv.dilation) != (1, 1) \
-            or conv.groups != 1:
-        raise TypeError(f"{what} is not a patch projection (a Conv2d with stride == "
-                        "kernel_size, no padding, dilation 1, one group), so it has no "
-                        "linear-map form for the LRP rules; explain at='tokens'")
-    b, c, h, w = inputs.shape
-    ph, pw = conv.kernel_size
-    gh, gw = h // ph, w // pw
-    patches = inputs[:, :, :gh * ph, :gw * pw].reshape(b, c, gh, ph, gw, pw)
-    patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(b, gh, gw, c * ph * pw)
-    return ops.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
-
-
-def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
-    """Attention-logit bias [B, 1, 1, N] that removes the keys where ``real`` [B, N] is
-    ``False`` (``-inf``) and leaves the others (0)."""
-    bias = torch.zeros(real.shape, dtype=dtype, device=real.device)
-    return bias.masked_fill(~real, -math.inf)[:, None, None, :]
-
-
-@dataclass(frozen=True)
-class AttentionRules:
-    """Modified backward rules inside one attention (the LRP family,
-    :mod:`captum_vit.adapters._lrp`).
-
-    Every field is a function whose forward returns exactly the plain computation's value
-    and whose backward is a rule's (:mod:`captum_vit.adapters._lrp`); ``None`` keeps the
-    plain operation. They act in the order of the forward: projections, per-head tensors
-    (after the q/k norms and RoPE), softmax, then the probabilities' product with ``v``.
-    """
-
-    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
-    """The q/k/v projections ``(u, weight, bias) -> u Wᵀ + b`` (``F.linear``)."""
-    heads: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None
-    """``(q, k, v) -> (q, k, v)`` per head [B, H, n, d]."""
-    softmax: Callable[[Tensor], Tensor] | None = None
-    """Attention logits -> probabilities (``softmax(-1)``)."""
-    mix: Callable[[Tensor], Tensor] | None = None
-    """Applied to the probabilities where they multiply ``v`` (the probabilities returned
-    and recorded are the tensor before it)."""
-
-
-@dataclass(frozen=True)
-class AttentionParts:
-    """The projections of one multi-head attention: ``q``, ``k``, ``v`` weights
-    ``[H*d, D]`` (rows head-major) with biases ``[H*d]`` or ``None``, the per-head q/k norms,
-    the softmax scale and the output projection ``W_O`` ``[D, H*d]``. Shared by the
-    blocks' self-attention (:class:`BlockParts`) and attention-pool heads
-    (:class:`PoolParts`)."""
-
-    q_weight: Tensor | None
-    k_weight: Tensor
-    v_weight: Tensor
-    q_bias: Tensor | None
-    k_bias: Tensor | None
-    v_bias: Tensor | None
-    num_heads: int
-    head_dim: int
-    scale: float
-    q_norm: Callable[[Tensor], Tensor]
-    k_norm: Callable[[Tensor], Tensor]
-    proj_weight: Tensor  # [D, H*d]
-    proj_bias: Tensor | None
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    def _heads(self, u: Tensor, weight: Tensor | None, bias: Tensor | None,
-               linear: Callable[..., Tensor] = F.linear) -> Tensor:
-        """``u W^T + b`` (``u`` itself for ``weight = None``) split into heads,
-        [B, H, N, d]."""
-        b, n, _ = u.shape
-        y = u if weight is None else linear(u, weight, bias)
-        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-
-
-@dataclass(frozen=True)
-class BlockParts(AttentionParts):
-    """Canonical parameters of one pre-LN block (the notation of the module docstring): the
-    attention's projections
-    (:class:`AttentionParts`; for timm views, i.e. slices, of the model's fused ``qkv``
-    parameter, Hugging Face models keep separate q/k/v projections), the norms, LayerScale
-    and the MLP."""
-
-    norm1: NormParts
-    ls1: Tensor | None
-    norm2: NormParts
-    fc1_weight: Tensor
-    fc1_bias: Tensor | None
-    act: Callable[[Tensor], Tensor]
-    fc2_weight: Tensor
-    fc2_bias: Tensor | None
-    ls2: Tensor | None
-    attn_bias: Callable[[], Tensor] | None = None
-    """Additive attention-logit bias of the full sequence, ``() -> [1, H, N, N]`` (BEiT's
-    relative position bias, computed by the model's own code); ``None`` = no bias."""
-    gate_weight: Tensor | None = None
-    """Gated MLP (SwiGLU): ``h = act(u W_g + b_g) ⊙ (u W_1 + b_1)``; ``None`` = the plain
-    MLP ``h = act(u W_1 + b_1)``."""
-    gate_bias: Tensor | None = None
-    mlp_norm: NormParts | None = None
-    """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
-    rotary: Callable[[Tensor, Tensor | None], Tensor] | None = None
-    """Rotary position embedding (timm's Eva family, :mod:`captum_vit.adapters.timm_eva`),
-    ``(heads, positions) -> heads``: applied
-    to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (the order of the
-    installed timm's ``EvaAttention.forward``, verified) and before any detaching. It
-    rotates the patch rows only (the prefix rows keep their values) with the rotary rows
-    of the tokens' original ``positions`` [B, n] (``None`` = the full sequence
-    ``0..n-1``); ``None`` = no RoPE."""
-    inner_norm: NormParts | None = None
-    """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
-    ``scale_attn_inner``, Fang et al. 2023); ``None`` = identity."""
-
-    def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
-             rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
-        bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
-        no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
-        linear = F.linear if rules is None or rules.linear is None else rules.linear
-        if weight is not None and (bias is not None or no_bias):
-            # one fused matmul, exactly as the model computes it (same rounding forward
-            # and backward); the heads then split as in timm's Attention.forward
-            b, n, _ = u.shape
-            qkv = linear(u, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            q, k = self.q_norm(q), self.k_norm(k)
-        else:
-            q = self.q_norm(self._heads(u, self.q_weight, self.q_bias, linear))
-            k = self.k_norm(self._heads(u, self.k_weight, self.k_bias, linear))
-            v = self._heads(u, self.v_weight, self.v_bias, linear)
-        if self.rotary is not None:  # after q/k norm, before detaching (timm's Eva)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if detach_qk:
-            q, k = q.detach(), k.detach()
-        if rules is not None and rules.heads is not None:
-            q, k, v = rules.heads(q, k, v)
-        return q, k, v
-
-    def logit_bias(self, n: int, key_mask: Tensor | None = None,
-                   positions: Tensor | None = None) -> Tensor | None:
-        """What is added to the attention logits: the position bias of the tokens at
-        ``positions`` (the sub-matrix ``B[:, S, S]`` of their original indices ``S``) and
-        ``-inf`` at padded keys; ``None`` when there is neither.
-
-        Args:
-            n (int): sequence length.
-            key_mask (Tensor, optional): [B, n] bool, ``True`` = real token.
-            positions (Tensor, optional): [B, n] original token indices; ``None`` =
-                ``0..n-1`` (the full sequence).
-
-        Returns:
-            Tensor [B or 1, H or 1, n, n] or ``None``.
-        """
-        bias = None
-        if self.attn_bias is not None:
-            full = self.attn_bias()  # [1, H, N, N]
-            if positions is None:
-                if full.shape[-1] != n:
-                    raise ValueError(f"a sequence of {n} tokens needs their positions: the "
-                                     f"position bias covers {full.shape[-1]} tokens")
-                bias = full
-            else:
-                pos = positions.to(full.device)
-                bias = full[0][:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)
-        if key_mask is not None:
-            pad = key_padding_bias(key_mask, torch.get_default_dtype() if bias is None
-                                   else bias.dtype)
-            bias = pad if bias is None else bias + pad
-        return bias
-
-    def _probs(self, q: Tensor, k: Tensor, bias: Tensor | None,
-               rules: AttentionRules | None = None) -> Tensor:
-        scores = (q * self.scale) @ k.transpose(-2, -1)
-        if bias is not None:
-            scores = scores + bias.to(scores.dtype)
-        if rules is not None and rules.softmax is not None:
-            return rules.softmax(scores)
-        return scores.softmax(dim=-1)
-
-    def attention(self, u: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
-                  positions: Tensor | None = None, detach_qk: bool = False,
-                  rules: AttentionRules | None = None, heads: list[Heads] | None = None
-                  ) -> tuple[Tensor, Tensor | None]:
-        r"""Multi-head self-attention of ``u = LN1(x_l)`` up to the output projection.
-
-        The one attention of the package (modelled on timm's ``Attention.forward``): the
-        explicit path materialises :math:`A^h = \mathrm{softmax}(q k^\top / \sqrt{d})`
-        (the trace and the attention-based methods need it); the fused path calls
-        ``F.scaled_dot_product_attention`` and keeps no probabilities (scoring token
-        subsets). Both give the same mix up to rounding.
-
-        Args:
-            u (Tensor): normed token states [B, N, D].
-            materialize (bool): ``True`` = explicit softmax, probabilities returned;
-                ``False`` = fused kernel, ``None`` returned for them.
-            key_mask (Tensor, optional): bool [B, N], ``True`` = real token. Padded keys
-                (``False``) take no part in any query's attention, so the real tokens'
-                outputs equal those of the shortened sequence alone; the padded rows are
-                meaningless. Every row needs at least one real token.
-            positions (Tensor, optional): [B, N] original token indices of the tokens in
-                ``u`` (prefix tokens ``0..K-1``, patch ``t`` at ``K + t``): the hook for
-                rotary embeddings and relative-position bias: with a position bias
-                (``attn_bias``, BEiT) they pick its sub-matrix ``B[:, S, S]``; with a
-                ``rotary`` embedding (Eva) each kept patch is rotated by the row of its
-                original position; otherwise they are unused (an absolute positional
-                embedding is already in ``u``, so a kept token carries its own).
-            detach_qk (bool): detach ``q`` and ``k`` (the linearised backward of DecompX's
-                gradient route, :mod:`captum_vit.methods.decompx`); the forward values are
-                unchanged.
-            rules (AttentionRules, optional): modified backward rules (LRP,
-                :mod:`captum_vit.adapters._lrp`); the forward values are unchanged. Needs
-                ``materialize=True``.
-            heads (list, optional): receives this call's :class:`Heads` (per-head ``q``,
-                ``k``, ``v``, output and logit bias), from which the probabilities can be
-                recomputed later (:meth:`Heads.probs`) when the fused path kept none.
-
-        Returns:
-            (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
-            :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
-        """
-        if rules is not None and not materialize:
-            raise ValueError("attention rules need the explicit path (materialize=True)")
-        q, k, v = self._qkv(u, detach_qk, positions, rules)
-        return self.attend(q, k, v, materialize=materialize, key_mask=key_mask,
-                           positions=positions, rules=rules, heads=heads)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, materialize: bool,
-               key_mask: Tensor | None = None, positions: Tensor | None = None,
-               rules: AttentionRules | None = None, heads: list[Heads] | None = None
-               ) -> tuple[Tensor, Tensor | None]:
-        """The second half of :meth:`attention`, from its heads ``q``, ``k``, ``v``
-        [B, H, N, d] (after q/k norms and rotary embedding) on: for callers that compute
-        the token-wise projections once and gather them (TIS's shared first block,
-        :mod:`~captum_vit.adapters.subsets`). Arguments and returns as in
-        :meth:`attention`."""
-        b, _, n, _ = q.shape
-        bias = self.logit_bias(n, key_mask, positions)
-        if materialize:
-            attn: Tensor | None = self._probs(q, k, bias, rules)
-            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
-            mix = mixing @ v
-        else:
-            attn = None
-            mask = None if bias is None else bias.to(q.dtype)
-            mix = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        if heads is not None:
-            heads.append(Heads(q, k, v, mix, bias, self))
-        return mix.transpose(1, 2).reshape(b, n, self.inner_dim), attn
-
-    def attention_probs(self, u: Tensor, *, detach_qk: bool = False,
-                        positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The explicit path's pieces: probabilities ``A`` [B, H, N, N] and values ``v``
-        [B, H, N, d] of ``u`` (for inspection and tests; forwards use :meth:`attention`);
-        ``positions`` as in :meth:`attention`."""
-        q, k, v = self._qkv(u, detach_qk, positions)
-        return self._probs(q, k, self.logit_bias(u.shape[1], positions=positions)), v
-
-    def head_value_outputs(self, u: Tensor) -> Tensor:
-        """Per-head ``u W_V^h W_O^h`` without biases, [B, H, N, D] (TokenTM Eq. 5)."""
-        b, n, _ = u.shape
-        v = F.linear(u, self.v_weight).reshape(b, n, self.num_heads, self.head_dim)
-        wo = self.proj_weight.reshape(-1, self.num_heads, self.head_dim)  # [D, H, d]
-        return torch.einsum("bnhe,dhe->bhnd", v, wo)
-
-    def value_outputs(self, u: Tensor, attn: Tensor | None = None) -> Tensor:
-        r"""Every token's value vector through the output projection, heads concatenated:
-        :math:`(u W_V^\top + b_V) W_O^\top` [B, N, D], the value bias included and the
-        output bias and LayerScale excluded (the ``vproj`` of Beyond Intuition's token-wise
-        BT-T, Chen et al., TMLR 2023).
-
-        With an inner LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02's
-        ``scale_attn_inner``) the value vector passes it linearised, as in TokenTM
-        (:mod:`captum_vit.methods.tokentm`): centred by its own mean, divided by the
-        standard deviation of the real attention output
-        :math:`o = \mathrm{concat}_h A^h v^h` of the same token (frozen) and scaled by
-        :math:`\gamma`; :math:`\beta` excluded. That needs the block's probabilities
-        ``attn``.
-
-        Args:
-            u (Tensor): ``LN1(x_l)`` [B, N, D].
-            attn (Tensor, optional): the block's probabilities [B, H, N, N] (only read with
-                an inner norm).
-
-        Returns:
-            Tensor [B, N, D].
-        """
-        dt = u.dtype  # parameters follow u (maps accumulate in float32 for half models)
-        v = F.linear(u, self.v_weight.to(dt), None if self.v_bias is None
-                     else self.v_bias.to(dt))  # [B, N, H*d]
-        if self.inner_norm is not None:
-            if attn is None:
-                raise ValueError("value_outputs of a block with an inner attention norm "
-                                 "needs the block's attention probabilities (attn=)")
-            b, n, a = v.shape
-            o = attn.to(v.dtype) @ v.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-            o = o.transpose(1, 2).reshape(b, n, a)
-            inv = torch.rsqrt(o.var(-1, unbiased=False, keepdim=True) + self.inner_norm.eps)
-            v = (v - v.mean(-1, keepdim=True)) * inv
-            if self.inner_norm.weight is not None:
-                v = v * self.inner_norm.weight.to(dt)
-        return F.linear(v, self.proj_weight.to(dt))
-
-
-@dataclass(frozen=True)
-class Heads:
-    r"""The per-head tensors of one :meth:`BlockParts.attention` call, [B, H, N, d]:
-    ``q`` and ``k`` as the softmax saw them (after the q/k norms and RoPE), ``v``, the
-    output :math:`o^h = A^h v^h` and the logit ``bias`` (``None`` = none).
-
-    A fused forward keeps these instead of the probabilities (the kernel saves them for
-    its backward anyway), so a method that needs :math:`A_l` and
-    :math:`\partial s / \partial A_l` only block by block recomputes them:
-    :math:`A = ` :meth:`probs` and :math:`\partial s / \partial A^h = (\partial s /
-    \partial o^h)\, v^{h\top}` (:meth:`probs_grad`), one ``[B, H, N, N]`` at a time.
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    o: Tensor
-    bias: Tensor | None
-    parts: BlockParts
-
-    def probs(self) -> Tensor:
-        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation)."""
-        return self.parts._probs(self.q, self.k, self.bias)
-
-    def probs_grad(self, grad_o: Tensor) -> Tensor:
-        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``)."""
-        return grad_o @ self.v.detach().transpose(-2, -1)
-
-
-@dataclass(frozen=True)
-class PoolParts(AttentionParts):
-    r"""An attention-pool head: timm's ``AttentionPoolLatent``
-    (``global_pool='map'``) and Hugging Face's ``SiglipMultiheadAttentionPoolingHead``.
-
-    A learned latent query ``ℓ`` [Q, D_l] attends over the normed tokens ``x̂``:
-    :math:`A_p^h = \mathrm{softmax}(q^h k^{h\top} / \sqrt d)` with ``q = ℓ W_q + b_q``
-    (optional q-norm) and ``k, v = x̂ W_{k,v} + b_{k,v}``;
-    ``o = concat_h(A_p^h v^h) W_p + b_p``, then ``z = o + MLP(LN_p(o))`` (no residual
-    from the latent) and the pooled vector is ``z[0]``. Weights are views of the model's
-    parameters (``q_weight = None``: the latent is the query itself).
-    """
-
-    latent: Tensor  # [Q, D_l]
-    norm: NormParts | None
-    fc1_weight: Tensor | None
-    fc1_bias: Tensor | None
-    act: Callable[[Tensor], Tensor] | None
-    fc2_weight: Tensor | None
-    fc2_bias: Tensor | None
-    skip_prefix: int = 0
-    """Leading rows that are no keys (timm's pool drops the prefix tokens unless
-    ``pool_include_prefix``); their probabilities are exactly 0."""
-
-    def attention(self, x: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
-                  detach_k: bool = False, rules: AttentionRules | None = None
-                  ) -> tuple[Tensor, Tensor | None]:
-        """The pool's attention of the latent over ``x`` [B, N, D].
-
-        Args:
-            x (Tensor): normed token states.
-            materialize (bool): explicit softmax with the probabilities returned, or the
-                fused kernel (``None`` returned for them).
-            key_mask (Tensor, optional): [B, N] bool, ``True`` = real token; padded tokens
-                are no keys.
-            detach_k (bool): detach ``k`` (linearised backward; ``q`` depends on the
-                latent only).
-            rules (AttentionRules, optional): modified backward rules (LRP,
-                :mod:`captum_vit.adapters._lrp`), as in :meth:`BlockParts.attention`; needs
-                ``materialize=True``.
-
-        Returns:
-            (mix [B, Q, H*d] before ``W_p``, probabilities [B, H, Q, N] or ``None``).
-        """
-        if rules is not None and not materialize:
-            raise ValueError("attention rules need the explicit path (materialize=True)")
-        b = x.shape[0]
-        lat = self.latent.to(x.dtype).expand(b, -1, -1)
-        linear = F.linear if rules is None or rules.linear is None else rules.linear
-        q = self.q_norm(self._heads(lat, self.q_weight, self.q_bias, linear))
-        k = self.k_norm(self._heads(x, self.k_weight, self.k_bias, linear))
-        v = self._heads(x, self.v_weight, self.v_bias, linear)
-        if detach_k:
-            k = k.detach()
-        if rules is not None and rules.heads is not None:
-            q, k, v = rules.heads(q, k, v)
-        bias = None
-        if key_mask is not None or self.skip_prefix:
-            real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-            if key_mask is not None:
-                real = real & key_mask
-            real[:, :self.skip_prefix] = False
-            bias = key_padding_bias(real, x.dtype)
-        if materialize:
-            scores = (q * self.scale) @ k.transpose(-2, -1)
-            scores = scores if bias is None else scores + bias
-            softmax = None if rules is None else rules.softmax
-            attn: Tensor | None = scores.softmax(-1) if softmax is None else softmax(scores)
-            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
-            mix = mixing @ v
-        else:
-            attn = None
-            mix = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
-        return mix.transpose(1, 2).reshape(b, -1, self.inner_dim), attn
-
-
-_PROBABILITY: contextvars.ContextVar[str] = contextvars.ContextVar("probability",
-                                                                  default="softmax")
-"""How scores become probabilities in the current call: ``"softmax"`` over the classes
-(or over a set of target embeddings), ``"sigmoid"`` per score (one target vector)."""
-
-
-_TARGETS: contextvars.ContextVar[tuple[tuple[nn.Module, TargetHead], ...]] = \
-    contextvars.ContextVar("targets", default=())
-"""The target embeddings in force, per model object (innermost last): every adapter of
-that model scores against them (:meth:`ViTAdapter.targeting`)."""
-
-
-_ALPHAS: contextvars.ContextVar[tuple[tuple[nn.Module, float | str], ...]] = \
-    contextvars.ContextVar("alphas", default=())
-"""The ``"cls_mean"`` readout's ``α`` in force, per model object (innermost last)."""
-
-
-_FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("frozen", default=False)
-"""Inside a gradient trace: the blocks and the head run on detached views of the model's
-parameters (:func:`_detached`), so autograd saves only what input gradients need."""
-
-
-def _detached(parts: Any) -> Any:
-    """A copy of frozen parts (:class:`BlockParts`, :class:`HeadParts`, ...) whose tensors
-    are detached views of the same storage (same values, strides and offsets, so fused
-    projections stay fused) and whose logit-bias function returns a detached bias.
-
-    Gradients then reach the token states and the recorded tensors but never the
-    model's parameters, which nothing in a trace asks for: autograd no longer keeps
-    every projection's input alive for a weight gradient.
-    """
-    if isinstance(parts, Tensor):
-        return parts.detach()
-    if isinstance(parts, tuple):
-        return tuple(_detached(p) for p in parts)
-    if not dataclasses.is_dataclass(parts) or isinstance(parts, type):
-        return parts
-    changes = {f.name: _detached(getattr(parts, f.name))
-               for f in dataclasses.fields(parts) if f.init}
-    bias = changes.get("attn_bias")
-    if bias is not None:
-        changes["attn_bias"] = lambda: bias().detach()
-    return dataclasses.replace(parts, **changes)
-
-
-def probabilities(logits: Tensor) -> Tensor:
-    """The probabilities of ``logits`` [B, classes]: softmax over the classes, or, inside
-    an embedding-target call with single target vectors, the sigmoid of each score
-    (a softmax over one score would be constant; :mod:`captum_vit.targets`)."""
-    return logits.sigmoid() if _PROBABILITY.get() == "sigmoid" else logits.softmax(-1)
-
-
-def log_probabilities(logits: Tensor) -> Tensor:
-    """``log`` of :func:`probabilities`, computed stably (log-softmax or log-sigmoid)."""
-    if _PROBABILITY.get() == "sigmoid":
-        return F.logsigmoid(logits)
-    return logits.log_softmax(-1)
-
-
-def scores_are_classes() -> bool:
-    """Whether the current scores compete like classes (a classifier or a set of target
-    embeddings under a softmax), so that an arg-max "prediction" and accuracies mean
-    something; ``False`` for independent scores against single target vectors."""
-    return _PROBABILITY.get() != "sigmoid"
-
-
-@dataclass(frozen=True)
-class TargetHead:
-    r"""Scores of a model's image embedding ``e`` against target vectors
-    (:mod:`captum_vit.targets`).
-
-    ``s_t = scale · ⟨e/‖e‖, t/‖t‖⟩ + bias`` (``cosine=True``) or ``scale · ⟨e, t⟩ + bias``
-    for every row ``t`` of ``vectors`` [T, D′]: a linear head on the (normalised)
-    embedding, so every method and decomposition rule applies unchanged (DecompX freezes
-    ``‖e‖`` like a LayerNorm's statistics).
-    """
-
-    vectors: Tensor
-    cosine: bool = True
-    scale: float = 1.0
-    bias: float = 0.0
-    probability: str = "softmax"
-
-    def weight(self) -> Tensor:
-        t = self.vectors
-        if self.cosine:
-            t = t / t.norm(dim=-1, keepdim=True)
-        return self.scale * t
-
-    def bias_vector(self) -> Tensor | None:
-        if self.bias == 0:
-            return None
-        return torch.full(self.vectors.shape[:1], float(self.bias), dtype=self.vectors.dtype,
-                          device=self.vectors.device)
-
-    def scores(self, e: Tensor) -> Tensor:
-        """``[B, T]`` scores of embeddings ``e`` [B, D′] (plain tensors)."""
-        if self.cosine:
-            e = e / e.norm(dim=-1, keepdim=True)
-        return F.linear(e, self.weight(), self.bias_vector())
-
-
-@dataclass(frozen=True)
-class HeadParts:
-    """Final norm, pooling and classifier(s).
-
-    ``heads`` holds ``(row, weight, bias)``; ``row`` is a token index, ``"avg"`` or
-    ``"map"`` (the output of ``attn_pool``); ``weight = None`` is the identity (a
-    head-less model whose output is the pooled embedding). The logits combine the heads'
-    outputs as ``combine`` says.
-    """
-
-    norm: NormParts | None
-    fc_norm: NormParts | None
-    heads: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
-    combine: str = "mean"
-    """How the heads' outputs make the logits: ``"mean"`` (DeiT's two heads) or ``"sum"``
-    (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
-    attn_pool: PoolParts | None = None
-    """The attention-pool head read by ``"map"`` rows (:class:`PoolParts`)."""
-    target: TargetHead | None = None
-    """Scores against target embeddings, applied to the model's output (embedding
-    models inside :meth:`ViTAdapter.targeting`)."""
-
-
-class Ops:
-    """The primitive operations of the canonical forward, on plain tensors.
-
-    Subclasses (DecompX, FullGrad+'s bias probes) override them to carry other values;
-    :class:`FusedOps` is the plain forward without attention probabilities.
-
-    Args:
-        linearize (bool): keep the forward and linearise the backward (DecompX's gradient
-            route, :mod:`captum_vit.methods.decompx`).
-        positions (Tensor, optional): [B, N] original token indices of the sequence, passed
-            to :meth:`BlockParts.attention` (``None`` = ``0..N-1``).
-    """
-
-    def __init__(self, linearize: bool = False, *, positions: Tensor | None = None) -> None:
-        self.linearize = linearize
-        self.positions = positions
-
-    def norm(self, x: Any, p: NormParts) -> Any:
-        if self.linearize:
-            return layer_norm_frozen_variance(x, p.weight, p.bias, p.eps)
-        return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, p.eps)
-
-    def linear(self, x: Any, weight: Tensor, bias: Tensor | None) -> Any:
-        return F.linear(x, weight, bias)
-
-    def act(self, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
-        return activation_gate_detached(z, act) if self.linearize else act(z)
-
-    def gated(self, g: Any, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
-        """Gated unit ``act(g) ⊙ z``; linearised: the activated gate is a constant
-        (our choice: the gated analogue of DecompX's zero-origin GELU rule,
-        :mod:`captum_vit.methods.decompx`)."""
-        a = act(g)
-        return (a.detach() if self.linearize else a) * z
-
-    def scale(self, x: Any, gamma: Tensor) -> Any:
-        return x * gamma
-
-    def normalize(self, x: Any) -> Any:
-        """``x / ‖x‖`` over the last dimension; linearised: the norm is a constant."""
-        n = x.norm(dim=-1, keepdim=True)
-        return x / (n.detach() if self.linearize else n)
-
-    def add(self, x: Any, y: Any) -> Any:
-        return x + y
-
-    def attention(self, u: Any, p: BlockParts) -> tuple[Any, Tensor | None]:
-        """Attention mix before the output projection, [B, N, H*d], and the probabilities."""
-        return p.attention(u, materialize=True, positions=self.positions,
-                           detach_qk=self.linearize)
-
-    def pool_attention(self, x: Any, p: PoolParts) -> tuple[Any, Tensor | None]:
-        """Attention-pool mix before its output projection, [B, Q, H*d], and the pool's
-        probabilities [B, H, Q, N] (linearised: ``k`` detached; :class:`PoolParts`)."""
-        return p.attention(x, materialize=True, detach_k=self.linearize)
-
-    def pool(self, x: Any, row: int | str, num_prefix: int) -> Any:
-        return x[:, num_prefix:].mean(1) if row == "avg" else x[:, row]
-
-    def mean(self, xs: Sequence[Any]) -> Any:
-        return xs[0] if len(xs) == 1 else sum(xs[1:], xs[0]) / len(xs)
-
-    def value(self, x: Any) -> Tensor:
-        """The real tensor behind a value of these ops."""
-        return x
-
-
-class FusedOps(Ops):
-    """The plain forward with fused attention, optionally on padded token sets.
-
-    Scoring never needs the attention probabilities, so they are not materialised
-    (``F.scaled_dot_product_attention``). With ``key_mask`` ([B, N] bool, ``True`` = real
-    token) the padded tokens take no part in attention as keys and are left out of
-    average pooling, so every real token's state and the logits equal those of the
-    unpadded shorter sequence.
-
-    Args:
-        key_mask (Tensor, optional): real tokens [B, N]; ``None`` = all real.
-        positions (Tensor, optional): [B, N] original token indices (see :class:`Ops`).
-
-    Examples::
-
-        >>> logits = adapter.run(x0, keep=kept_patches, ops=FusedOps())
-    """
-
-    def __init__(self, key_mask: Tensor | None = None, positions: Tensor | None = None) -> None:
-        super().__init__(positions=positions)
-        self.key_mask = key_mask
-
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
-        mix, _ = p.attention(u, materialize=False, key_mask=self.key_mask,
-                             positions=self.positions)
-        return mix, None
-
-    def pool_attention(self, x: Tensor, p: PoolParts) -> tuple[Tensor, None]:
-        mix, _ = p.attention(x, materialize=False, key_mask=self.key_mask)
-        return mix, None
-
-    def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
-        if row != "avg" or self.key_mask is None:
-            return super().pool(x, row, num_prefix)
-        w = self.key_mask[:, num_prefix:].to(x.dtype)[..., None]
-        return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
-
-
-class HeadsOps(Ops):
-    """The plain forward with fused attention that hands each block's :class:`Heads` to
-    the trace instead of materialised probabilities (``trace(attention="fused")``): no
-    ``[B, H, N, N]`` tensor is kept for the backward.
-
-    Args:
-        linearize (bool): as in :class:`Ops` (``q``, ``k`` detached in the attention).
-    """
-
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:  # type: ignore[override]
-        heads: list[Heads] = []
-        mix, _ = p.attention(u, materialize=False, positions=self.positions,
-                             detach_qk=self.linearize, heads=heads)
-        return mix, heads[0]
-
-
-@dataclass
-class BlockRecord:
-    """What one block saw and produced (named as in the module docstring). An
-    attention-only record
-    (:meth:`ViTAdapter.block`) has ``None`` after ``attn``/``heads``."""
-
-    x: Tensor  # x_l, the block input
-    u: Tensor  # LN1(x_l)
-    attn: Tensor | None  # A_l [B, H, N, N]; None for a fused trace (see heads)
-    attn_out: Tensor  # ls1(a_l)
-    mid: Tensor  # x_mid,l
-    ffn_out: Tensor  # ls2(MLP(LN2(x_mid,l)))
-    out: Tensor  # x_{l+1}
-    heads: Heads | None = None  # a fused trace's per-head q, k, v, o (attn is None)
-
-
-@dataclass
-class Trace:
-    """One forward pass: the embedding output, every block's record and the logits."""
-
-    layout: Layout
-    x0: Tensor
-    blocks: list[BlockRecord] = field(default_factory=list)
-    logits: Tensor | None = None
-    start: int = 0
-    pool_attn: Tensor | None = None
-    """The attention-pool head's probabilities [B, H, Q, N] (``"map"`` readout)."""
-    readout_alpha: Tensor | None = None
-    """``"cls_mean"`` readout with ``alpha="logit"``: the CLS share ``α`` [B, classes] of
-    every class's logit (:func:`readout_alpha`), a constant of the readout."""
-
-    @property
-    def states(self) -> list[Tensor]:
-        """Residual states ``x_start .. x_L``."""
-        return [b.x for b in self.blocks] + [self.blocks[-1].out] if self.blocks else [self.x0]
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import FusedOps, HeadsOps, Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts, Heads, PoolParts, _detached
+from captum_vit.adapters.scoring import TargetHead, probability_kind
+from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
 
 def _channel_mismatch(got: int, expected: int) -> str:
@@ -866,13 +83,113 @@ def _channel_mismatch(got: int, expected: int) -> str:
     return f"inputs have {count_noun(got, 'channel')} but the model expects {want}"
 
 
-class ViTAdapter:
-    """Canonical pre-LN ViT on top of a concrete model (subclasses fill in the parts).
+@dataclasses.dataclass(frozen=True)
+class AdapterSettings:
+    """The per-model settings in force in the current context (:class:`AdapterState`).
 
-    Subclasses set ``model``, ``blocks`` (list of :class:`BlockParts`), ``head``
-    (:class:`HeadParts`), ``num_prefix``, ``readout``, ``in_chans`` and implement
-    :meth:`layout`, :meth:`embed`, :attr:`input_shape` and :meth:`parameter_stages`
-    (and :meth:`refresh` when the parts hold views of the model's parameters).
+    Attributes:
+        target (TargetHead or None): target embeddings the outputs are scored against
+            (:meth:`ViTAdapter.targeting`); ``None`` = the model's own output.
+        alpha (float or str): the ``"cls_mean"`` readout's CLS share ``α``
+            (:meth:`ViTAdapter.with_cls_alpha`).
+        frozen (bool): inside a gradient trace, the blocks and the head run on detached
+            views of the model's parameters (:meth:`ViTAdapter.trace` with ``grad``).
+    """
+
+    target: TargetHead | None = None
+    alpha: float | str = 0.5
+    frozen: bool = False
+
+
+class AdapterState:
+    """What an adapter remembers about its model: the settings in force and the
+    self-check memo.
+
+    The settings live in a context variable owned by this object (not a module global
+    keyed by the model), so they follow threads and asyncio tasks as Python's
+    :mod:`contextvars` do: a setting made in one thread is not seen by another, and a
+    ``with`` block restores the previous settings on exit, also after an exception. A
+    view of the model (:class:`~captum_vit.adapters.subnetwork.SubnetworkAdapter`) shares
+    its model adapter's state.
+
+    Examples::
+
+        >>> state = AdapterState()
+        >>> with state.override(alpha="logit"):
+        ...     state.settings.alpha
+        'logit'
+        >>> state.settings.alpha
+        0.5
+    """
+
+    def __init__(self, settings: contextvars.ContextVar[AdapterSettings] | None = None) -> None:
+        self._var = settings if settings is not None else contextvars.ContextVar(
+            "captum_vit_adapter_settings", default=AdapterSettings())  # noqa: B039 (frozen)
+        self.checked: set[tuple[Any, ...]] = set()
+        """The (adapter type, dtype, device, input size) keys :meth:`ViTAdapter.self_check`
+        has passed."""
+
+    @property
+    def settings(self) -> AdapterSettings:
+        """The settings in force in the current context."""
+        return self._var.get()
+
+    @contextlib.contextmanager
+    def override(self, **changes: Any) -> Iterator[AdapterSettings]:
+        """Within the block the settings have ``changes`` (fields of
+        :class:`AdapterSettings`); the previous ones are restored on exit."""
+        token = self._var.set(dataclasses.replace(self._var.get(), **changes))
+        try:
+            yield self._var.get()
+        finally:
+            self._var.reset(token)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AdapterState:
+        # a deep copy of an adapter (of a method holding one) is the adapter of a copied
+        # model: fresh settings and memo (a context variable cannot be copied)
+        return AdapterState()
+
+    def __reduce__(self) -> tuple[type[AdapterState], tuple[()]]:
+        return AdapterState, ()
+
+    def renewed(self) -> AdapterState:
+        """A state for a rebuilt adapter of the same model: the same settings (a rebuild
+        inside a ``with`` block keeps them), an empty self-check memo."""
+        return AdapterState(self._var)
+
+
+FAMILY_CONTRACT = ("layout", "embed", "input_shape", "parameter_stages")
+"""The abstract members of :class:`ViTAdapter`: what every model family implements
+(besides the attributes ``model``, ``blocks``, ``head``, ``num_prefix``, ``readout`` and
+``in_chans``)."""
+
+
+class ViTAdapter(abc.ABC):
+    """Canonical pre-LN ViT on top of a concrete model.
+
+    **What a family implements.** A family adapter sets the attributes below in its
+    ``__init__`` and implements the abstract members (:data:`FAMILY_CONTRACT`); a subclass
+    missing one of them cannot be instantiated. The optional hooks have defaults.
+
+    Attributes:
+        model (nn.Module): the model (never modified).
+        blocks (list[BlockParts]): the canonical parameters of every block, in order
+            (views of the model's parameters, :mod:`captum_vit.adapters.parts`).
+        head (HeadParts): final norm, pooling and classifier(s) (set through the
+            :attr:`head` property, which adds the target in force when read).
+        num_prefix (int): ``K``, the prefix tokens (CLS, DIST, registers) before the
+            patches.
+        readout (str): how the logits read the last state, one of
+            :data:`~captum_vit.adapters.layout.READOUTS`.
+        in_chans (int): the number of input channels.
+        embedding (bool): whether the model outputs an image embedding (default
+            ``False``).
+
+    Abstract members: :meth:`layout` (the geometry of a batch), :meth:`embed` (images to
+    ``x_0``), :attr:`input_shape` (the default input size) and :meth:`parameter_stages`
+    (the model's parameters by cascade stage). Optional hooks: :meth:`refresh`,
+    :meth:`embedding_norms`, :meth:`check_inputs`, :meth:`is_random`,
+    :meth:`model_outputs`.
     """
 
     model: nn.Module
@@ -882,31 +199,33 @@ class ViTAdapter:
     readout: str
     in_chans: int
 
-    # -- to implement ------------------------------------------------------------------
-    def layout(self, inputs: Tensor) -> Layout:  # pragma: no cover - abstract
-        raise NotImplementedError
+    # -- what a family implements --------------------------------------------------------
+    @abc.abstractmethod
+    def layout(self, inputs: Tensor) -> Layout:
+        """The token geometry of images ``inputs`` [B, C, H, W] (:class:`Layout`): prefix
+        rows, the patch grid the maps land on, the patch size in pixels, the readout."""
 
-    def embed(self, inputs: Tensor, ops: Ops | None = None
-              ) -> Tensor:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The token states ``x_0`` [B, N, D] of images [B, C, H, W].
 
         ``ops=None`` runs the model's own embedding modules. With ``ops`` the patch
         projection (a convolution with stride = kernel, :func:`patch_projection`) goes
         through ``ops.linear`` and each normalisation of the embedding
         (:meth:`embedding_norms`) through ``ops.norm``, so a rule set of modified
-        backward passes (LRP at the pixels, :mod:`captum_vit.adapters._lrp`) reaches the
+        backward passes (LRP at the pixels, :mod:`captum_vit.adapters.rules`) reaches the
         pixels; prefix
         tokens, position embeddings (interpolation included) and rotary tables stay the
         model's own code, and the forward values are the model's up to rounding.
         """
-        raise NotImplementedError
 
     @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
         """``(channels, (H, W))``: the model's default input size."""
-        raise NotImplementedError
 
-    def parameter_stages(self) -> list[list[nn.Parameter]]:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
         """The model's own parameters by cascade stage, for the model-randomisation check.
 
         Returns:
@@ -917,22 +236,32 @@ class ViTAdapter:
             (patch embedding, prefix tokens, positional embedding, pre-norm) appear in
             none.
         """
-        raise NotImplementedError
 
+    # -- optional hooks ------------------------------------------------------------------
     def refresh(self) -> None:
         """Re-read the parts if the model's parameters were replaced (e.g. ``model.to``).
 
         Called at every entry point (:meth:`layout`, :meth:`embed`, :meth:`run`,
         :meth:`trace`); adapters whose parts are the parameters themselves need nothing.
         """
+        return None
 
     def embedding_norms(self) -> tuple[str, ...]:
         """Names of the normalisations inside :meth:`embed` (a pre-norm such as CLIP's
         ``pre_layrnorm``); empty when the embedding is affine in the pixels (patch
         projection, prefix tokens, position embedding). ``embed(inputs, ops)`` runs each
         of them through ``ops.norm`` (pixel-level LRP: the LN rule,
-        :mod:`captum_vit.adapters._lrp`)."""
+        :mod:`captum_vit.adapters.rules`)."""
         return ()
+
+    @property
+    def state(self) -> AdapterState:
+        """This adapter's :class:`AdapterState` (settings in force, self-check memo),
+        created on first use; a view of the model shares its model adapter's."""
+        state = self.__dict__.get("_state")
+        if state is None:
+            state = self.__dict__.setdefault("_state", AdapterState())
+        return state
 
     def check_inputs(self, inputs: Tensor) -> None:
         """Raise a clear error for inputs the model cannot take (subclasses add their size
@@ -978,12 +307,10 @@ class ViTAdapter:
     @property
     def head(self) -> HeadParts:
         """The model's head, scoring against the target embeddings in force for this model
-        (:meth:`targeting`, seen by every adapter of the same model object)."""
+        (:meth:`targeting`)."""
         base = self._head_parts
-        for model, target in reversed(_TARGETS.get()):
-            if model is self.model:
-                return dataclasses.replace(base, target=target)
-        return base
+        target = self.state.settings.target
+        return base if target is None else dataclasses.replace(base, target=target)
 
     @head.setter
     def head(self, value: HeadParts) -> None:
@@ -994,10 +321,7 @@ class ViTAdapter:
     def cls_alpha(self) -> float | str:
         """The CLS share ``α`` of a ``"cls_mean"`` readout in force for this model (½
         unless set by :meth:`with_cls_alpha`)."""
-        for model, alpha in reversed(_ALPHAS.get()):
-            if model is self.model:
-                return alpha
-        return 0.5
+        return self.state.settings.alpha
 
     @contextlib.contextmanager
     def with_cls_alpha(self, alpha: float | str) -> Iterator[None]:
@@ -1016,11 +340,8 @@ class ViTAdapter:
             raise ValueError(f"alpha must be a float in [0, 1] or 'logit', got {alpha!r}")
         else:
             alpha = float(alpha)
-        token = _ALPHAS.set(_ALPHAS.get() + ((self.model, alpha),))
-        try:
+        with self.state.override(alpha=alpha):
             yield
-        finally:
-            _ALPHAS.reset(token)
 
     @contextlib.contextmanager
     def targeting(self, target: TargetHead | None) -> Iterator[None]:
@@ -1032,13 +353,8 @@ class ViTAdapter:
         if target is None:
             yield
             return
-        tokens = (_TARGETS.set(_TARGETS.get() + ((self.model, target),)),
-                  _PROBABILITY.set(target.probability))
-        try:
+        with probability_kind(target.probability), self.state.override(target=target):
             yield
-        finally:
-            _PROBABILITY.reset(tokens[1])
-            _TARGETS.reset(tokens[0])
 
     # -- what the model is -------------------------------------------------------------------
     @property
@@ -1092,7 +408,7 @@ class ViTAdapter:
         rows: the last block under a readout of the prefix rows
         (:attr:`readout_row_count`)."""
         p = self.blocks[l]
-        if _FROZEN.get():
+        if self.state.settings.frozen:
             p = _detached(p)
         u = ops.norm(x, p.norm1)
         a, attn = ops.attention(u, p)
@@ -1176,7 +492,7 @@ class ViTAdapter:
 
     def _head_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts) -> Any:
         """Final norm, pooling and head(s) of ``h`` on the token states ``x``."""
-        if _FROZEN.get():
+        if self.state.settings.frozen:
             h = _detached(h)
         if h.norm is not None:
             x = ops.norm(x, h.norm)
@@ -1277,11 +593,8 @@ class ViTAdapter:
         prefix = torch.arange(k, device=x.device).expand(b, k)
         return out, torch.cat([prefix, k + keep], dim=1)
 
-    def trace(self, inputs: Tensor | None = None, *, x: Tensor | None = None, start: int = 0,
-              linearize: bool = False, grad: bool = False, cut_blocks: bool = False,
-              ops: Ops | None = None, attention: str = "explicit",
-              on_block: Callable[[int, BlockRecord], None] | None = None,
-              logits: bool = True, last_rows: int | None = None) -> Trace:
+    def trace(self, inputs: Tensor | None = None, *, x: Tensor | None = None,
+              options: TraceOptions | None = None, **kwargs: Any) -> Trace:
         r"""One forward pass recording every block (:class:`BlockRecord`).
 
         With ``grad`` the blocks and the head run on detached views of the model's
@@ -1291,69 +604,41 @@ class ViTAdapter:
 
         Args:
             inputs (Tensor, optional): images [B, C, H, W]; embedded first.
-            x (Tensor, optional): token states of block ``start`` instead of images.
-            start (int): first block (with ``x``).
-            linearize (bool): linearised backward (LN variance, q/k, GELU gate detached).
-            grad (bool): build the autograd graph so gradients w.r.t. recorded tensors
-                can be taken (:func:`captum_vit.methods._core.grads`).
-            cut_blocks (bool): every block after the first takes a detached copy of the
-                previous block's output (a leaf, with ``requires_grad`` under ``grad``):
-                the values are unchanged, but a score computed from block ``l``'s output
-                reaches the earlier blocks only through block ``l``'s input, so ONE
-                backward of :math:`\sum_l s^l(x_{l+1})` gives every
-                :math:`\partial s^l / \partial A_l` (LeGrad, Bousselham et al., ICCV
-                2025). The trace's
-                logits then carry gradients into the last block only.
-            ops (Ops, optional): the primitive operations of the forward, e.g. an LRP
-                rule set (:mod:`captum_vit.adapters._lrp`); default ``Ops(linearize)``.
-            attention (str): ``"explicit"`` (default): records carry the probabilities
-                ``attn`` [B, H, N, N]; ``"fused"``: the fused kernel, records carry
-                :class:`Heads` instead (``attn`` is ``None``), so no ``[B, H, N, N]``
-                tensor lives beyond its block (:meth:`Heads.probs` recomputes it).
-            on_block (callable, optional): ``on_block(l, record)`` is called with each
-                block's record as soon as the block has run, and the record is NOT kept
-                in ``Trace.blocks`` (streaming: the method keeps what it needs, the rest
-                is freed block by block).
-            logits (bool): ``False``: stop once the last block has its attention (its
-                record as in :meth:`block` with ``attention_only``) and compute no
-                logits (``Trace.logits`` is ``None``): for methods that read only
-                attention probabilities under a :attr:`fixed_readout`.
-            last_rows (int, optional): the last block computes its output (after its
-                attention) for the first ``last_rows`` tokens only
-                (:attr:`readout_row_count`): the logits and every gradient are those of
-                the full forward up to rounding; the last record's ``attn_out``,
-                ``mid``, ``ffn_out`` and ``out`` have ``last_rows`` rows. Not with
-                ``ops``.
+            x (Tensor, optional): token states of block ``options.start`` instead of
+                images.
+            options (TraceOptions, optional): how the pass runs
+                (:class:`~captum_vit.adapters.trace.TraceOptions`); default the plain
+                explicit forward.
+            **kwargs: fields of :class:`~captum_vit.adapters.trace.TraceOptions`
+                (``start``, ``linearize``, ``grad``, ``cut_blocks``, ``ops``,
+                ``attention``, ``on_block``, ``logits``, ``last_rows``), replacing those
+                of ``options``.
 
         Returns:
             :class:`Trace`.
+
+        Raises:
+            ValueError: options that do not go together (see
+                :class:`~captum_vit.adapters.trace.TraceOptions`).
 
         Examples::
 
             >>> means = []   # head-mean attention per block, [B, N, N] each
             >>> tr = adapter.trace(images, on_block=lambda l, rec: means.append(
             ...     rec.attn.mean(1)))
+            >>> tr = adapter.trace(images, options=TraceOptions(grad=True))
         """
-        if attention not in ("explicit", "fused"):
-            raise ValueError(f"attention must be 'explicit' or 'fused'; got {attention!r}")
-        if last_rows is not None and ops is not None:
-            raise ValueError("last_rows needs the plain forward; do not pass ops with it")
-        if attention == "fused" and ops is not None:
-            raise ValueError("attention='fused' uses its own ops; pass ops only with "
-                             "attention='explicit'")
+        if options is None:
+            options = TraceOptions(**kwargs)
+        elif kwargs:
+            options = dataclasses.replace(options, **kwargs)
         self.refresh()
-        frozen = _FROZEN.set(grad)
-        try:
-            return self._trace(inputs, x, start, linearize, grad, cut_blocks,
-                               HeadsOps(linearize) if attention == "fused" else ops, on_block,
-                               logits, last_rows)
-        finally:
-            _FROZEN.reset(frozen)
+        with self.state.override(frozen=options.grad):
+            return self._trace(inputs, x, options)
 
-    def _trace(self, inputs: Tensor | None, x: Tensor | None, start: int, linearize: bool,
-               grad: bool, cut_blocks: bool, ops: Ops | None,
-               on_block: Callable[[int, BlockRecord], None] | None, logits: bool,
-               last_rows: int | None) -> Trace:
+    def _trace(self, inputs: Tensor | None, x: Tensor | None, o: TraceOptions) -> Trace:
+        ops = HeadsOps(o.linearize) if o.attention == "fused" else o.ops
+        start, grad = o.start, o.grad
         with torch.set_grad_enabled(grad):
             if x is None:
                 assert inputs is not None
@@ -1364,36 +649,35 @@ class ViTAdapter:
             if grad and not x.requires_grad:
                 x = x.detach().requires_grad_()
             tr = Trace(layout=layout, x0=x, start=start)
-            ops = Ops(linearize=linearize) if ops is None else ops
+            ops = Ops(linearize=o.linearize) if ops is None else ops
             h = x
             for l in range(start, self.num_blocks):
-                if cut_blocks and l > start:
+                if o.cut_blocks and l > start:
                     h = h.detach().requires_grad_(grad)
-                records = tr.blocks if on_block is None else []
+                records = tr.blocks if o.on_block is None else []
                 last = l == self.num_blocks - 1
-                h = self.block(h, l, ops, records, attention_only=not logits and last,
-                               rows=last_rows if last else None)
-                if on_block is not None:
-                    on_block(l, records.pop())
-            if logits:
+                h = self.block(h, l, ops, records, attention_only=not o.logits and last,
+                               rows=o.last_rows if last else None)
+                if o.on_block is not None:
+                    o.on_block(l, records.pop())
+            if o.logits:
                 tr.logits = self.logits(h, ops, tr)
         return tr
 
     def _layout_of_tokens(self, x: Tensor, inputs: Tensor | None) -> Layout:
         if inputs is not None:
             return self.layout(inputs)
-        p = x.shape[1] - self.num_prefix
-        side = math.isqrt(p)
-        grid = (side, side) if side * side == p else (1, p)
-        return Layout(self.num_prefix, grid, (1, 1), self.readout, self.num_blocks,
-                      self.blocks[0].num_heads, grid)
+        return Layout.of_tokens(x.shape[1], self.num_prefix, self.readout, self.num_blocks,
+                                self.blocks[0].num_heads)
 
     # -- safety ---------------------------------------------------------------------------
     def self_check(self, inputs: Tensor) -> None:
         """Compare the canonical forward with ``model(inputs)`` once per model and
-        dtype/device/input size (remembered across adapters of the same model object)."""
+        dtype/device/input size (remembered by the adapter's :class:`AdapterState`, so
+        by every view of the model, and kept by :func:`captum_vit.adapters.adapt`'s one
+        adapter per model)."""
         key = (type(self), inputs.dtype, inputs.device, tuple(inputs.shape[1:]))
-        checked = _CHECKED.setdefault(self.model, set())
+        checked = self.state.checked
         if key in checked:
             return
         # full precision even under an enclosing autocast (--autocast bf16 builds the
@@ -1417,3 +701,4 @@ class ViTAdapter:
                 "head). Supported: standard pre-LN ViT blocks as in timm's VisionTransformer."
             )
         checked.add(key)
+

@@ -29,8 +29,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import HeadParts, Ops, PoolParts
 from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import HeadParts, PoolParts
 
 CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
            "CLIPModel", "SiglipModel")

@@ -37,15 +37,10 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import (
-    BlockParts,
-    HeadParts,
-    Layout,
-    NormParts,
-    Ops,
-    ViTAdapter,
-    patch_projection,
-)
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import Ops, patch_projection
+from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts
 
 CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
            "DeiTForImageClassificationWithTeacher", "Dinov2ForImageClassification",

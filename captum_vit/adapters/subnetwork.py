@@ -8,7 +8,10 @@ turns images into the block input ``x_start`` (the real embedding and blocks
 and its head runs the model's blocks ``stop .. L-1`` (if any) followed by the real final
 norm, pooling and classifier. Everything else (layout with ``num_blocks = stop - start``,
 positions, RoPE and relative-position bias rows, targeting, readout, the self-check) is
-the model's adapter's.
+the model's adapter's: the view implements the family contract of
+:class:`~captum_vit.adapters.base.ViTAdapter` by delegating to the model's adapter, and
+shares its :class:`~captum_vit.adapters.base.AdapterState` (settings in force, self-check
+memo).
 
 Every method of this package takes an adapter where it takes a model
 (:func:`captum_vit.adapters.adapt` returns an adapter unchanged), so ``GAE(view)`` is GAE
@@ -25,16 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import (
-    BlockParts,
-    BlockRecord,
-    HeadParts,
-    Layout,
-    Ops,
-    Trace,
-    ViTAdapter,
-    probabilities,
-)
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.scoring import probabilities
+from captum_vit.adapters.trace import BlockRecord, Trace
 
 OUTPUT_SCORES = ("logit", "probability")
 
@@ -59,7 +58,7 @@ class SubnetworkAdapter(ViTAdapter):
     ``x_l`` [B, N, D] it runs :math:`f_l(x_l)` (the forward function of a Captum
     attribution applied to the sub-network); on images [B, C, H, W] it runs the whole
     model (embedding and blocks before ``start`` with gradient). With
-    ``score="probability"`` the output is :func:`~captum_vit.adapters.base.probabilities`
+    ``score="probability"`` the output is :func:`~captum_vit.adapters.scoring.probabilities`
     of the scores.
 
     Args:
@@ -107,7 +106,13 @@ class SubnetworkAdapter(ViTAdapter):
         self.start = start
         self.stop = stop
         self.score = score
+        # what the model is, read through the family contract once
         self.model = adapter.model
+        self.num_prefix = adapter.num_prefix
+        self.readout = adapter.readout
+        self.in_chans = adapter.in_chans
+        self.embedding = adapter.embedding
+        self.__dict__["_state"] = adapter.state  # one set of settings per model
 
     def __repr__(self) -> str:
         return (f"SubnetworkAdapter({type(self.base).__name__}, start={self.start}, "
@@ -181,22 +186,6 @@ class SubnetworkAdapter(ViTAdapter):
         return self.base.head
 
     @property
-    def num_prefix(self) -> int:  # type: ignore[override]
-        return self.base.num_prefix
-
-    @property
-    def readout(self) -> str:  # type: ignore[override]
-        return self.base.readout
-
-    @property
-    def in_chans(self) -> int:  # type: ignore[override]
-        return self.base.in_chans
-
-    @property
-    def embedding(self) -> bool:  # type: ignore[override]
-        return self.base.embedding
-
-    @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
         return self.base.input_shape
 
@@ -208,9 +197,6 @@ class SubnetworkAdapter(ViTAdapter):
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         return self.base.model_outputs(inputs)
-
-    def model_logits(self, inputs: Tensor) -> Tensor:
-        return self.base.model_logits(inputs)
 
     def self_check(self, inputs: Tensor) -> None:
         """The model adapter's check (the view composes its parts exactly)."""

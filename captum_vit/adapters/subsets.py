@@ -16,7 +16,7 @@ per-token linear maps plus the per-pair attention, ``w`` from the block's widths
 distinct lengths, so jobs of different lengths share a forward only where the padding
 costs less than the forwards it saves. Shorter sequences of a mixed chunk are padded and
 the padding masked out as attention keys and from average pooling
-(:class:`~captum_vit.adapters.base.FusedOps`), which gives the same logits as running
+(:class:`~captum_vit.adapters.ops.FusedOps`), which gives the same logits as running
 every job alone.
 
 Its pixel-side twin, :func:`image_logits`, runs the model's own forward on many perturbed
@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from captum_vit.adapters.base import BlockParts, FusedOps, NormParts, ViTAdapter
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.ops import FusedOps
+from captum_vit.adapters.parts import BlockParts, NormParts
 
 FORWARD_OVERHEAD_TOKENS: dict[str, float] = {"cpu": 32.0, "cuda": 1024.0}
 """Fixed cost of one forward pass in token units (token-forwards of the same model), per

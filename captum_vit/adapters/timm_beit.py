@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import BlockParts, HeadParts, Ops
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.timm_vit import (
     TimmViTAdapter,
     _optional_norm,

@@ -61,7 +61,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import BlockParts, HeadParts, Ops
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.timm_beit import _mlp_fields
 from captum_vit.adapters.timm_vit import (
     TimmViTAdapter,

@@ -11,16 +11,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.base import (
-    BlockParts,
-    HeadParts,
-    Layout,
-    NormParts,
-    Ops,
-    PoolParts,
-    ViTAdapter,
-    patch_projection,
-)
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import Ops, patch_projection
+from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
 
 
 def _norm_parts(m: nn.Module, what: str) -> NormParts:

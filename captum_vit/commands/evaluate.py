@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,11 +30,12 @@ import torch
 from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
 from captum_vit.data.specs import SPEC_HELP as DATA_HELP
 from captum_vit.data.specs import load_data
-from captum_vit.metrics import protocols, report, suite
-from captum_vit.metrics.removal import REMOVALS
+from captum_vit.metrics import parallel, protocols, report, suite
+from captum_vit.metrics.settings import REMOVALS, EvalSettings
+from captum_vit.metrics.table import MethodFactory
 from captum_vit.models import SPEC_HELP as MODEL_HELP
 from captum_vit.models import load_model
-from captum_vit.registry import method_factory, parse_methods
+from captum_vit.registry import METHODS, canonical_name, method_factory, parse_methods
 
 
 def positive_int(text: str) -> int:
@@ -101,6 +103,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="evaluation", help="output folder (created at once)")
 
 
+def protocol_factories(protocol: protocols.Protocol, methods: Sequence[str], *, seed: int = 0
+                       ) -> dict[str, MethodFactory]:
+    r"""Method factories (``model -> Attribution``) for a preset, from method names: the
+    preset's :attr:`~captum_vit.metrics.protocols.Protocol.method_options` for the methods
+    it sets options of (Chefer's scripts: Rollout and Chefer'21 with ``start_layer=1``),
+    :func:`captum_vit.registry.method_factory` for the others.
+
+    Args:
+        protocol (Protocol): the preset.
+        methods (Sequence[str]): method names (any spelling of the registry).
+        seed (int, optional): seed of seeded methods. Default 0.
+
+    Returns:
+        dict[str, Callable]: name as given -> factory, for
+        :func:`captum_vit.metrics.protocols.run_protocol`.
+
+    Raises:
+        ValueError: an unknown method name.
+
+    Examples::
+
+        >>> from captum_vit.commands.evaluate import protocol_factories
+        >>> from captum_vit.metrics.protocols import get_protocol
+        >>> f = protocol_factories(get_protocol("chefer21_perturbation"), ["rollout", "gae"])
+        >>> f["rollout"](model).start_layer
+        1
+    """
+    out: dict[str, MethodFactory] = {}
+    for m in methods:
+        opts = protocol.method_options.get(canonical_name(m))
+        if opts:
+            cls = next(e.cls for e in METHODS if e.name == canonical_name(m))
+            out[m] = _bound(cls, dict(opts))
+        else:
+            out[m] = method_factory(m, seed=seed)
+    return out
+
+
+def _bound(cls: type, opts: dict) -> MethodFactory:
+    def factory(model: Any) -> Any:
+        return cls(model, **opts)
+    return factory
+
+
+def settings_of(args: argparse.Namespace) -> EvalSettings:
+    """The :class:`~captum_vit.metrics.settings.EvalSettings` of the command's options.
+
+    Args:
+        args (argparse.Namespace): parsed options: ``--removal``, ``--steps``,
+            ``--batch-size``, ``--seed``, ``--target`` (the settings' ``explain``),
+            ``--autocast``.
+
+    Returns:
+        EvalSettings: the settings (``forward_batch``: 4 jobs per image of a batch).
+
+    Examples::
+
+        >>> p = argparse.ArgumentParser()
+        >>> add_arguments(p)
+        >>> settings_of(p.parse_args(["--target", "label"])).explain
+        'label'
+    """
+    return EvalSettings(removal=args.removal, n_steps=args.steps, batch_size=args.batch_size,
+                        seed=args.seed, explain=args.target, autocast=args.autocast)
+
+
 def subset_config(args: argparse.Namespace, data: Any) -> dict[str, Any]:
     """The ``--subset`` / ``--class-map`` entries of the saved config: the subset's size,
     seed and the source index of every example (``{}`` without them)."""
@@ -127,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         suite.parse_metrics(args.metrics)  # names checked before any work
     report.ensure_folder(args.out)
-    with suite.distributed(args.device) as (device, rank, _):
+    with parallel.distributed(args.device) as (device, rank, _):
         lm = load_model(args.model, seed=args.seed, pretrained=args.pretrained,
                         class_names=args.classes, targets=target_embeddings(args))
         model = lm.model.to(device=device, dtype=getattr(torch, args.dtype))
@@ -143,10 +211,8 @@ def run(args: argparse.Namespace) -> int:
         factories = {m: method_factory(m, seed=args.seed) for m in methods}
         seconds: dict[str, float] = {}
         with scoring:
-            results = suite.evaluate(model, data, factories, metrics, preprocess=lm.preprocess,
-                                     batch_size=args.batch_size, target=args.target,
-                                     removal=args.removal, n_steps=args.steps, seed=args.seed,
-                                     progress=True, autocast=args.autocast, timings=seconds)
+            results = suite.evaluate(model, data, factories, metrics, settings=settings_of(args),
+                                     preprocess=lm.preprocess, progress=True, timings=seconds)
         if rank == 0:
             config = {"model": args.model, "data": args.data, "methods": methods,
                       "metrics": metrics, "n": len(data), "batch_size": args.batch_size,
@@ -179,7 +245,8 @@ def _run_protocol(args: argparse.Namespace, proto: protocols.Protocol, lm: Any, 
     with scoring, warnings.catch_warnings():
         # printed above on rank 0 (and written to protocol.md), not once per process
         warnings.simplefilter("ignore", protocols.ProtocolNormalizationWarning)
-        results = protocols.run_protocol(proto, model, data, methods, preprocess=own,
+        factories = protocol_factories(proto, methods, seed=args.seed)
+        results = protocols.run_protocol(proto, model, data, factories, preprocess=own,
                                          batch_size=args.batch_size, seed=args.seed,
                                          progress=True, has_masks=data.has_masks,
                                          autocast=args.autocast, normalization=choice,

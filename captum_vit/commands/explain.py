@@ -15,8 +15,7 @@ from tqdm import tqdm
 
 from captum_vit import viz
 from captum_vit._text import count_noun
-from captum_vit.adapters import adapt
-from captum_vit.adapters.base import probabilities
+from captum_vit.adapters import adapt, probabilities
 from captum_vit.commands.options import (
     add_target_embedding_arguments,
     parse_class,

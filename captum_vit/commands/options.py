@@ -51,7 +51,7 @@ def parse_class(value: str | int | None, class_names: Sequence[str] | None, num_
                 *, option: str = "--target") -> int | None:
     """The class index named by a command-line value: an integer index, or a class name
     of the model (matched ignoring case, spaces and punctuation; see
-    :func:`captum_vit.models.class_index`).
+    :func:`captum_vit.data.classes.class_index`).
 
     Args:
         value (str, int or None): e.g. ``"7"``, ``"Sneaker"`` or ``"sneaker"``; ``None``
@@ -86,7 +86,7 @@ def parse_class(value: str | int | None, class_names: Sequence[str] | None, num_
         raise ValueError(f"{option} {text!r}: this model has no class names, so give a "
                          f"class index in [0, {num_classes}) (or name the classes with "
                          "--classes FILE, one per line)")
-    from captum_vit.models import class_index
+    from captum_vit.data.classes import class_index
 
     try:
         return class_index(text, class_names)

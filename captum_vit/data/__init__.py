@@ -1,8 +1,17 @@
 """Fashion-MNIST reader, the FashionMNIST-Loc localisation set, a bundled sample, image
 reading, the benchmark loaders (ImageNet-Segmentation, ImageNet validation, CIFAR-10/100,
-ImageNet-S; local files only), the papers' resizing and the data specs of the command line."""
+ImageNet-S; local files only), the papers' resizing and the data specs of the command line.
+
+Modules: :mod:`~captum_vit.data.specs` (the ``--data`` specs and batches),
+:mod:`~captum_vit.data.classes` (class-name and WordNet-id matching),
+:mod:`~captum_vit.data.transforms` (the models' :class:`~captum_vit.data.transforms.Preprocess`
+and the papers' resizing), :mod:`~captum_vit.data.images` (reading and converting images) and
+one module per data set; the names below are public. The data layer imports nothing of the
+package but :mod:`captum_vit._text` (no model, method or metric).
+"""
 
 from captum_vit.data.cifar import CIFAR10, CIFAR100, read_cifar_batch
+from captum_vit.data.classes import match_class_names
 from captum_vit.data.fashion_mnist import CLASS_NAMES, load_fashion_mnist, read_idx
 from captum_vit.data.imagenet import (
     ImageNetVal,
@@ -28,7 +37,6 @@ from captum_vit.data.specs import (
     FolderImages,
     SyntheticLoc,
     load_data,
-    match_class_names,
     model_batch,
     read_class_map,
     subset_indices,

@@ -1,4 +1,4 @@
-r"""ImageNet validation set (ILSVRC2012) from local files, and WNID <-> model class mapping.
+r"""ImageNet validation set (ILSVRC2012) from local files.
 
 Two layouts:
 
@@ -20,6 +20,9 @@ sorted-WNID order is checked against timm's ``ImageNetInfo`` (index 0 "tench, Ti
 tinca"). Bounding boxes: a PASCAL VOC ``.xml`` with the image's stem beside it (or in
 ``boxes``) gives a box mask (the union of its objects of the image's class) for the
 pointing game.
+
+The WNID <-> model class matching (:func:`model_wnids`, :func:`imagenet_wnids`,
+:func:`wnid_descriptions`) lives in :mod:`captum_vit.data.classes` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -29,13 +32,19 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from captum_vit.data.classes import (
+    IMAGENET_SUBSETS,
+    WNID,
+    imagenet_wnids,
+    model_wnids,
+    wnid_descriptions,
+)
 from captum_vit.data.images import is_image_file, read_image
 from captum_vit.data.transforms import require
 
@@ -44,122 +53,7 @@ log = logging.getLogger(__name__)
 GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 """The devkit file: line ``i`` is the ILSVRC2012_ID (1..1000) of validation image ``i``."""
 
-WNID = re.compile(r"^n\d{8}$")
-"""A WordNet id (``n01440764``)."""
-
-IMAGENET_SUBSETS = ("imagenet-1k", "imagenet-12k", "imagenet-21k-goog", "imagenet-21k-miil",
-                    "imagenet-22k-ms", "imagenet-22k")
-"""timm ImageNet label sets (``timm.data.ImageNetInfo``) that :func:`model_wnids` knows."""
-
 _VAL_NAME = re.compile(r"^ILSVRC2012_val_(\d{8})$")
-
-
-@cache
-def imagenet_wnids(subset: str = "imagenet-1k") -> tuple[str, ...]:
-    r"""The WNIDs of an ImageNet label set in model class order (timm's
-    ``ImageNetInfo``; for ImageNet-1k the sorted 1000 WNIDs).
-
-    Args:
-        subset (str, optional): a timm ImageNet subset (``imagenet-1k``,
-            ``imagenet-21k-goog``, ...). Default ``"imagenet-1k"``.
-
-    Returns:
-        tuple[str, ...]: one WNID per model class.
-
-    Examples::
-
-        >>> from captum_vit.data.imagenet import imagenet_wnids
-        >>> imagenet_wnids()[:2], len(imagenet_wnids())
-        (('n01440764', 'n01443537'), 1000)
-    """
-    from timm.data import ImageNetInfo
-
-    return tuple(ImageNetInfo(subset).label_names())
-
-
-@cache
-def _descriptions(subset: str) -> tuple[str, ...]:
-    from timm.data import ImageNetInfo
-
-    return tuple(ImageNetInfo(subset).label_descriptions())
-
-
-def _first(name: str) -> str:
-    from captum_vit.data.specs import class_key
-
-    return class_key(str(name).split(",")[0])
-
-
-def model_wnids(class_names: Sequence[str] | None, num_classes: int
-                ) -> tuple[str, ...] | None:
-    r"""The WNID of each of a model's classes, or ``None`` when they cannot be told.
-
-    From, in order: class names that are WNIDs; class names that are an ImageNet label set's
-    descriptions in order (timm's ``ImageNetInfo``, as timm and Hugging Face
-    ``config.id2label`` name ImageNet heads; compared by their first synonym, at least
-    99 % in place); no names and 1000 classes: the ImageNet-1k head order (logged).
-
-    Args:
-        class_names (Sequence[str], optional): the model's class names.
-        num_classes (int): the model's number of classes.
-
-    Returns:
-        tuple[str, ...] or None: one WNID per class.
-
-    Examples::
-
-        >>> from captum_vit.data.imagenet import model_wnids
-        >>> model_wnids(None, 1000)[0]
-        'n01440764'
-        >>> model_wnids(["cat", "dog"], 2) is None
-        True
-    """
-    if class_names is None:
-        if num_classes == 1000:
-            log.info("model class names unknown: assuming the ImageNet-1k order of timm and "
-                     "Hugging Face heads (sorted WNIDs)")
-            return imagenet_wnids()
-        return None
-    names = [str(n).strip() for n in class_names]
-    if names and all(WNID.match(n) for n in names):
-        return tuple(names)
-    for subset, size in ((s, len(_descriptions(s))) for s in IMAGENET_SUBSETS):
-        if size != len(names):
-            continue
-        same = sum(_first(a) == _first(b) for a, b in zip(names, _descriptions(subset),
-                                                            strict=True))
-        if same >= 0.99 * size:
-            return imagenet_wnids(subset)
-    return None
-
-
-def wnid_descriptions(wnids: Sequence[str]) -> list[str]:
-    r"""The ImageNet description (``"tench, Tinca tinca"``) of each WNID (the WNID itself
-    when timm's ImageNet info does not know it).
-
-    Args:
-        wnids (Sequence[str]): WNIDs.
-
-    Returns:
-        list[str]: one description per WNID.
-
-    Examples::
-
-        >>> from captum_vit.data.imagenet import wnid_descriptions
-        >>> wnid_descriptions(["n01440764"])
-        ['tench, Tinca tinca']
-    """
-    from timm.data import ImageNetInfo
-
-    info = ImageNetInfo("imagenet-22k")
-
-    def describe(w: str) -> str:
-        try:
-            return str(info.label_name_to_description(w))
-        except (KeyError, ValueError):
-            return w
-
-    return [describe(w) for w in wnids]
 
 
 def read_devkit(folder: str | os.PathLike, spec: str = "--data imagenet-val:PATH"
@@ -367,5 +261,5 @@ class ImageNetVal(Dataset):
         return image, self.labels[i], mask
 
 
-__all__ = ["GROUND_TRUTH", "ImageNetVal", "boxes_mask", "imagenet_wnids", "model_wnids",
-           "read_devkit", "read_voc_boxes", "wnid_descriptions"]
+__all__ = ["GROUND_TRUTH", "IMAGENET_SUBSETS", "ImageNetVal", "WNID", "boxes_mask",
+           "imagenet_wnids", "model_wnids", "read_devkit", "read_voc_boxes", "wnid_descriptions"]

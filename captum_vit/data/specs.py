@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -48,6 +47,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from captum_vit.data.classes import (
+    WNID,
+    class_key,
+    match_class_names,
+    model_wnids,
+    wnid_descriptions,
+)
 from captum_vit.data.images import conform, conform_mask, is_image_file, read_image, read_json
 
 SPEC_HELP = ("fmnist-loc | sample | folder:PATH | synthetic | imagenet-seg:gtsegs_ijcv.mat | "
@@ -64,74 +70,6 @@ class Example(NamedTuple):
     image: Tensor
     label: int
     mask: Tensor | None
-
-
-def class_key(name: str) -> str:
-    """The matching key of a class name: lower case, letters and digits only.
-
-    Examples::
-
-        >>> from captum_vit.data.specs import class_key
-        >>> class_key("T-shirt/top") == class_key("t-shirt_top") == "tshirttop"
-        True
-    """
-    return re.sub(r"[^0-9a-z]", "", str(name).lower())
-
-
-def match_class_names(names: Sequence[str], class_names: Sequence[str], *,
-                      what: str = "class", strict: bool = True) -> list[int]:
-    r"""The index in ``class_names`` of each of ``names``, matched case-insensitively and
-    ignoring everything but letters and digits (:func:`class_key`); a name that matches
-    no whole class name may match the first synonym of one (``"tench"`` matches
-    ``"tench, Tinca tinca"``). Each name must match exactly one class.
-
-    Args:
-        names (Sequence[str]): the data set's class names (e.g. folder names).
-        class_names (Sequence[str]): the model's class names.
-        what (str, optional): what a name is, for the error message. Default ``"class"``.
-        strict (bool, optional): raise for a name that matches no class or several;
-            otherwise its index is ``-1``. Default True.
-
-    Returns:
-        list[int]: one index per name.
-
-    Raises:
-        ValueError: (``strict``) listing the unmatched names (and the known classes) and
-            the ambiguous ones (with their candidates); the fix: ``--class-map FILE``.
-
-    Examples::
-
-        >>> from captum_vit.data.specs import match_class_names
-        >>> match_class_names(["t-shirt_top", "DRESS"], ["T-shirt/top", "Trouser", "Dress"])
-        [0, 2]
-    """
-    whole: dict[str, list[int]] = {}
-    first: dict[str, list[int]] = {}
-    for i, c in enumerate(class_names):
-        whole.setdefault(class_key(c), []).append(i)
-        first.setdefault(class_key(str(c).split(",")[0]), []).append(i)
-    found = [whole.get(class_key(n)) or first.get(class_key(n), []) for n in names]
-    idx = [f[0] if len(f) == 1 else -1 for f in found]
-    missing = [n for n, f in zip(names, found, strict=True) if not f]
-    double = [f"{n!r} ({', '.join(repr(class_names[i]) for i in f)})"
-              for n, f in zip(names, found, strict=True) if len(f) > 1]
-    if strict and (missing or double):
-        parts = []
-        if missing:
-            parts.append(f"{what} {', '.join(map(repr, missing))} matches no class of the model "
-                         "(names are compared ignoring case and non-alphanumerics); known "
-                         f"classes: {_listing(class_names)}")
-        if double:
-            parts.append(f"{what} {', '.join(double)} matches several classes of the model")
-        raise ValueError("; ".join(parts) + "; rename them or give --class-map FILE (JSON "
-                         '{"name": model_index})')
-    return idx
-
-
-def _listing(names: Sequence[str], most: int = 30) -> str:
-    """``names`` joined by commas, the first ``most`` of them."""
-    more = f", ... ({len(names)} in all)" if len(names) > most else ""
-    return ", ".join(str(n) for n in names[:most]) + more
 
 
 def subset_indices(length: int, size: int, seed: int = 0) -> list[int]:
@@ -500,8 +438,6 @@ def _label_map(spec: str, source: Any, names: Sequence[str] | None,
                 + (f"{what} {', '.join(map(repr, missing))} not in the map; " if missing
                    and need_labels else "") + "give every data class a model class index")
         return [class_map.get(name, -1) for name in names]
-    from captum_vit.data.imagenet import WNID, model_wnids, wnid_descriptions
-
     known = None if class_names is None else list(class_names)
     if names and all(WNID.match(str(w)) for w in names):
         wnids = model_wnids(class_names, num_classes)

@@ -2,7 +2,8 @@
 ``CenterCrop`` on PIL images), for the evaluation presets
 (:mod:`captum_vit.metrics.protocols`), and the file checks every loader shares.
 
-The models' own preprocessing (:class:`captum_vit.models.Preprocess`) resizes a float
+The models' own preprocessing (:class:`Preprocess`, here so that the data layer needs
+nothing of the model loader; :mod:`captum_vit.models` re-exports it) resizes a float
 image with antialiased bilinear interpolation in torch; the papers' scripts resize the
 uint8 PIL image (PIL's filters, 8-bit rounding). :func:`seed_transforms` reproduces the
 latter exactly so a preset feeds the model the same numbers as the paper's script.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from captum_vit.data.images import as_image
+from captum_vit._text import count_noun
+from captum_vit.data.images import as_image, conform
 
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 """PIL filters :func:`resize` takes (torchvision's ``InterpolationMode`` names)."""
@@ -161,6 +164,53 @@ def center_crop(x: Tensor, size: int | Sequence[int]) -> Tensor:
     return x[..., top:top + th, left:left + tw]
 
 
+@dataclass(frozen=True)
+class Preprocess:
+    """An image of any size -> the model's normalised input ``[C, H, W]``.
+
+    Takes what :func:`captum_vit.data.images.as_image` takes (PIL image, numpy array in
+    ``[0, 255]`` or ``[0, 1]``, ``[C, H, W]`` tensor), converts the channels (3 -> 1 by
+    luminance, 1 -> 3 by repetition), resizes bilinearly to ``size`` and subtracts ``mean``
+    and divides by ``std`` per channel (no normalisation when they are ``None``).
+
+    Attributes:
+        channels (int): channels of the model's input.
+        size (tuple[int, int]): ``(H, W)`` of the model's input.
+        mean (tuple[float, ...], optional): per-channel mean (one value for all channels).
+        std (tuple[float, ...], optional): per-channel standard deviation.
+
+    Examples::
+
+        >>> pre = Preprocess(1, (56, 56), (0.1,), (0.25,))
+        >>> pre(torch.rand(3, 100, 80)).shape
+        torch.Size([1, 56, 56])
+    """
+
+    channels: int
+    size: tuple[int, int]
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("mean", "std"):
+            v = getattr(self, name)
+            if v is not None and len(v) not in (1, self.channels):
+                give = "1 value" if self.channels == 1 else f"1 or {self.channels} values"
+                raise ValueError(f"normalization {name} has {count_noun(len(v), 'value')} for "
+                                 f"a model with {count_noun(self.channels, 'channel')}; "
+                                 f"give {give}")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("normalization needs both mean and std")
+
+    def __call__(self, image: Any) -> Tensor:
+        x = conform(image, self.channels, self.size)
+        if self.mean is None or self.std is None:
+            return x
+        mean = x.new_tensor(self.mean)[:, None, None]
+        std = x.new_tensor(self.std)[:, None, None]
+        return (x - mean) / std
+
+
 class SeedTransforms(NamedTuple):
     """What a preset applies: ``image`` and ``mask`` transforms of the raw examples (for
     :func:`captum_vit.data.load_data`'s ``transform`` / ``mask_transform``) and the
@@ -204,7 +254,7 @@ def seed_transforms(size: int | Sequence[int] = (224, 224), *,
 
     Returns:
         SeedTransforms: ``(image, mask, preprocess)``; ``preprocess`` is a
-        :class:`captum_vit.models.Preprocess` at the final size.
+        :class:`Preprocess` at the final size.
 
     Raises:
         ValueError: an int ``size`` without ``crop`` (the output size would vary per
@@ -219,8 +269,6 @@ def seed_transforms(size: int | Sequence[int] = (224, 224), *,
         ...                  num_classes=1000, transform=t.image, mask_transform=t.mask)
         >>> # evaluate(model, data, methods, metrics, preprocess=t.preprocess)
     """
-    from captum_vit.models import Preprocess
-
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got "
                          f"{interpolation!r}")
@@ -244,5 +292,5 @@ def seed_transforms(size: int | Sequence[int] = (224, 224), *,
     return SeedTransforms(image, mask, Preprocess(channels, out, values(mean), values(std)))
 
 
-__all__ = ["INTERPOLATIONS", "SeedTransforms", "center_crop", "require", "resize",
+__all__ = ["INTERPOLATIONS", "Preprocess", "SeedTransforms", "center_crop", "require", "resize",
            "resize_mask", "seed_transforms"]

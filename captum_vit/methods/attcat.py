@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from captum.log import log_usage
 from torch import Tensor
 
-from captum_vit._base import SCORES, TargetLike, ViTGradientAttribution, check_choice
-from captum_vit.methods.ixg import layer_gradients
+from captum_vit.methods._engines import layer_gradients
+from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods.table import register_method
 
 
-class AttCAT(ViTGradientAttribution):
+@register_method("attcat", family="gradient_attention")
+class AttCAT(ScoredAttribution):
     r"""Attentive Class Activation Tokens.
 
     For every block input :math:`x_l` the class activation token
@@ -27,29 +28,13 @@ class AttCAT(ViTGradientAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default, as the paper) or
-                ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttCAT
-            >>> attr = AttCAT(model).attribute(images, target=labels, output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default, as the paper) or
+        ``"probability"``."""
+    returns_doc = r"""the signed attribution map in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import AttCAT
+        >>> attr = AttCAT(model).attribute(images, target=labels, output="grid")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -5,24 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
-    SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
-    check_choice,
     gradients_with_pool,
     readout,
     readout_rows,
     resolve_target,
     target_scores,
 )
+from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods.table import register_method
 
 
-class AttnGradCAM(ViTGradientAttribution):
+@register_method("attn_gradcam", family="gradient_attention")
+class AttnGradCAM(ScoredAttribution):
     r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
     \nabla A^h[r, j]` of the last block, map
     :math:`m = \mathrm{ReLU}(\mathrm{mean}_h\, w_h A^h[r, :])`. With an attention-pool
@@ -39,27 +37,10 @@ class AttnGradCAM(ViTGradientAttribution):
     layer_local = True
     """PLUS evaluates it on a one-block window: the map at block ``l``."""
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttnGradCAM
-            >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    examples_doc = r"""
+        >>> from captum_vit import AttnGradCAM
+        >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

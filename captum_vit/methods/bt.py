@@ -43,6 +43,9 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import FusedOps, Trace, ViTAdapter
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
+from captum_vit.methods.table import register_method
 
 N_STEPS = 20
 """Steps of the reasoning feedback's integrated gradient (the papers' and codes' 20)."""
@@ -182,12 +185,10 @@ def _support(w: Tensor) -> Tensor:
     return (w != 0).any(0).nonzero().squeeze(1)
 
 
-class _BeyondIntuition(ViTGradientAttribution):
+class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
     """Shared machinery of :class:`BTH` and :class:`BTT` (``variant`` set by each)."""
 
     variant = "head"
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, internal_batch_size: int | None = None) -> None:
         self.n_steps = check_steps(n_steps)
@@ -206,22 +207,21 @@ class _BeyondIntuition(ViTGradientAttribution):
                 else check_internal_batch_size(internal_batch_size))
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   start_layer: int | None = None, n_steps: int | None = None,
                   internal_batch_size: int | None = None, score: str = "logit",
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
+            {inputs}
+            {target}
             start_layer (int, optional): overrides the constructor's ``start_layer``.
             n_steps (int, optional): overrides the constructor's ``n_steps``.
             internal_batch_size (int, optional): overrides the constructor's.
             score (str, optional): ``"logit"`` (default, as the paper) or
                 ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the attribution map in the requested ``output`` format.
@@ -239,13 +239,7 @@ class _BeyondIntuition(ViTGradientAttribution):
                                n_steps=n_steps, internal_batch_size=internal_batch_size,
                                score=score)
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *,
-                    start_layer: int | None = None, n_steps: int | None = None,
-                    internal_batch_size: int | None = None, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], start_layer=start_layer, n_steps=n_steps,
-                              internal_batch_size=internal_batch_size, score=score)[0]
-
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, internal_batch_size: int | None = None,
@@ -262,9 +256,7 @@ class _BeyondIntuition(ViTGradientAttribution):
         forward and one backward at ``X`` plus the ``n - 1`` other steps of ``W``.
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only (``W ⊙ R`` has no per-block form).
             start_layer, n_steps, internal_batch_size, score: as in :meth:`attribute`.
 
@@ -321,6 +313,7 @@ class _BeyondIntuition(ViTGradientAttribution):
         raise NotImplementedError  # pragma: no cover
 
 
+@register_method("bt_h", family="gradient_attention", quick={"n_steps": 5})
 class BTH(_BeyondIntuition):
     r"""Beyond Intuition, head-wise (BT-H; Chen et al., TMLR 2023, "Ours-H").
 
@@ -388,13 +381,14 @@ class BTH(_BeyondIntuition):
         return torch.einsum("bh,bhij->bij", ih, a)
 
 
+@register_method("bt_t", family="gradient_attention", quick={"n_steps": 5})
 class BTT(_BeyondIntuition):
     r"""Beyond Intuition, token-wise (BT-T; Chen et al., TMLR 2023, "Ours-T").
 
     Attention perception with token weights: for every block :math:`l \geq s`,
     :math:`o_j = \lVert (v W_O)_j \rVert_2 / \lVert x_{l,j} \rVert_2` with ``v`` the value
     vectors (heads concatenated, value bias included; :math:`W_O` without its bias:
-    :meth:`~captum_vit.adapters.base.BlockParts.value_outputs`), :math:`\hat A_l =
+    :meth:`~captum_vit.adapters.parts.BlockParts.value_outputs`), :math:`\hat A_l =
     (\mathrm{mean}_h A_l^h)\,\mathrm{diag}(o)` and :math:`R \leftarrow R + \hat A_l R`
     from :math:`R = I`. Map :math:`m = w (W \odot |R|)` with the reasoning feedback
     ``W`` of :class:`BTH` (:func:`reasoning_feedback`).

@@ -52,22 +52,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    check_layer,
     check_scalar,
-    gradients,
-    resolve_target,
-    target_scores,
 )
-from captum_vit.adapters import ViTAdapter
+from captum_vit.methods._engines import (
+    SITES,
+    PLUSFastPath,
+    block_gradient,
+    block_gradients,
+    block_layer,
+)
+from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods.table import register_method
 
 GRADCAM_PP_EPS = 1e-6
 """Default ``ε`` of GradCAM++'s denominators (pytorch-grad-cam 1.5.7,
@@ -79,75 +80,11 @@ XGRADCAM_EPS = 1e-7
 EPS = XGRADCAM_EPS
 """XGradCAM's default ``ε`` (:data:`XGRADCAM_EPS`); GradCAM++ uses :data:`GRADCAM_PP_EPS`."""
 
-SITES = ("residual", "norm1")
-"""Where a CAM reads block ``l``: its input ``x_l`` or its first LayerNorm's output."""
-
 WEIGHT_TOKENS = ("all", "patches")
 """Token sets ``T`` over which channel weights are computed."""
 
 
-def block_layer(name: str, value: Any, num_blocks: int) -> int:
-    """A block index in ``[0, L-1]``; ``None`` = the last block ``L-1`` (the CAMs' default)."""
-    return num_blocks - 1 if value is None else check_layer(name, value, num_blocks)
-
-
-def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
-                    layers: Sequence[int], *, score: str = "logit", at: str = "residual"
-                    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
-    """Block inputs ``x_l`` (or their first LayerNorm's outputs ``u_l``) and the gradients
-    ``g = d s_c / d x_l`` (``d s_c / d u_l``) of every block in ``layers`` from one forward
-    and one backward.
-
-    With ``at="residual"`` the same values as
-    :func:`~captum_vit.methods.ixg.layer_gradients` at those blocks; the backward asks for
-    them only, so it stops at the lowest one.
-
-    Args:
-        adapter (ViTAdapter): the model's adapter.
-        inputs (Tensor): validated images [B, C, H, W].
-        target (Tensor or None): class per image; ``None`` = predicted class.
-        layers (sequence of int): block indices (``L`` = the last block's output, with
-            ``at="residual"`` only).
-        score (str): ``"logit"`` or ``"probability"``.
-        at (str): ``"residual"`` (default): the block input ``x_l``; ``"norm1"``: the
-            output ``u_l = LN1(x_l)`` of block ``l``'s first (pre-attention) LayerNorm,
-            the adapter's ``BlockParts.norm1`` (timm's ``norm1``, Hugging Face's
-            ``layernorm_before``).
-
-    Returns:
-        (X per layer [B, N, D] detached, G per layer [B, N, D], resolved target [B]).
-
-    Raises:
-        ValueError: ``at="norm1"`` with ``L`` in ``layers`` (no block ``L``).
-
-    Examples::
-
-        >>> from captum_vit.adapters import adapt
-        >>> xs, gs, t = block_gradients(adapt(model), images, None, [5, 11], at="norm1")
-    """
-    check_choice("at", at, SITES)
-    if at == "norm1" and any(l >= adapter.num_blocks for l in layers):
-        raise ValueError(f"at='norm1' reads a block's first LayerNorm: layers must be below "
-                         f"{adapter.num_blocks}; got {list(layers)}")
-    with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
-        tr = adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        if at == "norm1":  # BlockRecord.u = LN1(x_l), in the graph of the score
-            xs = [tr.blocks[l - tr.start].u for l in layers]
-        else:
-            xs = [tr.states[l] for l in layers]
-        gs = gradients(target_scores(tr.logits, t, score), xs)
-    return [x.detach() for x in xs], [g.detach() for g in gs], t
-
-
-def block_gradient(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, layer: int, *,
-                   score: str = "logit", at: str = "residual") -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`block_gradients` of one block: ``(X, G, target)``."""
-    (x,), (g,), t = block_gradients(adapter, inputs, target, [layer], score=score, at=at)
-    return x, g, t
-
-
-class _TokenCAM(ViTGradientAttribution):
+class _TokenCAM(PLUSFastPath, ScoredAttribution):
     """Shared front of the CAMs: ``(X, G)`` at block ``layer`` (read at ``at``),
     :meth:`cam`, optional ReLU.
 
@@ -165,33 +102,17 @@ class _TokenCAM(ViTGradientAttribution):
         self.relu = check_scalar(relu, "relu", bool)
         self.at = check_choice("at", at, SITES)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default) or ``"probability"`` (softmax of
-                the target, the SkipPLUS authors' later code): the score whose gradient
-                is :math:`G`.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the map (raw, not normalised; ReLU-clipped with ``relu=True``) in the
-            requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.cam import GradCAM, HiResCAM
-            >>> attr = GradCAM(model).attribute(images, target=labels)
-            >>> grid = HiResCAM(model, layer=5, relu=False).attribute(
-            ...     images, target=labels, score="probability", output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default) or ``"probability"`` (softmax of
+        the target, the SkipPLUS authors' later code): the score whose gradient
+        is :math:`G`."""
+    returns_doc = r"""the map (raw, not normalised; ReLU-clipped with ``relu=True``) in the
+        requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit.methods.cam import GradCAM, HiResCAM
+        >>> attr = GradCAM(model).attribute(images, target=labels)
+        >>> grid = HiResCAM(model, layer=5, relu=False).attribute(
+        ...     images, target=labels, score="probability", output="grid")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
@@ -274,6 +195,7 @@ class _ChannelWeightCAM(_TokenCAM):
         raise NotImplementedError  # pragma: no cover
 
 
+@register_method("gradcam", family="cam")
 class GradCAM(_ChannelWeightCAM):
     r"""Grad-CAM (Selvaraju et al. 2017) on the tokens of block ``layer``:
     :math:`w_c = \mathrm{mean}_{t \in T} G[t, c]`, :math:`m_j = \sum_c w_c X[j, c]`, with
@@ -314,6 +236,7 @@ class GradCAM(_ChannelWeightCAM):
         return g.mean(1)
 
 
+@register_method("gradcam_pp", family="cam")
 class GradCAMPlusPlus(_ChannelWeightCAM):
     r"""Grad-CAM++ (Chattopadhyay et al. 2018) on the tokens of block ``layer``, in the
     closed form of pytorch-grad-cam (exponential score, second and third powers of the
@@ -369,6 +292,7 @@ class GradCAMPlusPlus(_ChannelWeightCAM):
         return (alpha * g.clamp(min=0)).sum(1)
 
 
+@register_method("xgradcam", family="cam", variants={"xgradcam_plus": {"plus": True}})
 class XGradCAM(_ChannelWeightCAM):
     r"""XGrad-CAM (Fu et al. 2020) on the tokens of block ``layer``, and XGradCAM+
     (SkipPLUS) with ``plus=True``:
@@ -416,6 +340,7 @@ class XGradCAM(_ChannelWeightCAM):
         return (g * a).sum(1) / (a.sum(1) + self.eps)
 
 
+@register_method("layercam", family="cam")
 class LayerCAM(_TokenCAM):
     r"""LayerCAM (Jiang et al. 2021) at one block: :math:`m_j = \sum_c \mathrm{ReLU}(G[j,
     c])\, X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
@@ -441,6 +366,7 @@ class LayerCAM(_TokenCAM):
         return (g.clamp(min=0) * x).sum(-1)
 
 
+@register_method("hirescam", family="cam")
 class HiResCAM(_TokenCAM):
     r"""HiResCAM (Draelos & Carin 2020) at one block: :math:`m_j = \sum_c G[j, c]\,
     X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
@@ -466,6 +392,7 @@ class HiResCAM(_TokenCAM):
         return (x * g).sum(-1)
 
 
+@register_method("gradcam_elementwise", family="cam")
 class GradCAMElementWise(_TokenCAM):
     r"""Element-wise Grad-CAM (pytorch-grad-cam's ``GradCAMElementWise``) at one block:
     :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c]\, X[j, c])`. Never below

@@ -5,7 +5,7 @@ hila-chefer/Transformer-Explainability (MIT), ``baselines/ViT/ViT_LRP.py`` and
 
 1. A plain backward of the score gives :math:`\nabla A_l^h`.
 2. An LRP backward from the head with initial relevance one-hot at the explained class
-   (:class:`~captum_vit.adapters._lrp.CheferOps`: α1β0 linear maps, identity LayerNorm /
+   (:class:`~captum_vit.adapters.rules.CheferOps`: α1β0 linear maps, identity LayerNorm /
    GELU / softmax, halved LRP-0 attention matmuls, rescaled residual adds) gives the
    relevance :math:`R^{A_l^h}` of every block's post-softmax attention (after the halving).
 3. :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` and the
@@ -20,17 +20,13 @@ LRP is patented (Fraunhofer); see :class:`~captum_vit.methods.lrp.AttnLRP`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     AGGREGATES,
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -39,16 +35,18 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Trace, ViTAdapter
-from captum_vit.adapters._lrp import CheferOps
-from captum_vit.adapters._lrp import divide as _divide
+from captum_vit.adapters import CheferOps, Trace, ViTAdapter
+from captum_vit.adapters import divide as _divide
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods.table import register_method
 
 
 def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
                 score: str = "logit", start: int = 0
                 ) -> tuple[Trace, Tensor, list[Tensor], list[Tensor], Tensor | None,
                            Tensor | None]:
-    r"""One forward with Chefer's rules (:class:`~captum_vit.adapters._lrp.CheferOps`) and
+    r"""One forward with Chefer's rules (:class:`~captum_vit.adapters.rules.CheferOps`) and
     two backward passes through it: the true gradient of the score gives
     :math:`\nabla A_l`, the LRP backward from initial relevance one-hot at the class
     (:math:`R = 1`, not the logit) gives :math:`R^{A_l}`, for blocks ``start .. L-1``.
@@ -89,14 +87,15 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
             rel[-1] if pool else None)
 
 
-class TransformerAttribution(ViTGradientAttribution):
+@register_method("chefer21", family="decomposition")
+class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
 
     :math:`\bar A_l = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_l^h \odot R^{A_l^h})` with
     :math:`\nabla A_l^h` from one backward of the score and :math:`R^{A_l^h}` the LRP
     relevance of the attention probabilities (one-hot start, α1β0 on linear maps, identity
     on LayerNorm/GELU/softmax, halved LRP-0 on the attention matmuls, rescaled residual
-    adds; :class:`~captum_vit.adapters._lrp.CheferOps`); the map is the readout row of
+    adds; :class:`~captum_vit.adapters.rules.CheferOps`); the map is the readout row of
     :math:`(I + \bar A_{L-1}) \cdots (I + \bar A_s)` (no row normalisation).
 
     Differences from the reference code (``ViT_LRP.py``, batch size 1): batched, the
@@ -116,7 +115,7 @@ class TransformerAttribution(ViTGradientAttribution):
     attention-pool head (``"map"``) reads
     :math:`w = \mathrm{mean}_h \mathrm{ReLU}(\nabla A_p \odot R^{A_p})[0, :]` (the pool as one
     more attention without identity). Model families beyond the reference ViT use the
-    rules documented in :class:`~captum_vit.adapters._lrp.CheferOps`.
+    rules documented in :class:`~captum_vit.adapters.rules.CheferOps`.
 
     Cost: one forward (with the rules) and two backward passes through it, the true
     gradient (:math:`\nabla A`) and the LRP backward; the α1β0 rule costs two matrix
@@ -160,36 +159,17 @@ class TransformerAttribution(ViTGradientAttribution):
         super().__init__(model)
         self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): what the gradient :math:`\nabla A` differentiates:
-                ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
-                always starts one-hot.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+    score_doc = r"""score (str, optional): what the gradient :math:`\nabla A` differentiates:
+        ``"logit"`` (default, the reference) or ``"probability"``; the LRP pass
+        always starts one-hot."""
+    returns_doc = r"""the attribution map (non-negative) in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import TransformerAttribution
+        >>> attr = TransformerAttribution(model).attribute(images, target=labels,
+        ...                                                output="grid")
+    """
 
-        Returns:
-            Tensor: the attribution map (non-negative) in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import TransformerAttribution
-            >>> attr = TransformerAttribution(model).attribute(images, target=labels,
-            ...                                                output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], score=score)[0]
-
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every
@@ -203,9 +183,7 @@ class TransformerAttribution(ViTGradientAttribution):
         ``aggregate="layer"``: :math:`w \bar A_l` (``start_layer`` unused).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` or ``"layer"``.
             score (str): ``"logit"`` (default) or ``"probability"``.
 

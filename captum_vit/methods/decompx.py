@@ -21,7 +21,7 @@ numbered D1-D6 and the code cites them:
   the agreement of the two routes are what the tests check.)
 - D5 Residual / LayerScale: component-wise.
 - D6 Pooling and head: the readout row (the CLS row, or the mean of the patch rows;
-  :meth:`~captum_vit.adapters.base.Layout.readout_weights`), then the classifier (D2).
+  :meth:`~captum_vit.adapters.Layout.readout_weights`), then the classifier (D2).
 
 Two routes give the same numbers: ``"explicit"`` carries the components through the
 adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token
@@ -37,12 +37,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -52,9 +50,19 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockParts, BlockRecord, NormParts, Ops, PoolParts, ViTAdapter
-from captum_vit.adapters._linearize import activation_gate
-from captum_vit.adapters.base import AttentionParts
+from captum_vit.adapters import (
+    AttentionParts,
+    BlockParts,
+    BlockRecord,
+    NormParts,
+    Ops,
+    PoolParts,
+    ViTAdapter,
+    activation_gate,
+)
+from captum_vit.methods._engines import PLUSFastPath, layer_gradients
+from captum_vit.methods._front import PlainAttribution
+from captum_vit.methods.table import register_method
 
 ROUTES = ("gradient", "explicit")
 DEFAULT_MAX_MEMORY = 1 << 30  # bytes of decomposed activations per chunk of sources
@@ -235,7 +243,8 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
     return contrib[:, :n], contrib[:, n]
 
 
-class DecompX(ViTGradientAttribution):
+@register_method("decompx", family="decomposition")
+class DecompX(PLUSFastPath, PlainAttribution):
     r"""DecompX started at block ``s`` (rules D1-D6, see the module docstring): the signed
     contribution of every token of ``x_s`` to the target logit :math:`y_c`, without the bias
     source.
@@ -277,31 +286,16 @@ class DecompX(ViTGradientAttribution):
             max_memory = check_scalar(max_memory, "max_memory", int, min_val=1)
         self.max_memory = max_memory
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: signed per-patch logit contributions (bias source excluded) in the
-            requested ``output`` format. Use :meth:`decompose` for the prefix tokens,
-            the bias source and the logit.
-
-        Examples::
-
-            >>> from captum_vit import DecompX
-            >>> attr = DecompX(model, start_layer=0).attribute(images, target=labels)
-            >>> res = DecompX(model, route="explicit").decompose(images, target=labels)
-            >>> torch.allclose(res.tokens.sum(-1) + res.bias, res.logit)
-            True
-        """
-        return self._attribute(inputs, target, output)
+    returns_doc = r"""signed per-patch logit contributions (bias source excluded) in the
+        requested ``output`` format. Use :meth:`decompose` for the prefix tokens,
+        the bias source and the logit."""
+    examples_doc = r"""
+        >>> from captum_vit import DecompX
+        >>> attr = DecompX(model, start_layer=0).attribute(images, target=labels)
+        >>> res = DecompX(model, route="explicit").decompose(images, target=labels)
+        >>> torch.allclose(res.tokens.sum(-1) + res.bias, res.logit)
+        True
+    """
 
     def decompose(self, inputs: Tensor, target: TargetLike = None) -> DecompXResult:
         """All token contributions (prefix included), the bias source and the logit.
@@ -356,3 +350,23 @@ class DecompX(ViTGradientAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         return self._decompose(inputs, target).tokens
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): DecompX
+        of every sub-network :math:`f_l` (started at block ``l + start_layer``) from one
+        forward and one linearised backward, [len(layers), B, N].
+
+        Examples::
+
+            >>> from captum_vit import SkipPLUS
+            >>> attr = SkipPLUS(model, DecompX).attribute(images, target=labels)
+        """
+        if aggregate != "subnetwork":
+            raise ValueError("aggregate='layer' is not defined for DecompX (it decomposes the "
+                             "whole sub-network, there is no per-block matrix); use "
+                             "aggregate='subnetwork'")
+        for l in layers:  # the check the method makes on each (L - l)-block sub-network
+            check_layer("start_layer", self.start_layer, self.adapter.num_blocks - l)
+        lg = layer_gradients(self.adapter, inputs, target, score=score, linearize=True)
+        return lg.ixg()[[l + self.start_layer for l in layers]]

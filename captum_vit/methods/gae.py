@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
     AGGREGATES,
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     gradients_with_pool,
@@ -23,9 +19,13 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import BlockRecord, Heads
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods.table import register_method
 
 
-class GAE(ViTGradientAttribution):
+@register_method("gae", family="gradient_attention")
+class GAE(PLUSFastPath, ScoredAttribution):
     r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
 
     With :math:`R = I` and, for every block :math:`l = 0 .. L-1`,
@@ -52,38 +52,17 @@ class GAE(ViTGradientAttribution):
 
     plus_aggregates = AGGREGATES
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default, as the paper) or
-                ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+    score_doc = r"""score (str, optional): ``"logit"`` (default, as the paper) or
+        ``"probability"``."""
+    examples_doc = r"""
+        >>> from captum_vit import GAE
+        >>> from captum.attr import NoiseTunnel
+        >>> attr = GAE(model).attribute(images, target=labels)
+        >>> smooth = NoiseTunnel(GAE(model)).attribute(
+        ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
+    """
 
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import GAE
-            >>> from captum.attr import NoiseTunnel
-            >>> attr = GAE(model).attribute(images, target=labels)
-            >>> smooth = NoiseTunnel(GAE(model)).attribute(
-            ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        # GAE is its recursion started at block 0: the sub-network map of layer 0
-        return self.plus_maps(inputs, target, [0], score=score)[0]
-
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): GAE of every sub-network
@@ -97,9 +76,7 @@ class GAE(ViTGradientAttribution):
         sum over the blocks is Grad-SAM (:class:`~captum_vit.methods.gradsam.GradSAM`).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` or ``"layer"``.
             score (str): ``"logit"`` (default) or ``"probability"``.
 

@@ -54,12 +54,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_images,
@@ -68,6 +65,8 @@ from captum_vit._base import (
     resolve_target,
 )
 from captum_vit.adapters import BlockRecord, NormParts, Ops, Trace, ViTAdapter
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.decompx import (
     DEFAULT_MAX_MEMORY,
     Decomposed,
@@ -75,6 +74,7 @@ from captum_vit.methods.decompx import (
     source_parts,
     sources_per_chunk,
 )
+from captum_vit.methods.table import register_method
 
 MLP_CHOICES = ("ln2", "decompx")
 MEASURES = ("globenc", "alti")
@@ -261,15 +261,14 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
     b, n, d = x.shape
     heads, hd = p.num_heads, p.head_dim
     v = F.linear(_centred_scaled(x, p.norm1), p.v_weight.to(dt)).reshape(b, n, heads, hd)
-    wo = p.proj_weight.to(dt).reshape(d, heads, hd)  # [D, H, d]
+    path = p.value_path(dt)  # W_O with the inner norm's rule folded in (adapters.parts)
+    wo = path.weight.reshape(d, heads, hd)  # [D, H, d]
     inv_in = None
-    if p.inner_norm is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
-        if p.inner_norm.weight is not None:
-            wo = wo * p.inner_norm.weight.to(dt).reshape(1, heads, hd)
+    if path.centre is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
         z = torch.einsum("bnhe,dhe->bhnd", v, wo)
-        z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * wo.sum((1, 2))
+        z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * path.centre
         real_mix, _ = p.attention(rec.u.detach(), materialize=True)
-        inv_in = torch.rsqrt(real_mix.to(dt).var(-1, unbiased=False) + p.inner_norm.eps)
+        inv_in = path.inv_std(real_mix.to(dt))
     else:
         z = torch.einsum("bnhe,dhe->bhnd", v, wo)  # [B, H, N, D]
     if p.ls1 is not None:
@@ -343,7 +342,7 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
     return t
 
 
-class _GlobALTI(ViTGradientAttribution):
+class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
     measure: str = ""
@@ -360,30 +359,18 @@ class _GlobALTI(ViTGradientAttribution):
             max_memory = check_scalar(max_memory, "max_memory", int, min_val=1)
         self.max_memory = max_memory
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): validated but unused: the map is
-                class-agnostic (except the readout weights of a DINOv2 ``[CLS ; mean]``
-                classifier with ``alpha="logit"``, which depend on the class). ``None``
-                (default) means the predicted class (Captum's ``None`` means a scalar
-                output).
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the rolled-out map ``w T′_{L−1} ··· T′_0`` (non-negative, summing to
-            1 over all tokens when ``w`` does, prefix tokens included before they are
-            dropped) in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.globenc_alti import GlobEnc
-            >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
-        """
-        return self._attribute(inputs, target, output)
+    target_doc = r"""target (int, list, Tensor, optional): validated but unused: the map is
+        class-agnostic (except the readout weights of a DINOv2 ``[CLS ; mean]``
+        classifier with ``alpha="logit"``, which depend on the class). ``None``
+        (default) means the predicted class (Captum's ``None`` means a scalar
+        output)."""
+    returns_doc = r"""the rolled-out map ``w T′_{L−1} ··· T′_0`` (non-negative, summing to
+        1 over all tokens when ``w`` does, prefix tokens included before they are
+        dropped) in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit.methods.globenc_alti import GlobEnc
+        >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
+    """
 
     def block_matrices(self, inputs: Tensor) -> Tensor:
         r"""The row-normalised per-block matrices ``T_l`` (see the module docstring).
@@ -430,9 +417,6 @@ class _GlobALTI(ViTGradientAttribution):
             out.append(t / t.sum(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny))
         return torch.stack(out)
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0])[0]
-
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every sub-network
@@ -474,6 +458,7 @@ class _GlobALTI(ViTGradientAttribution):
         return torch.stack([rows[l] for l in layers])
 
 
+@register_method("globenc", family="decomposition")
 class GlobEnc(_GlobALTI):
     r"""GlobEnc (Modarressi et al., NAACL 2022) for ViTs, as in SkipPLUS
     (Mehri et al. 2024, §5.1, App. E.2).
@@ -519,6 +504,7 @@ class GlobEnc(_GlobALTI):
     measure = "globenc"
 
 
+@register_method("alti", family="decomposition")
 class ALTI(_GlobALTI):
     r"""ALTI (Ferrando, Gállego and Costa-jussà, EMNLP 2022) for ViTs, as in SkipPLUS
     (Mehri et al. 2024, §5.1, App. E.2).

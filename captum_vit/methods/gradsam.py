@@ -5,20 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    SCORES,
-    TargetLike,
-    ViTGradientAttribution,
-    check_choice,
     check_layers,
 )
+from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.gae import GAE
+from captum_vit.methods.table import register_method
 
 
-class GradSAM(ViTGradientAttribution):
+@register_method("gradsam", family="gradient_attention")
+class GradSAM(ScoredAttribution):
     r"""Gradient Self-Attention Maps: gradient-weighted attention of every block, read at
     the classifier's readout row and **summed over the blocks** (not rolled out):
 
@@ -70,28 +68,13 @@ class GradSAM(ViTGradientAttribution):
         self.average = average
         self._genatt = GAE(self.adapter)  # same adapter: GenAtt's rows come from GAE
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
-                softmax probability, as the SkipPLUS authors' later code).
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the (non-negative) attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.gradsam import GradSAM
-            >>> attr = GradSAM(model, layers=[4, 5]).attribute(images, target=3)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
+        softmax probability, as the SkipPLUS authors' later code)."""
+    returns_doc = r"""the (non-negative) attribution map in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit.methods.gradsam import GradSAM
+        >>> attr = GradSAM(model, layers=[4, 5]).attribute(images, target=3)
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -3,129 +3,67 @@
 ``cat_l[j] = sum_d x_l[j, d] * d s_c / d x_l[j, d]`` (CAT / token IxG) and its
 attention-weighted form ``alpha_l * cat_l`` (AttIxG, the AttCAT term of Qiang et al.,
 NeurIPS 2022). These per-layer maps are the bases that AttCAT, PLUS/SkipPLUS and DecompX's
-gradient route sum.
+gradient route sum; the engine :func:`layer_gradients` lives in
+:mod:`captum_vit.methods._engines` (importable from here too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
-    accumulation_dtype,
     check_choice,
     check_layer,
-    gradients,
-    resolve_target,
-    target_scores,
 )
-from captum_vit.adapters import Trace, ViTAdapter
+from captum_vit.methods._engines import LayerGradients, PLUSFastPath, layer_gradients
+from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods.table import register_method
 
 
-@dataclass
-class LayerGradients:
-    """A traced forward pass with ``d s_c / d x_l`` for every residual state.
-
-    Attributes:
-        trace (Trace): the forward pass (``trace.states`` are ``x_0 .. x_L``).
-        target (Tensor): the resolved target class per image [B].
-        grads (list[Tensor]): gradients of the score w.r.t. ``x_0 .. x_L``.
-    """
-
-    trace: Trace
-    target: Tensor
-    grads: list[Tensor]
-
-    def ixg(self) -> Tensor:
-        """Token IxG ``sum_d x_l * grad_l`` for ``l = 0 .. L``, shape [L+1, B, N]."""
-        states = self.trace.states
-        dt = accumulation_dtype(states[0])
-        with torch.no_grad():
-            return torch.stack([(x.detach().to(dt) * g.to(dt)).sum(-1)
-                                for x, g in zip(states, self.grads, strict=True)])
-
-    def attention_received(self) -> Tensor:
-        """``alpha_l[j] = mean_h mean_i A_l^h[i, j]`` for every block, shape [L, B, N]."""
-        dt = accumulation_dtype(self.trace.x0)
-        with torch.no_grad():
-            return torch.stack([rec.attn.detach().to(dt).mean(dim=(1, 2))
-                                for rec in self.trace.blocks])
-
-    def att_ixg(self) -> Tensor:
-        """AttIxG ``alpha_l * cat_l`` for every block input, shape [L, B, N]."""
-        return self.attention_received() * self.ixg()[:-1]
-
-
-def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
-                    score: str = "logit", linearize: bool = False) -> LayerGradients:
-    """One forward and ONE backward giving ``d s_c / d x_l`` at every block input.
-
-    Args:
-        adapter (ViTAdapter): the model's adapter.
-        inputs (Tensor): validated images [B, C, H, W].
-        target (Tensor or None): class per image; ``None`` = predicted class.
-        score (str): ``"logit"`` or ``"probability"``.
-        linearize (bool): linearised backward (LayerNorm variance, q/k and the GELU gate
-            detached; :mod:`captum_vit.methods.decompx`). With it, ``ixg()[l]`` is DecompX
-            started at block ``l``.
-
-    Returns:
-        LayerGradients
-    """
-    with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
-        tr = adapter.trace(inputs, linearize=linearize, grad=True)
-        t = resolve_target(target, tr.logits)
-        grads = gradients(target_scores(tr.logits, t, score), tr.states)
-    return LayerGradients(tr, t, grads)
-
-
-class _LayerTerm(ViTGradientAttribution):
-    """One per-block term of :func:`layer_gradients` (``term``) at block ``layer``."""
+class _LayerTerm(PLUSFastPath, ScoredAttribution):
+    """One per-block term of :func:`layer_gradients` (``term``) at block ``layer``; for
+    PLUS / SkipPLUS a layer-local gradient-route base (one backward gives every block)."""
 
     term = "ixg"
     allow_end = True  # whether ``layer = L`` (the last block's output) is allowed
+    plus_aggregates = ("subnetwork", "layer")
+    layer_local = True
 
     def __init__(self, model: nn.Module, layer: int = 0) -> None:
         super().__init__(model)
         self.layer = check_layer("layer", layer, self.adapter.num_blocks,
                                  allow_end=self.allow_end)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the signed attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttIxG, TokenIxG
-            >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
-            >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    returns_doc = r"""the signed attribution map in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import AttIxG, TokenIxG
+        >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
+        >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
         grads = layer_gradients(self.adapter, inputs, target, score=score)
         return getattr(grads, self.term)()[self.layer]
 
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
+        """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): the
+        term at block ``l + layer`` of the model for every start block ``l`` (as the
+        method on each sub-network), from one backward, [len(layers), B, N]."""
+        check_choice("score", score, SCORES)
+        for l in layers:  # the check the method makes on each (L - l)-block sub-network
+            check_layer("layer", self.layer, self.adapter.num_blocks - l,
+                        allow_end=self.allow_end)
+        grads = layer_gradients(self.adapter, inputs, target, score=score)
+        return getattr(grads, self.term)()[[l + self.layer for l in layers]]
 
+
+@register_method("token_ixg", family="gradient")
 class TokenIxG(_LayerTerm):
     r"""Token-level Input x Gradient at the input of block ``layer``:
     :math:`m_j = \sum_d x_l[j, d]\, \partial s_c / \partial x_l[j, d]`.
@@ -141,6 +79,7 @@ class TokenIxG(_LayerTerm):
     term, allow_end = "ixg", True
 
 
+@register_method("att_ixg", family="gradient_attention")
 class AttIxG(_LayerTerm):
     r"""Attention-weighted token IxG at the input of block ``layer`` (one AttCAT term):
     :math:`m = \alpha_l \odot \mathrm{cat}_l` with
@@ -152,3 +91,6 @@ class AttIxG(_LayerTerm):
     """
 
     term, allow_end = "att_ixg", False
+
+
+__all__ = ["AttIxG", "LayerGradients", "TokenIxG", "layer_gradients"]

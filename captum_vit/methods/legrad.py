@@ -41,8 +41,10 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Ops, Trace
-from captum_vit.adapters.base import TargetHead
+from captum_vit.adapters import Ops, TargetHead, Trace
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
+from captum_vit.methods.table import register_method
 from captum_vit.targets import embedding_target
 
 READOUTS = ("model", "mean")
@@ -60,7 +62,8 @@ def min_max(maps: Tensor, num_prefix: int) -> Tensor:
     return out
 
 
-class LeGrad(ViTGradientAttribution):
+@register_method("legrad", family="gradient_attention")
+class LeGrad(PLUSFastPath, ViTGradientAttribution):
     r"""LeGrad: the gradient of every layer's own readout w.r.t. that layer's attention
     (Bousselham et al., "LeGrad: An Explainability Method for Vision Transformers via
     Feature Formation Sensitivity", ICCV 2025).
@@ -137,8 +140,6 @@ class LeGrad(ViTGradientAttribution):
         ...     pixel_values, target=text_embedding, null_target=null_embedding)
     """
 
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, layers: Iterable[int] | None = None, *,
                  readout: str = "model", skip_final_norm: bool = False,
                  normalize: bool = False) -> None:
@@ -150,12 +151,13 @@ class LeGrad(ViTGradientAttribution):
                                                                 self.adapter.num_blocks)
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
                   null_target: Any = None, null_threshold: float = 0.8,
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): class per image; ``None`` explains the
                 predicted class (the model's own output). For embedding models a target
                 vector (:mod:`captum_vit.targets`).
@@ -167,7 +169,7 @@ class LeGrad(ViTGradientAttribution):
                 correction.
             null_threshold (float, optional): the correction's threshold on the null
                 map, in ``[0, 1]``. Default 0.8.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the map (non-negative; in ``[0, 1]`` with ``normalize=True``) in the
@@ -183,12 +185,7 @@ class LeGrad(ViTGradientAttribution):
         return self._attribute(inputs, target, output, score=score, null_target=null_target,
                                null_threshold=null_threshold)
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    null_target: Any = None, null_threshold: float = 0.8,
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], score=score, null_target=null_target,
-                              null_threshold=null_threshold)[0]
-
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit", null_target: Any = None,
                   null_threshold: float = 0.8) -> Tensor:
@@ -201,9 +198,7 @@ class LeGrad(ViTGradientAttribution):
         :math:`\geq l`); the null correction and ``normalize`` act on each sum.
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only.
             score, null_target, null_threshold: as for :meth:`attribute`.
 

@@ -5,7 +5,7 @@ al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers
 
 Both are one forward and one backward pass in the "relevance as gradient" form (Arras et
 al. 2025, LXT's ``efficient`` module): every rule is a custom backward
-(:mod:`captum_vit.adapters._lrp`), and the relevance of a tensor :math:`z` is
+(:mod:`captum_vit.adapters.rules`), and the relevance of a tensor :math:`z` is
 :math:`R_z = z \odot \tilde g_z`. The token map is :math:`m_j = \sum_c R_{x_0}[j, c]`
 (``at="tokens"``) or the pixel relevance :math:`\sum_{\mathrm{channels}} X \odot \tilde
 g_X` summed over each patch (``at="pixels"``; it differs from the tokens by the relevance
@@ -28,13 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_scalar,
@@ -42,9 +39,11 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import Ops, Trace, ViTAdapter
-from captum_vit.adapters._lrp import ACT_RULES, ATTENTION_RULES, LRPOps
+from captum_vit.adapters import ACT_RULES, ATTENTION_RULES, LRPOps, Ops, Trace, ViTAdapter
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods._masks import patch_sums
+from captum_vit.methods.table import register_method
 
 SITES = ("tokens", "pixels")
 
@@ -107,10 +106,8 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
     return maps, tr, t
 
 
-class _LRPAttribution(ViTGradientAttribution):
+class _LRPAttribution(PLUSFastPath, ScoredAttribution):
     """Shared front of CP-LRP and AttnLRP: the rule set, ``attribute`` and the PLUS hook."""
-
-    plus_aggregates = ("subnetwork",)
 
     def __init__(self, model: nn.Module, ops: LRPOps, at: str,
                  embed_ops: LRPOps | None = None) -> None:
@@ -119,30 +116,14 @@ class _LRPAttribution(ViTGradientAttribution):
         self.embed_ops = embed_ops  # the embedding's rules at the pixels; None = ops
         self.at = check_choice("at", at, SITES)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
-            score (str, optional): ``"logit"`` (default, the papers) or
-                ``"probability"`` (the softmax then keeps its true Jacobian).
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: signed relevance per patch in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttnLRP, CPLRP
-            >>> attr = AttnLRP(model).attribute(images, target=labels)
-            >>> cp = CPLRP(model).attribute(images, target=labels, output="tokens")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    score_doc = r"""score (str, optional): ``"logit"`` (default, the papers) or
+        ``"probability"`` (the softmax then keeps its true Jacobian)."""
+    returns_doc = r"""signed relevance per patch in the requested ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit import AttnLRP, CPLRP
+        >>> attr = AttnLRP(model).attribute(images, target=labels)
+        >>> cp = CPLRP(model).attribute(images, target=labels, output="tokens")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
@@ -150,6 +131,7 @@ class _LRPAttribution(ViTGradientAttribution):
                                    at=self.at, embed_ops=self.embed_ops)
         return maps[0]
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): the
@@ -158,9 +140,7 @@ class _LRPAttribution(ViTGradientAttribution):
         blocks :math:`\geq l` are the same in :math:`f_l` and in the model).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only (no per-block matrix).
             score (str): ``"logit"`` (default) or ``"probability"``.
 
@@ -185,6 +165,7 @@ class _LRPAttribution(ViTGradientAttribution):
         return maps
 
 
+@register_method("cp_lrp", family="decomposition")
 class CPLRP(_LRPAttribution):
     r"""CP-LRP, conservative propagation for Transformers (Ali et al., ICML 2022, the
     "AH-rule" and "LN-rule").
@@ -254,6 +235,7 @@ class CPLRP(_LRPAttribution):
         self.act_rule, self.epsilon = act_rule, float(epsilon)
 
 
+@register_method("attnlrp", family="decomposition")
 class AttnLRP(_LRPAttribution):
     r"""AttnLRP, attention-aware LRP (Achtibat et al., ICML 2024; efficient
     Gradient × Input form of Arras et al. 2025 / LXT).

@@ -10,8 +10,10 @@ from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, ViTPerturbationAttribution
+from captum_vit.methods.table import register_method
 
 
+@register_method("random", family="baseline", baseline=True, seeded=True)
 class RandomMap(ViTPerturbationAttribution):
     r"""Uniform random patch scores: the chance level of every metric table.
 

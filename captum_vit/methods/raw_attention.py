@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    TargetLike,
-    ViTGradientAttribution,
     check_choice,
     readout,
     readout_rows,
     resolve_target,
 )
 from captum_vit.adapters import BlockRecord
+from captum_vit.methods._front import PlainAttribution
+from captum_vit.methods.table import register_method
 
 SOURCES = ("pool", "last_block")
 
 
-class RawAttention(ViTGradientAttribution):
+@register_method("raw_attention", family="attention")
+class RawAttention(PlainAttribution):
     r"""Attention probabilities of the last block, averaged over heads, read at the
     classifier's readout row: :math:`m = \mathrm{mean}_h A_{L-1}^h[r, :]`.
 
@@ -50,31 +50,16 @@ class RawAttention(ViTGradientAttribution):
         self.source = check_choice("source", source, SOURCES)
         super().__init__(model)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *,
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): accepted for API compatibility and
-                validated; raw attention is class-agnostic.
-            output (str, optional): ``"pixels"`` (default, shaped like ``inputs``, each
-                patch's score copied to its pixels), ``"grid"`` [B, 1, gh, gw] or
-                ``"tokens"`` [B, P].
-
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> import timm, torch
-            >>> from captum_vit import RawAttention
-            >>> model = timm.create_model("vit_tiny_patch16_224", num_classes=10).eval()
-            >>> attr = RawAttention(model).attribute(torch.randn(2, 3, 224, 224))
-            >>> attr.shape
-            torch.Size([2, 3, 224, 224])
-        """
-        return self._attribute(inputs, target, output)
+    target_doc = r"""target (int, list, Tensor, optional): accepted for API compatibility and
+        validated; raw attention is class-agnostic."""
+    examples_doc = r"""
+        >>> import timm, torch
+        >>> from captum_vit import RawAttention
+        >>> model = timm.create_model("vit_tiny_patch16_224", num_classes=10).eval()
+        >>> attr = RawAttention(model).attribute(torch.randn(2, 3, 224, 224))
+        >>> attr.shape
+        torch.Size([2, 3, 224, 224])
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         last = self.adapter.num_blocks - 1

@@ -39,6 +39,7 @@ from captum_vit.adapters import (
     subset_forwards,
     subset_logits,
 )
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods._masks import (
     GridMasks,
     interpolation_matrix,
@@ -46,6 +47,7 @@ from captum_vit.methods._masks import (
     resolve_removal,
 )
 from captum_vit.methods.scorecam import REMOVALS
+from captum_vit.methods.table import register_method
 
 
 def rise_masks(n_masks: int, grid_size: int | tuple[int, int], p: float,
@@ -112,6 +114,7 @@ def _check_fill(fill: Any, inputs: Tensor) -> Tensor | None:
     return None if fill == 0 else torch.full_like(inputs, fill)
 
 
+@register_method("rise", family="perturbation", quick={"n_masks": 500}, seeded=True)
 class RISE(ViTPerturbationAttribution):
     r"""RISE (Petsiuk et al., BMVC 2018): the expected target probability of the image
     seen through random soft masks, given that a pixel is kept.
@@ -186,6 +189,7 @@ class RISE(ViTPerturbationAttribution):
         self.num_forwards = 0
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, n_masks: int = 4000,
                   grid_size: int | None = None, p: float = 0.5, fill: float | Tensor = 0.0,
                   removal: str | None = None, score: str = "probability",
@@ -193,7 +197,7 @@ class RISE(ViTPerturbationAttribution):
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): class per image (or target embeddings
                 for a model that outputs an embedding). ``None`` (default) explains the
                 predicted class of each image (Captum's ``None`` means a scalar output;
@@ -216,7 +220,7 @@ class RISE(ViTPerturbationAttribution):
                 Default 100 (the authors' ``gpu_batch``).
             show_progress (bool, optional): tqdm progress bar over the forwards. Default
                 False.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the saliency (a probability scale, not normalised) in the requested

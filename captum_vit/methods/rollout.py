@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from captum.log import log_usage
@@ -21,9 +20,13 @@ from captum_vit._base import (
     resolve_target,
 )
 from captum_vit.adapters import BlockRecord, Trace
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
+from captum_vit.methods.table import register_method
 
 
-class Rollout(ViTGradientAttribution):
+@register_method("rollout", family="attention")
+class Rollout(PLUSFastPath, ViTGradientAttribution):
     r"""Attention rollout: :math:`M_l = (\bar A_l + I) / \mathrm{rowsum}(\bar A_l + I)`,
     :math:`R = M_{L-1} \cdots M_s`, map = readout row of :math:`R`.
 
@@ -49,15 +52,16 @@ class Rollout(ViTGradientAttribution):
         self.start_layer = check_layer("start_layer", start_layer, self.adapter.num_blocks)
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   start_layer: int | None = None, output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): validated but unused (rollout is
                 class-agnostic).
             start_layer (int, optional): overrides the constructor's ``start_layer``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the attribution map in the requested ``output`` format.
@@ -70,11 +74,6 @@ class Rollout(ViTGradientAttribution):
         s = self.start_layer if start_layer is None else start_layer
         check_layer("start_layer", s, self.adapter.num_blocks)
         return self._attribute(inputs, target, output, start_layer=s)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, start_layer: int = 0,
-                    **_: Any) -> Tensor:
-        # the rollout of the whole model is the sub-network map of layer 0
-        return self.plus_maps(inputs, target, [0], start_layer=start_layer)[0]
 
     def _head_means(self, inputs: Tensor, blocks: Sequence[int] | range
                     ) -> tuple[Trace, dict[int, Tensor]]:

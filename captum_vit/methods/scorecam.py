@@ -45,7 +45,9 @@ from captum_vit.adapters import (
     subset_forwards,
     subset_logits,
 )
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods.cam import SITES, block_layer
+from captum_vit.methods.table import register_method
 
 REMOVALS = ("pixels", "tokens")
 """How a channel's mask is applied: pixel multiplication or true token removal."""
@@ -112,6 +114,7 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
                         device=inputs.device).reshape(b, s)
 
 
+@register_method("scorecam", family="cam", quick={"max_channels": 128})
 class ScoreCAM(ViTPerturbationAttribution):
     r"""Score-CAM on the tokens of block ``layer``: channel weights from the model's
     scores of the image masked by each channel (Wang et al., CVPRW 2020).
@@ -203,15 +206,14 @@ class ScoreCAM(ViTPerturbationAttribution):
         self.num_forwards = 0
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   score: str = "probability", max_channels: int | None = None,
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
+            {inputs}
+            {target}
             score (str, optional): ``"probability"`` (default, softmax of the target, the
                 paper) or ``"logit"``: the masked images' score :math:`s_c`.
             max_channels (int, optional): score only this many channels per image, those
@@ -222,7 +224,7 @@ class ScoreCAM(ViTPerturbationAttribution):
                 its batch; here each image keeps its own), a quick approximation:
                 ``max_channels`` masked forwards per image instead of D. ``None``
                 (default) = every channel, the paper.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the map (raw, not normalised) in the requested ``output`` format.

@@ -18,7 +18,6 @@ The integrated gradient is Beyond Intuition's reasoning feedback
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from captum.log import log_usage
@@ -38,6 +37,8 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods.bt import (
     N_STEPS,
     check_internal_batch_size,
@@ -45,12 +46,14 @@ from captum_vit.methods.bt import (
     reasoning_feedback,
     start_blocks,
 )
+from captum_vit.methods.table import register_method
 
 START_LAYER = 4
 """TAM's default last block of the chain (0-based, inclusive; the authors' default)."""
 
 
-class TAM(ViTGradientAttribution):
+@register_method("tam", family="gradient_attention", quick={"n_steps": 5})
+class TAM(PLUSFastPath, ViTGradientAttribution):
     r"""Transition Attention Maps (Yuan et al. 2021).
 
     Markov-chain state :math:`\sigma = w \bar A_{L-1}` (head-mean attention of the last
@@ -106,8 +109,6 @@ class TAM(ViTGradientAttribution):
         >>> plain = TAM(model, integrated=False).attribute(images, target=labels)
     """
 
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, integrated: bool = True,
                  internal_batch_size: int | None = None) -> None:
@@ -131,13 +132,14 @@ class TAM(ViTGradientAttribution):
                 else check_internal_batch_size(internal_batch_size))
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
                   start_layer: int | None = None, n_steps: int | None = None,
                   integrated: bool | None = None, internal_batch_size: int | None = None,
                   score: str = "logit", output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): class per image. ``None`` (default)
                 explains the predicted class of each image.
             start_layer (int, optional): overrides the constructor's ``start_layer``.
@@ -146,7 +148,7 @@ class TAM(ViTGradientAttribution):
             internal_batch_size (int, optional): overrides the constructor's.
             score (str, optional): ``"logit"`` (default, as the authors' code) or
                 ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the attribution map in the requested ``output`` format.
@@ -162,9 +164,7 @@ class TAM(ViTGradientAttribution):
                                n_steps=n_steps, integrated=integrated,
                                internal_batch_size=internal_batch_size, score=score)
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], **kwargs)[0]
-
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, integrated: bool | None = None,
@@ -179,9 +179,7 @@ class TAM(ViTGradientAttribution):
         ``k = L-2`` down, read at ``k = l + s``.
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"`` only.
             start_layer, n_steps, integrated, internal_batch_size, score: as in
                 :meth:`attribute`.

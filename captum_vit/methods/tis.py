@@ -46,7 +46,9 @@ from captum_vit._base import (
     score_reduce,
 )
 from captum_vit.adapters import FusedOps, ViTAdapter, subset_logits
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods._kmeans import kmeans
+from captum_vit.methods.table import register_method
 
 DEFAULT_RANDOM_STATE = 0
 """Seed used when ``random_state=None``: TIS maps are repeatable unless asked otherwise."""
@@ -420,6 +422,7 @@ def anytime_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tenso
     return w, used
 
 
+@register_method("tis", family="perturbation", quick={"n_masks": 128})
 class TIS(ViTPerturbationAttribution):
     r"""Transformer Input Sampling: the mean score of the token subsets keeping a patch.
 
@@ -489,6 +492,7 @@ class TIS(ViTPerturbationAttribution):
     last_masks_used: Tensor | None = None
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, n_masks: int = 1024,
                   ratio: float | Sequence[float] = 0.5, score: str = "probability",
                   masks: Tensor | None = None, random_state: int | None = None,
@@ -498,10 +502,8 @@ class TIS(ViTPerturbationAttribution):
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
+            {inputs}
+            {target}
             n_masks (int, optional): KMeans centroids (masks per ratio). Default 1024 as
                 the paper; clamped to ``L*D`` (the number of clustered columns) with a
                 ``UserWarning``.
@@ -534,7 +536,7 @@ class TIS(ViTPerturbationAttribution):
                 the masks (default ``True``); ``False`` averages over the scored masks
                 only (stops later). Unused without ``tolerance``.
             kmeans (str, optional): ``"torch"`` (default, batched) or ``"sklearn"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the map (scores are probabilities or logits, not normalised) in the

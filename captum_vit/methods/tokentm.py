@@ -35,7 +35,10 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace
+from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace, ValuePath
+from captum_vit.methods._engines import PLUSFastPath
+from captum_vit.methods._front import fill_doc
+from captum_vit.methods.table import register_method
 
 VARIANTS = ("paper", "residual")
 
@@ -141,11 +144,9 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
     real = v if v_bias is None else v + v_bias
     o = attn @ real.reshape(b, n, num_heads, d).transpose(1, 2)  # A^h v^h, [B, H, N, d]
     o = o.transpose(1, 2).reshape(b, n, a)
-    inv = torch.rsqrt(o.var(-1, unbiased=False) + norm.eps)[..., None]  # 1/σ_i, [B, N, 1]
-    gamma = torch.ones(a, dtype=x.dtype, device=x.device) if norm.weight is None \
-        else norm.weight.to(x.dtype)
-    wo = proj_weight * gamma  # W'_O, [D, H*d]
-    c = proj_weight @ gamma  # W_O γ, [D]
+    path = ValuePath.of(proj_weight, norm)  # the inner norm's rule, adapters.parts
+    inv = path.inv_std(o)[..., None]  # 1/σ_i, [B, N, 1]
+    wo, c = path.weight, path.centre  # W'_O = W_O diag(γ) [D, H*d], W_O γ [D]
     vh = v.reshape(b, n, num_heads, d)
     m = vh.sum(-1) / a  # mean of the zero-padded head values, [B, N, H]
     xw = (x @ wo).reshape(b, n, num_heads, d)  # x_i W'^h_O
@@ -160,7 +161,9 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
                               dot.permute(0, 2, 1), eps)
 
 
-class TokenTM(ViTGradientAttribution):
+@register_method("tokentm", family="gradient_attention",
+                 variants={"tokentm_residual": {"variant": "residual"}})
+class TokenTM(PLUSFastPath, ViTGradientAttribution):
     r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).
 
     **variant="paper"** (default, the paper's Eq. 9-20): for block :math:`l` the attention
@@ -201,8 +204,6 @@ class TokenTM(ViTGradientAttribution):
             (``"Paper"``), like method names.
     """
 
-    plus_aggregates = ("subnetwork",)
-
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
         if isinstance(variant, str):
             variant = variant.strip().lower().replace("-", "_")
@@ -211,18 +212,17 @@ class TokenTM(ViTGradientAttribution):
         self.variant = variant
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str | None = None,
                   output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image. ``None`` (default)
-                explains the predicted class of each image (Captum's ``None`` means a
-                scalar output; here it means "predicted").
+            {inputs}
+            {target}
             score (str, optional): ``"probability"`` or ``"logit"``. Default ``None`` =
                 the variant's own: ``"probability"`` for ``"paper"``, ``"logit"`` for
                 ``"residual"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the (non-negative) attribution map in the requested ``output`` format.
@@ -336,6 +336,7 @@ class TokenTM(ViTGradientAttribution):
         m = a.mean(1) * g.relu_().mean(1)
         return r + (r[:, None, :] @ m).squeeze(1) * terms.w_attn
 
+    @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str | None = None) -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): TokenTM of every
@@ -350,9 +351,7 @@ class TokenTM(ViTGradientAttribution):
         ``aggregate="layer"`` to sum (:mod:`captum_vit.combinators`).
 
         Args:
-            inputs (Tensor): validated images [B, C, H, W].
-            target (Tensor or None): class per image; ``None`` = predicted.
-            layers (sequence of int): sorted start blocks.
+            {plus_args}
             aggregate (str): ``"subnetwork"``.
             score (str, optional): as in :meth:`attribute` (``None`` = the variant's).
 

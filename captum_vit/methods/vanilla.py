@@ -15,13 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._base import (
     SCORES,
-    TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -31,7 +28,9 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.methods.cam import block_gradients
+from captum_vit.methods._engines import PLUSFastPath, block_gradients
+from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods.table import register_method
 
 REDUCTIONS = ("sum", "l2", "l1", "relu_sum")
 VARIANTS = ("plain", "abs", "relu")
@@ -64,7 +63,8 @@ def reduce_channels(grad: Tensor, reduce: str = "sum") -> Tensor:
     return grad.clamp(min=0).sum(-1)
 
 
-class VanillaGrad(ViTGradientAttribution):
+@register_method("vanilla_grad", family="gradient")
+class VanillaGrad(PLUSFastPath, ScoredAttribution):
     r"""Vanilla token gradient at the input of block ``layer`` (SkipPLUS App. E.1):
     :math:`m_j = \sum_c g_l[j, c]` with :math:`g_l = \partial s_c / \partial x_l`.
 
@@ -98,33 +98,14 @@ class VanillaGrad(ViTGradientAttribution):
         super().__init__(model)
         self.layer = check_layer("layer", layer, self.adapter.num_blocks, allow_end=True)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
-                softmax probability, as the SkipPLUS authors' later code).
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the attribution map (signed for ``reduce="sum"``) in the requested
-            ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.vanilla import VanillaGrad
-            >>> attr = VanillaGrad(model).attribute(images, target=3, output="tokens")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
-
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        return self.plus_maps(inputs, target, [0], score=score)[0]
+    score_doc = r"""score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
+        softmax probability, as the SkipPLUS authors' later code)."""
+    returns_doc = r"""the attribution map (signed for ``reduce="sum"``) in the requested
+        ``output`` format."""
+    examples_doc = r"""
+        >>> from captum_vit.methods.vanilla import VanillaGrad
+        >>> attr = VanillaGrad(model).attribute(images, target=3, output="tokens")
+    """
 
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
@@ -149,7 +130,8 @@ class VanillaGrad(ViTGradientAttribution):
                                 for g in gs])
 
 
-class AttnGrad(ViTGradientAttribution):
+@register_method("attn_grad", family="gradient_attention")
+class AttnGrad(ScoredAttribution):
     r"""Gradient of the score w.r.t. the attention probabilities of block ``layer``, read
     at the classifier's readout row (SkipPLUS App. E.1, Fig. 8):
     :math:`m_j = \mathrm{mean}_h\, f(\nabla A_l^h)[r, j]` with
@@ -188,28 +170,11 @@ class AttnGrad(ViTGradientAttribution):
         num = self.adapter.num_blocks
         self.layer = num - 1 if layer is None else check_layer("layer", layer, num)
 
-    @log_usage()
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
-            target (int, list, Tensor, optional): class per image; ``None`` explains the
-                predicted class.
-            score (str, optional): ``"logit"`` (default) or ``"probability"``.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
-
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit.methods.vanilla import AttnGrad
-            >>> attr = AttnGrad(model, layer=2, variant="abs").attribute(
-            ...     images, target=3, output="grid")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score)
+    examples_doc = r"""
+        >>> from captum_vit.methods.vanilla import AttnGrad
+        >>> attr = AttnGrad(model, layer=2, variant="abs").attribute(
+        ...     images, target=3, output="grid")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -42,6 +42,7 @@ from captum_vit.adapters import (
     subset_forwards,
     subset_logits,
 )
+from captum_vit.methods._front import fill_doc
 from captum_vit.methods._masks import (
     GridMasks,
     interpolation_matrix,
@@ -49,6 +50,7 @@ from captum_vit.methods._masks import (
     resolve_removal,
 )
 from captum_vit.methods.scorecam import REMOVALS
+from captum_vit.methods.table import register_method
 
 NOISE_SEED_STRIDE = 1_000_003
 """Mask ``i``'s noise is drawn from a generator seeded with ``seed * stride + i``."""
@@ -140,6 +142,7 @@ def vitcx_masks(features: Tensor, grid: tuple[int, int], size: tuple[int, int] |
     return GridMasks(sums, size or grid, up, minmax=True), labels
 
 
+@register_method("vit_cx", family="perturbation", seeded=True)
 class ViTCX(ViTPerturbationAttribution):
     r"""ViT-CX (Xie et al., IJCAI 2023): masks from the model's clustered patch
     embeddings, scored by their causal impact on the target probability.
@@ -203,13 +206,14 @@ class ViTCX(ViTPerturbationAttribution):
         self.num_masks: list[int] = []
 
     @log_usage()
+    @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *, layer: int | None = None,
                   distance_threshold: float = 0.1, noise: float = 0.1,
                   removal: str | None = None, score: str = "probability", batch_size: int = 50,
                   show_progress: bool = False, output: str = "pixels") -> Tensor:
         r"""
         Args:
-            inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
+            {inputs}
             target (int, list, Tensor, optional): class per image (or target embeddings
                 for a model that outputs an embedding). ``None`` (default) explains the
                 predicted class of each image.
@@ -227,7 +231,7 @@ class ViTCX(ViTPerturbationAttribution):
                 Default 50 (the authors' ``gpu_batch``).
             show_progress (bool, optional): tqdm progress bar over the forwards. Default
                 False.
-            output (str, optional): ``"pixels"`` (default), ``"grid"`` or ``"tokens"``.
+            {output}
 
         Returns:
             Tensor: the saliency in the requested ``output`` format.

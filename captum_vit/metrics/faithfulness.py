@@ -25,18 +25,17 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_choice, check_scalar, check_target
-from captum_vit.adapters.base import log_probabilities, probabilities, scores_are_classes
+from captum_vit.adapters import log_probabilities, probabilities, scores_are_classes
+from captum_vit.metrics.maps import AttributionLike, patch_maps, ranking
 from captum_vit.metrics.removal import (
-    AttributionLike,
     RemovalEngine,
     example_seeds,
-    patch_maps,
     prepare_metric,
-    ranking,
     upsample,
     vector_targets,
 )
 from captum_vit.metrics.results import MetricResult
+from captum_vit.metrics.settings import EvalSettings
 
 PERTURBATION_FRACTIONS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1.0
 RATIOS = tuple(i / 10 for i in range(1, 10))  # 0.1 ... 0.9
@@ -110,10 +109,15 @@ class _Setup:
 
 
 def _common(kw: dict) -> dict:
-    return dict(removal=kw.pop("removal", "token"), batch_size=kw.pop("batch_size", 64),
+    """The removal options of ``kw``: explicit keywords win over ``settings``
+    (:class:`~captum_vit.metrics.settings.EvalSettings`: removal, forward batch, seed)."""
+    settings = kw.pop("settings", None)
+    s = EvalSettings() if settings is None else settings
+    return dict(removal=kw.pop("removal", s.removal),
+                batch_size=kw.pop("batch_size", s.jobs_per_forward),
                 pixel_reduce=kw.pop("pixel_reduce", "abs"),
                 attribute_kwargs=kw.pop("attribute_kwargs", None),
-                example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", 0),
+                example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", s.seed),
                 unit=kw.pop("unit", "patch"), rounding=kw.pop("rounding", "round"))
 
 
@@ -138,9 +142,11 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
             against them when given, else against the prediction on the clean image.
         target (optional): class the maps explain (``None``: predicted class).
         fractions (Sequence[float]): removed fractions (default 0, 0.05, ..., 1).
-        **kwargs: ``removal``, ``batch_size``, ``pixel_reduce``, ``attribute_kwargs``,
-            ``example_ids``, ``seed``, ``unit``, ``rounding`` (see :class:`RemovalEngine`
-            and the module docstring).
+        **kwargs: ``removal``, ``batch_size`` (jobs per forward), ``pixel_reduce``,
+            ``attribute_kwargs``, ``example_ids``, ``seed``, ``unit``, ``rounding`` (see
+            :class:`RemovalEngine` and the module docstring), or ``settings``
+            (:class:`~captum_vit.metrics.settings.EvalSettings`: its removal,
+            ``jobs_per_forward`` and seed; the keywords above win).
 
     Returns:
         MetricResult: ``per_example`` AUC in percent, ``curves`` 0/1 correctness [B, S].

@@ -16,14 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_choice, check_scalar
-from captum_vit.metrics.removal import (
-    UPSAMPLE_MODES,
-    AttributionLike,
-    patch_maps,
-    prepare_metric,
-    upsample,
-    vector_targets,
-)
+from captum_vit.metrics.maps import AttributionLike, patch_maps
+from captum_vit.metrics.removal import UPSAMPLE_MODES, prepare_metric, upsample, vector_targets
 from captum_vit.metrics.results import MetricResult
 
 AP_MODES = ("foreground", "chefer")

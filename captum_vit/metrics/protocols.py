@@ -21,7 +21,11 @@ zeros whichever is chosen; TIS's baselines are defined in the normalised input s
 An option a preset fixes (``--metrics``, ``--removal``, ``--steps``, ``--target``) given
 with a value other than its default is refused: the preset would silently overrule it.
 
-:data:`PROTOCOLS` holds every preset; adding one is one :class:`Protocol` row. Each
+:data:`PROTOCOLS` holds every preset; adding one is one :class:`Protocol` row. A preset
+takes its methods as factories (``model -> Attribution``) like every metric; turning
+method names into factories with the preset's :attr:`Protocol.method_options` is the
+caller's step (:func:`captum_vit.commands.evaluate.protocol_factories`), so the metrics
+never import the method registry. Each
 preset's docstring-level notes (``notes``) say what was and was not verified against the
 authors' code.
 
@@ -48,10 +52,12 @@ from torch import nn
 
 from captum_vit._base import check_choice
 from captum_vit.metrics import faithfulness as fa
+from captum_vit.metrics import suite
 from captum_vit.metrics.localization import segmentation
 from captum_vit.metrics.removal import image_space_zero, tis_baseline
 from captum_vit.metrics.results import MetricResult
-from captum_vit.metrics.suite import METRICS, MetricBatch, MetricSpec, evaluate
+from captum_vit.metrics.settings import EvalSettings
+from captum_vit.metrics.table import METRICS, MethodFactory, MetricBatch, MetricSpec
 
 Results = dict[str, dict[str, MetricResult]]
 CHEFER_NORMALIZATION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
@@ -75,12 +81,19 @@ class ProtocolNormalizationWarning(UserWarning):
 @dataclass(frozen=True)
 class Column:
     """One column of a preset's table: ``header``, the explained-class pass it reads
-    (``"predicted"`` or ``"label"``), the result column and a display scale."""
+    (``explain``: ``"predicted"`` or ``"label"``), the result column and a display scale."""
 
     header: str
-    target: str
+    explain: str
     key: str
     scale: float = 1.0
+
+    @property
+    def target(self) -> str:
+        """Deprecated name of :attr:`explain`."""
+        warnings.warn("Column.target is deprecated; use Column.explain", DeprecationWarning,
+                      stacklevel=2)
+        return self.explain
 
 
 @dataclass(frozen=True)
@@ -93,8 +106,8 @@ class Protocol:
         metrics (Callable): ``(mean, std) -> {name: MetricSpec}``: the preset's own metric
             table, given the normalisation of the model's inputs (fills in ``[0, 1]``
             image space need it).
-        targets (tuple[str, ...]): explained classes, one evaluation pass each
-            (``"predicted"``, ``"label"``).
+        explain (tuple[str, ...]): explained classes, one evaluation pass each
+            (``"predicted"``, ``"label"``; :data:`captum_vit.metrics.settings.EXPLAINED`).
         columns (tuple[Column, ...]): the paper's table columns (``protocol.md``).
         settings (dict): what the preset fixes, printed and stored in ``results.json``.
         normalization (tuple, optional): ``(mean, std)`` the paper's script uses, for the
@@ -110,7 +123,7 @@ class Protocol:
     name: str
     source: str
     metrics: Callable[[Sequence[float] | None, Sequence[float] | None], dict[str, MetricSpec]]
-    targets: tuple[str, ...]
+    explain: tuple[str, ...]
     columns: tuple[Column, ...]
     settings: Mapping[str, Any]
     normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
@@ -118,6 +131,13 @@ class Protocol:
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     optional: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Deprecated name of :attr:`explain`."""
+        warnings.warn("Protocol.targets is deprecated; use Protocol.explain",
+                      DeprecationWarning, stacklevel=2)
+        return self.explain
 
     @property
     def needs_masks(self) -> bool:
@@ -229,28 +249,6 @@ class Protocol:
             return f"the paper's ({paper}, --protocol-normalization paper)"
         return f"{own}; the paper's: {paper} (--protocol-normalization paper)"
 
-    def factories(self, methods: Sequence[str], *, seed: int = 0
-                  ) -> dict[str, Callable[[nn.Module], Any]]:
-        """Method factories (``model -> Attribution``) with the preset's method options.
-
-        Examples::
-
-            >>> f = get_protocol("chefer21_perturbation").factories(["rollout", "gae"])
-            >>> f["rollout"](model).start_layer
-            1
-        """
-        from captum_vit.registry import METHODS, canonical_name, method_factory
-
-        out = {}
-        for m in methods:
-            opts = self.method_options.get(canonical_name(m))
-            if opts:
-                cls = next(e.cls for e in METHODS if e.name == canonical_name(m))
-                out[m] = _bound(cls, dict(opts))
-            else:
-                out[m] = method_factory(m, seed=seed)
-        return out
-
     def summary(self, preprocess: Any = None, normalization: str = "model") -> str:
         r"""The settings the preset fixes, one per line (printed by the command).
 
@@ -267,19 +265,13 @@ class Protocol:
         norm_text = self.normalization_rule(preprocess, normalization)
         lines.append(f"  data: images resized to the model's input (bilinear, no crop), "
                      f"masks nearest; normalisation: {norm_text}")
-        lines.append(f"  explained class: {' and '.join(self.targets)}")
+        lines.append(f"  explained class: {' and '.join(self.explain)}")
         for k, v in self.settings.items():
             lines.append(f"  {k}: {_short(v)}")
         if self.method_options:
             lines.append("  method options: " + ", ".join(
                 f"{m} {o}" for m, o in self.method_options.items()))
         return "\n".join(lines)
-
-
-def _bound(cls: type, opts: dict) -> Callable[[nn.Module], Any]:
-    def factory(model: nn.Module) -> Any:
-        return cls(model, **opts)
-    return factory
 
 
 def _values(v: Sequence[float] | None) -> str:
@@ -327,9 +319,8 @@ def _named(*results: MetricResult) -> dict[str, MetricResult]:
 
 def _zero_fill_kw(mean: Any, std: Any, b: MetricBatch) -> dict[str, Any]:
     """Pixel zeroing in [0, 1] image space, on the upsampled map's pixels."""
-    return dict(removal=image_space_zero(mean, std), unit="pixel", rounding="floor",
-                batch_size=b.batch_size, example_ids=b.example_ids, seed=b.seed,
-                target=b.target)
+    return {**b.removal_kwargs, "removal": image_space_zero(mean, std), "unit": "pixel",
+            "rounding": "floor"}
 
 
 def _perturbation_metrics(fractions: tuple[float, ...]) -> Callable[..., dict[str, MetricSpec]]:
@@ -367,9 +358,8 @@ TIS_STEPS = 224
 def _tis_metrics(mean: Any, std: Any) -> dict[str, MetricSpec]:
     def curves(name: str) -> MetricSpec:
         def compute(b: MetricBatch) -> dict[str, MetricResult]:
-            kw = dict(removal=tis_baseline(name), unit="pixel", n_steps=TIS_STEPS,
-                      start_point=False, batch_size=b.batch_size, example_ids=b.example_ids,
-                      seed=b.seed, target=b.target)
+            kw = {**b.removal_kwargs, "removal": tis_baseline(name), "unit": "pixel",
+                  "n_steps": TIS_STEPS, "start_point": False}
             ins = fa.insertion(b.model, b.inputs, b.maps, **kw)
             dele = fa.deletion(b.model, b.inputs, b.maps, **kw)
             diff = fa.insertion_minus_deletion(ins, dele)
@@ -385,8 +375,7 @@ def _tis_metrics(mean: Any, std: Any) -> dict[str, MetricSpec]:
 def _token_ratio(mean: Any, std: Any) -> dict[str, MetricSpec]:
     return {"token_ratio": MetricSpec(lambda b: fa.token_ratio(
         b.model, b.inputs, b.maps, labels=b.data_labels, remove_scores=True,
-        rounding="floor", removal="token", batch_size=b.batch_size,
-        example_ids=b.example_ids, seed=b.seed, target=b.target))}
+        rounding="floor", **{**b.removal_kwargs, "removal": "token"}))}
 
 
 def _seg_ap(mean: Any, std: Any) -> dict[str, MetricSpec]:
@@ -554,7 +543,8 @@ def check_fixed_options(protocol: Protocol, given: Mapping[str, Any],
 
 
 def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
-                 methods: Sequence[str], *, preprocess: Any, batch_size: int = 16,
+                 methods: Mapping[str, MethodFactory], *, preprocess: Any,
+                 batch_size: int = 16,
                  seed: int = 0, progress: bool = False, has_masks: bool = False,
                  autocast: str = "none", normalization: str = "model",
                  timings: dict[str, float] | None = None) -> Results:
@@ -566,7 +556,10 @@ def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
         protocol (Protocol): the preset.
         model (nn.Module): the model (on its device and dtype).
         data (Sequence): examples ``(image, label, mask)``.
-        methods (Sequence[str]): method names.
+        methods (Mapping[str, Callable]): table label -> factory ``model -> Attribution``
+            built with the preset's :attr:`Protocol.method_options` (from method names:
+            :func:`captum_vit.commands.evaluate.protocol_factories`, which the command
+            line uses).
         preprocess (Preprocess): the model's own preprocessing
             (``load_model(...).preprocess``); ``normalization`` decides whether the
             paper's normalisation replaces its mean and std (:meth:`Protocol.preprocess`).
@@ -595,7 +588,9 @@ def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
         >>> from captum_vit.models import load_model
         >>> lm = load_model("zoo:vit_fmnist_loc")
         >>> p = get_protocol("tokentm_aopc_lodds")
-        >>> res = run_protocol(p, lm.model, data, ["gae"], preprocess=lm.preprocess)
+        >>> from captum_vit.commands.evaluate import protocol_factories
+        >>> res = run_protocol(p, lm.model, data, protocol_factories(p, ["gae"]),
+        ...                    preprocess=lm.preprocess)
         >>> res["gae"]["aopc"].value
     """
     if protocol.needs_masks and not has_masks:
@@ -609,19 +604,25 @@ def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
     mean, std = getattr(preprocess, "mean", None), getattr(preprocess, "std", None)
     table = protocol.metrics(mean, std)
     names = protocol.metric_names(has_masks=has_masks)
-    factories = protocol.factories(methods, seed=seed)
-    out: Results = {m: {} for m in methods}
-    for target in protocol.targets:
+    if not isinstance(methods, Mapping):
+        raise TypeError("methods must map a label to a factory model -> Attribution with the "
+                        "preset's method options; for method names use "
+                        "captum_vit.commands.evaluate.protocol_factories(protocol, names, "
+                        "seed=seed)")
+    factories = dict(methods)
+    out: Results = {m: {} for m in factories}
+    for explain in protocol.explain:
         seconds: dict[str, float] = {}
-        res = evaluate(model, data, factories, names, preprocess=preprocess,
-                       batch_size=batch_size, target=target, seed=seed, progress=progress,
-                       table=table, autocast=autocast, timings=seconds)
+        res = suite.evaluate(model, data, factories, names, preprocess=preprocess,
+                             settings=EvalSettings(batch_size=batch_size, seed=seed,
+                                                   explain=explain, autocast=autocast),
+                             progress=progress, table=table, timings=seconds)
         if timings is not None:
             for m, t in seconds.items():
                 timings[m] = timings.get(m, 0.0) + t
-        for m in methods:
+        for m in factories:
             for c, r in res[m].items():
-                key = f"{c}_{target}" if len(protocol.targets) > 1 else c
+                key = f"{c}_{explain}" if len(protocol.explain) > 1 else c
                 out[m][key] = dataclasses.replace(r, name=key)
     return out
 
@@ -638,10 +639,10 @@ def protocol_rows(protocol: Protocol, results: Results) -> list[list[str]]:
     Returns:
         list[list[str]]: rows ``[method, cell, ...]`` in the order of :attr:`Protocol.columns`.
     """
-    several = len(protocol.targets) > 1
+    several = len(protocol.explain) > 1
 
     def value(cols: Mapping[str, MetricResult], c: Column) -> float | None:
-        r = cols.get(f"{c.key}_{c.target}" if several else c.key)
+        r = cols.get(f"{c.key}_{c.explain}" if several else c.key)
         return None if r is None else r.value * c.scale
 
     wide = {c: any(abs(v) >= 1 for cols in results.values()

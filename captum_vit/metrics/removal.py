@@ -1,4 +1,4 @@
-"""Patch maps from any attribution, and the removal engine of the faithfulness metrics.
+"""The removal engine of the faithfulness metrics: a model on images with patches removed.
 
 Removal always works on the model's patch grid:
 
@@ -12,6 +12,10 @@ Removal always works on the model's patch grid:
   model's input space), ``"mean"`` (the image's per-channel mean), ``"blur"`` (Gaussian
   blur of the image, kernel 11, σ 5, reflect padding) or ``"random"`` (uniform noise in
   ``[min, max]`` of the image, seeded per example id), and the model runs on the images.
+
+Patch maps from any attribution (:func:`patch_maps`, :func:`ranking`) live in
+:mod:`captum_vit.metrics.maps`, the removal names and fills' types in
+:mod:`captum_vit.metrics.settings`; both are re-exported here.
 
 Two extensions serve the papers' protocols (:mod:`captum_vit.metrics.protocols`):
 ``unit="pixel"`` ranks the single pixels of the bilinearly upsampled map instead of the
@@ -37,7 +41,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
-from captum.attr import Attribution
 from torch import Tensor, nn
 
 from captum_vit._base import (
@@ -49,19 +52,15 @@ from captum_vit._base import (
     prepare,
 )
 from captum_vit._text import count_noun
-from captum_vit.adapters import Layout, ViTAdapter, adapt, subset_logits
+from captum_vit.adapters import Layout, ViTAdapter, adapt, grid_to_pixels, subset_logits
 from captum_vit.adapters.subsets import image_logits
+from captum_vit.metrics.maps import PIXEL_REDUCES, AttributionLike, patch_maps, ranking
+from captum_vit.metrics.settings import REMOVALS, Fill, Removal
 from captum_vit.targets import embedding_target
 
-REMOVALS = ("token", "black", "mean", "blur", "random")
-PIXEL_REDUCES = ("abs", "sum")
 UNITS = ("patch", "pixel")
 TIS_BASELINES = ("mean", "blur", "black", "random")
 UPSAMPLE_MODES = ("bilinear", "bicubic", "nearest")
-AttributionLike = Tensor | Attribution | Callable[..., Tensor]
-Fill = Callable[[Tensor, Sequence[int]], Tensor]
-"""A fill builder: ``fill(images [B, C, H, W], seeds) -> fill images [B, C, H, W]``."""
-Removal = str | Fill
 Metric = TypeVar("Metric", bound=Callable[..., Any])
 
 
@@ -112,80 +111,6 @@ def example_seeds(example_ids: Sequence[int] | Tensor | None, batch: int, seed: 
     return [seed * 1_000_003 + i for i in ids]
 
 
-# -- patch maps ---------------------------------------------------------------------------
-def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, layout: Layout, *,
-               pixel_reduce: str = "abs", attribute_kwargs: dict | None = None) -> Tensor:
-    """The attribution as patch scores [B, P] on the model's grid (raster order).
-
-    Args:
-        attribution: precomputed maps or an attribution:
-
-            * a tensor of patch scores [B, P], a grid [B, gh, gw] / [B, 1, gh, gw], or a
-              pixel map [B, H, W] / [B, C, H, W] at the image size (summed over the
-              channels and the pixels of each patch, see ``pixel_reduce``);
-            * a captum_vit method: called with ``output="tokens"`` (exact patch scores);
-            * any Captum attribution (``IntegratedGradients(model)``, ``Saliency``,
-              ``NoiseTunnel(...)``): ``attribute(inputs, target=target, **attribute_kwargs)``
-              gives a pixel map, pooled as above;
-            * a callable ``f(inputs, target) -> map`` (any of the shapes above).
-        inputs (Tensor): images [B, C, H, W].
-        target (Tensor): class per image [B].
-        layout (Layout): the model's token layout for ``inputs``.
-        pixel_reduce (str): ``"abs"`` (default: sum of ``|a|`` over channels and patch
-            pixels, the usual pooling of gradient maps) or ``"sum"`` (signed sum).
-        attribute_kwargs (dict, optional): extra keyword arguments of ``attribute``.
-
-    Returns:
-        Tensor: [B, P] patch scores (detached).
-    """
-    from captum_vit._base import _ViTFront
-
-    check_choice("pixel_reduce", pixel_reduce, PIXEL_REDUCES)
-    kw = dict(attribute_kwargs or {})
-    if isinstance(attribution, Tensor):
-        maps = attribution
-    elif isinstance(attribution, _ViTFront):
-        maps = attribution.attribute(inputs, target=target, output="tokens", **kw)
-    elif isinstance(attribution, Attribution):
-        maps = attribution.attribute(inputs, target=target, **kw)
-    elif callable(attribution):
-        maps = attribution(inputs, target)
-    else:
-        raise TypeError("attribution must be a tensor of maps, a Captum Attribution or a "
-                        f"callable f(inputs, target); got {type(attribution).__name__}")
-    if isinstance(maps, tuple) and len(maps) == 1:
-        maps = maps[0]
-    return _to_patches(maps.detach(), inputs, layout, pixel_reduce)
-
-
-def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str) -> Tensor:
-    b = inputs.shape[0]
-    (gh, gw), p = layout.grid, layout.num_patches
-    h, w = inputs.shape[-2:]
-    shape = tuple(maps.shape)
-    if shape[:1] != (b,):
-        raise ValueError(f"attribution maps have shape {shape} but the batch has "
-                         f"{count_noun(b, 'image')}")
-    if maps.dim() == 2 and shape[1] == p:
-        return maps
-    if maps.dim() == 2 and shape[1] == layout.num_tokens:
-        raise ValueError(f"attribution maps have {shape[1]} columns = all tokens; drop the "
-                         f"{layout.num_prefix} prefix columns (keep the {p} patch scores)")
-    if maps.dim() == 4 and shape[1] == 1 and shape[2:] == (gh, gw):
-        return maps.reshape(b, p)
-    if maps.dim() == 3 and shape[1:] == (gh, gw):
-        return maps.reshape(b, p)
-    if maps.dim() in (3, 4) and shape[-2:] == (h, w):
-        pix = maps.abs() if pixel_reduce == "abs" else maps
-        pix = pix.sum(1) if pix.dim() == 4 else pix  # channels
-        ph, pw = layout.patch_size
-        pix = F.pad(pix, (0, gw * pw - w, 0, gh * ph - h))
-        return pix.reshape(b, gh, ph, gw, pw).sum((2, 4)).reshape(b, p)
-    raise ValueError(
-        f"attribution maps of shape {shape} match neither the patch grid ({p} patches, grid "
-        f"{(gh, gw)}) nor the image size {(h, w)}; give [B, P], [B, 1, gh, gw] or pixel maps")
-
-
 def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
              size: tuple[int, int], mode: str = "bilinear") -> Tensor:
     """Patch scores [B, P] -> [B, H, W] (float64) by bilinear or bicubic interpolation
@@ -198,19 +123,8 @@ def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
         torch.Size([2, 224, 224])
     """
     check_choice("mode", mode, UPSAMPLE_MODES)
-    b = scores.shape[0]
-    g = scores.reshape(b, 1, *grid).double()
-    full = (grid[0] * patch_size[0], grid[1] * patch_size[1])
-    if mode == "nearest":
-        up = g.repeat_interleave(patch_size[0], 2).repeat_interleave(patch_size[1], 3)
-    else:
-        up = F.interpolate(g, size=full, mode=mode, align_corners=False)
-    return up[:, 0, :size[0], :size[1]]
-
-
-def ranking(scores: Tensor) -> Tensor:
-    """Patch indices from most to least important [B, P] (ties: lower index first)."""
-    return torch.argsort(scores, dim=1, descending=True, stable=True)
+    g = scores.reshape(scores.shape[0], *grid).double()
+    return grid_to_pixels(g, size, patch_size=patch_size, mode=mode)
 
 
 # -- baselines ----------------------------------------------------------------------------
@@ -496,11 +410,16 @@ class RemovalEngine:
 
 def patch_pixels(removed: Tensor, layout: Layout, size: tuple[int, int]) -> Tensor:
     """Patch masks [B, P] (bool) as pixel masks [B, H, W] of an image of ``size``."""
-    (gh, gw), (ph, pw) = layout.grid, layout.patch_size
-    m = removed.reshape(-1, gh, gw).repeat_interleave(ph, 1).repeat_interleave(pw, 2)
-    return m[:, :size[0], :size[1]]
+    return grid_to_pixels(removed.reshape(-1, *layout.grid), size, patch_size=layout.patch_size)
 
 
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
     """Images [B, C, H, W] whose removed patches ([B, P] bool) take the ``fill`` pixels."""
     return torch.where(patch_pixels(removed, layout, inputs.shape[-2:])[:, None], fill, inputs)
+
+
+__all__ = ["PIXEL_REDUCES", "REMOVALS", "TIS_BASELINES", "UNITS", "UPSAMPLE_MODES",
+           "AttributionLike", "Fill", "Removal", "RemovalEngine", "baseline_images",
+           "check_removal", "example_seeds", "gaussian_blur", "image_space_zero",
+           "patch_maps", "patch_pixels", "prepare_metric", "ranking", "remove_pixels",
+           "tis_baseline", "upsample", "vector_targets"]

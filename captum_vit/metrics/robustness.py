@@ -10,13 +10,8 @@ from captum.metrics import sensitivity_max
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike
-from captum_vit.metrics.removal import (
-    AttributionLike,
-    example_seeds,
-    patch_maps,
-    prepare_metric,
-    vector_targets,
-)
+from captum_vit.metrics.maps import AttributionLike, patch_maps
+from captum_vit.metrics.removal import example_seeds, prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
 
 

@@ -27,18 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_scalar
-from captum_vit.adapters.base import probabilities
-from captum_vit.metrics.removal import (
-    AttributionLike,
-    Removal,
-    RemovalEngine,
-    example_seeds,
-    patch_maps,
-    prepare_metric,
-    ranking,
-    vector_targets,
-)
+from captum_vit.adapters import probabilities
+from captum_vit.metrics.maps import AttributionLike, patch_maps, ranking
+from captum_vit.metrics.removal import RemovalEngine, example_seeds, prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
+from captum_vit.metrics.settings import EvalSettings, Removal
 
 
 def group_sizes(num_units: int, n_groups: int) -> list[int]:
@@ -79,9 +72,10 @@ def saco_coefficient(salience: Tensor, delta: Tensor) -> Tensor:
 
 @vector_targets
 def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
-         n_groups: int = 10, target: TargetLike = None, removal: Removal = "token",
-         batch_size: int = 64, pixel_reduce: str = "abs", attribute_kwargs: dict | None = None,
-         example_ids: Any = None, seed: int = 0) -> MetricResult:
+         n_groups: int = 10, target: TargetLike = None, removal: Removal | None = None,
+         batch_size: int | None = None, pixel_reduce: str = "abs",
+         attribute_kwargs: dict | None = None, example_ids: Any = None, seed: int | None = None,
+         settings: EvalSettings | None = None) -> MetricResult:
     r"""SaCo, the salience-guided faithfulness coefficient (Wu et al., CVPR 2024, Alg. 1).
 
     See the module docstring for the definition. Higher is better; 1 means the map ranks
@@ -102,6 +96,9 @@ def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
         attribute_kwargs (dict, optional): extra ``attribute`` options.
         example_ids (optional): data set index of each image (seeds of ``"random"``).
         seed (int): seed of the ``"random"`` baseline. Default 0.
+        settings (EvalSettings, optional): removal, forward batch (``jobs_per_forward``)
+            and seed in one object (:class:`~captum_vit.metrics.settings.EvalSettings`);
+            the keywords above win. Default ``EvalSettings()``.
 
     Returns:
         MetricResult: ``saco`` per image; ``curves`` = ``Δ(G_i)`` [B, K] with ``x`` = the
@@ -121,6 +118,10 @@ def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     images, layout = prep.images, prep.layout
     p = layout.num_patches
     check_scalar(n_groups, "n_groups", int, min_val=1, max_val=p)
+    s = EvalSettings() if settings is None else settings
+    removal = s.removal if removal is None else removal
+    batch_size = s.jobs_per_forward if batch_size is None else batch_size
+    seed = s.seed if seed is None else seed
     engine = RemovalEngine(model, removal, batch_size, adapter=adapter)
     scores = patch_maps(attribution, images, prep.target, layout, pixel_reduce=pixel_reduce,
                         attribute_kwargs=attribute_kwargs).double()

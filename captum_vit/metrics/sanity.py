@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from captum_vit._base import TargetLike
 from captum_vit.adapters import adapt
-from captum_vit.metrics.removal import patch_maps, prepare_metric, vector_targets
+from captum_vit.metrics.maps import patch_maps
+from captum_vit.metrics.removal import prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
 
 MethodLike = Attribution | Callable[[nn.Module], Attribution]

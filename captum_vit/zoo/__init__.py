@@ -3,7 +3,7 @@
 Each model has ``<name>.safetensors`` (the state dict) and ``<name>.json`` (the model
 card: timm kwargs, normalisation, accuracies, learning curve, training command, seed,
 duration) in this directory. ``scripts/train_zoo.py`` trains them. The card is read by
-:func:`captum_vit.models.read_card`, the same reader as ``--model file:PATH``'s card, so a
+:func:`captum_vit.cards.read_card`, the same reader as ``--model file:PATH``'s card, so a
 zoo model copied elsewhere loads as ``file:PATH.safetensors``.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from captum_vit.cards import from_card, read_card
 from captum_vit.data.fashion_mnist import CLASS_NAMES
 
 ZOO_DIR = Path(__file__).parent
@@ -76,8 +77,6 @@ def load(name: str = "vit_fmnist_loc") -> ZooModel:
         >>> images = zm.preprocess(load_sample()["images"][0])[None]
         >>> attr = GAE(zm.model).attribute(images)
     """
-    from captum_vit.models import from_card, read_card
-
     names = available()
     if name not in names:
         raise ValueError(f"unknown zoo model {name!r}; available: {', '.join(names) or 'none'}")

@@ -7,7 +7,7 @@ relevance of any tensor :math:`z` of the forward is :math:`R_z = z \odot \tilde 
 without a rule keep their true Jacobian: for a linear map with bias that is the
 :math:`\varepsilon`-rule with :math:`\varepsilon \to 0`, the bias absorbing its share.
 
-Two rule sets are :class:`~captum_vit.adapters.base.Ops` for the adapter's canonical
+Two rule sets are :class:`~captum_vit.adapters.Ops` for the adapter's canonical
 forward:
 
 - :class:`LRPOps` — CP-LRP (Ali et al., ICML 2022) and AttnLRP (Achtibat et al., ICML
@@ -31,16 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters._linearize import (
-    activation_gate_detached,
-    layer_norm_frozen_variance,
-)
-from captum_vit.adapters.base import (
+from captum_vit.adapters.ops import Ops, activation_gate_detached, layer_norm_frozen_variance
+from captum_vit.adapters.parts import (
     AttentionParts,
     AttentionRules,
     BlockParts,
     NormParts,
-    Ops,
     PoolParts,
 )
 
@@ -340,11 +336,11 @@ class LRPOps(Ops):
         act_rule (str): ``"identity"`` (default) or ``"gradient"`` (``method="cp"`` only).
         gamma (float): γ of the linear maps' γ-rule; 0 = ε-rule.
         epsilon (float): ε of the linear maps' rule; 0 = exact.
-        positions (Tensor, optional): as for :class:`~captum_vit.adapters.base.Ops`.
+        positions (Tensor, optional): as for :class:`~captum_vit.adapters.ops.Ops`.
 
     Examples::
 
-        >>> from captum_vit.adapters._lrp import LRPOps
+        >>> from captum_vit.adapters.rules import LRPOps
         >>> tr = adapter.trace(images, grad=True, ops=LRPOps(method="attnlrp",
         ...                                                  attention="attnlrp"))
     """

@@ -1,0 +1,241 @@
+"""Forward strategies: the primitive operations the canonical forward is written against.
+
+Design. :meth:`captum_vit.adapters.ViTAdapter.block` and the head are written once,
+against an :class:`Ops` object. Plain tensors give the real forward (with attention
+probabilities materialised); :class:`FusedOps` the fused one (no probabilities, optional
+padding mask); :class:`HeadsOps` the fused one that keeps each block's per-head tensors;
+``Ops(linearize=True)`` keeps every forward value and linearises the backward (DecompX's
+gradient route, :mod:`captum_vit.methods.decompx`: LayerNorm variance, ``q``/``k`` and the
+activation gate detached) through the autograd functions below. Modified backward rule
+sets (LRP) are a second idea and live in :mod:`captum_vit.adapters.rules`; decomposition
+ops (DecompX) subclass :class:`Ops` in the methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captum_vit.adapters.parts import BlockParts, Heads, NormParts, PoolParts
+
+
+class _LayerNormFrozenVariance(torch.autograd.Function):
+    """LayerNorm whose backward treats ``1/sqrt(var + eps)`` as a constant.
+
+    With ``y = (x - mean(x)) / s * w + b`` and ``s`` frozen, the input gradient is
+    ``(g*w - mean(g*w)) / s``: the centring stays differentiable, the scale does not.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
+        # one fused kernel gives the output and 1/sqrt(var + eps) (no second pass)
+        y, _, inv_std = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        inv_std = inv_std.to(x.dtype)
+        ctx.save_for_backward(inv_std, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        inv_std, weight = ctx.saved_tensors
+        gw = g * weight if weight is not None else g
+        gx = (gw - gw.mean(-1, keepdim=True)) * inv_std
+        return gx, None, None, None
+
+
+class _GateDetachedActivation(torch.autograd.Function):
+    """``act(z)`` in the forward; ``g * act(z)/z`` in the backward (zero-origin slope).
+
+    For the exact GELU the gate ``act(z)/z`` is ``Phi(z)``, the standard normal CDF.
+    """
+
+    @staticmethod
+    def forward(ctx, z, act):  # type: ignore[override]
+        y = act(z)
+        ctx.save_for_backward(activation_gate(z, y))
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (gate,) = ctx.saved_tensors
+        return g * gate, None
+
+
+def activation_gate(z: Tensor, y: Tensor) -> Tensor:
+    """Zero-origin slope ``y / z`` of an activation ``y = act(z)``.
+
+    At ``z == 0`` the limit of the GELU family (``0.5``) is used.
+    """
+    return (y / z).masked_fill_(z == 0, 0.5)  # three passes over the MLP width
+
+
+def layer_norm_frozen_variance(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                               eps: float) -> Tensor:
+    return _LayerNormFrozenVariance.apply(x, weight, bias, eps)
+
+
+def activation_gate_detached(z: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
+    return _GateDetachedActivation.apply(z, act)
+
+
+def patch_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+    r"""A patch-embedding convolution as the linear map of the unfolded patches, through
+    ``ops.linear`` (the patch conv takes the linear maps' LRP rules, as in AttnLRP,
+    Achtibat et al., ICML 2024; :mod:`captum_vit.adapters.rules`).
+
+    A convolution with ``stride == kernel_size``, no padding, dilation 1 and one group
+    maps each patch :math:`p` (flattened in the order ``(channel, row, column)`` of the
+    kernel) to :math:`W p + b` with :math:`W` the kernel as a ``[D, C k_h k_w]`` matrix;
+    rows and columns of the image beyond the last whole patch are dropped, as the
+    convolution drops them.
+
+    Args:
+        inputs (Tensor): images [B, C, H, W] (already padded as the model pads them).
+        conv (nn.Module): the model's patch convolution (its own parameters, reshaped).
+        ops (Ops): supplies ``linear``.
+        what (str): the convolution's name in the model, for the error message.
+
+    Returns:
+        Tensor: the patch embeddings [B, gh, gw, D] (channels last).
+
+    Raises:
+        TypeError: ``conv`` is not such a convolution (overlapping or padded patches).
+    """
+    if not isinstance(conv, nn.Conv2d) or tuple(conv.stride) != tuple(conv.kernel_size) \
+            or conv.padding not in ("valid", (0, 0)) or tuple(conv.dilation) != (1, 1) \
+            or conv.groups != 1:
+        raise TypeError(f"{what} is not a patch projection (a Conv2d with stride == "
+                        "kernel_size, no padding, dilation 1, one group), so it has no "
+                        "linear-map form for the LRP rules; explain at='tokens'")
+    b, c, h, w = inputs.shape
+    ph, pw = conv.kernel_size
+    gh, gw = h // ph, w // pw
+    patches = inputs[:, :, :gh * ph, :gw * pw].reshape(b, c, gh, ph, gw, pw)
+    patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(b, gh, gw, c * ph * pw)
+    return ops.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
+
+
+class Ops:
+    """The primitive operations of the canonical forward, on plain tensors.
+
+    Subclasses (DecompX, FullGrad+'s bias probes) override them to carry other values;
+    :class:`FusedOps` is the plain forward without attention probabilities.
+
+    Args:
+        linearize (bool): keep the forward and linearise the backward (DecompX's gradient
+            route, :mod:`captum_vit.methods.decompx`).
+        positions (Tensor, optional): [B, N] original token indices of the sequence, passed
+            to :meth:`BlockParts.attention` (``None`` = ``0..N-1``).
+    """
+
+    def __init__(self, linearize: bool = False, *, positions: Tensor | None = None) -> None:
+        self.linearize = linearize
+        self.positions = positions
+
+    def norm(self, x: Any, p: NormParts) -> Any:
+        if self.linearize:
+            return layer_norm_frozen_variance(x, p.weight, p.bias, p.eps)
+        return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, p.eps)
+
+    def linear(self, x: Any, weight: Tensor, bias: Tensor | None) -> Any:
+        return F.linear(x, weight, bias)
+
+    def act(self, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
+        return activation_gate_detached(z, act) if self.linearize else act(z)
+
+    def gated(self, g: Any, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
+        """Gated unit ``act(g) ⊙ z``; linearised: the activated gate is a constant
+        (our choice: the gated analogue of DecompX's zero-origin GELU rule,
+        :mod:`captum_vit.methods.decompx`)."""
+        a = act(g)
+        return (a.detach() if self.linearize else a) * z
+
+    def scale(self, x: Any, gamma: Tensor) -> Any:
+        return x * gamma
+
+    def normalize(self, x: Any) -> Any:
+        """``x / ‖x‖`` over the last dimension; linearised: the norm is a constant."""
+        n = x.norm(dim=-1, keepdim=True)
+        return x / (n.detach() if self.linearize else n)
+
+    def add(self, x: Any, y: Any) -> Any:
+        return x + y
+
+    def attention(self, u: Any, p: BlockParts) -> tuple[Any, Tensor | None]:
+        """Attention mix before the output projection, [B, N, H*d], and the probabilities."""
+        return p.attention(u, materialize=True, positions=self.positions,
+                           detach_qk=self.linearize)
+
+    def pool_attention(self, x: Any, p: PoolParts) -> tuple[Any, Tensor | None]:
+        """Attention-pool mix before its output projection, [B, Q, H*d], and the pool's
+        probabilities [B, H, Q, N] (linearised: ``k`` detached; :class:`PoolParts`)."""
+        return p.attention(x, materialize=True, detach_k=self.linearize)
+
+    def pool(self, x: Any, row: int | str, num_prefix: int) -> Any:
+        return x[:, num_prefix:].mean(1) if row == "avg" else x[:, row]
+
+    def mean(self, xs: Sequence[Any]) -> Any:
+        return xs[0] if len(xs) == 1 else sum(xs[1:], xs[0]) / len(xs)
+
+    def value(self, x: Any) -> Tensor:
+        """The real tensor behind a value of these ops."""
+        return x
+
+
+class FusedOps(Ops):
+    """The plain forward with fused attention, optionally on padded token sets.
+
+    Scoring never needs the attention probabilities, so they are not materialised
+    (``F.scaled_dot_product_attention``). With ``key_mask`` ([B, N] bool, ``True`` = real
+    token) the padded tokens take no part in attention as keys and are left out of
+    average pooling, so every real token's state and the logits equal those of the
+    unpadded shorter sequence.
+
+    Args:
+        key_mask (Tensor, optional): real tokens [B, N]; ``None`` = all real.
+        positions (Tensor, optional): [B, N] original token indices (see :class:`Ops`).
+
+    Examples::
+
+        >>> logits = adapter.run(x0, keep=kept_patches, ops=FusedOps())
+    """
+
+    def __init__(self, key_mask: Tensor | None = None, positions: Tensor | None = None) -> None:
+        super().__init__(positions=positions)
+        self.key_mask = key_mask
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, None]:
+        mix, _ = p.attention(u, materialize=False, key_mask=self.key_mask,
+                             positions=self.positions)
+        return mix, None
+
+    def pool_attention(self, x: Tensor, p: PoolParts) -> tuple[Tensor, None]:
+        mix, _ = p.attention(x, materialize=False, key_mask=self.key_mask)
+        return mix, None
+
+    def pool(self, x: Tensor, row: int | str, num_prefix: int) -> Tensor:
+        if row != "avg" or self.key_mask is None:
+            return super().pool(x, row, num_prefix)
+        w = self.key_mask[:, num_prefix:].to(x.dtype)[..., None]
+        return (x[:, num_prefix:] * w).sum(1) / w.sum(1)
+
+
+class HeadsOps(Ops):
+    """The plain forward with fused attention that hands each block's :class:`Heads` to
+    the trace instead of materialised probabilities (``trace(attention="fused")``): no
+    ``[B, H, N, N]`` tensor is kept for the backward.
+
+    Args:
+        linearize (bool): as in :class:`Ops` (``q``, ``k`` detached in the attention).
+    """
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:  # type: ignore[override]
+        heads: list[Heads] = []
+        mix, _ = p.attention(u, materialize=False, positions=self.positions,
+                             detach_qk=self.linearize, heads=heads)
+        return mix, heads[0]
+

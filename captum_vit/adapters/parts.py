@@ -1,0 +1,632 @@
+"""The canonical parameters of a model and THE one attention.
+
+Design. An adapter translates one model family into a *canonical pre-LN ViT*: per block
+the parameter tensors of the notation of :mod:`captum_vit.adapters.layout` (views of the
+model's own parameters, never copies that could drift, never modifications), held in
+frozen dataclasses: :class:`NormParts`, :class:`AttentionParts` and its two uses
+:class:`BlockParts` (a block) and :class:`PoolParts` (an attention-pool head),
+:class:`HeadParts` (final norm, pooling, classifier). :meth:`BlockParts.attention` is the
+only attention of the package (the role ``timm/layers/attention.py`` plays in timm): its
+explicit and fused paths, the key mask, positions (rotary embedding, relative-position
+bias) and modified backward rules side by side.
+
+A family feature that changes what a method reads (EVA-02's inner norms) is exposed here
+once as a derived view (:meth:`BlockParts.value_path`, :meth:`BlockParts.value_outputs`),
+so no method re-implements a family's rule; a method without a rule for a feature refuses
+it by name (:meth:`BlockParts.refuse`).
+
+Block ``l`` maps its input ``x_l`` to ``u_l = LN1(x_l)``, the attention probabilities
+``A_l`` [B, H, N, N] (row = query, column = key), ``x_mid,l = x_l + ls1(a_l)`` and
+``x_{l+1} = x_mid,l + ls2(MLP(LN2(x_mid,l)))``; the logits are ``head(pool(LN_f(x_L)))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from captum_vit.adapters.scoring import TargetHead
+
+
+@dataclass(frozen=True)
+class NormParts:
+    """A LayerNorm over the last dimension."""
+
+    weight: Tensor | None
+    bias: Tensor | None
+    eps: float
+
+
+def _consecutive(*parts: Tensor | None) -> Tensor | None:
+    """The tensors as one when they are consecutive row slices of one tensor (timm's fused
+    ``qkv`` parameter), else ``None`` (separate projections, or a part was replaced)."""
+    first = parts[0]
+    if first is None or first.dim() == 0:
+        return None
+    rows = first.shape[0] * first.stride(0)
+    for i, t in enumerate(parts[1:], start=1):
+        if t is None or t.shape != first.shape or t.stride() != first.stride() \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or t.storage_offset() != first.storage_offset() + i * rows:
+            return None
+    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
+
+
+
+def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
+    """Attention-logit bias [B, 1, 1, N] that removes the keys where ``real`` [B, N] is
+    ``False`` (``-inf``) and leaves the others (0)."""
+    bias = torch.zeros(real.shape, dtype=dtype, device=real.device)
+    return bias.masked_fill(~real, -math.inf)[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class AttentionRules:
+    """Modified backward rules inside one attention (the LRP family,
+    :mod:`captum_vit.adapters.rules`).
+
+    Every field is a function whose forward returns exactly the plain computation's value
+    and whose backward is a rule's (:mod:`captum_vit.adapters.rules`); ``None`` keeps the
+    plain operation. They act in the order of the forward: projections, per-head tensors
+    (after the q/k norms and RoPE), softmax, then the probabilities' product with ``v``.
+    """
+
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    """The q/k/v projections ``(u, weight, bias) -> u Wᵀ + b`` (``F.linear``)."""
+    heads: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None
+    """``(q, k, v) -> (q, k, v)`` per head [B, H, n, d]."""
+    softmax: Callable[[Tensor], Tensor] | None = None
+    """Attention logits -> probabilities (``softmax(-1)``)."""
+    mix: Callable[[Tensor], Tensor] | None = None
+    """Applied to the probabilities where they multiply ``v`` (the probabilities returned
+    and recorded are the tensor before it)."""
+
+
+@dataclass(frozen=True)
+class AttentionParts:
+    """The projections of one multi-head attention: ``q``, ``k``, ``v`` weights
+    ``[H*d, D]`` (rows head-major) with biases ``[H*d]`` or ``None``, the per-head q/k norms,
+    the softmax scale and the output projection ``W_O`` ``[D, H*d]``. Shared by the
+    blocks' self-attention (:class:`BlockParts`) and attention-pool heads
+    (:class:`PoolParts`)."""
+
+    q_weight: Tensor | None
+    k_weight: Tensor
+    v_weight: Tensor
+    q_bias: Tensor | None
+    k_bias: Tensor | None
+    v_bias: Tensor | None
+    num_heads: int
+    head_dim: int
+    scale: float
+    q_norm: Callable[[Tensor], Tensor]
+    k_norm: Callable[[Tensor], Tensor]
+    proj_weight: Tensor  # [D, H*d]
+    proj_bias: Tensor | None
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def _heads(self, u: Tensor, weight: Tensor | None, bias: Tensor | None,
+               linear: Callable[..., Tensor] = F.linear) -> Tensor:
+        """``u W^T + b`` (``u`` itself for ``weight = None``) split into heads,
+        [B, H, N, d]."""
+        b, n, _ = u.shape
+        y = u if weight is None else linear(u, weight, bias)
+        return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class BlockParts(AttentionParts):
+    """Canonical parameters of one pre-LN block (the notation of the module docstring): the
+    attention's projections
+    (:class:`AttentionParts`; for timm views, i.e. slices, of the model's fused ``qkv``
+    parameter, Hugging Face models keep separate q/k/v projections), the norms, LayerScale
+    and the MLP."""
+
+    norm1: NormParts
+    ls1: Tensor | None
+    norm2: NormParts
+    fc1_weight: Tensor
+    fc1_bias: Tensor | None
+    act: Callable[[Tensor], Tensor]
+    fc2_weight: Tensor
+    fc2_bias: Tensor | None
+    ls2: Tensor | None
+    attn_bias: Callable[[], Tensor] | None = None
+    """Additive attention-logit bias of the full sequence, ``() -> [1, H, N, N]`` (BEiT's
+    relative position bias, computed by the model's own code); ``None`` = no bias."""
+    gate_weight: Tensor | None = None
+    """Gated MLP (SwiGLU): ``h = act(u W_g + b_g) ⊙ (u W_1 + b_1)``; ``None`` = the plain
+    MLP ``h = act(u W_1 + b_1)``."""
+    gate_bias: Tensor | None = None
+    mlp_norm: NormParts | None = None
+    """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
+    rotary: Callable[[Tensor, Tensor | None], Tensor] | None = None
+    """Rotary position embedding (timm's Eva family, :mod:`captum_vit.adapters.timm_eva`),
+    ``(heads, positions) -> heads``: applied
+    to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (the order of the
+    installed timm's ``EvaAttention.forward``, verified) and before any detaching. It
+    rotates the patch rows only (the prefix rows keep their values) with the rotary rows
+    of the tokens' original ``positions`` [B, n] (``None`` = the full sequence
+    ``0..n-1``); ``None`` = no RoPE."""
+    inner_norm: NormParts | None = None
+    """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
+    ``scale_attn_inner``, Fang et al. 2023); ``None`` = identity."""
+
+    def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
+             rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
+        bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
+        no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
+        linear = F.linear if rules is None or rules.linear is None else rules.linear
+        if weight is not None and (bias is not None or no_bias):
+            # one fused matmul, exactly as the model computes it (same rounding forward
+            # and backward); the heads then split as in timm's Attention.forward
+            b, n, _ = u.shape
+            qkv = linear(u, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            q = self.q_norm(self._heads(u, self.q_weight, self.q_bias, linear))
+            k = self.k_norm(self._heads(u, self.k_weight, self.k_bias, linear))
+            v = self._heads(u, self.v_weight, self.v_bias, linear)
+        if self.rotary is not None:  # after q/k norm, before detaching (timm's Eva)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if detach_qk:
+            q, k = q.detach(), k.detach()
+        if rules is not None and rules.heads is not None:
+            q, k, v = rules.heads(q, k, v)
+        return q, k, v
+
+    def logit_bias(self, n: int, key_mask: Tensor | None = None,
+                   positions: Tensor | None = None) -> Tensor | None:
+        """What is added to the attention logits: the position bias of the tokens at
+        ``positions`` (the sub-matrix ``B[:, S, S]`` of their original indices ``S``) and
+        ``-inf`` at padded keys; ``None`` when there is neither.
+
+        Args:
+            n (int): sequence length.
+            key_mask (Tensor, optional): [B, n] bool, ``True`` = real token.
+            positions (Tensor, optional): [B, n] original token indices; ``None`` =
+                ``0..n-1`` (the full sequence).
+
+        Returns:
+            Tensor [B or 1, H or 1, n, n] or ``None``.
+        """
+        bias = None
+        if self.attn_bias is not None:
+            full = self.attn_bias()  # [1, H, N, N]
+            if positions is None:
+                if full.shape[-1] != n:
+                    raise ValueError(f"a sequence of {n} tokens needs their positions: the "
+                                     f"position bias covers {full.shape[-1]} tokens")
+                bias = full
+            else:
+                pos = positions.to(full.device)
+                bias = full[0][:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)
+        if key_mask is not None:
+            pad = key_padding_bias(key_mask, torch.get_default_dtype() if bias is None
+                                   else bias.dtype)
+            bias = pad if bias is None else bias + pad
+        return bias
+
+    def _probs(self, q: Tensor, k: Tensor, bias: Tensor | None,
+               rules: AttentionRules | None = None) -> Tensor:
+        scores = (q * self.scale) @ k.transpose(-2, -1)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        if rules is not None and rules.softmax is not None:
+            return rules.softmax(scores)
+        return scores.softmax(dim=-1)
+
+    def attention(self, u: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
+                  positions: Tensor | None = None, detach_qk: bool = False,
+                  rules: AttentionRules | None = None, heads: list[Heads] | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
+        r"""Multi-head self-attention of ``u = LN1(x_l)`` up to the output projection.
+
+        The one attention of the package (modelled on timm's ``Attention.forward``): the
+        explicit path materialises :math:`A^h = \mathrm{softmax}(q k^\top / \sqrt{d})`
+        (the trace and the attention-based methods need it); the fused path calls
+        ``F.scaled_dot_product_attention`` and keeps no probabilities (scoring token
+        subsets). Both give the same mix up to rounding.
+
+        Args:
+            u (Tensor): normed token states [B, N, D].
+            materialize (bool): ``True`` = explicit softmax, probabilities returned;
+                ``False`` = fused kernel, ``None`` returned for them.
+            key_mask (Tensor, optional): bool [B, N], ``True`` = real token. Padded keys
+                (``False``) take no part in any query's attention, so the real tokens'
+                outputs equal those of the shortened sequence alone; the padded rows are
+                meaningless. Every row needs at least one real token.
+            positions (Tensor, optional): [B, N] original token indices of the tokens in
+                ``u`` (prefix tokens ``0..K-1``, patch ``t`` at ``K + t``): the hook for
+                rotary embeddings and relative-position bias: with a position bias
+                (``attn_bias``, BEiT) they pick its sub-matrix ``B[:, S, S]``; with a
+                ``rotary`` embedding (Eva) each kept patch is rotated by the row of its
+                original position; otherwise they are unused (an absolute positional
+                embedding is already in ``u``, so a kept token carries its own).
+            detach_qk (bool): detach ``q`` and ``k`` (the linearised backward of DecompX's
+                gradient route, :mod:`captum_vit.methods.decompx`); the forward values are
+                unchanged.
+            rules (AttentionRules, optional): modified backward rules (LRP,
+                :mod:`captum_vit.adapters.rules`); the forward values are unchanged. Needs
+                ``materialize=True``.
+            heads (list, optional): receives this call's :class:`Heads` (per-head ``q``,
+                ``k``, ``v``, output and logit bias), from which the probabilities can be
+                recomputed later (:meth:`Heads.probs`) when the fused path kept none.
+
+        Returns:
+            (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
+            :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
+        """
+        if rules is not None and not materialize:
+            raise ValueError("attention rules need the explicit path (materialize=True)")
+        q, k, v = self._qkv(u, detach_qk, positions, rules)
+        return self.attend(q, k, v, materialize=materialize, key_mask=key_mask,
+                           positions=positions, rules=rules, heads=heads)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, materialize: bool,
+               key_mask: Tensor | None = None, positions: Tensor | None = None,
+               rules: AttentionRules | None = None, heads: list[Heads] | None = None
+               ) -> tuple[Tensor, Tensor | None]:
+        """The second half of :meth:`attention`, from its heads ``q``, ``k``, ``v``
+        [B, H, N, d] (after q/k norms and rotary embedding) on: for callers that compute
+        the token-wise projections once and gather them (TIS's shared first block,
+        :mod:`~captum_vit.adapters.subsets`). Arguments and returns as in
+        :meth:`attention`."""
+        b, _, n, _ = q.shape
+        bias = self.logit_bias(n, key_mask, positions)
+        if materialize:
+            attn: Tensor | None = self._probs(q, k, bias, rules)
+            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
+            mix = mixing @ v
+        else:
+            attn = None
+            mask = None if bias is None else bias.to(q.dtype)
+            mix = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        if heads is not None:
+            heads.append(Heads(q, k, v, mix, bias, self))
+        return mix.transpose(1, 2).reshape(b, n, self.inner_dim), attn
+
+    def attention_probs(self, u: Tensor, *, detach_qk: bool = False,
+                        positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The explicit path's pieces: probabilities ``A`` [B, H, N, N] and values ``v``
+        [B, H, N, d] of ``u`` (for inspection and tests; forwards use :meth:`attention`);
+        ``positions`` as in :meth:`attention`."""
+        q, k, v = self._qkv(u, detach_qk, positions)
+        return self._probs(q, k, self.logit_bias(u.shape[1], positions=positions)), v
+
+    def head_value_outputs(self, u: Tensor) -> Tensor:
+        """Per-head ``u W_V^h W_O^h`` without biases, [B, H, N, D] (TokenTM Eq. 5)."""
+        b, n, _ = u.shape
+        v = F.linear(u, self.v_weight).reshape(b, n, self.num_heads, self.head_dim)
+        wo = self.proj_weight.reshape(-1, self.num_heads, self.head_dim)  # [D, H, d]
+        return torch.einsum("bnhe,dhe->bhnd", v, wo)
+
+    def value_outputs(self, u: Tensor, attn: Tensor | None = None) -> Tensor:
+        r"""Every token's value vector through the output projection, heads concatenated:
+        :math:`(u W_V^\top + b_V) W_O^\top` [B, N, D], the value bias included and the
+        output bias and LayerScale excluded (the ``vproj`` of Beyond Intuition's token-wise
+        BT-T, Chen et al., TMLR 2023).
+
+        With an inner LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02's
+        ``scale_attn_inner``) the value vector passes it linearised, as in TokenTM
+        (:mod:`captum_vit.methods.tokentm`): centred by its own mean, divided by the
+        standard deviation of the real attention output
+        :math:`o = \mathrm{concat}_h A^h v^h` of the same token (frozen) and scaled by
+        :math:`\gamma`; :math:`\beta` excluded. That needs the block's probabilities
+        ``attn``.
+
+        Args:
+            u (Tensor): ``LN1(x_l)`` [B, N, D].
+            attn (Tensor, optional): the block's probabilities [B, H, N, N] (only read with
+                an inner norm).
+
+        Returns:
+            Tensor [B, N, D].
+        """
+        dt = u.dtype  # parameters follow u (maps accumulate in float32 for half models)
+        v = F.linear(u, self.v_weight.to(dt), None if self.v_bias is None
+                     else self.v_bias.to(dt))  # [B, N, H*d]
+        path = self.value_path(dt)
+        if path.centre is None:
+            return F.linear(v, path.weight)
+        if attn is None:
+            raise ValueError("value_outputs of a block with an inner attention norm "
+                             "needs the block's attention probabilities (attn=)")
+        b, n, a = v.shape
+        o = attn.to(v.dtype) @ v.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        return path.outputs(v, path.inv_std(o.transpose(1, 2).reshape(b, n, a)))
+
+    def value_path(self, dtype: torch.dtype | None = None) -> ValuePath:
+        """The path of the values through this block's output projection, with the inner
+        norm's rule (EVA-02's ``scale_attn_inner``) folded in (:class:`ValuePath`).
+
+        Args:
+            dtype (torch.dtype, optional): the dtype of the returned tensors (default:
+                the parameters').
+
+        Returns:
+            ValuePath: ``W'_O``, the centring vector and the frozen scale of the inner
+            norm (``centre=None`` without one).
+
+        Examples::
+
+            >>> path = adapter.blocks[0].value_path(torch.float64)
+            >>> path.weight.shape     # [D, H*d]
+            torch.Size([192, 192])
+        """
+        return ValuePath.of(self.proj_weight if dtype is None else self.proj_weight.to(dtype),
+                            self.inner_norm)
+
+    def features(self) -> tuple[str, ...]:
+        """The names of this block's features beyond the plain pre-LN block
+        (:data:`BLOCK_FEATURES`): ``"inner_norm"``, ``"mlp_norm"``, ``"gated_mlp"``,
+        ``"rotary"``, ``"attn_bias"``, ``"layer_scale"``, ``"qk_norm"``.
+
+        Returns:
+            tuple[str, ...]: the features present, in :data:`BLOCK_FEATURES` order.
+        """
+        present = {
+            "inner_norm": self.inner_norm is not None,
+            "mlp_norm": self.mlp_norm is not None,
+            "gated_mlp": self.gate_weight is not None,
+            "rotary": self.rotary is not None,
+            "attn_bias": self.attn_bias is not None,
+            "layer_scale": self.ls1 is not None or self.ls2 is not None,
+            "qk_norm": not (_is_identity(self.q_norm) and _is_identity(self.k_norm)),
+        }
+        return tuple(f for f in BLOCK_FEATURES if present[f])
+
+    def refuse(self, method: str, supported: Sequence[str] = ()) -> None:
+        """Refuse a block with a feature ``method`` has no rule for.
+
+        Args:
+            method (str): the method's name, for the message.
+            supported (Sequence[str], optional): the features of :data:`BLOCK_FEATURES`
+                the method has a rule for.
+
+        Raises:
+            TypeError: naming the first feature of this block not in ``supported``.
+
+        Examples::
+
+            >>> adapter.blocks[0].refuse("MyMethod", supported=("layer_scale",))
+        """
+        for feature in self.features():
+            if feature not in supported:
+                raise TypeError(f"{method} has no rule for the block feature {feature!r} "
+                                f"({BLOCK_FEATURES[feature]}) of this model")
+
+
+BLOCK_FEATURES: dict[str, str] = {
+    "inner_norm": "a LayerNorm before the attention's output projection, EVA-02's "
+                  "scale_attn_inner",
+    "mlp_norm": "a LayerNorm on the MLP's hidden units, timm's scale_mlp",
+    "gated_mlp": "a gated MLP such as SwiGLU",
+    "rotary": "rotary position embedding",
+    "attn_bias": "a relative position bias on the attention logits",
+    "layer_scale": "LayerScale",
+    "qk_norm": "normalised queries and keys",
+}
+"""The features a :class:`BlockParts` may have beyond the plain pre-LN block, with what
+each is (:meth:`BlockParts.features`)."""
+
+
+def _is_identity(fn: Callable[[Tensor], Tensor]) -> bool:
+    return isinstance(fn, torch.nn.Identity)
+
+
+@dataclass(frozen=True)
+class ValuePath:
+    r"""How the values of an attention reach its output projection, linearised at an inner
+    LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02's ``scale_attn_inner``, Fang et
+    al. 2023), the one place of this rule.
+
+    A value vector :math:`v_i` [H*d] (any part of one, e.g. one head's values zero-padded
+    to the full width) leaves the projection as
+    :math:`(v_i W'^{\top}_O - m_i c)\, s_i` with :math:`W'_O = W_O \mathrm{diag}(\gamma)`,
+    :math:`c = W_O \gamma`, :math:`m_i` the mean of :math:`v_i` over the full width and
+    :math:`s_i = 1/\sigma_i` the inverse standard deviation of the *real* attention
+    output of token ``i`` (frozen statistics, as in DecompX's LayerNorm rule); ``β`` and
+    every bias are excluded. Without an inner norm it is :math:`v_i W_O^\top`.
+
+    Attributes:
+        weight (Tensor): :math:`W'_O` [D, H*d] (:math:`W_O` without an inner norm).
+        centre (Tensor or None): :math:`c` [D]; ``None`` = no inner norm.
+        eps (float): the inner norm's epsilon (0 without one).
+    """
+
+    weight: Tensor
+    centre: Tensor | None
+    eps: float = 0.0
+
+    @classmethod
+    def of(cls, proj_weight: Tensor, inner_norm: NormParts | None) -> ValuePath:
+        """The path through ``proj_weight`` (:math:`W_O` [D, H*d]) and ``inner_norm``
+        (``None`` = none), in ``proj_weight``'s dtype."""
+        if inner_norm is None:
+            return cls(proj_weight, None)
+        gamma = torch.ones(proj_weight.shape[1], dtype=proj_weight.dtype,
+                           device=proj_weight.device) if inner_norm.weight is None \
+            else inner_norm.weight.to(proj_weight.dtype)
+        return cls(proj_weight * gamma, proj_weight @ gamma, inner_norm.eps)
+
+    def inv_std(self, mix: Tensor) -> Tensor | None:
+        r""":math:`s_i = 1/\sigma_i` [B, N] of the real attention output ``mix``
+        [B, N, H*d] (before :math:`W_O`); ``None`` without an inner norm."""
+        if self.centre is None:
+            return None
+        return torch.rsqrt(mix.var(-1, unbiased=False) + self.eps)
+
+    def outputs(self, v: Tensor, inv_std: Tensor | None) -> Tensor:
+        """The linearised outputs [..., N, D] of values ``v`` [..., N, H*d] with the scale
+        ``inv_std`` [..., N] of :meth:`inv_std`."""
+        y = F.linear(v, self.weight)
+        if self.centre is None:
+            return y
+        return (y - v.mean(-1, keepdim=True) * self.centre) * inv_std[..., None]
+
+
+@dataclass(frozen=True)
+class Heads:
+    r"""The per-head tensors of one :meth:`BlockParts.attention` call, [B, H, N, d]:
+    ``q`` and ``k`` as the softmax saw them (after the q/k norms and RoPE), ``v``, the
+    output :math:`o^h = A^h v^h` and the logit ``bias`` (``None`` = none).
+
+    A fused forward keeps these instead of the probabilities (the kernel saves them for
+    its backward anyway), so a method that needs :math:`A_l` and
+    :math:`\partial s / \partial A_l` only block by block recomputes them:
+    :math:`A = ` :meth:`probs` and :math:`\partial s / \partial A^h = (\partial s /
+    \partial o^h)\, v^{h\top}` (:meth:`probs_grad`), one ``[B, H, N, N]`` at a time.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    bias: Tensor | None
+    parts: BlockParts
+
+    def probs(self) -> Tensor:
+        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation)."""
+        return self.parts._probs(self.q, self.k, self.bias)
+
+    def probs_grad(self, grad_o: Tensor) -> Tensor:
+        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``)."""
+        return grad_o @ self.v.detach().transpose(-2, -1)
+
+
+@dataclass(frozen=True)
+class PoolParts(AttentionParts):
+    r"""An attention-pool head: timm's ``AttentionPoolLatent``
+    (``global_pool='map'``) and Hugging Face's ``SiglipMultiheadAttentionPoolingHead``.
+
+    A learned latent query ``ℓ`` [Q, D_l] attends over the normed tokens ``x̂``:
+    :math:`A_p^h = \mathrm{softmax}(q^h k^{h\top} / \sqrt d)` with ``q = ℓ W_q + b_q``
+    (optional q-norm) and ``k, v = x̂ W_{k,v} + b_{k,v}``;
+    ``o = concat_h(A_p^h v^h) W_p + b_p``, then ``z = o + MLP(LN_p(o))`` (no residual
+    from the latent) and the pooled vector is ``z[0]``. Weights are views of the model's
+    parameters (``q_weight = None``: the latent is the query itself).
+    """
+
+    latent: Tensor  # [Q, D_l]
+    norm: NormParts | None
+    fc1_weight: Tensor | None
+    fc1_bias: Tensor | None
+    act: Callable[[Tensor], Tensor] | None
+    fc2_weight: Tensor | None
+    fc2_bias: Tensor | None
+    skip_prefix: int = 0
+    """Leading rows that are no keys (timm's pool drops the prefix tokens unless
+    ``pool_include_prefix``); their probabilities are exactly 0."""
+
+    def attention(self, x: Tensor, *, materialize: bool, key_mask: Tensor | None = None,
+                  detach_k: bool = False, rules: AttentionRules | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
+        """The pool's attention of the latent over ``x`` [B, N, D].
+
+        Args:
+            x (Tensor): normed token states.
+            materialize (bool): explicit softmax with the probabilities returned, or the
+                fused kernel (``None`` returned for them).
+            key_mask (Tensor, optional): [B, N] bool, ``True`` = real token; padded tokens
+                are no keys.
+            detach_k (bool): detach ``k`` (linearised backward; ``q`` depends on the
+                latent only).
+            rules (AttentionRules, optional): modified backward rules (LRP,
+                :mod:`captum_vit.adapters.rules`), as in :meth:`BlockParts.attention`; needs
+                ``materialize=True``.
+
+        Returns:
+            (mix [B, Q, H*d] before ``W_p``, probabilities [B, H, Q, N] or ``None``).
+        """
+        if rules is not None and not materialize:
+            raise ValueError("attention rules need the explicit path (materialize=True)")
+        b = x.shape[0]
+        lat = self.latent.to(x.dtype).expand(b, -1, -1)
+        linear = F.linear if rules is None or rules.linear is None else rules.linear
+        q = self.q_norm(self._heads(lat, self.q_weight, self.q_bias, linear))
+        k = self.k_norm(self._heads(x, self.k_weight, self.k_bias, linear))
+        v = self._heads(x, self.v_weight, self.v_bias, linear)
+        if detach_k:
+            k = k.detach()
+        if rules is not None and rules.heads is not None:
+            q, k, v = rules.heads(q, k, v)
+        bias = None
+        if key_mask is not None or self.skip_prefix:
+            real = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            if key_mask is not None:
+                real = real & key_mask
+            real[:, :self.skip_prefix] = False
+            bias = key_padding_bias(real, x.dtype)
+        if materialize:
+            scores = (q * self.scale) @ k.transpose(-2, -1)
+            scores = scores if bias is None else scores + bias
+            softmax = None if rules is None else rules.softmax
+            attn: Tensor | None = scores.softmax(-1) if softmax is None else softmax(scores)
+            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
+            mix = mixing @ v
+        else:
+            attn = None
+            mix = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        return mix.transpose(1, 2).reshape(b, -1, self.inner_dim), attn
+
+
+
+@dataclass(frozen=True)
+class HeadParts:
+    """Final norm, pooling and classifier(s).
+
+    ``heads`` holds ``(row, weight, bias)``; ``row`` is a token index, ``"avg"`` or
+    ``"map"`` (the output of ``attn_pool``); ``weight = None`` is the identity (a
+    head-less model whose output is the pooled embedding). The logits combine the heads'
+    outputs as ``combine`` says.
+    """
+
+    norm: NormParts | None
+    fc_norm: NormParts | None
+    heads: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
+    combine: str = "mean"
+    """How the heads' outputs make the logits: ``"mean"`` (DeiT's two heads) or ``"sum"``
+    (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
+    attn_pool: PoolParts | None = None
+    """The attention-pool head read by ``"map"`` rows (:class:`PoolParts`)."""
+    target: TargetHead | None = None
+    """Scores against target embeddings, applied to the model's output (embedding
+    models inside :meth:`ViTAdapter.targeting`)."""
+
+
+
+def _detached(parts: Any) -> Any:
+    """A copy of frozen parts (:class:`BlockParts`, :class:`HeadParts`, ...) whose tensors
+    are detached views of the same storage (same values, strides and offsets, so fused
+    projections stay fused) and whose logit-bias function returns a detached bias.
+
+    Gradients then reach the token states and the recorded tensors but never the
+    model's parameters, which nothing in a trace asks for: autograd no longer keeps
+    every projection's input alive for a weight gradient.
+    """
+    if isinstance(parts, Tensor):
+        return parts.detach()
+    if isinstance(parts, tuple):
+        return tuple(_detached(p) for p in parts)
+    if not dataclasses.is_dataclass(parts) or isinstance(parts, type):
+        return parts
+    changes = {f.name: _detached(getattr(parts, f.name))
+               for f in dataclasses.fields(parts) if f.init}
+    bias = changes.get("attn_bias")
+    if bias is not None:
+        changes["attn_bias"] = lambda: bias().detach()
+    return dataclasses.replace(parts, **changes)
+

@@ -1,0 +1,272 @@
+"""Engines shared by several methods and by the combinators (below every method file).
+
+- :func:`layer_gradients`: one forward and ONE backward give ``d s_c / d x_l`` at every
+  block input, hence token Input x Gradient (CAT), AttIxG (the AttCAT term of Qiang et
+  al., NeurIPS 2022) and DecompX's gradient route at every block (:func:`per_layer_fast`).
+- :class:`PLUSFastPath`: the protocol a method implements to give PLUS / SkipPLUS
+  (Mehri et al., CVPRW 2024) every start block's map from one pass, with the default
+  ``_token_maps`` (the map of the whole model is the start block 0 of the fast path).
+- :func:`block_gradients`: the inputs (or first LayerNorm outputs) of some blocks and their
+  gradients from one backward (the token CAMs, the vanilla and attention gradients).
+- :func:`skip_start`: SkipPLUS's first block.
+
+The role Captum's ``captum._utils.gradient`` plays for its layer methods: the methods only
+call these engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from captum_vit._base import (
+    accumulation_dtype,
+    check_choice,
+    check_layer,
+    gradients,
+    resolve_target,
+    target_scores,
+)
+from captum_vit.adapters import Trace, ViTAdapter
+
+
+def skip_start(num_blocks: int) -> int:
+    """SkipPLUS's first layer ``m = ceil(L/2)`` (Eq. 4; the authors' code uses ``L // 2``,
+    which is the same for even ``L`` and one block earlier for odd ``L``).
+
+    Args:
+        num_blocks (int): the number of blocks ``L``.
+
+    Returns:
+        int: the first summed block.
+
+    Examples::
+
+        >>> from captum_vit.combinators import skip_start
+        >>> skip_start(12), skip_start(7)
+        (6, 4)
+    """
+    return math.ceil(num_blocks / 2)
+
+
+@dataclass
+class LayerGradients:
+    """A traced forward pass with ``d s_c / d x_l`` for every residual state.
+
+    Attributes:
+        trace (Trace): the forward pass (``trace.states`` are ``x_0 .. x_L``).
+        target (Tensor): the resolved target class per image [B].
+        grads (list[Tensor]): gradients of the score w.r.t. ``x_0 .. x_L``.
+    """
+
+    trace: Trace
+    target: Tensor
+    grads: list[Tensor]
+
+    def ixg(self) -> Tensor:
+        """Token IxG ``sum_d x_l * grad_l`` for ``l = 0 .. L``, shape [L+1, B, N]."""
+        states = self.trace.states
+        dt = accumulation_dtype(states[0])
+        with torch.no_grad():
+            return torch.stack([(x.detach().to(dt) * g.to(dt)).sum(-1)
+                                for x, g in zip(states, self.grads, strict=True)])
+
+    def attention_received(self) -> Tensor:
+        """``alpha_l[j] = mean_h mean_i A_l^h[i, j]`` for every block, shape [L, B, N]."""
+        dt = accumulation_dtype(self.trace.x0)
+        with torch.no_grad():
+            return torch.stack([rec.attn.detach().to(dt).mean(dim=(1, 2))
+                                for rec in self.trace.blocks])
+
+    def att_ixg(self) -> Tensor:
+        """AttIxG ``alpha_l * cat_l`` for every block input, shape [L, B, N]."""
+        return self.attention_received() * self.ixg()[:-1]
+
+
+def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
+                    score: str = "logit", linearize: bool = False) -> LayerGradients:
+    """One forward and ONE backward giving ``d s_c / d x_l`` at every block input.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        target (Tensor or None): class per image; ``None`` = predicted class.
+        score (str): ``"logit"`` or ``"probability"``.
+        linearize (bool): linearised backward (LayerNorm variance, q/k and the GELU gate
+            detached; :mod:`captum_vit.methods.decompx`). With it, ``ixg()[l]`` is DecompX
+            started at block ``l``.
+
+    Returns:
+        LayerGradients
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> from captum_vit.methods import layer_gradients
+        >>> cat = layer_gradients(adapt(model), images, labels).ixg()  # [L+1, B, N]
+    """
+    with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
+        tr = adapter.trace(inputs, linearize=linearize, grad=True)
+        t = resolve_target(target, tr.logits)
+        grads = gradients(target_scores(tr.logits, t, score), tr.states)
+    return LayerGradients(tr, t, grads)
+
+
+SITES = ("residual", "norm1")
+"""Where a CAM reads block ``l``: its input ``x_l`` or its first LayerNorm's output."""
+
+def block_layer(name: str, value: Any, num_blocks: int) -> int:
+    """A block index in ``[0, L-1]``; ``None`` = the last block ``L-1`` (the CAMs' default)."""
+    return num_blocks - 1 if value is None else check_layer(name, value, num_blocks)
+
+
+def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
+                    layers: Sequence[int], *, score: str = "logit", at: str = "residual"
+                    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Block inputs ``x_l`` (or their first LayerNorm's outputs ``u_l``) and the gradients
+    ``g = d s_c / d x_l`` (``d s_c / d u_l``) of every block in ``layers`` from one forward
+    and one backward.
+
+    With ``at="residual"`` the same values as
+    :func:`~captum_vit.methods.ixg.layer_gradients` at those blocks; the backward asks for
+    them only, so it stops at the lowest one.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        target (Tensor or None): class per image; ``None`` = predicted class.
+        layers (sequence of int): block indices (``L`` = the last block's output, with
+            ``at="residual"`` only).
+        score (str): ``"logit"`` or ``"probability"``.
+        at (str): ``"residual"`` (default): the block input ``x_l``; ``"norm1"``: the
+            output ``u_l = LN1(x_l)`` of block ``l``'s first (pre-attention) LayerNorm,
+            the adapter's ``BlockParts.norm1`` (timm's ``norm1``, Hugging Face's
+            ``layernorm_before``).
+
+    Returns:
+        (X per layer [B, N, D] detached, G per layer [B, N, D], resolved target [B]).
+
+    Raises:
+        ValueError: ``at="norm1"`` with ``L`` in ``layers`` (no block ``L``).
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> xs, gs, t = block_gradients(adapt(model), images, None, [5, 11], at="norm1")
+    """
+    check_choice("at", at, SITES)
+    if at == "norm1" and any(l >= adapter.num_blocks for l in layers):
+        raise ValueError(f"at='norm1' reads a block's first LayerNorm: layers must be below "
+                         f"{adapter.num_blocks}; got {list(layers)}")
+    with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
+        tr = adapter.trace(inputs, grad=True)
+        t = resolve_target(target, tr.logits)
+        if at == "norm1":  # BlockRecord.u = LN1(x_l), in the graph of the score
+            xs = [tr.blocks[l - tr.start].u for l in layers]
+        else:
+            xs = [tr.states[l] for l in layers]
+        gs = gradients(target_scores(tr.logits, t, score), xs)
+    return [x.detach() for x in xs], [g.detach() for g in gs], t
+
+
+def block_gradient(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, layer: int, *,
+                   score: str = "logit", at: str = "residual") -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`block_gradients` of one block: ``(X, G, target)``."""
+    (x,), (g,), t = block_gradients(adapter, inputs, target, [layer], score=score, at=at)
+    return x, g, t
+
+
+FAST_KINDS = ("ixg", "att_ixg", "decompx", "gradient")
+"""Per-layer map kinds of :func:`per_layer_fast`."""
+
+
+def per_layer_fast(kind: str, adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
+                   score: str = "logit") -> Tensor:
+    """Every block's base map ``[L, B, N]`` from one forward and one backward.
+
+    Args:
+        kind (str): ``"ixg"`` (``sum_d x_l * grad``), ``"att_ixg"`` (AttCAT term),
+            ``"decompx"`` (IxG with the linearised backward,
+            :mod:`captum_vit.methods.decompx`) or ``"gradient"`` (``sum_d grad``, i.e.
+            Captum's ``Saliency(abs=False)`` summed over channels).
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        target (Tensor or None): class per image; ``None`` = predicted class.
+        score (str): ``"logit"`` or ``"probability"``.
+
+    Returns:
+        Tensor: the map at every block input, [L, B, N].
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> from captum_vit.combinators import per_layer_fast
+        >>> maps = per_layer_fast("ixg", adapt(model), images, labels)
+    """
+    lg = layer_gradients(adapter, inputs, target, score=score, linearize=kind == "decompx")
+    if kind == "att_ixg":
+        return lg.att_ixg()
+    if kind == "gradient":
+        dt = accumulation_dtype(inputs)
+        return torch.stack([g.to(dt).sum(-1) for g in lg.grads[:-1]])
+    return lg.ixg()[:-1]
+
+
+class PLUSFastPath:
+    r"""The PLUS / SkipPLUS fast-path protocol (:mod:`captum_vit.combinators`).
+
+    A method class that lists this class FIRST among its bases implements
+    :meth:`plus_maps`: the maps :math:`A(f_l)(x_l)` of every start block ``l`` of
+    ``layers`` from ONE trace / backward, equal to building the method on every
+    sub-network. It inherits the default ``_token_maps``: the map of the whole model is
+    the map of the sub-network :math:`f_0`, ``plus_maps(inputs, target, [0], **options)[0]``,
+    where ``options`` are the keywords its ``attribute`` passes on. The combinators only
+    read the protocol (a class with a callable ``plus_maps`` and ``plus_aggregates`` takes
+    the fast path even without this base).
+
+    Attributes:
+        plus_aggregates (tuple of str): the ``aggregate`` values :meth:`plus_maps`
+            accepts: ``"subnetwork"`` (the method on every sub-network) and, for a method
+            with per-block matrices :math:`F_l`, ``"layer"`` (the readout rows
+            :math:`w F_l` without identity).
+        layer_local (bool): whether the method acts at the LAST block of its model (raw
+            attention, attention Grad-CAM, token CAMs, one IxG term); PLUS then builds
+            it on a one-block window when it runs without fast path.
+
+    Examples::
+
+        >>> from captum_vit._base import ViTGradientAttribution
+        >>> from captum_vit.methods import PLUSFastPath
+        >>> class MyMethod(PLUSFastPath, ViTGradientAttribution):
+        ...     plus_aggregates = ("subnetwork",)
+        ...     def plus_maps(self, inputs, target, layers, *, aggregate="subnetwork"):
+        ...         ...  # [len(layers), B, N] from one pass
+    """
+
+    plus_aggregates: tuple[str, ...] = ("subnetwork",)
+    layer_local: bool = False
+
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+                  aggregate: str = "subnetwork", **options: Any) -> Tensor:
+        """The map of every sub-network :math:`f_l`, ``l`` in ``layers``.
+
+        Args:
+            inputs (Tensor): validated images [B, C, H, W].
+            target (Tensor or None): class per image [B]; ``None`` = predicted.
+            layers (sequence of int): sorted distinct start blocks.
+            aggregate (str): a value of :attr:`plus_aggregates`.
+            **options: the keyword options of the method's ``attribute`` (``output``
+                excluded), with the method's own defaults.
+
+        Returns:
+            Tensor: token maps [len(layers), B, N] with the prefix columns.
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements no plus_maps")
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, **options: Any) -> Tensor:
+        return self.plus_maps(inputs, target, [0], **options)[0]
