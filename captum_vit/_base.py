@@ -402,9 +402,6 @@ class ViTFront:
         raise NotImplementedError  # pragma: no cover
 
 
-"""The former private name of :class:`ViTFront` (kept while other modules move over)."""
-
-
 class ViTGradientAttribution(ViTFront, GradientAttribution):
     """Base of the gradient- and attention-based ViT methods."""
 
