@@ -15,6 +15,7 @@ Run it on the commit before a refactoring and on the commit after::
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,10 @@ FAST = {"tis": {"n_masks": 16}, "bt_h": {"n_steps": 3, "start_layer": 1},
         "rise": {"n_masks": 16}}
 METRIC_FAMILIES = ["vit", "eva02"]
 METRIC_METHODS = ["gae", "tokentm", "random", "plus:decompx"]
+# jobs per removal forward: `forward_batch` since the evaluation settings object, before
+# that `evaluate_batch`'s `batch_size` (the script runs on commits before and after)
+FORWARD_BATCH = ({"forward_batch": 4} if "forward_batch" in inspect.signature(
+    evaluate_batch).parameters else {"batch_size": 4})
 
 
 def model_embedding(model, x):
@@ -66,7 +71,7 @@ def run() -> dict[str, torch.Tensor]:
             for name in METRIC_METHODS:
                 cols = evaluate_batch(model, x, method_factory(name),
                                       available_metrics(masks=True), masks=masks,
-                                      labels=target, batch_size=4, n_steps=5)
+                                      labels=target, n_steps=5, **FORWARD_BATCH)
                 for col, res in cols.items():
                     out[f"metric/{col}/{name}/{fam}"] = res.per_example.double()
     for fam in EMBEDDING_FAMILIES:
