@@ -54,7 +54,7 @@ def main() -> None:
         rows.append((b, "forward+backward", fb, fwd, fb))
         for r in args.removals:
             sec = timeit(lambda x=x, maps=maps, r=r: deletion(
-                model, x, maps, n_steps=args.steps, removal=r, batch_size=64), args.repeats)
+                model, x, maps, n_steps=args.steps, removal=r, forward_batch=64), args.repeats)
             rows.append((b, f"deletion {args.steps} steps, removal={r}", sec, fwd, fb))
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"ViT-S/16 float32, median of {args.repeats}")

@@ -118,7 +118,7 @@ def test_token_removal_equals_hand_built_shorter_sequence():
         order = torch.stack([torch.randperm(p, generator=torch.Generator().manual_seed(i))
                              for i in range(2)])
         counts = [0, 3, 10, p]
-        eng = RemovalEngine(model, batch_size=3)
+        eng = RemovalEngine(model, forward_batch=3)
         for mode in ("delete", "insert"):
             got = eng.logits(x, order, counts, mode=mode)
             for i in range(2):
@@ -185,11 +185,11 @@ def test_gaussian_blur_is_a_normalised_11x5_gaussian():
 def test_batched_evaluation_equals_per_image(removal):
     model, x = make_model("vit"), make_inputs("vit", 3)
     maps = TokenIxG(model).attribute(x, output="tokens")
-    full = deletion(model, x, maps, n_steps=5, removal=removal, batch_size=4,
+    full = deletion(model, x, maps, n_steps=5, removal=removal, forward_batch=4,
                     example_ids=[10, 11, 12])
     for i in range(3):
         one = deletion(model, x[i:i + 1], maps[i:i + 1], n_steps=5, removal=removal,
-                       batch_size=1, example_ids=[10 + i])
+                       forward_batch=1, example_ids=[10 + i])
         torch.testing.assert_close(one.curves[0], full.curves[i], rtol=1e-12, atol=1e-12)
 
 
@@ -226,6 +226,29 @@ def test_bad_inputs_raise_clear_errors():
         perturbation_test(model, x, maps, order="up")
     with pytest.raises(ValueError, match="n_steps"):
         deletion(model, x, maps, n_steps=0)
-    with pytest.raises(ValueError, match="batch_size"):
-        RemovalEngine(model, batch_size=0)
+    with pytest.raises(ValueError, match="forward_batch"):
+        RemovalEngine(model, forward_batch=0)
     assert math.isfinite(deletion(model, x, maps).value)
+
+
+def test_forward_batch_is_one_name_and_batch_size_still_works_with_a_warning():
+    """The removal metrics, SaCo and the engine call the jobs per forward
+    ``forward_batch`` (``batch_size`` is images per batch in EvalSettings); the old
+    spelling gives the same values and a DeprecationWarning naming the new one."""
+    from captum_vit.metrics import saco
+
+    model, x = make_model("vit"), make_inputs("vit", batch=2)
+    maps = torch.rand(2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    new = deletion(model, x, maps, n_steps=4, forward_batch=3)
+    with pytest.warns(DeprecationWarning, match="forward_batch"):
+        old = deletion(model, x, maps, n_steps=4, batch_size=3)
+    assert torch.equal(new.per_example, old.per_example)
+    with pytest.warns(DeprecationWarning, match="forward_batch"):
+        assert RemovalEngine(model, batch_size=3).forward_batch == 3
+    assert RemovalEngine(model).forward_batch == 64
+    with pytest.warns(DeprecationWarning, match="forward_batch"):
+        old = saco(model, x, maps, n_groups=4, batch_size=2)
+    assert torch.equal(saco(model, x, maps, n_groups=4, forward_batch=2).per_example,
+                       old.per_example)
+    with pytest.raises(TypeError, match="batch_sise"):
+        saco(model, x, maps, batch_sise=2)

@@ -104,7 +104,7 @@ def test_pixel_zeroing_perturbation_equals_loops():
     for order in ("positive", "negative"):
         res = perturbation_test(model, x, maps, order=order, labels=labels,
                                 fractions=CHEFER_FRACTIONS, removal=image_space_zero(mean, std),
-                                unit="pixel", rounding="floor", batch_size=7)
+                                unit="pixel", rounding="floor", forward_batch=7)
         ref = _loop_perturbation(model, x, maps, labels, CHEFER_FRACTIONS, mean, std, order)
         assert torch.equal(res.curves, ref)
         xs = torch.tensor(CHEFER_FRACTIONS, dtype=torch.float64)
@@ -117,7 +117,7 @@ def test_tis_deletion_without_start_point_equals_loops():
     maps = TokenIxG(model).attribute(x, output="tokens")
     n_steps, (h, w) = 224, x.shape[-2:]
     res = deletion(model, x, maps, removal=tis_baseline("mean"), unit="pixel",
-                   n_steps=n_steps, start_point=False, batch_size=64, target=[0, 1])
+                   n_steps=n_steps, start_point=False, forward_batch=64, target=[0, 1])
     assert res.curves.shape == (2, n_steps)
     torch.testing.assert_close(res.x, torch.arange(1, 225, dtype=torch.float64) / 224)
     per_step = math.ceil(h * w / n_steps)  # 5 pixels of 1024

@@ -65,7 +65,7 @@ def reference_saco(model, x, maps, n_groups, removal="token"):
 def test_saco_equals_the_slow_reference(removal, n_groups):
     model, x = make_model("vit"), make_inputs("vit", 3)
     maps = TokenIxG(model).attribute(x, output="tokens")
-    got = saco(model, x, maps, n_groups=n_groups, removal=removal, batch_size=5)
+    got = saco(model, x, maps, n_groups=n_groups, removal=removal, forward_batch=5)
     ref = reference_saco(model, x, maps, n_groups, removal)
     torch.testing.assert_close(got.per_example, ref, rtol=1e-10, atol=1e-10)
     assert got.curves.shape == (3, n_groups) and got.value == pytest.approx(float(ref.mean()))
@@ -110,9 +110,9 @@ def test_zero_denominator_gives_zero_and_known_coefficients():
 def test_batch_invariance_and_errors():
     model, x = make_model("vit"), make_inputs("vit", 3)
     maps = TokenIxG(model).attribute(x, output="tokens")
-    full = saco(model, x, maps, n_groups=5, batch_size=4)
+    full = saco(model, x, maps, n_groups=5, forward_batch=4)
     for i in range(3):
-        one = saco(model, x[i:i + 1], maps[i:i + 1], n_groups=5, batch_size=1)
+        one = saco(model, x[i:i + 1], maps[i:i + 1], n_groups=5, forward_batch=1)
         torch.testing.assert_close(one.per_example[0], full.per_example[i], rtol=1e-12,
                                    atol=1e-12)
         torch.testing.assert_close(one.curves[0], full.curves[i], rtol=1e-12, atol=1e-12)

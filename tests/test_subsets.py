@@ -206,7 +206,7 @@ def test_deletion_curve_at_batch_8_is_planned_without_padding():
 @pytest.mark.parametrize("removal", ["token", "black"])
 def test_removal_engine_reuses_the_clean_logits(removal):
     model, x = make_model("vit"), make_inputs("vit", batch=2)
-    eng = RemovalEngine(model, removal, batch_size=5)
+    eng = RemovalEngine(model, removal, forward_batch=5)
     order = ranking(torch.rand(2, 16, generator=torch.Generator().manual_seed(0)))
     clean = model(x).detach()
     for mode, counts in (("delete", [0, 4, 16]), ("insert", [0, 8, 16])):

@@ -172,7 +172,7 @@ def test_removal_metrics_take_the_settings_object(batch):
     s = EvalSettings(removal="random", forward_batch=5, seed=7)
     for fn, kw in ((deletion, dict(n_steps=4)), (aopc, {}), (saco, dict(n_groups=4))):
         a = fn(model, x, maps, settings=s, **kw).per_example
-        b = fn(model, x, maps, removal="random", batch_size=5, seed=7, **kw).per_example
+        b = fn(model, x, maps, removal="random", forward_batch=5, seed=7, **kw).per_example
         assert torch.equal(a, b), fn.__name__
     other = deletion(model, x, maps, n_steps=4, settings=s, seed=8).per_example
     assert torch.equal(other, deletion(model, x, maps, n_steps=4, removal="random",

@@ -35,7 +35,7 @@ from captum_vit.metrics.removal import (
     vector_targets,
 )
 from captum_vit.metrics.results import MetricResult
-from captum_vit.metrics.settings import EvalSettings
+from captum_vit.metrics.settings import EvalSettings, forward_batch_of
 
 PERTURBATION_FRACTIONS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1.0
 RATIOS = tuple(i / 10 for i in range(1, 10))  # 0.1 ... 0.9
@@ -66,13 +66,13 @@ class _Setup:
     """Shared preparation: logits, labels, patch ranking and the removal engine."""
 
     def __init__(self, model: nn.Module, inputs: Tensor, attribution: AttributionLike,
-                 target: TargetLike, removal: Any, batch_size: int, pixel_reduce: str,
+                 target: TargetLike, removal: Any, forward_batch: int, pixel_reduce: str,
                  attribute_kwargs: dict | None, example_ids: Any, seed: int,
                  unit: str = "patch", rounding: str = "round") -> None:
         check_choice("rounding", rounding, ROUNDINGS)
         adapter, prep = prepare_metric(model, inputs, target)
         self.inputs, self.layout, self.logits = prep.images, prep.layout, prep.logits
-        self.engine = RemovalEngine(model, removal, batch_size, adapter=adapter, unit=unit)
+        self.engine = RemovalEngine(model, removal, forward_batch, adapter=adapter, unit=unit)
         self.rounding = rounding
         self.target = prep.target
         # the "prediction" of AOPC/LOdds: the arg-max class, or, for independent scores
@@ -108,13 +108,14 @@ class _Setup:
                                   full_logits=self.logits, seeds=self.seeds)
 
 
-def _common(kw: dict) -> dict:
+def _common(kw: dict, where: str) -> dict:
     """The removal options of ``kw``: explicit keywords win over ``settings``
     (:class:`~captum_vit.metrics.settings.EvalSettings`: removal, forward batch, seed)."""
     settings = kw.pop("settings", None)
     s = EvalSettings() if settings is None else settings
+    forward_batch = forward_batch_of(kw.pop("forward_batch", None), kw, where)
     return dict(removal=kw.pop("removal", s.removal),
-                batch_size=kw.pop("batch_size", s.jobs_per_forward),
+                forward_batch=s.jobs_per_forward if forward_batch is None else forward_batch,
                 pixel_reduce=kw.pop("pixel_reduce", "abs"),
                 attribute_kwargs=kw.pop("attribute_kwargs", None),
                 example_ids=kw.pop("example_ids", None), seed=kw.pop("seed", s.seed),
@@ -142,7 +143,7 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
             against them when given, else against the prediction on the clean image.
         target (optional): class the maps explain (``None``: predicted class).
         fractions (Sequence[float]): removed fractions (default 0, 0.05, ..., 1).
-        **kwargs: ``removal``, ``batch_size`` (jobs per forward), ``pixel_reduce``,
+        **kwargs: ``removal``, ``forward_batch`` (jobs per forward), ``pixel_reduce``,
             ``attribute_kwargs``, ``example_ids``, ``seed``, ``unit``, ``rounding`` (see
             :class:`RemovalEngine` and the module docstring), or ``settings``
             (:class:`~captum_vit.metrics.settings.EvalSettings`: its removal,
@@ -163,7 +164,7 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
                          "vectors do not define: pass a set, "
                          "EmbeddingTarget(vectors [T, D′], index=...), or use aopc, lodds, "
                          "deletion or insertion")
-    st = _Setup(model, inputs, attribution, target, **_common(kwargs))
+    st = _Setup(model, inputs, attribution, target, **_common(kwargs, "perturbation_test"))
     _no_extra(kwargs)
     ref = st.pred if labels is None else check_target(
         labels, len(st.pred), st.engine.adapter.num_classes).to(st.pred.device)
@@ -189,7 +190,8 @@ def _ratio_log_probs(model: nn.Module, inputs: Tensor, attribution: AttributionL
     ``log p(y|x_k)`` [B, S] with the top ratio removed (``"remove"``) or kept (``"keep"``)."""
     check_choice("mode", mode, ("remove", "keep"))
     x = check_fractions("fractions", fractions, closed=True)
-    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
+    st = _Setup(model, inputs, attribution, kwargs.pop("target", None),
+                **_common(kwargs, "aopc/lodds"))
     _no_extra(kwargs)
     return (x, *_log_prob_curves(st, x, mode="delete" if mode == "remove" else "insert"))
 
@@ -242,7 +244,7 @@ def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
                         kwargs: dict) -> MetricResult:
     check_scalar(n_steps, "n_steps", int, min_val=1)
     start_point = kwargs.pop("start_point", True)
-    st = _Setup(model, inputs, attribution, target, **_common(kwargs))
+    st = _Setup(model, inputs, attribution, target, **_common(kwargs, f"{mode[:-1]}ion"))
     _no_extra(kwargs)
     counts = None
     if start_point:
@@ -326,7 +328,7 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
         remove_scores (bool): also return ``token_ratio_remove_aopc`` and
             ``token_ratio_remove_lodds`` (the SkipPLUS table's columns). Default False.
         **kwargs: ``target``, ``removal``, ``rounding`` (``"floor"``: ``k = int(r·P)``,
-            the authors' code), ``batch_size``, ... (see :func:`perturbation_test`).
+            the authors' code), ``forward_batch``, ... (see :func:`perturbation_test`).
 
     Returns:
         dict[str, MetricResult]: ``token_ratio_keep_accuracy``, ``token_ratio_keep_aopc``,
@@ -339,7 +341,8 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
         >>> res["token_ratio_keep_accuracy"].value, aopc(model, x, GAE(model)).value
     """
     x = check_fractions("ratios", ratios, closed=False)
-    st = _Setup(model, inputs, attribution, kwargs.pop("target", None), **_common(kwargs))
+    st = _Setup(model, inputs, attribution, kwargs.pop("target", None),
+                **_common(kwargs, "token_ratio"))
     _no_extra(kwargs)
     ref = st.pred if labels is None else check_target(
         labels, len(st.pred), st.engine.adapter.num_classes).to(st.pred.device)

@@ -25,7 +25,7 @@ patches (Chefer et al.'s and TIS's pixel perturbations; needs a pixel baseline),
 :func:`tis_baseline`: TIS's baselines).
 
 Every (image, step) pair is one job; jobs are evaluated in batched forwards over images
-AND steps, at most ``batch_size`` a forward. With token masking the adapters' one subset
+AND steps, at most ``forward_batch`` a forward. With token masking the adapters' one subset
 engine (:func:`captum_vit.adapters.subsets.subset_logits`) groups jobs by kept length
 with a cost model; a forward mixing lengths pads the shorter sequences and masks the
 padding out of attention (as keys) and pooling, which gives the same logits as running
@@ -55,7 +55,7 @@ from captum_vit._text import count_noun
 from captum_vit.adapters import Layout, ViTAdapter, adapt, grid_to_pixels, subset_logits
 from captum_vit.adapters.subsets import image_logits
 from captum_vit.metrics.maps import PIXEL_REDUCES, AttributionLike, patch_maps, ranking
-from captum_vit.metrics.settings import REMOVALS, Fill, Removal
+from captum_vit.metrics.settings import REMOVALS, Fill, Removal, forward_batch_of
 from captum_vit.targets import embedding_target
 
 UNITS = ("patch", "pixel")
@@ -239,7 +239,8 @@ class RemovalEngine:
         removal (str or Callable): ``"token"`` (default) or a pixel baseline ``"black"``,
             ``"mean"``, ``"blur"``, ``"random"``, or a fill callable ``(images, seeds) ->
             fill images`` (:func:`image_space_zero`, :func:`tis_baseline`).
-        batch_size (int): images per forward pass (over images and steps).
+        forward_batch (int): jobs (image, step) per forward pass (``batch_size=`` is its
+            deprecated spelling). Default 64.
         adapter (ViTAdapter, optional): an existing adapter of ``model``.
         unit (str): ``"patch"`` (default: ``order`` ranks the P patches) or ``"pixel"``
             (``order`` ranks the H·W pixels; every channel of a removed pixel is filled).
@@ -251,14 +252,21 @@ class RemovalEngine:
         >>> logits = eng.logits(x, order, [0, 10, 20])     # [B, 3, classes]
     """
 
-    def __init__(self, model: nn.Module, removal: Removal = "token", batch_size: int = 64,
-                 adapter: ViTAdapter | None = None, unit: str = "patch") -> None:
+    def __init__(self, model: nn.Module, removal: Removal = "token",
+                 forward_batch: int | None = None,
+                 adapter: ViTAdapter | None = None, unit: str = "patch",
+                 **deprecated: Any) -> None:
+        forward_batch = forward_batch_of(forward_batch, deprecated, "RemovalEngine")
+        forward_batch = 64 if forward_batch is None else forward_batch
+        if deprecated:
+            raise TypeError(f"RemovalEngine() got unexpected keyword arguments "
+                            f"{sorted(deprecated)}")
         check_removal(removal, unit)
-        check_scalar(batch_size, "batch_size", int, min_val=1)
+        check_scalar(forward_batch, "forward_batch", int, min_val=1)
         self.model = model
         self.adapter = adapter or adapt(model)
         self.removal = removal
-        self.batch_size = batch_size
+        self.forward_batch = forward_batch
         self.unit = unit
 
     def layout(self, inputs: Tensor) -> Layout:
@@ -370,7 +378,7 @@ class RemovalEngine:
         equals running every job on its own shortened sequence. A job with no token at
         all gets logits 0."""
         x0 = self.adapter.embed(inputs)
-        return subset_logits(self.adapter, x0, ~removed, batch_size=self.batch_size,
+        return subset_logits(self.adapter, x0, ~removed, batch_size=self.forward_batch,
                              full_logits=full_logits)
 
     def fill_images(self, inputs: Tensor, seeds: Sequence[int] | None = None) -> Tensor:
@@ -400,7 +408,7 @@ class RemovalEngine:
 
             with torch.no_grad():
                 logits = image_logits(self.adapter, len(jobs), make,
-                                      batch_size=self.batch_size, device=inputs.device)
+                                      batch_size=self.forward_batch, device=inputs.device)
             if out is None:
                 out = logits.new_zeros(b, s, logits.shape[-1])
             out[jobs[:, 0], jobs[:, 1]] = logits

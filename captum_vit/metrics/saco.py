@@ -31,7 +31,7 @@ from captum_vit.adapters import probabilities
 from captum_vit.metrics.maps import AttributionLike, patch_maps, ranking
 from captum_vit.metrics.removal import RemovalEngine, example_seeds, prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
-from captum_vit.metrics.settings import EvalSettings, Removal
+from captum_vit.metrics.settings import EvalSettings, Removal, forward_batch_of
 
 
 def group_sizes(num_units: int, n_groups: int) -> list[int]:
@@ -73,9 +73,9 @@ def saco_coefficient(salience: Tensor, delta: Tensor) -> Tensor:
 @vector_targets
 def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
          n_groups: int = 10, target: TargetLike = None, removal: Removal | None = None,
-         batch_size: int | None = None, pixel_reduce: str = "abs",
+         forward_batch: int | None = None, pixel_reduce: str = "abs",
          attribute_kwargs: dict | None = None, example_ids: Any = None, seed: int | None = None,
-         settings: EvalSettings | None = None) -> MetricResult:
+         settings: EvalSettings | None = None, **deprecated: Any) -> MetricResult:
     r"""SaCo, the salience-guided faithfulness coefficient (Wu et al., CVPR 2024, Alg. 1).
 
     See the module docstring for the definition. Higher is better; 1 means the map ranks
@@ -91,7 +91,8 @@ def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
         target (optional): the explained class ŷ (``None``: the predicted class).
         removal (str or Callable): ``"token"`` (default: true token removal) or a pixel
             baseline (:data:`~captum_vit.metrics.removal.REMOVALS`, or a fill callable).
-        batch_size (int): jobs per forward. Default 64.
+        forward_batch (int): jobs per forward (``batch_size=`` is its deprecated
+            spelling). Default 64.
         pixel_reduce (str): pooling of pixel maps to patches (``"abs"`` or ``"sum"``).
         attribute_kwargs (dict, optional): extra ``attribute`` options.
         example_ids (optional): data set index of each image (seeds of ``"random"``).
@@ -120,9 +121,12 @@ def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     check_scalar(n_groups, "n_groups", int, min_val=1, max_val=p)
     s = EvalSettings() if settings is None else settings
     removal = s.removal if removal is None else removal
-    batch_size = s.jobs_per_forward if batch_size is None else batch_size
+    forward_batch = forward_batch_of(forward_batch, deprecated, "saco")
+    if deprecated:
+        raise TypeError(f"saco() got unexpected keyword arguments {sorted(deprecated)}")
+    forward_batch = s.jobs_per_forward if forward_batch is None else forward_batch
     seed = s.seed if seed is None else seed
-    engine = RemovalEngine(model, removal, batch_size, adapter=adapter)
+    engine = RemovalEngine(model, removal, forward_batch, adapter=adapter)
     scores = patch_maps(attribution, images, prep.target, layout, pixel_reduce=pixel_reduce,
                         attribute_kwargs=attribute_kwargs).double()
     b = images.shape[0]

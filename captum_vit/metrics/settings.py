@@ -114,6 +114,35 @@ class EvalSettings:
         return dataclasses.replace(self, **given) if given else self
 
 
+def forward_batch_of(forward_batch: int | None, legacy: dict[str, Any], where: str
+                     ) -> int | None:
+    """``forward_batch``, or the deprecated ``batch_size`` popped from ``legacy`` (which
+    meant jobs per forward in ``where``, while :class:`EvalSettings`' ``batch_size`` is
+    images per batch); warns when the old keyword is used.
+
+    Args:
+        forward_batch (int, optional): the new keyword's value.
+        legacy (dict): the caller's other keyword arguments (``batch_size`` is removed).
+        where (str): the caller's name, for the warning.
+
+    Returns:
+        int or None: the jobs per forward asked for (``None``: not given).
+
+    Examples::
+
+        >>> kw = {"batch_size": 32}
+        >>> forward_batch_of(None, kw, "deletion")   # DeprecationWarning
+        32
+    """
+    if "batch_size" not in legacy:
+        return forward_batch
+    size = legacy.pop("batch_size")
+    warnings.warn(f"{where}(batch_size=...) is deprecated: it is the removal engine's "
+                  "forward_batch (jobs per forward; batch_size means images per batch in "
+                  "EvalSettings)", DeprecationWarning, stacklevel=3)
+    return size if forward_batch is None else forward_batch
+
+
 def settings_from(settings: EvalSettings | None, legacy: Mapping[str, Any], *,
                   where: str, **given: Any) -> EvalSettings:
     """``settings`` (default :class:`EvalSettings`) with the keyword arguments ``given``

@@ -33,7 +33,13 @@ from captum_vit.adapters import adapt, scores_are_classes
 from captum_vit.metrics.maps import patch_maps
 from captum_vit.metrics.parallel import distributed, gather, rank_world, shard
 from captum_vit.metrics.results import MetricResult
-from captum_vit.metrics.settings import AUTOCAST, EXPLAINED, EvalSettings, settings_from
+from captum_vit.metrics.settings import (
+    AUTOCAST,
+    EXPLAINED,
+    EvalSettings,
+    forward_batch_of,
+    settings_from,
+)
 from captum_vit.metrics.table import (
     DERIVED,
     METRICS,
@@ -105,12 +111,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
         >>> list(cols)
         ['deletion', 'insertion', 'insertion_minus_deletion']
     """
-    if "batch_size" in deprecated:  # here it always meant the removal engine's batch
-        warnings.warn("evaluate_batch(batch_size=...) is deprecated: it is the removal "
-                      "engine's forward_batch (jobs per forward)", DeprecationWarning,
-                      stacklevel=2)
-        size = deprecated.pop("batch_size")
-        forward_batch = size if forward_batch is None else forward_batch
+    forward_batch = forward_batch_of(forward_batch, deprecated, "evaluate_batch")
     settings = settings_from(settings, deprecated, where="evaluate_batch", explain=explain,
                              removal=removal, forward_batch=forward_batch, n_steps=n_steps,
                              seed=seed)
