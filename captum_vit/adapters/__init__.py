@@ -5,7 +5,8 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 
 - :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
 - the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
-  :class:`AdapterState`, :class:`AdapterSettings`, the family adapters and
+  :class:`AdapterState`, :class:`AdapterSettings`, the family adapters (with
+  :class:`PreLogitsHeadParts` and :func:`is_torchvision_vit`) and
   :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
 - token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
@@ -106,6 +107,11 @@ from captum_vit.adapters.subsets import (
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
+from captum_vit.adapters.torchvision_vit import (
+    PreLogitsHeadParts,
+    TorchvisionViTAdapter,
+    is_torchvision_vit,
+)
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
@@ -114,6 +120,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_eva, TimmEvaAdapter),
     (is_hf_vit, HFViTAdapter),
     (is_hf_embedding, HFEmbeddingAdapter),
+    (is_torchvision_vit, TorchvisionViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
@@ -123,7 +130,9 @@ SUPPORTED = (
     "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
-    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel and SiglipModel"
+    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, and "
+    "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
+    "not conv_stem_configs)"
 )
 
 
@@ -316,10 +325,12 @@ __all__ = [
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFEmbeddingAdapter",
     "HFViTAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout", "NormParts", "Ops",
-    "PoolParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter", "TimmEvaAdapter",
-    "TimmViTAdapter", "Trace", "TraceOptions", "ValuePath", "ViTAdapter",
+    "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
+    "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
+    "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
-    "identity_rule", "image_logits", "key_padding_bias", "layer_norm_frozen_variance",
+    "identity_rule", "image_logits", "is_torchvision_vit", "key_padding_bias",
+    "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
     "probability_kind",
     "readout_alpha", "scale_gradient", "scores_are_classes", "stabilized_divide",
