@@ -129,15 +129,35 @@ def have_transformers() -> bool:
 
 needs_transformers = pytest.mark.skipif(not have_transformers(),
                                         reason="the hf extra (transformers) is not installed")
+# torchvision's VisionTransformer (optional: torchvision is not a dependency): name ->
+# (constructor overrides, input size (H, W)); the size is fixed by image_size.
+TORCHVISION_FAMILIES: dict[str, tuple[dict, tuple[int, int]]] = {
+    "torchvision": ({}, (32, 32)),
+}
+
+
+def have_torchvision() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_torchvision = pytest.mark.skipif(not have_torchvision(),
+                                       reason="torchvision is not installed")
 ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FAMILIES),
-                *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES)]
-"""Every classifier family (timm ViT, other timm families, then Hugging Face)."""
+                *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES), *TORCHVISION_FAMILIES]
+"""Every classifier family (timm ViT, other timm families, Hugging Face, torchvision)."""
 EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES]
 """Every family that outputs an image embedding (timm head-less, then Hugging Face)."""
 
 
 def family_marks(family: str) -> tuple:
-    """pytest marks of a family: Hugging Face ones skip without transformers."""
+    """pytest marks of a family: Hugging Face ones skip without transformers, torchvision
+    ones without torchvision."""
+    if family in TORCHVISION_FAMILIES:
+        return (needs_torchvision,)
     return (needs_transformers,) if family in HF_FAMILIES else ()
 
 
@@ -154,6 +174,33 @@ def make_hf_model(family: str, *, seed: int = 0, depth: int = 3,
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg)
     return randomize_(model, seed).to(dtype).eval()
+
+
+def make_torchvision_model(family: str = "torchvision", *, seed: int = 0, depth: int = 3,
+                           dtype: torch.dtype = torch.float64, num_classes: int = 5,
+                           **overrides) -> nn.Module:
+    """A small random torchvision ``VisionTransformer`` of ``family``
+    (TORCHVISION_FAMILIES; 32x32 inputs, patch 8, width 16, 2 heads), eval mode.
+    ``overrides`` go to the constructor (e.g. ``representation_size=7``)."""
+    from torchvision.models import VisionTransformer as TorchvisionViT
+
+    extra, (size, _) = TORCHVISION_FAMILIES[family]
+    kwargs = dict(image_size=size, patch_size=8, num_layers=depth, num_heads=2,
+                  hidden_dim=16, mlp_dim=32, num_classes=num_classes)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = randomize_(TorchvisionViT(**kwargs), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # the names randomize_ does not know
+        for name, p in model.named_parameters():
+            if name.endswith("in_proj_weight"):  # q and k rows: sharper attention
+                p[:2 * p.shape[1]] *= 1.5
+            elif ".ln" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name in ("class_token", "encoder.pos_embedding"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model.to(dtype).eval()
 
 
 def randomize_(model: nn.Module, seed: int) -> nn.Module:
@@ -183,10 +230,14 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
 
 def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
                dtype: torch.dtype = torch.float64, num_classes: int = 5) -> nn.Module:
-    """A small random ViT of ``family`` (timm FAMILIES or HF_FAMILIES), eval mode."""
+    """A small random ViT of ``family`` (timm FAMILIES, HF_FAMILIES or
+    TORCHVISION_FAMILIES), eval mode."""
     if family in HF_FAMILIES:
         return make_hf_model(family, seed=seed, depth=depth, dtype=dtype,
                              num_classes=num_classes)
+    if family in TORCHVISION_FAMILIES:
+        return make_torchvision_model(family, seed=seed, depth=depth, dtype=dtype,
+                                      num_classes=num_classes)
     cls, extra, size = {**FAMILIES, **OTHER_FAMILIES}[family]
     kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
                   num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
@@ -198,7 +249,7 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
 
 def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES}[family][-1]
+    h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES, **TORCHVISION_FAMILIES}[family][-1]
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, h, w, generator=g).to(dtype)
 
