@@ -133,6 +133,7 @@ needs_transformers = pytest.mark.skipif(not have_transformers(),
 # (constructor overrides, input size (H, W)); the size is fixed by image_size.
 TORCHVISION_FAMILIES: dict[str, tuple[dict, tuple[int, int]]] = {
     "torchvision": ({}, (32, 32)),
+    "torchvision_representation": ({"representation_size": 7}, (32, 32)),  # pre_logits+Tanh
 }
 
 
