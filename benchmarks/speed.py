@@ -4,7 +4,7 @@ Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
-                                    hf-dinov2|hf-clip] \
+                                    hf-dinov2|hf-clip|torchvision-vit] \
         [--batches 1 8]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -16,7 +16,8 @@ per block; ``timm-eva``: EVA-02-style ``Eva`` with RoPE and SwiGLU; ``timm-sigli
 class-token-free ViT with an attention-pool head; ``hf-vit``: Hugging Face
 ``ViTForImageClassification`` with SDPA attention; ``hf-dinov2``: Hugging Face
 ``Dinov2ForImageClassification``; ``hf-clip``: ``CLIPVisionModelWithProjection`` explained
-against one random target vector per image, the reference differentiating the cosine),
+against one random target vector per image, the reference differentiating the cosine;
+``torchvision-vit``: torchvision's ``VisionTransformer`` with ``nn.MultiheadAttention``),
 measured in the same run as the methods. Ratios are (time per call) / (reference time per
 call) at the same batch size, so they are per-image ratios too. Timings on a shared VM
 drift; compare the ratios of one run only.
@@ -158,10 +159,20 @@ def hf_clip_s16(img_size: int = 224) -> torch.nn.Module:
     return CLIPVisionModelWithProjection(cfg).eval()
 
 
+def torchvision_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as torchvision's ``VisionTransformer``
+    (``nn.MultiheadAttention`` with a packed in-projection, class token)."""
+    from torchvision.models import VisionTransformer as TorchvisionViT
+
+    torch.manual_seed(0)
+    return TorchvisionViT(image_size=img_size, patch_size=16, num_layers=12, num_heads=6,
+                          hidden_dim=384, mlp_dim=1536, num_classes=1000).eval()
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-vit": vit_s16, "timm-beit": beit_s16, "timm-eva": eva02_s16,
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
-    "hf-clip": hf_clip_s16}
+    "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16}
 
 
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
