@@ -27,7 +27,8 @@ from captum_vit.adapters import (
     probabilities,
     tokens_to_grid,
 )
-from captum_vit.targets import embedding_target, is_embedding_target
+from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.targets import as_target, embedding_target, is_embedding_target
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
@@ -36,7 +37,8 @@ AGGREGATES = ("subnetwork", "layer")
 (:mod:`captum_vit.combinators`): ``"subnetwork"`` runs the base on every sub-network
 ``f_l`` (SkipPLUS, Mehri et al. 2024, Eq. 3 literally), ``"layer"`` sums the readout rows of
 its per-block matrices ``w F_l`` (no identity)."""
-TargetLike = int | Sequence[int] | Tensor | np.ndarray | np.integer | None
+TargetLike = (int | Sequence[int] | Tensor | np.ndarray | np.integer | Target
+              | Callable[..., Tensor] | None)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -241,9 +243,10 @@ class Prepared:
     layout: Layout
     was_tuple: bool
     logits: Tensor | None = None
-    embedding: TargetHead | None = None
-    """For an embedding model: the target vectors; ``target`` then indexes them and
-    the call runs inside ``adapter.targeting(embedding)`` (:mod:`captum_vit.targets`)."""
+    embedding: TargetHead | Target | None = None
+    """For an embedding model: the target vectors; for a
+    :class:`~captum_vit.targets.Target`: the target. ``target`` then indexes its columns
+    and the call runs inside ``adapter.targeting(embedding)`` (:mod:`captum_vit.targets`)."""
 
 
 def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
@@ -277,6 +280,22 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     images, was_tuple = check_images(inputs)
     adapter.check_inputs(images)
     emb = None
+    obj = as_target(target)
+    if obj is not None:
+        if adapter.head.target is not None:
+            raise TypeError(f"target is a {type(obj).__name__}, but scores against target "
+                            "embeddings are in force (captum_vit.targets.scoring): pass the "
+                            "index of a vector, or call outside that block")
+        if predict:
+            raise TypeError("prepare(predict=True) with a Target needs it in force: call it "
+                            "inside adapter.targeting(target) with target= its index")
+        adapter.self_check(images)
+        obj.readout_layers(len(adapter.blocks))  # clear errors before any forward
+        with adapter.targeting(obj):
+            num = adapter.num_classes
+        index = obj.index(images.shape[0])
+        t = None if index is None else check_target(index, images.shape[0], num)
+        return Prepared(images, t, adapter.layout(images), was_tuple, embedding=obj)
     if adapter.embedding and adapter.head.target is None:
         emb, target = embedding_target(target, images.shape[0], adapter.num_classes, images)
         if predict:
@@ -290,6 +309,8 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
                         "integer dtype)")
     num = adapter.num_classes if emb is None else emb.vectors.shape[0]
     t = check_target(target, images.shape[0], num)
+    if adapter.score_target is not None:  # a Target in force (the metrics): its index
+        emb = adapter.score_target
     adapter.self_check(images)
     prep = Prepared(images, t, adapter.layout(images), was_tuple, embedding=emb)
     if predict:
@@ -328,12 +349,21 @@ def score_reduce(target: Tensor, score: str = "probability", dtype: torch.dtype 
     return reduce
 
 
-def gradients(scores: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+def gradients(scores: Tensor, tensors: Sequence[Tensor], *, trace: Trace | None = None,
+              retain_graph: bool | None = None) -> list[Tensor]:
     """``d s_c / d T`` for every tensor T from ONE backward pass of ``sum_b s_c(b)``.
 
     Images do not interact in a ViT, so summing over the batch gives per-image gradients.
+    With ``trace``, the same backward also gives the gradient at the states a target
+    reading token rows read (``trace.read_grad``, the readout of
+    :func:`readout_rows`).
     """
-    return list(torch.autograd.grad(scores.sum(), list(tensors)))
+    read = [z for z in (trace.read or []) if z.requires_grad] if trace is not None else []
+    grads = list(torch.autograd.grad(scores.sum(), [*tensors, *read],
+                                     retain_graph=retain_graph))
+    if read:
+        trace.read_grad = grads[len(tensors):]  # type: ignore[union-attr]
+    return grads[:len(tensors)]
 
 
 def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -> Tensor:
@@ -377,6 +407,9 @@ class ViTFront:
     """
 
     adapter: ViTAdapter
+    sums_subnetworks: bool = False
+    """Whether the method sums maps over sub-networks ``f_l`` that end at the model's
+    output (PLUS, SkipPLUS, FullGrad+): it refuses targets reading block outputs."""
 
     def __init__(self, model: nn.Module) -> None:
         self.adapter = adapt(model)
@@ -391,15 +424,81 @@ class ViTFront:
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
         check_choice("output", output, OUTPUTS)
         p = prepare(self.adapter, inputs, target)
-        # Captum's NoiseTunnel / sensitivity_max may call under no_grad
-        with torch.enable_grad(), self.adapter.targeting(p.embedding):
-            maps = self._token_maps(p.images, p.target, **kwargs).detach()
-        maps = maps.to(accumulation_dtype(p.images))
-        out = format_output(maps[:, p.layout.num_prefix:], p.layout, p.images, output)
+        obj = p.embedding if isinstance(p.embedding, Target) else None
+        layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
+        if layers is not None and self.sums_subnetworks:
+            raise ValueError(f"{type(self).__name__} sums maps of the sub-networks that end "
+                             f"at the model's output; {type(obj).__name__} reads block "
+                             f"outputs {list(layers)}: explain it with the base method "
+                             "alone")
+        if layers is not None and len(layers) > 1 and not isinstance(
+                self, PerturbationAttribution):
+            patches = self._block_sum(p, obj, layers, kwargs)
+        else:
+            # Captum's NoiseTunnel / sensitivity_max may call under no_grad
+            with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
+                maps = self._token_maps(p.images, p.target, **kwargs).detach()
+            patches = maps.to(accumulation_dtype(p.images))[:, p.layout.num_prefix:]
+        out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out
+
+    def _block_sum(self, p: Prepared, target: Target, layers: tuple[int, ...],
+                   kwargs: dict[str, Any]) -> Tensor:
+        r"""A target reading several block outputs (SPEC_REACH §10.2): the sum over the
+        read blocks ``l`` of the method's map for the single-block score
+        ``⟨x_l, g_l⟩``, ``g_l = ∂s/∂x_l`` the score's own gradient at that block's output
+        (the partial derivative, the other read blocks held fixed). By the chain rule the
+        gradient of ``s`` w.r.t. anything before the blocks is the sum of these scores',
+        so a method linear in the score's gradient (gradients, IxG, LRP) gives its map of
+        ``s`` itself; a matrix method gets ``Σ_l w^{(l)ᵀ} C_l``."""
+        if kwargs.get("score", "logit") != "logit":
+            raise ValueError("a target reading several blocks is explained through each "
+                             "block's gradient of its score: use score='logit'")
+        ad, images = self.adapter, p.images
+        with torch.no_grad(), ad.targeting(target, grid=p.layout.grid):
+            ad.run(ad.embed(images))
+            states = {l: ad.state.settings.hidden[l] for l in layers}
+        with torch.enable_grad():
+            leaves = {l: v.detach().requires_grad_() for l, v in states.items()}
+            out = Outputs(hidden=leaves, num_prefix=ad.num_prefix, grid=p.layout.grid,
+                          num_blocks=len(ad.blocks))
+            cols = target.columns(out)
+            index = cols.detach().argmax(-1) if p.target is None else p.target.to(cols.device)
+            grads = torch.autograd.grad(cols.gather(1, index[:, None]).sum(),
+                                        [leaves[l] for l in layers], allow_unused=True,
+                                        materialize_grads=True)
+        total: Tensor | None = None
+        for l, g in zip(layers, grads, strict=True):
+            part = self._attribute(images, _BlockGradient(l, g.detach(), target.rows),
+                                   "tokens", **kwargs)
+            total = part if total is None else total + part
+        assert total is not None
+        return total
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
         raise NotImplementedError  # pragma: no cover
+
+
+class _BlockGradient(Target):
+    """``⟨x_l, g⟩`` per image: one read block of a several-block target, linearised at
+    its gradient (:meth:`ViTFront._block_sum`); one column per image."""
+
+    reads_tokens = True
+
+    def __init__(self, layer: int, grad: Tensor, rows: tuple[int, ...] | None) -> None:
+        self.blocks = (layer,)
+        self.grad = grad
+        self.rows = rows
+
+    def num_columns(self, num_classes: int) -> int:
+        return self.grad.shape[0]
+
+    def index(self, batch: int) -> Tensor:
+        return per_image(torch.arange(self.grad.shape[0]), batch, "the read blocks' gradients")
+
+    def columns(self, out: Outputs) -> Tensor:
+        x = out.hidden[self.blocks[0]]
+        return torch.einsum("nid,bid->nb", x, self.grad.to(x.dtype))
 
 
 class ViTGradientAttribution(ViTFront, GradientAttribution):
@@ -415,7 +514,7 @@ def gradients_with_pool(tr: Trace, scores: Tensor, tensors: Sequence[Tensor]
     """:func:`gradients` w.r.t. ``tensors`` and, for an attention-pool head, w.r.t. the
     pool's probabilities ``A_p`` (``None`` otherwise), all from one backward pass."""
     pool = [] if tr.pool_attn is None else [tr.pool_attn]
-    grads = gradients(scores, [*tensors, *pool])
+    grads = gradients(scores, [*tensors, *pool], trace=tr)
     return grads[:len(tensors)], (grads[-1] if pool else None)
 
 
@@ -446,6 +545,8 @@ def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
     """
     x0 = tr.x0
     dt = dtype or x0.dtype
+    if tr.layout.readout == "rows":
+        return _read_rows(tr, dt)
     if tr.readout_alpha is not None:  # w = α e_0 + (1 − α) u_P, α per image and class
         if target is None:
             raise ValueError("alpha='logit' needs the explained class of each image")
@@ -462,6 +563,34 @@ def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
     if pool_grad is not None:
         a = (pool_grad.to(dt) * a).clamp(min=0)
     return a.mean(1)[:, 0]
+
+
+def _read_rows(tr: Trace, dt: torch.dtype) -> Tensor:
+    r"""Readout weights of a target that reads token rows ``z`` (SPEC_REACH §10.2; our
+    choice): with the score's gradient (gradient-weighted methods, after
+    :func:`gradients_with_pool`) the positive input×gradient relevance of each row,
+    :math:`w_i = \mathrm{ReLU}(⟨z_i, ∂s/∂z_i⟩) / \sum_j \mathrm{ReLU}(⟨z_j, ∂s/∂z_j⟩)`
+    (the LRP initialisation at the read layer; a score read from the class token alone
+    gives :math:`e_{CLS}`); where no row is positive, :math:`|⟨z_i, ∂s/∂z_i⟩|` normalised
+    (so that a negative class-token score still reads the class token). Without the
+    gradient (gradient-free methods): uniform over the target's ``rows`` (default the
+    patch rows)."""
+    x0 = tr.x0
+    n = x0.shape[1]
+    uniform = tr.layout.readout_weights(n, dtype=dt, device=x0.device).expand(x0.shape[0], -1)
+    if tr.read is None or tr.read_grad is None:
+        return uniform
+    r = sum((z.detach().to(dt) * g.to(dt)).sum(-1) for z, g in
+            zip(tr.read, tr.read_grad, strict=True))
+    if r.shape[1] != n:  # the target read fewer rows than the trace has
+        r = torch.nn.functional.pad(r, (0, n - r.shape[1]))
+    w = r.clamp(min=0)
+    tot = w.sum(-1, keepdim=True)
+    none = tot == 0
+    if none.any():
+        w = torch.where(none, r.abs(), w)
+        tot = w.sum(-1, keepdim=True)
+    return torch.where(tot > 0, w / tot.clamp_min(torch.finfo(dt).tiny), uniform)
 
 
 def readout(weights: Tensor, rows: Tensor) -> Tensor:

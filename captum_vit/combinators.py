@@ -165,6 +165,8 @@ class PLUS(ViTGradientAttribution):
         ...                                                     n_steps=16)
     """
 
+    sums_subnetworks = True
+
     def __init__(self, model: nn.Module, base: BaseLike, *,
                  layers: Iterable[int] | None = None, aggregate: str = "subnetwork",
                  fast: bool = True) -> None:

@@ -52,6 +52,7 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,7 +64,7 @@ from captum_vit._text import count_noun
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import FusedOps, HeadsOps, Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts, Heads, PoolParts, _detached
-from captum_vit.adapters.scoring import TargetHead, probability_kind
+from captum_vit.adapters.scoring import Outputs, Target, TargetHead, probability_kind
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
 
@@ -88,17 +89,24 @@ class AdapterSettings:
     """The per-model settings in force in the current context (:class:`AdapterState`).
 
     Attributes:
-        target (TargetHead or None): target embeddings the outputs are scored against
-            (:meth:`ViTAdapter.targeting`); ``None`` = the model's own output.
+        target (TargetHead, Target or None): target embeddings the outputs are scored
+            against, or a :class:`~captum_vit.adapters.scoring.Target` whose columns
+            the outputs are (:meth:`ViTAdapter.targeting`); ``None`` = the model's own
+            output.
         alpha (float or str): the ``"cls_mean"`` readout's CLS share ``α``
             (:meth:`ViTAdapter.with_cls_alpha`).
         frozen (bool): inside a gradient trace, the blocks and the head run on detached
             views of the model's parameters (:meth:`ViTAdapter.trace` with ``grad``).
     """
 
-    target: TargetHead | None = None
+    target: TargetHead | Target | None = None
     alpha: float | str = 0.5
     frozen: bool = False
+    hidden: dict[int, Any] | None = None
+    """A target reading several blocks: the block outputs ``x_l`` of the current
+    forward it reads, filled by :meth:`ViTAdapter.block`."""
+    grid: tuple[int, int] | None = None
+    """The patch grid of the images explained under a target (its :class:`Outputs`)."""
 
 
 class AdapterState:
@@ -301,8 +309,11 @@ class ViTAdapter(abc.ABC):
     def model_logits(self, inputs: Tensor) -> Tensor:
         """:meth:`model_outputs`, scored against the target embeddings inside
         :meth:`targeting`."""
+        target = self.state.settings.target
+        if isinstance(target, Target):  # the target reads what only our forward has
+            return self.run(self.embed(inputs))
         out = self.model_outputs(inputs)
-        return out if self.head.target is None else self.head.target.scores(out)
+        return out if target is None else target.scores(out)
 
     @property
     def head(self) -> HeadParts:
@@ -311,6 +322,19 @@ class ViTAdapter(abc.ABC):
         base = self._head_parts
         target = self.state.settings.target
         return base if target is None else dataclasses.replace(base, target=target)
+
+    @property
+    def score_target(self) -> Target | None:
+        """The :class:`~captum_vit.adapters.scoring.Target` in force for this model
+        (:meth:`targeting`), ``None`` for the model's own output or target embeddings."""
+        target = self.state.settings.target
+        return target if isinstance(target, Target) else None
+
+    def read_layers(self) -> tuple[int, ...] | None:
+        """The block outputs the target in force reads (sorted, in ``[1, L]``), ``None``
+        when it reads the model's output."""
+        target = self.score_target
+        return None if target is None else target.readout_layers(len(self.blocks))
 
     @head.setter
     def head(self, value: HeadParts) -> None:
@@ -344,16 +368,26 @@ class ViTAdapter(abc.ABC):
             yield
 
     @contextlib.contextmanager
-    def targeting(self, target: TargetHead | None) -> Iterator[None]:
+    def targeting(self, target: TargetHead | Target | None, *,
+                  grid: tuple[int, int] | None = None) -> Iterator[None]:
         """Within the block the outputs (:meth:`logits`, :meth:`model_logits`) of every
-        adapter of this model are the scores against ``target`` [B, T] (``None``:
-        unchanged). Nested calls replace the target; the previous one is restored on exit.
-        The setting lives in a context variable, so threads and other models are not
-        affected."""
+        adapter of this model are the scores against ``target`` [B, T], or the columns
+        ``[B, K]`` of a :class:`~captum_vit.adapters.scoring.Target` (``None``:
+        unchanged). A target reading block outputs ``x_l`` (``Target.blocks``) also makes
+        the model end at its last read block (:attr:`num_blocks`): later blocks do not
+        reach its score. Nested calls replace the target; the previous one is restored on
+        exit. The setting lives in a context variable, so threads and other models are not
+        affected. ``grid``: the patch grid of the images (what a target's
+        :class:`~captum_vit.adapters.scoring.Outputs` report; default square)."""
         if target is None:
             yield
             return
-        with probability_kind(target.probability), self.state.override(target=target):
+        changes: dict[str, Any] = {"target": target, "grid": grid}
+        if isinstance(target, Target):
+            layers = target.readout_layers(len(self.blocks))
+            changes["hidden"] = (dict.fromkeys(layers) if layers is not None
+                                 and len(layers) > 1 else None)
+        with probability_kind(target.probability), self.state.override(**changes):
             yield
 
     # -- what the model is -------------------------------------------------------------------
@@ -363,6 +397,9 @@ class ViTAdapter(abc.ABC):
         tokens for a class-token (or distilled) readout, ``None`` when they read the
         patch rows too (average pooling, CLS+mean, an attention pool)."""
         h = self.head
+        target = self.score_target
+        if target is not None and (target.reads_tokens or target.blocks is not None):
+            return None
         if h.attn_pool is not None or not all(isinstance(row, int) for row, _, _ in h.heads):
             return None
         return max(row for row, _, _ in h.heads) + 1
@@ -379,11 +416,12 @@ class ViTAdapter(abc.ABC):
     def num_classes(self) -> int:
         """Number of scores: classes (rows of the classifier head), the embedding size of
         a head-less model, or the number ``T`` of target embeddings in force."""
-        head = self.head
-        if head.target is not None:
-            return int(head.target.vectors.shape[0])
-        weight = head.heads[0][1]
-        return int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
+        weight = self.head.heads[0][1]
+        own = int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
+        target = self.state.settings.target
+        if isinstance(target, Target):
+            return target.num_columns(own)
+        return own if target is None else target.num_columns
 
     @property
     def dtype(self) -> torch.dtype:
@@ -393,7 +431,10 @@ class ViTAdapter(abc.ABC):
     # -- canonical forward ----------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """``L``; inside :meth:`targeting` with a target reading block outputs, the last
+        block it reads (the blocks after it do not reach the score)."""
+        layers = self.read_layers()
+        return len(self.blocks) if layers is None else layers[-1]
 
     def block(self, x: Any, l: int, ops: Ops, record: list[BlockRecord] | None = None, *,
               attention_only: bool = False, rows: int | None = None) -> Any:
@@ -439,6 +480,9 @@ class ViTAdapter(abc.ABC):
         if p.ls2 is not None:
             f = ops.scale(f, p.ls2)
         out = ops.add(mid, f)
+        hidden = self.state.settings.hidden
+        if hidden is not None and l + 1 in hidden:  # a target reading several blocks
+            hidden[l + 1] = out
         if record is not None:
             v = ops.value
             record.append(BlockRecord(v(x), v(u), None if heads is not None else attn, v(a),
@@ -491,11 +535,78 @@ class ViTAdapter(abc.ABC):
         return self._head_logits(x, ops, record, h)
 
     def _head_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts) -> Any:
-        """Final norm, pooling and head(s) of ``h`` on the token states ``x``."""
+        """Final norm, pooling and head(s) of ``h`` on the token states ``x`` (the
+        columns of the :class:`~captum_vit.adapters.scoring.Target` in force)."""
+        target = self.score_target
+        if target is not None:
+            return self._target_columns(x, ops, record, h, target)
+        return self._own_logits(x, ops, record, h)[0]
+
+    def _target_columns(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts,
+                        target: Target) -> Any:
+        """The target's columns ``[n, K]`` on the last state ``x`` (SPEC_REACH §10.1).
+
+        The target runs on plain tensors (its own code). Under a rule set whose values
+        are not tensors (DecompX's decomposition) a token-reading target is linearised at
+        the states it reads, ``Σ_i ⟨z_i, ∂s/∂z_i⟩`` per column (SPEC_REACH §10.2: the
+        decomposition is complete through the target only where it is linear)."""
+        layers = target.readout_layers(len(self.blocks))
+        lay = self._outputs_layout(x)
+        if layers is not None:
+            stash = self.state.settings.hidden
+            hidden = {l: (stash.get(l) if stash is not None and l != layers[-1] else x)
+                      for l in layers}
+            if any(v is None for v in hidden.values()):
+                raise RuntimeError(f"the forward did not pass block outputs {list(layers)} "
+                                   "this target reads (start the forward at x_0)")
+            read = [hidden[l] for l in layers]
+            out = Outputs(hidden={l: ops.value(v) for l, v in hidden.items()}, **lay)
+        else:
+            logits, tokens, pooled = self._own_logits(x, ops, record, h)
+            read = [tokens]
+            out = Outputs(logits=ops.value(logits), pooled=ops.value(pooled),
+                          tokens=ops.value(tokens), **lay)
+        if not all(ops.value(v) is v for v in read):  # decomposed values
+            return self._linearised_columns(read, out, ops, target, layers)
+        cols = target.columns(out)
+        if record is not None and (target.reads_tokens or layers is not None):
+            record.read = read
+        return cols
+
+    def _outputs_layout(self, x: Any) -> dict[str, Any]:
+        """``num_prefix`` and ``grid`` of :class:`Outputs` for the states ``x``."""
+        n = self.num_prefix
+        p = _value_shape(x)[1] - n
+        side = math.isqrt(p)
+        grid = self.state.settings.grid or ((side, side) if side * side == p else (1, p))
+        return {"num_prefix": n, "grid": grid, "num_blocks": len(self.blocks)}
+
+    def _linearised_columns(self, read: list[Any], out: Outputs, ops: Ops, target: Target,
+                            layers: tuple[int, ...] | None) -> Any:
+        """Columns of a target on decomposed states: each read state's parts contracted
+        with the gradient of the column at the real state (``Σ_i ⟨z_i, ∂s/∂z_i⟩``)."""
+        values = [ops.value(v).detach().requires_grad_() for v in read]
+        if layers is not None:
+            probe = dataclasses.replace(out, hidden=dict(zip(layers, values, strict=True)))
+        else:
+            probe = dataclasses.replace(out, tokens=values[0])
+        with torch.enable_grad():
+            cols = target.columns(probe)
+            grads = [torch.stack(g, -1) for g in zip(*(
+                torch.autograd.grad(cols[:, k].sum(), values, allow_unused=True,
+                                    retain_graph=True, materialize_grads=True)
+                for k in range(cols.shape[1])), strict=True)]  # [n, N, D, K] per state
+        return functools.reduce(ops.add, [ops.contract(v, g) for v, g in
+                                          zip(read, grads, strict=True)])
+
+    def _own_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts
+                    ) -> tuple[Any, Any, Any]:
+        """(logits, final-normed tokens, pooled vector) of the model's own head ``h``."""
         if self.state.settings.frozen:
             h = _detached(h)
         if h.norm is not None:
             x = ops.norm(x, h.norm)
+        tokens = x
         pooled = None
         if h.attn_pool is not None:
             pooled, probs = self._attention_pool(x, h.attn_pool, ops)
@@ -514,11 +625,12 @@ class ViTAdapter(abc.ABC):
                              for z, (_, w, _) in zip(zs, h.heads, strict=True))
                 record.readout_alpha = cls / (cls + mean).clamp_min(torch.finfo(cls.dtype).tiny)
         out = functools.reduce(ops.add, outs) if h.combine == "sum" else ops.mean(outs)
-        if h.target is None:
-            return out
+        pooled = zs[0] if len(zs) == 1 else ops.concat(zs)
+        if h.target is None or isinstance(h.target, Target):
+            return out, tokens, pooled
         if h.target.cosine:
             out = ops.normalize(out)
-        return ops.linear(out, h.target.weight(), h.target.bias_vector())
+        return ops.linear(out, h.target.weight(), h.target.bias_vector()), tokens, pooled
 
     @staticmethod
     def _attention_pool(x: Any, p: PoolParts, ops: Ops) -> tuple[Any, Tensor | None]:
@@ -569,10 +681,25 @@ class ViTAdapter(abc.ABC):
             x = self.block(x, l, ops, rows=rows if l == L - 1 else None)
         return self.logits(x, ops) if stop == L else x
 
+    def check_token_removal(self) -> None:
+        """Refuse true token removal under a target that reads token rows: removing
+        tokens changes the rows it reads (SPEC_REACH §10.2).
+
+        Raises:
+            ValueError: naming the target and the pixel removal that serves it.
+        """
+        target = self.score_target
+        if target is not None and (target.reads_tokens or target.blocks is not None):
+            raise ValueError(
+                f"{type(target).__name__} reads token rows, and true token removal changes "
+                "the rows it reads: remove pixels instead (the metrics: removal='mean', "
+                "'black' or 'blur'; TIS: use RISE or ViT-CX, which mask pixels)")
+
     def select_tokens(self, x: Tensor, keep: Tensor, *, with_positions: bool = False
                       ) -> Tensor | tuple[Tensor, Tensor]:
         """Prefix tokens plus the kept patch tokens of ``x`` [B, N, D] (and, with
         ``with_positions``, their original token indices [B, n])."""
+        self.check_token_removal()
         k = self.num_prefix
         b, n, d = x.shape
         if keep.dtype == torch.bool:
@@ -642,10 +769,10 @@ class ViTAdapter(abc.ABC):
         with torch.set_grad_enabled(grad):
             if x is None:
                 assert inputs is not None
-                layout = self.layout(inputs)
+                layout = self.target_layout(self.layout(inputs))
                 x = self.embed(inputs)
             else:
-                layout = self._layout_of_tokens(x, inputs)
+                layout = self.target_layout(self._layout_of_tokens(x, inputs))
             if grad and not x.requires_grad:
                 x = x.detach().requires_grad_()
             tr = Trace(layout=layout, x0=x, start=start)
@@ -663,6 +790,18 @@ class ViTAdapter(abc.ABC):
             if o.logits:
                 tr.logits = self.logits(h, ops, tr)
         return tr
+
+    def target_layout(self, layout: Layout) -> Layout:
+        """``layout`` under the target in force: a target reading token rows through
+        code of its own reads out ``"rows"`` (SPEC_REACH §10.2)."""
+        target = self.score_target
+        if target is None or not (target.reads_tokens or target.blocks is not None):
+            return layout
+        rows = None if target.rows is None else tuple(int(r) for r in target.rows)
+        if rows is not None and (not rows or not all(0 <= r < layout.num_tokens for r in rows)):
+            raise ValueError(f"{type(target).__name__}.rows must be token rows in [0, "
+                             f"{layout.num_tokens}), got {list(target.rows or ())}")
+        return dataclasses.replace(layout, readout="rows", rows=rows)
 
     def _layout_of_tokens(self, x: Tensor, inputs: Tensor | None) -> Layout:
         if inputs is not None:
@@ -702,3 +841,7 @@ class ViTAdapter(abc.ABC):
             )
         checked.add(key)
 
+
+def _value_shape(x: Any) -> torch.Size:
+    """The shape of a forward value (a tensor, or a rule set's value with ``real``)."""
+    return x.shape if isinstance(x, Tensor) else x.real.shape

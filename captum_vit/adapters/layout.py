@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-READOUTS = ("token", "avg", "distilled", "cls_mean", "map")
+READOUTS = ("token", "avg", "distilled", "cls_mean", "map", "rows")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ class Layout:
             (DINOv2's classifier on ``[row 0 ; mean of the patch rows]``; maps read
             ``w = α e_0 + (1 − α) u_P``, see ``alpha``) or ``"map"`` (an attention-pool
             head, :class:`PoolParts`: the weights come from the pool's attention of each
-            image, :func:`captum_vit._base.readout_rows`).
+            image, :func:`captum_vit._base.readout_rows`) or ``"rows"`` (a target that
+            reads token rows through code of its own, SPEC_REACH §10.2: uniform over
+            ``rows`` for the gradient-free methods, the rows' input×gradient relevance
+            for the others).
         num_blocks (int): ``L``.
         num_heads (int): ``H``.
         image_size (tuple[int, int]): ``(H, W)`` of the input images.
@@ -65,6 +68,8 @@ class Layout:
     num_heads: int
     image_size: tuple[int, int]
     alpha: float | str = 0.5
+    rows: tuple[int, ...] | None = None
+    """The ``"rows"`` readout's rows (``None``: the patch rows)."""
 
     @classmethod
     def of_tokens(cls, num_tokens: int, num_prefix: int, readout: str, num_blocks: int,
@@ -112,6 +117,10 @@ class Layout:
                              "head, or alpha='logit'): use captum_vit._base.readout_rows")
         n = self.num_tokens if num_tokens is None else num_tokens
         w = torch.zeros(n, dtype=dtype, device=device)
+        if self.readout == "rows":
+            rows = list(range(self.num_prefix, n)) if self.rows is None else list(self.rows)
+            w[rows] = 1.0 / len(rows)
+            return w
         if self.readout in ("avg", "cls_mean"):
             w[self.num_prefix:] = 1.0 / (n - self.num_prefix)
         if self.readout == "cls_mean":

@@ -181,6 +181,16 @@ class Ops:
     def mean(self, xs: Sequence[Any]) -> Any:
         return xs[0] if len(xs) == 1 else sum(xs[1:], xs[0]) / len(xs)
 
+    def concat(self, xs: Sequence[Any]) -> Any:
+        """Pooled parts side by side (DINOv2's ``[CLS ; mean]``), last dimension."""
+        return xs[0] if len(xs) == 1 else torch.cat(list(xs), -1)
+
+    def contract(self, x: Any, g: Tensor) -> Any:
+        """``Σ_{i,d} x[b, i, d] g[b, i, d, k]``: token states ``[B, N, D]`` against
+        per-column weights ``[B, N, D, K]`` -> ``[B, K]`` (a target linearised at the
+        states it reads, :meth:`~captum_vit.adapters.ViTAdapter.logits`)."""
+        return torch.einsum("bnd,bndk->bk", x, g.to(x.dtype))
+
     def value(self, x: Any) -> Tensor:
         """The real tensor behind a value of these ops."""
         return x

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -109,3 +110,157 @@ class TargetHead:
             e = e / e.norm(dim=-1, keepdim=True)
         return F.linear(e, self.weight(), self.bias_vector())
 
+
+    @property
+    def num_columns(self) -> int:
+        """``T``: the number of target vectors (scores per image)."""
+        return int(self.vectors.shape[0])
+
+
+@dataclass
+class Outputs:
+    r"""What a :class:`Target` may read of one forward pass (SPEC_REACH §10.1), built by
+    the adapter from its canonical forward; a target never touches the model's modules.
+
+    Attributes:
+        logits (Tensor or None): the model's output ``[n, classes]`` (the image embedding
+            ``[n, D′]`` of a model without a classifier); ``None`` when the target reads
+            intermediate blocks only.
+        pooled (Tensor or None): the readout vector before the classifier ``[n, D]`` (the
+            class token after the final norm, the patch mean, the attention pool's
+            output, ...; for several pooled parts, e.g. DINOv2's ``[CLS ; mean]``, their
+            concatenation).
+        tokens (Tensor or None): the final-normed token states ``[n, N, D]``, the rows the
+            model's own head sees (prefix rows first, then the patches row by row).
+        hidden (dict[int, Tensor]): ``x_l`` ``[n, N, D]`` (the output of block ``l-1``,
+            before any final norm; ``x_0`` the embedding) for every ``l`` of the
+            target's ``blocks``.
+        num_prefix (int): the prefix rows (class token, distillation token, registers,
+            detection tokens) before the patches.
+        grid (tuple of int): the patch grid ``(gh, gw)``.
+        num_blocks (int): the model's ``L`` (negative block indices count from it).
+        extra (dict): what a family adds (YOLOS: ``"boxes"``, per-detection logits).
+    """
+
+    logits: Tensor | None = None
+    pooled: Tensor | None = None
+    tokens: Tensor | None = None
+    hidden: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    num_prefix: int = 0
+    grid: tuple[int, int] = (0, 0)
+    num_blocks: int = 0
+    extra: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def patches(self, states: Tensor | None = None) -> Tensor:
+        """The patch rows of ``states`` (default :attr:`tokens`) on the grid:
+        ``[n, D, gh, gw]`` (channels first, as a segmentation head takes them)."""
+        x = self.tokens if states is None else states
+        if x is None:
+            raise ValueError("this target reads intermediate blocks: pass the states, e.g. "
+                             "out.patches(out.hidden[l])")
+        gh, gw = self.grid
+        p = x[:, self.num_prefix:self.num_prefix + gh * gw]
+        return p.transpose(1, 2).reshape(x.shape[0], x.shape[-1], gh, gw)
+
+
+class Target:
+    r"""The target protocol: any differentiable scalar of the model, per image
+    (SPEC_REACH §10.1). Subclass it, or pass a plain callable ``f(logits) -> [B]``.
+
+    A target computes ``K`` candidate scores per forward row (:meth:`columns`) and picks
+    one column per image (:meth:`index`): a class per image is a column of the logits,
+    a per-image parameter (a contrast pair, a mask) becomes one column per parameter.
+    The perturbation methods and the removal metrics score many perturbed copies of
+    each image in one forward, so a row's per-image parameters come from its column,
+    never from its position in the batch. A target without per-image parameters has
+    one column (the default :meth:`index`: column 0).
+
+    Class attributes a subclass may set:
+
+    - ``blocks`` (tuple of int or None): the block outputs ``x_l`` the score reads
+      (``l`` in ``[1, L]``; negative counts from the end as in Hugging Face's
+      ``hidden_states``, ``-1`` = ``x_L``); ``None`` = the model's output.
+    - ``reads_tokens`` (bool): the score reads token rows through code of its own (not
+      only the model's logits): the matrix methods then weigh the rows by §10.2's rule,
+      and true token removal is refused.
+    - ``rows`` (sequence of int, or None): the rows the score reads, for the gradient-
+      free matrix methods' uniform weights (default: the patch rows).
+    - ``probability`` (str): ``"softmax"`` (the columns compete like classes) or
+      ``"sigmoid"`` (independent scores, the default): what ``score="probability"`` of
+      a method means.
+
+    Examples::
+
+        >>> class CenterFeature(Target):          # feature 3 of the centre patch
+        ...     reads_tokens = True
+        ...     def columns(self, out):
+        ...         gh, gw = out.grid
+        ...         return out.patches()[:, 3, gh // 2, gw // 2][:, None]
+        >>> GAE(model).attribute(images, target=CenterFeature())
+    """
+
+    blocks: tuple[int, ...] | None = None
+    reads_tokens: bool = False
+    rows: tuple[int, ...] | None = None
+    probability: str = "sigmoid"
+    classes: bool = False
+    """Whether the columns are the model's classes (an arg-max is a prediction)."""
+
+    def columns(self, out: Outputs) -> Tensor:
+        """``[n, K]`` candidate scores of ``n`` forward rows (default: :meth:`score` as
+        one column)."""
+        return self.score(out)[:, None]
+
+    def score(self, out: Outputs) -> Tensor:
+        """``[n]``: the score of every row (override this or :meth:`columns`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define score(out) or "
+                                  "columns(out)")
+
+    def num_columns(self, num_classes: int) -> int:
+        """``K`` (``num_classes``: the model's number of outputs)."""
+        return 1
+
+    def index(self, batch: int) -> Tensor | None:
+        """The column of each of ``batch`` images ``[batch]`` (int64, CPU); ``None``: the
+        highest-scoring column (a prediction)."""
+        return torch.zeros(batch, dtype=torch.long)
+
+    def readout_layers(self, num_blocks: int) -> tuple[int, ...] | None:
+        """:attr:`blocks` as sorted indices in ``[1, L]`` (``None``: the output)."""
+        if self.blocks is None:
+            return None
+        out = set()
+        for l in self.blocks:
+            if isinstance(l, bool) or not isinstance(l, int):
+                raise TypeError(f"{type(self).__name__}.blocks must be ints (block "
+                                f"outputs x_l), got {l!r}")
+            k = l + num_blocks + 1 if l < 0 else l
+            if not 1 <= k <= num_blocks:
+                raise ValueError(f"{type(self).__name__}.blocks: {l} is not a block output "
+                                 f"of this {num_blocks}-block model (x_1 .. x_{num_blocks}, "
+                                 f"or -1 .. -{num_blocks}; x_0 is the embedding, which no "
+                                 "block explains)")
+            out.add(k)
+        if not out:
+            raise ValueError(f"{type(self).__name__}.blocks is empty; use None for the "
+                             "model's output")
+        return tuple(sorted(out))
+
+
+def per_image(values: Tensor, batch: int, name: str) -> Tensor:
+    """``values`` ``[B, ...]`` for a batch of ``batch = k·B`` images: each entry repeated
+    ``k`` times in place (``repeat_interleave``, as Captum expands targets for
+    ``NoiseTunnel``); a single entry serves every image.
+
+    Raises:
+        ValueError: ``batch`` is not a multiple of the entries.
+    """
+    n = values.shape[0]
+    if n == batch:
+        return values
+    if n == 1:
+        return values.expand(batch, *values.shape[1:])
+    if n == 0 or batch % n:
+        raise ValueError(f"{name} has {n} entries for a batch of {batch} images: give one "
+                         "per image or one for all")
+    return values.repeat_interleave(batch // n, dim=0)

@@ -123,6 +123,15 @@ class SubnetworkAdapter(ViTAdapter):
     def blocks(self) -> list[BlockParts]:  # type: ignore[override]
         return self.base.blocks[self.start:self.stop]
 
+    @property
+    def num_blocks(self) -> int:
+        return self.stop - self.start
+
+    def read_layers(self) -> tuple[int, ...] | None:
+        """A view's head is the model's (:meth:`logits`): the model adapter ends its
+        forward where the target in force reads."""
+        return None
+
     def refresh(self) -> None:
         self.base.refresh()
 

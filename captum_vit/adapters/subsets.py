@@ -292,6 +292,7 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
     b, n, d = x0.shape
     k = adapter.num_prefix
+    adapter.check_token_removal()
     keep = _check_keep(keep, b, n - k).to(x0.device)
     if full_logits is not None and (full_logits.dim() != 2 or full_logits.shape[0] != b):
         raise ValueError(f"full_logits must be [B, classes] with B={b}, got "

@@ -51,6 +51,12 @@ class Trace:
     readout_alpha: Tensor | None = None
     """``"cls_mean"`` readout with ``alpha="logit"``: the CLS share ``α`` [B, classes] of
     every class's logit (:func:`readout_alpha`), a constant of the readout."""
+    read: list[Tensor] | None = None
+    """A target reading token rows (:class:`~captum_vit.adapters.scoring.Target`): the
+    states ``z`` it read, in the graph (the final-normed tokens, or ``x_l``), for the
+    readout weights of SPEC_REACH §10.2."""
+    read_grad: list[Tensor] | None = None
+    """``∂s/∂z`` of :attr:`read` (set by :func:`captum_vit._base.gradients_with_pool`)."""
 
     @property
     def states(self) -> list[Tensor]:

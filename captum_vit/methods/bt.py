@@ -284,7 +284,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
             grads, pool_grad = gradients_with_pool(tr, scores, [attns[k] for k in need])
             grad_of = dict(zip(need, grads, strict=True))
         else:  # R needs no gradient: only ∇A_{L-1} (a backward through the last block)
-            (g,) = gradients(scores, [attns[-1]])
+            (g,) = gradients(scores, [attns[-1]], trace=tr)
             grad_of, pool_grad = {L - 1: g}, None
         feedback = reasoning_feedback(ad, inputs, t, n_steps=n, score=score,
                                       internal_batch_size=ibs, grad_at_input=grad_of[L - 1])

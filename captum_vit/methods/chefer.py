@@ -30,6 +30,7 @@ from captum_vit._base import (
     accumulation_dtype,
     check_choice,
     check_layer,
+    gradients,
     readout,
     readout_rows,
     resolve_target,
@@ -74,8 +75,7 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
         if pool:
             wrt.append(tr.pool_attn)
         ops.mode.lrp = False  # the true gradient through the same graph
-        grads = torch.autograd.grad(target_scores(logits, t, score).sum(), wrt,
-                                    retain_graph=True)
+        grads = gradients(target_scores(logits, t, score), wrt, trace=tr, retain_graph=True)
         ops.mode.lrp = True
         onehot = torch.zeros_like(logits).scatter_(1, t.to(logits.device)[:, None], 1.0)
         # relevance as gradient: the head's relevance y ⊙ g̃ is the one-hot vector

@@ -160,6 +160,16 @@ class DecompositionOps(Ops):
         return Decomposed(super().mean([x.real for x in xs]),
                           super().mean([x.parts for x in xs]), xs[0].has_bias)
 
+    def concat(self, xs: Sequence[Decomposed]) -> Decomposed:
+        return Decomposed(super().concat([x.real for x in xs]),
+                          super().concat([x.parts for x in xs]), xs[0].has_bias)
+
+    def contract(self, x: Decomposed, g: Tensor) -> Decomposed:
+        # a target linearised at the states it reads: every source against the gradient
+        return Decomposed(super().contract(x.real, g),
+                          torch.einsum("bsnd,bndk->bsk", x.parts, g.to(x.parts.dtype)),
+                          x.has_bias)
+
     def value(self, x: Decomposed) -> Tensor:
         return x.real
 

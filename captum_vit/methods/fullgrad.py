@@ -97,6 +97,8 @@ class FullGradPlus(ScoredAttribution):
         head_biases (bool, optional): also count the final norm's shift. Default False.
     """
 
+    sums_subnetworks = True
+
     def __init__(self, model: nn.Module, skip: bool = False, *,
                  layers: Iterable[int] | None = None, head_biases: bool = False) -> None:
         super().__init__(model)

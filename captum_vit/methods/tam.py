@@ -201,7 +201,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         tr = ad.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         last = tr.blocks[-1].attn
-        (g,) = gradients(target_scores(tr.logits, t, score), [last])  # last block only
+        (g,) = gradients(target_scores(tr.logits, t, score), [last], trace=tr)  # last block
         if integ:
             feedback = reasoning_feedback(ad, inputs, t, n_steps=n, score=score,
                                           internal_batch_size=ibs, grad_at_input=g)

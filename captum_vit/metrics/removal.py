@@ -56,7 +56,7 @@ from captum_vit.adapters import Layout, ViTAdapter, adapt, grid_to_pixels, subse
 from captum_vit.adapters.subsets import image_logits
 from captum_vit.metrics.maps import PIXEL_REDUCES, AttributionLike, patch_maps, ranking
 from captum_vit.metrics.settings import REMOVALS, Fill, Removal, forward_batch_of
-from captum_vit.targets import embedding_target
+from captum_vit.targets import as_target, embedding_target
 
 UNITS = ("patch", "pixel")
 TIS_BASELINES = ("mean", "blur", "black", "random")
@@ -68,8 +68,10 @@ def vector_targets(metric: Metric) -> Metric:
     """Let a metric ``f(model, inputs, ..., target=...)`` take vector targets on a model
     that outputs an image embedding (:mod:`captum_vit.targets`).
 
-    The target (a vector, one per image, or an :class:`~captum_vit.EmbeddingTarget` set)
-    becomes the model's scores for the whole metric (every adapter of the model, the
+    A :class:`~captum_vit.targets.Target` (or a plain callable on the logits) likewise
+    becomes the model's scores for the whole metric, the metric running on its column of
+    each image. The target (a vector, one per image, or an
+    :class:`~captum_vit.EmbeddingTarget` set) becomes the model's scores for the whole metric (every adapter of the model, the
     explained method's included, sees it through :meth:`ViTAdapter.targeting`), and the
     metric runs on the vector index of each image; its probabilities are the target's
     (softmax over a set, sigmoid of a single score). Classifiers pass through unchanged.
@@ -77,6 +79,14 @@ def vector_targets(metric: Metric) -> Metric:
     @functools.wraps(metric)
     def run(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         adapter = adapt(model)
+        obj = as_target(kwargs.get("target"))
+        if obj is not None:  # a Target: its columns are the scores of the whole metric
+            images, _ = check_images(inputs)
+            adapter.check_inputs(images)
+            adapter.self_check(images)
+            with adapter.targeting(obj, grid=adapter.layout(images).grid):
+                index = obj.index(images.shape[0])
+                return metric(model, inputs, *args, **{**kwargs, "target": index})
         if not adapter.embedding or adapter.head.target is not None:
             return metric(model, inputs, *args, **kwargs)
         images, _ = check_images(inputs)
