@@ -565,13 +565,20 @@ class ViTAdapter(abc.ABC):
             logits, tokens, pooled = self._own_logits(x, ops, record, h)
             read = [tokens]
             out = Outputs(logits=ops.value(logits), pooled=ops.value(pooled),
-                          tokens=ops.value(tokens), **lay)
+                          tokens=ops.value(tokens), extra=self.output_extras(ops.value(tokens)),
+                          **lay)
         if not all(ops.value(v) is v for v in read):  # decomposed values
             return self._linearised_columns(read, out, ops, target, layers)
         cols = target.columns(out)
         if record is not None and (target.reads_tokens or layers is not None):
             record.read = read
         return cols
+
+    def output_extras(self, tokens: Tensor) -> dict[str, Tensor]:
+        """Family hook: what a target may read besides the standard
+        :class:`~captum_vit.adapters.scoring.Outputs`, computed from the final-normed
+        ``tokens`` [n, N, D] (YOLOS: per-detection class logits and boxes). Default none."""
+        return {}
 
     def _outputs_layout(self, x: Any) -> dict[str, Any]:
         """``num_prefix`` and ``grid`` of :class:`Outputs` for the states ``x``."""
