@@ -450,10 +450,13 @@ class ViTFront:
         (the partial derivative, the other read blocks held fixed). By the chain rule the
         gradient of ``s`` w.r.t. anything before the blocks is the sum of these scores',
         so a method linear in the score's gradient (gradients, IxG, LRP) gives its map of
-        ``s`` itself; a matrix method gets ``Σ_l w^{(l)ᵀ} C_l``."""
-        if kwargs.get("score", "logit") != "logit":
-            raise ValueError("a target reading several blocks is explained through each "
-                             "block's gradient of its score: use score='logit'")
+        ``s`` itself; a matrix method gets ``Σ_l w^{(l)ᵀ} C_l``. The score is explained
+        as it is (``score="logit"``: a probability of the sum has no per-block parts).
+        Methods that also use the score's value along a path (BT's and TAM's integrated
+        gradients, Chefer'21's relevance, LeGrad's per-layer readouts) see the
+        linearised scores."""
+        if "score" in kwargs:  # the score itself: a probability of a sum has no block parts
+            kwargs = {**kwargs, "score": "logit"}
         ad, images = self.adapter, p.images
         with torch.no_grad(), ad.targeting(target, grid=p.layout.grid):
             ad.run(ad.embed(images))

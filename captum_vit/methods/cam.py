@@ -98,9 +98,17 @@ class _TokenCAM(PLUSFastPath, ScoredAttribution):
     def __init__(self, model: nn.Module, layer: int | None = None, relu: bool = True, *,
                  at: str = "residual") -> None:
         super().__init__(model)
-        self.layer = block_layer("layer", layer, self.adapter.num_blocks)
+        self._layer_option = layer
+        block_layer("layer", layer, self.adapter.num_blocks)  # checked now
         self.relu = check_scalar(relu, "relu", bool)
         self.at = check_choice("at", at, SITES)
+
+
+    @property
+    def layer(self) -> int:
+        """The block read: the ``layer`` given, else the model's last block (under a target
+        reading block outputs, the last block it reads)."""
+        return block_layer("layer", self._layer_option, self.adapter.num_blocks)
 
     score_doc = r"""score (str, optional): ``"logit"`` (default) or ``"probability"`` (softmax of
         the target, the SkipPLUS authors' later code): the score whose gradient

@@ -63,11 +63,19 @@ class GradSAM(ScoredAttribution):
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool, got {type(average).__name__}")
         super().__init__(model)
-        num = self.adapter.num_blocks
-        self.layers = tuple(range(num)) if layers is None else check_layers(layers, num)
+        self._layers_option = None if layers is None else check_layers(
+            layers, self.adapter.num_blocks)
         self.average = average
         self._genatt = GAE(self.adapter)  # same adapter: GenAtt's rows come from GAE
 
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The blocks summed: the ``layers`` given, else every block of the model (under a
+        target reading block outputs, every block up to the last it reads)."""
+        if self._layers_option is None:
+            return tuple(range(self.adapter.num_blocks))
+        return check_layers(self._layers_option, self.adapter.num_blocks)
     score_doc = r"""score (str, optional): ``"logit"`` (default) or ``"probability"`` (the
         softmax probability, as the SkipPLUS authors' later code)."""
     returns_doc = r"""the (non-negative) attribution map in the requested ``output`` format."""

@@ -197,13 +197,21 @@ class ScoreCAM(ViTPerturbationAttribution):
                  batch_size: int = 64, removal: str = "pixels", progress: bool = False, *,
                  at: str = "residual") -> None:
         super().__init__(model)
-        self.layer = block_layer("layer", layer, self.adapter.num_blocks)
+        self._layer_option = layer
+        block_layer("layer", layer, self.adapter.num_blocks)  # checked now
         self.relu = check_scalar(relu, "relu", bool)
         self.batch_size = check_scalar(batch_size, "batch_size", int, min_val=1)
         self.removal = check_choice("removal", removal, REMOVALS)
         self.progress = check_scalar(progress, "progress", bool)
         self.at = check_choice("at", at, SITES)
         self.num_forwards = 0
+
+
+    @property
+    def layer(self) -> int:
+        """The block read: the ``layer`` given, else the model's last block (under a target
+        reading block outputs, the last block it reads)."""
+        return block_layer("layer", self._layer_option, self.adapter.num_blocks)
 
     @log_usage()
     @fill_doc

@@ -167,8 +167,16 @@ class AttnGrad(ScoredAttribution):
                  variant: str = "plain") -> None:
         self.variant = check_choice("variant", variant, VARIANTS)
         super().__init__(model)
+        self._layer_option = layer
+        _ = self.layer  # checked now
+
+    @property
+    def layer(self) -> int:
+        """The block read: the ``layer`` given, else the model's last block (under a target
+        reading block outputs, the last block it reads)."""
         num = self.adapter.num_blocks
-        self.layer = num - 1 if layer is None else check_layer("layer", layer, num)
+        return num - 1 if self._layer_option is None else check_layer(
+            "layer", self._layer_option, num)
 
     examples_doc = r"""
         >>> from captum_vit.methods.vanilla import AttnGrad
