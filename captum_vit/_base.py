@@ -403,7 +403,7 @@ class ViTFront:
         if cls.__dict__.get("per_head"):
             _PER_HEAD[cls.__name__] = None
         elif "attribute" in cls.__dict__ and not cls.per_head:
-            cls.attribute = _refusing_heads(cls.__name__, cls.__dict__["attribute"])
+            cls.attribute = _refusing_heads(cls.__dict__["attribute"])
 
     def __init__(self, model: nn.Module) -> None:
         self.adapter = adapt(model)
@@ -439,7 +439,7 @@ _PER_HEAD: dict[str, None] = {}
 """Names of the classes with ``per_head = True`` (ordered set), for the refusal message."""
 
 
-def _refusing_heads(name: str, attribute: Callable[..., Any]) -> Callable[..., Any]:
+def _refusing_heads(attribute: Callable[..., Any]) -> Callable[..., Any]:
     """``attribute`` of a class without per-head maps, refusing ``heads=`` by name (rather
     than Python's bare unexpected-keyword error). The check sits under Captum's
     ``@log_usage()``, so NoiseTunnel (which calls ``attribute.__wrapped__``) meets it too;
@@ -450,9 +450,10 @@ def _refusing_heads(name: str, attribute: Callable[..., Any]) -> Callable[..., A
     def refusing(self: Any, *args: Any, **kwargs: Any) -> Any:
         if "heads" in kwargs:
             raise TypeError(
-                f"{name}.attribute takes no heads= option: per-head maps (heads='all') "
-                f"are offered only by the methods whose map is a head average of per-head "
-                f"maps, {', '.join(_PER_HEAD) or 'none'}; call one of them directly")
+                f"{type(self).__name__}.attribute takes no heads= option: per-head maps "
+                f"(heads='all') are offered only by the methods whose map is a head average "
+                f"of per-head maps, {', '.join(_PER_HEAD) or 'none'}; call one of them "
+                f"directly")
         return inner(self, *args, **kwargs)
 
     return log_usage()(refusing)
