@@ -268,3 +268,28 @@ def test_model_unchanged():
     for make in PER_HEAD.values():
         make(model).attribute(x, target=[0, 1], heads="all")
     assert_unchanged(model, before)
+
+
+def test_plot_heads_draws_a_panel_per_head(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from captum_vit.viz import plot_heads
+
+    model = make_model("nonsquare", depth=2)
+    x = make_inputs("nonsquare", batch=2)
+    for output in ("tokens", "grid", "pixels"):
+        maps = RawAttention(model).attribute(x, heads="all", output=output)
+        fig = plot_heads(x[1], maps[1], title="raw attention")
+        titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+        assert titles == ["input", "head 0", "head 1", "head 2", "head 3"]
+        heat = [ax.images[-1].get_array() for ax in fig.axes
+                if ax.get_title().startswith("head")]
+        assert all(tuple(h.shape[:2]) == (24, 40) for h in heat)
+        plt.close(fig)
+    with pytest.raises(ValueError, match=r"whole batch: pass one image's, maps\[b\]"):
+        plot_heads(x[0], maps)
+    plot_heads(x[0], maps[0], path=str(tmp_path / "heads.png"))
+    assert (tmp_path / "heads.png").stat().st_size > 0
