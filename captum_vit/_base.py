@@ -7,6 +7,7 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from captum.attr import GradientAttribution, PerturbationAttribution
+from captum.log import log_usage
 from torch import Tensor, nn
 
 from captum_vit._text import count_noun
@@ -32,6 +34,9 @@ from captum_vit.targets import as_target, embedding_target, is_embedding_target
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
+HEADS = ("mean", "all")
+"""``attribute(..., heads=)`` of the methods with per-head maps (class attribute
+``per_head = True``): ``"mean"`` one map, the head average; ``"all"`` one map per head."""
 AGGREGATES = ("subnetwork", "layer")
 """How PLUS / SkipPLUS sum a recursion base over the start blocks
 (:mod:`captum_vit.combinators`): ``"subnetwork"`` runs the base on every sub-network
@@ -367,9 +372,20 @@ def gradients(scores: Tensor, tensors: Sequence[Tensor], *, trace: Trace | None 
 
 
 def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -> Tensor:
-    """Patch scores [B, P] -> tokens, a grid [B, 1, gh, gw] or pixels shaped like the images."""
+    """Patch scores [B, P] -> tokens, a grid [B, 1, gh, gw] or pixels shaped like the images.
+
+    Per-head scores [B, H, P] (``heads="all"``) -> tokens [B, H, P], a grid
+    [B, H, gh, gw] or pixels [B, H, H_img, W_img]: one channel per head instead of the
+    image's channels."""
     if output == "tokens":
         return tokens
+    if tokens.dim() == 3:
+        b, h, _ = tokens.shape
+        grid = tokens_to_grid(tokens.reshape(b * h, -1), layout)
+        grid = grid.reshape(b, h, *grid.shape[-2:])
+        if output == "grid":
+            return grid
+        return grid_to_pixels(grid, images.shape[-2:], patch_size=layout.patch_size)
     grid = tokens_to_grid(tokens, layout)
     if output == "grid":
         return grid
@@ -410,6 +426,17 @@ class ViTFront:
     sums_subnetworks: bool = False
     """Whether the method sums maps over sub-networks ``f_l`` that end at the model's
     output (PLUS, SkipPLUS, FullGrad+): it refuses targets reading block outputs."""
+    per_head: bool = False
+    """Whether ``attribute`` takes ``heads="mean" | "all"`` (per-head maps): the
+    method's map is a head average of per-head maps, which ``_head_maps`` returns. The
+    ``attribute`` of every other subclass refuses ``heads=`` by name."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("per_head"):
+            _PER_HEAD[cls.__name__] = None
+        elif "attribute" in cls.__dict__ and not cls.per_head:
+            cls.attribute = _refusing_heads(cls.__dict__["attribute"])
 
     def __init__(self, model: nn.Module) -> None:
         self.adapter = adapt(model)
@@ -423,6 +450,8 @@ class ViTFront:
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
         check_choice("output", output, OUTPUTS)
+        heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
+        maps_of = self._token_maps if heads == "mean" else self._head_maps
         p = prepare(self.adapter, inputs, target)
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
@@ -433,12 +462,12 @@ class ViTFront:
                              "alone")
         if layers is not None and len(layers) > 1 and not isinstance(
                 self, PerturbationAttribution):
-            patches = self._block_sum(p, obj, layers, kwargs)
+            patches = self._block_sum(p, obj, layers, {**kwargs, "heads": heads})
         else:
             # Captum's NoiseTunnel / sensitivity_max may call under no_grad
             with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
-                maps = self._token_maps(p.images, p.target, **kwargs).detach()
-            patches = maps.to(accumulation_dtype(p.images))[:, p.layout.num_prefix:]
+                maps = maps_of(p.images, p.target, **kwargs).detach()
+            patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out
 
@@ -480,6 +509,34 @@ class ViTFront:
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
         raise NotImplementedError  # pragma: no cover
+
+    def _head_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
+        """Per-head token maps [B, H, N] (``heads="all"``) of a ``per_head`` method."""
+        raise NotImplementedError  # pragma: no cover
+
+
+_PER_HEAD: dict[str, None] = {}
+"""Names of the classes with ``per_head = True`` (ordered set), for the refusal message."""
+
+
+def _refusing_heads(attribute: Callable[..., Any]) -> Callable[..., Any]:
+    """``attribute`` of a class without per-head maps, refusing ``heads=`` by name (rather
+    than Python's bare unexpected-keyword error). The check sits under Captum's
+    ``@log_usage()``, so NoiseTunnel (which calls ``attribute.__wrapped__``) meets it too;
+    ``inspect.signature`` still reads the method's own signature."""
+    inner = getattr(attribute, "__wrapped__", attribute)  # under @log_usage()
+
+    @functools.wraps(inner)
+    def refusing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "heads" in kwargs:
+            raise TypeError(
+                f"{type(self).__name__}.attribute takes no heads= option: per-head maps "
+                f"(heads='all') are offered only by the methods whose map is a head average "
+                f"of per-head maps, {', '.join(_PER_HEAD) or 'none'}; call one of them "
+                f"directly")
+        return inner(self, *args, **kwargs)
+
+    return log_usage()(refusing)
 
 
 class _BlockGradient(Target):

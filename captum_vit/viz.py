@@ -208,6 +208,67 @@ def plot_overlay(ax, image: Tensor, attr: Tensor, *, title: str | None = None,
     return ax
 
 
+def plot_heads(image: Tensor, maps: Tensor, *, title: str | None = None,
+               path: str | None = None, max_cols: int = 6, display: str = "nearest"):
+    """One image and its per-head maps (``attribute(..., heads="all")``), one panel a head.
+
+    Each head's panel is normalised on its own (:func:`plot_overlay`), as in DINO's
+    per-head attention figures.
+
+    Args:
+        image (Tensor): the image [C, H, W].
+        maps (Tensor): the image's per-head maps, heads first: ``[heads, P]`` (tokens),
+            ``[heads, gh, gw]`` (grid) or ``[heads, H, W]`` (pixels), i.e. one row of
+            a ``heads="all"`` output.
+        title (str, optional): the figure's title.
+        path (str, optional): save the figure there (PNG).
+        max_cols (int, optional): panels per row (the input included). Default 6.
+        display (str, optional): ``"nearest"`` (default) or ``"bilinear"``, see
+            :func:`upsample_map`.
+
+    Returns:
+        matplotlib.figure.Figure: also when saved (then closed).
+
+    Raises:
+        ValueError: ``maps`` of a whole batch (4 dimensions) or of one map only.
+
+    Examples::
+
+        >>> from captum_vit import RawAttention
+        >>> from captum_vit.viz import plot_heads
+        >>> heads = RawAttention(model).attribute(images, heads="all", output="grid")
+        >>> fig = plot_heads(images[0], heads[0])   # one panel per head
+    """
+    import matplotlib.pyplot as plt
+
+    if maps.dim() not in (2, 3):
+        hint = " of a whole batch: pass one image's, maps[b]" if maps.dim() == 4 else ""
+        raise ValueError(f"maps must be one image's per-head maps [heads, P], [heads, gh, gw] "
+                         f"or [heads, H, W]; got shape {tuple(maps.shape)}{hint}")
+    if display not in DISPLAYS:
+        raise ValueError(f"display must be one of {', '.join(map(repr, DISPLAYS))}, "
+                         f"got {display!r}")
+    n = maps.shape[0]
+    cols = max(1, min(max_cols, n + 1))
+    rows = -(-(n + 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.8 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    cells = list(axes.flat)
+    img = _image_to_numpy(image)
+    cells[0].imshow(img, cmap="gray" if img.ndim == 2 else None)
+    cells[0].set_title("input", fontsize=9)
+    for h in range(n):
+        plot_overlay(cells[h + 1], image, maps[h], title=f"head {h}", display=display)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+    return fig
+
+
 NEAR_ZERO_RTOL = 1e-6
 """Relative size below which :func:`near_zero` calls a map numerically zero."""
 
@@ -409,6 +470,6 @@ def _label_groups(fig, axes, grouped: Sequence[tuple[str, list[str]]],
 
 
 __all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "figure_formats",
-           "near_zero", "patch_grid", "plot_grid", "plot_overlay", "prediction_title",
-           "upsample_map"]
+           "near_zero", "patch_grid", "plot_grid", "plot_heads", "plot_overlay",
+           "prediction_title", "upsample_map"]
 

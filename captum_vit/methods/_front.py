@@ -2,7 +2,8 @@
 
 Captum's methods each write ``attribute`` with a long docstring (Args / Returns /
 Examples); here most methods take the same arguments, so the arguments every method shares
-(``inputs``, ``target``, ``output``, and ``score`` where it is the only option) are written
+(``inputs``, ``target``, ``output``, ``score`` where it is the only option, and ``heads``
+of the methods with per-head maps) are written
 once (:data:`COMMON_ARGS`) and :func:`fill_doc` puts them into each docstring's
 placeholders, keeping ``help()`` and Sphinx complete. A method whose ``attribute`` takes
 only ``score`` and ``output`` inherits it from :class:`ScoredAttribution` and writes only
@@ -12,6 +13,7 @@ its own documented ``attribute`` (Captum's ``@log_usage`` wrapper, as NoiseTunne
 
 from __future__ import annotations
 
+import inspect
 import textwrap
 import types
 from collections.abc import Callable
@@ -30,6 +32,11 @@ COMMON_ARGS: dict[str, str] = {
     "output": "output (str, optional): ``\"pixels\"`` (default), ``\"grid\"`` or "
               "``\"tokens\"``.",
     "score": "score (str, optional): ``\"logit\"`` (default) or ``\"probability\"``.",
+    "heads": "heads (str, optional): ``\"mean\"`` (default): one map, the head average;\n"
+             "    ``\"all\"``: one map per head of the read block (the class docstring says\n"
+             "    which), shaped ``[B, H, P]`` (tokens), ``[B, H, gh, gw]`` (grid) or\n"
+             "    ``[B, H, H_img, W_img]`` (pixels: one channel per head instead of the\n"
+             "    image's channels).",
     "plus_args": "inputs (Tensor): validated images [B, C, H, W].\n"
                  "target (Tensor or None): class per image; ``None`` = predicted.\n"
                  "layers (sequence of int): sorted start blocks.",
@@ -43,8 +50,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def fill_doc(func: F) -> F:
     """Decorator: replace the placeholders ``{inputs}``, ``{target}``, ``{output}``,
-    ``{score}`` and ``{plus_args}`` standing alone on a line of ``func``'s docstring by
-    :data:`COMMON_ARGS`, indented as the placeholder.
+    ``{score}``, ``{heads}`` and ``{plus_args}`` standing alone on a line of ``func``'s
+    docstring by :data:`COMMON_ARGS`, indented as the placeholder.
 
     Args:
         func (Callable): a function or method with a docstring.
@@ -94,17 +101,16 @@ class _DocumentedFront(ViTGradientAttribution):
     """The examples of ``attribute`` (``>>>`` lines)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "attribute" in cls.__dict__:
-            return
-        base = cls.attribute.__wrapped__  # under Captum's @log_usage()
-        own = types.FunctionType(base.__code__, base.__globals__, base.__name__,
-                                 base.__defaults__, base.__closure__)
-        own.__kwdefaults__ = dict(base.__kwdefaults__ or {})
-        own.__annotations__ = dict(base.__annotations__)
-        own.__module__, own.__qualname__ = cls.__module__, f"{cls.__qualname__}.attribute"
-        own.__doc__ = _attribute_doc(cls)
-        cls.attribute = log_usage()(own)
+        if "attribute" not in cls.__dict__:
+            base = inspect.unwrap(cls.attribute)  # under Captum's @log_usage() and more
+            own = types.FunctionType(base.__code__, base.__globals__, base.__name__,
+                                     base.__defaults__, base.__closure__)
+            own.__kwdefaults__ = dict(base.__kwdefaults__ or {})
+            own.__annotations__ = dict(base.__annotations__)
+            own.__module__, own.__qualname__ = cls.__module__, f"{cls.__qualname__}.attribute"
+            own.__doc__ = _attribute_doc(cls)
+            cls.attribute = log_usage()(own)
+        super().__init_subclass__(**kwargs)  # after: ViTFront wraps the class's own attribute
 
 
 class ScoredAttribution(_DocumentedFront):

@@ -5,17 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
+    SCORES,
+    TargetLike,
     accumulation_dtype,
+    check_choice,
     gradients_with_pool,
     readout,
     readout_rows,
     resolve_target,
     target_scores,
 )
-from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
@@ -27,6 +31,12 @@ class AttnGradCAM(ScoredAttribution):
     head (``global_pool='map'``) it runs on the pool's attention :math:`A_p` instead of
     the last block.
 
+    Per-head maps (``attribute(..., heads="all")``, our choice): head :math:`h`'s term of
+    the head mean before the ReLU, :math:`m_h = w_h A^h[r, :]` (signed: a head with a
+    negative weight gives a negative map), so that
+    :math:`\mathrm{ReLU}(\mathrm{mean}_h m_h)` is the map of ``heads="mean"``. A ReLU per
+    head would zero every negatively weighted head and its mean would not be the map.
+
     Layer-local: composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it
     runs at every block ``l`` with the model's own gradients.
 
@@ -36,14 +46,40 @@ class AttnGradCAM(ScoredAttribution):
 
     layer_local = True
     """PLUS evaluates it on a one-block window: the map at block ``l``."""
+    per_head = True
+    """``attribute`` takes ``heads="all"``: one map per head."""
 
-    examples_doc = r"""
-        >>> from captum_vit import AttnGradCAM
-        >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
-    """
+    @log_usage()
+    @fill_doc
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  heads: str = "mean", output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            {inputs}
+            {target}
+            {score}
+            {heads}
+            {output}
+
+        Returns:
+            Tensor: the attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import AttnGradCAM
+            >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
+            >>> per_head = AttnGradCAM(model).attribute(images, target=3, heads="all")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score, heads=heads)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
+        return self._head_maps(inputs, target, score=score).mean(1).clamp(min=0)
+
+    def _head_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                   **_: Any) -> Tensor:
+        """The per-head terms :math:`w_h A^h[r, :]` [B, H, N] (before mean and ReLU)."""
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
         attn = tr.blocks[-1].attn
@@ -59,4 +95,4 @@ class AttnGradCAM(ScoredAttribution):
                 g_r = readout(w, grad.to(dt))  # [B, H, N]
                 a_r = readout(w, attn.detach().to(dt))
             w = g_r[..., k:].mean(-1, keepdim=True)
-            return (w * a_r).mean(1).clamp(min=0)
+            return w * a_r

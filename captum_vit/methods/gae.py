@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
     AGGREGATES,
     SCORES,
+    TargetLike,
     accumulation_dtype,
     check_choice,
     gradients_with_pool,
@@ -43,6 +46,14 @@ class GAE(PLUSFastPath, ScoredAttribution):
     as a vector from the last block down, :math:`r^\top (I+\bar A_{L-1})\cdots(I+\bar
     A_0)`, which equals the matrix recursion.
 
+    Per-head maps (``attribute(..., heads="all")``, our choice): the last block's update
+    per head before the head mean, :math:`m_h = w (I + \bar A_{L-1}^h) R_{L-1}` with
+    :math:`\bar A_{L-1}^h = \mathrm{ReLU}(\nabla A_{L-1}^h \odot A_{L-1}^h)` and
+    :math:`R_{L-1} = (I + \bar A_{L-2}) \cdots (I + \bar A_0)` the head-averaged
+    relevance of the blocks below. The map is linear in the last update, so
+    :math:`\mathrm{mean}_h m_h` is the map of ``heads="mean"``; the identity term
+    :math:`w R_{L-1}` is shared by every head.
+
     Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
     path (:meth:`plus_maps`): every sub-network's map from one backward.
 
@@ -51,16 +62,36 @@ class GAE(PLUSFastPath, ScoredAttribution):
     """
 
     plus_aggregates = AGGREGATES
+    per_head = True
+    """``attribute`` takes ``heads="all"``: one map per head of the last block."""
 
-    score_doc = r"""score (str, optional): ``"logit"`` (default, as the paper) or
-        ``"probability"``."""
-    examples_doc = r"""
-        >>> from captum_vit import GAE
-        >>> from captum.attr import NoiseTunnel
-        >>> attr = GAE(model).attribute(images, target=labels)
-        >>> smooth = NoiseTunnel(GAE(model)).attribute(
-        ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
-    """
+    @log_usage()
+    @fill_doc
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  heads: str = "mean", output: str = "pixels") -> Tensor:
+        r"""
+        Args:
+            {inputs}
+            {target}
+            score (str, optional): ``"logit"`` (default, as the paper) or
+                ``"probability"``.
+            {heads}
+            {output}
+
+        Returns:
+            Tensor: the attribution map in the requested ``output`` format.
+
+        Examples::
+
+            >>> from captum_vit import GAE
+            >>> from captum.attr import NoiseTunnel
+            >>> attr = GAE(model).attribute(images, target=labels)
+            >>> smooth = NoiseTunnel(GAE(model)).attribute(
+            ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
+            >>> per_head = GAE(model).attribute(images, target=labels, heads="all")
+        """
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score, heads=heads)
 
     @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
@@ -92,6 +123,32 @@ class GAE(PLUSFastPath, ScoredAttribution):
         check_choice("score", score, SCORES)
         first = min(layers)
         need = layers if aggregate == "layer" else range(first, self.adapter.num_blocks)
+        w, abar = self._relevance(inputs, target, need, score)
+        with torch.no_grad():
+            if aggregate == "layer":
+                return torch.stack([readout(w, abar(l)) for l in layers])
+            rows, v = {}, w
+            for k in reversed(need):
+                v = v + torch.einsum("bn,bnm->bm", v, abar(k))
+                rows[k] = v
+            return torch.stack([rows[l] for l in layers])
+
+    def _head_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                   **_: Any) -> Tensor:
+        """Per-head maps [B, H, N]: the last update per head, then the blocks below."""
+        last = self.adapter.num_blocks - 1
+        w, abar = self._relevance(inputs, target, range(last + 1), score)
+        with torch.no_grad():
+            v = w[:, None] + torch.einsum("bn,bhnm->bhm", w, abar(last, per_head=True))
+            for k in reversed(range(last)):
+                v = v + torch.einsum("bhn,bnm->bhm", v, abar(k))
+            return v
+
+    def _relevance(self, inputs: Tensor, target: Tensor | None, need: Sequence[int],
+                   score: str) -> tuple[Tensor, Callable[..., Tensor]]:
+        r"""One forward and one backward: the readout weights ``w`` [B, N] and
+        ``abar(k, per_head=False)``, block ``k``'s :math:`\bar A_k` [B, N, N] (each block
+        of ``need`` once; ``per_head=True``: before the head mean, [B, H, N, N])."""
         heads: dict[int, Heads] = {}
 
         def keep(l: int, rec: BlockRecord) -> None:  # q, k, v, o of the blocks needed
@@ -110,16 +167,10 @@ class GAE(PLUSFastPath, ScoredAttribution):
         dt = accumulation_dtype(tr.x0)
         w = readout_rows(tr, pool_grad, dtype=dt, target=t)
 
-        def abar(k: int) -> Tensor:
+        def abar(k: int, per_head: bool = False) -> Tensor:
             h = heads.pop(k)
             g = h.probs_grad(grad_o.pop(k))
-            return (g.to(dt) * h.probs().to(dt)).clamp(min=0).mean(1)
+            a = (g.to(dt) * h.probs().to(dt)).clamp(min=0)
+            return a if per_head else a.mean(1)
 
-        with torch.no_grad():
-            if aggregate == "layer":
-                return torch.stack([readout(w, abar(l)) for l in layers])
-            rows, v = {}, w
-            for k in reversed(need):
-                v = v + torch.einsum("bn,bnm->bm", v, abar(k))
-                rows[k] = v
-            return torch.stack([rows[l] for l in layers])
+        return w, abar

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from captum.log import log_usage
@@ -36,6 +37,14 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
     ``[B, H, N, N]`` probabilities are reduced to their head mean ``[B, N, N]`` as soon
     as the block has run.
 
+    Per-head maps (``attribute(..., heads="all")``, our choice): the last factor per head,
+    :math:`m_h = r^\top M_{L-1}^h M_{L-2} \cdots M_s` with
+    :math:`M_{L-1}^h = (A_{L-1}^h + I) / \mathrm{rowsum}(A_{L-1}^h + I)
+    = \tfrac12 I + \tfrac12 A_{L-1}^h` (attention rows sum to one) and the head-averaged
+    factors of the blocks below. Then :math:`\mathrm{mean}_h M_{L-1}^h = M_{L-1}`, so
+    :math:`\mathrm{mean}_h m_h` is the map of ``heads="mean"`` (equal up to rounding: each
+    factor is normalised by its own row sums, all equal to two).
+
     Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
     path (:meth:`plus_maps`): the rollout of every sub-network from one trace.
 
@@ -46,6 +55,8 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
     """
 
     plus_aggregates = AGGREGATES
+    per_head = True
+    """``attribute`` takes ``heads="all"``: one map per head of the last block."""
 
     def __init__(self, model: nn.Module, start_layer: int = 0) -> None:
         super().__init__(model)
@@ -54,13 +65,15 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
     @log_usage()
     @fill_doc
     def attribute(self, inputs: Tensor, target: TargetLike = None, *,
-                  start_layer: int | None = None, output: str = "pixels") -> Tensor:
+                  start_layer: int | None = None, heads: str = "mean",
+                  output: str = "pixels") -> Tensor:
         r"""
         Args:
             {inputs}
             target (int, list, Tensor, optional): validated but unused (rollout is
                 class-agnostic).
             start_layer (int, optional): overrides the constructor's ``start_layer``.
+            {heads}
             {output}
 
         Returns:
@@ -70,20 +83,41 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
 
             >>> from captum_vit import Rollout
             >>> attr = Rollout(model, start_layer=1).attribute(images, output="grid")
+            >>> per_head = Rollout(model).attribute(images, heads="all", output="grid")
         """
         s = self.start_layer if start_layer is None else start_layer
         check_layer("start_layer", s, self.adapter.num_blocks)
-        return self._attribute(inputs, target, output, start_layer=s)
+        return self._attribute(inputs, target, output, start_layer=s, heads=heads)
 
-    def _head_means(self, inputs: Tensor, blocks: Sequence[int] | range
-                    ) -> tuple[Trace, dict[int, Tensor]]:
+    def _head_maps(self, inputs: Tensor, target: Tensor | None, *, start_layer: int,
+                   **_: Any) -> Tensor:
+        """Per-head maps [B, H, N]: the last block's factor per head, then the blocks
+        below with their head means."""
+        last = self.adapter.num_blocks - 1
+        tr, means = self._head_means(inputs, range(start_layer, last + 1), per_head=last)
+        dt = accumulation_dtype(tr.x0)
+        w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
+                         else resolve_target(target, tr.logits))
+        eye = torch.eye(w.shape[-1], dtype=dt, device=w.device)
+        m = means.pop(last) + eye
+        v = torch.einsum("bn,bhnm->bhm", w, m / m.sum(-1, keepdim=True))
+        for k in reversed(range(start_layer, last)):
+            m = means.pop(k) + eye
+            v = torch.einsum("bhn,bnm->bhm", v, m / m.sum(-1, keepdim=True))
+        return v
+
+    def _head_means(self, inputs: Tensor, blocks: Sequence[int] | range,
+                    per_head: int | None = None) -> tuple[Trace, dict[int, Tensor]]:
         r"""One gradient-free trace keeping only the head means :math:`\bar A_k`
         [B, N, N] of ``blocks``: each block's [B, H, N, N] probabilities are freed as soon
-        as the block has run (streamed, :meth:`ViTAdapter.trace`'s ``on_block``)."""
+        as the block has run (streamed, :meth:`ViTAdapter.trace`'s ``on_block``). Block
+        ``per_head`` keeps its heads [B, H, N, N] instead of their mean."""
         want, means = set(blocks), {}
 
         def keep(l: int, rec: BlockRecord) -> None:
-            if l in want:
+            if l == per_head:
+                means[l] = rec.attn.to(accumulation_dtype(rec.attn))
+            elif l in want:
                 means[l] = rec.attn.to(accumulation_dtype(rec.attn)).mean(1)
 
         # class-agnostic with fixed readout weights: the last block stops at its

@@ -73,8 +73,9 @@ def vector_targets(metric: Metric) -> Metric:
     each image. The target (a vector, one per image, or an
     :class:`~captum_vit.EmbeddingTarget` set) becomes the model's scores for the whole
     metric (every adapter of the model, the explained method's included, sees it through
-    :meth:`ViTAdapter.targeting`), and the metric runs on the vector index of each image; its probabilities are the target's
-    (softmax over a set, sigmoid of a single score). Classifiers pass through unchanged.
+    :meth:`ViTAdapter.targeting`), and the metric runs on the vector index of each image;
+    its probabilities are the target's (softmax over a set, sigmoid of a single score).
+    Classifiers pass through unchanged.
     """
     @functools.wraps(metric)
     def run(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
