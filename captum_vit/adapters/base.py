@@ -383,6 +383,9 @@ class ViTAdapter(abc.ABC):
         if head.target is not None:
             return int(head.target.vectors.shape[0])
         weight = head.heads[0][1]
+        pre = getattr(head, "pre_logits", None)
+        if weight is None and pre is not None:  # the representation layer's output
+            weight = pre[0]
         return int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
 
     @property
@@ -491,12 +494,14 @@ class ViTAdapter(abc.ABC):
         return self._head_logits(x, ops, record, h)
 
     def _head_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts) -> Any:
-        """Final norm, pooling and head(s) of ``h`` on the token states ``x``."""
+        """Final norm, pooling, the representation layer of a
+        :class:`~captum_vit.adapters.parts.PreLogitsHeadParts` and head(s) of ``h`` on the
+        token states ``x``."""
         if self.state.settings.frozen:
             h = _detached(h)
         if h.norm is not None:
             x = ops.norm(x, h.norm)
-        pooled = None
+        pooled, pre = None, getattr(h, "pre_logits", None)
         if h.attn_pool is not None:
             pooled, probs = self._attention_pool(x, h.attn_pool, ops)
             if record is not None:
@@ -506,6 +511,8 @@ class ViTAdapter(abc.ABC):
             z = pooled if row == "map" else ops.pool(x, row, self.num_prefix)
             if h.fc_norm is not None:
                 z = ops.norm(z, h.fc_norm)
+            if pre is not None:  # a representation layer (PreLogitsHeadParts)
+                z = ops.act(ops.linear(z, pre[0], pre[1]), pre[2])
             zs.append(z)
             outs.append(z if weight is None else ops.linear(z, weight, bias))
         if record is not None and self.readout == "cls_mean" and self.cls_alpha == "logit":
