@@ -242,3 +242,21 @@ def test_clear_errors_and_the_model_unchanged():
     headless_classifier = make_hf_model("hf_vit", num_classes=0)
     with pytest.raises(TypeError, match=r"linear classifier head.*model\.vit"):
         adapt(headless_classifier)
+
+
+def test_hf_model_spec_loads_a_saved_backbone(tmp_path):
+    """``hf:FOLDER`` builds the saved architecture (``Dinov2Model``): an embedding model, no
+    class names, the same maps as the model it was saved from."""
+    import transformers
+
+    from captum_vit.models import load_model
+
+    model = copy.deepcopy(backbone("dinov2")).float()
+    model.save_pretrained(tmp_path / "dinov2")
+    lm = load_model(f"hf:{tmp_path / 'dinov2'}")
+    assert isinstance(lm.model, transformers.Dinov2Model) and adapt(lm.model).embedding
+    assert lm.class_names is None
+    x = images().float()
+    t = torch.randn(32, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(GAE(lm.model).attribute(x, target=t, output="tokens"),
+                               GAE(model).attribute(x, target=t, output="tokens"))
