@@ -106,6 +106,12 @@ EMBED_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
                 (32, 32)),
     "hf_clip_noproj": ("CLIPVisionModel", "CLIPVisionConfig", {}, (24, 40)),
     "hf_siglip": ("SiglipVisionModel", "SiglipVisionConfig", {}, (32, 32)),
+    # head-less backbones (SPEC_REACH §10.3): ViTModel's tanh pooler on CLS (at a
+    # non-native size: interpolated positions), DINOv2's CLS after the norm, registers
+    "hf_vit_model": ("ViTModel", "ViTConfig", {}, (24, 40)),
+    "hf_deit_model": ("DeiTModel", "DeiTConfig", {}, (32, 32)),  # CLS + DIST, pooler on CLS
+    "hf_dinov2_reg_model": ("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig",
+                            {"num_register_tokens": 2}, (32, 32)),
 }
 HF_FAMILIES.update(EMBED_FAMILIES)
 

@@ -6,14 +6,15 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 - :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
 - the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
   :class:`AdapterState`, :class:`AdapterSettings`, the family adapters (with
-  :class:`PreLogitsHeadParts` and :func:`is_torchvision_vit`) and
+  :func:`is_torchvision_vit` and :func:`is_hf_backbone`) and
   :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
 - token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
 - what a score is: :class:`TargetHead`, :func:`probabilities`, :func:`log_probabilities`,
   :func:`scores_are_classes`, :func:`probability_kind` (:mod:`~captum_vit.adapters.scoring`);
 - canonical parameters and the one attention: :class:`BlockParts`, :class:`AttentionParts`,
-  :class:`PoolParts`, :class:`HeadParts`, :class:`NormParts`, :class:`Heads`,
+  :class:`PoolParts`, :class:`HeadParts`, :class:`PreLogitsHeadParts` (a head
+  with a representation layer), :class:`NormParts`, :class:`Heads`,
   :class:`AttentionRules`, the derived views :class:`ValuePath` and
   :data:`BLOCK_FEATURES` (:mod:`~captum_vit.adapters.parts`);
 - forward strategies and linearised primitives: :class:`Ops`, :class:`FusedOps`,
@@ -46,6 +47,7 @@ from captum_vit.adapters.base import (
     AdapterState,
     ViTAdapter,
 )
+from captum_vit.adapters.hf_backbone import HFBackboneAdapter, is_hf_backbone
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.layout import (
@@ -73,6 +75,7 @@ from captum_vit.adapters.parts import (
     Heads,
     NormParts,
     PoolParts,
+    PreLogitsHeadParts,
     ValuePath,
     key_padding_bias,
 )
@@ -107,11 +110,7 @@ from captum_vit.adapters.subsets import (
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
-from captum_vit.adapters.torchvision_vit import (
-    PreLogitsHeadParts,
-    TorchvisionViTAdapter,
-    is_torchvision_vit,
-)
+from captum_vit.adapters.torchvision_vit import TorchvisionViTAdapter, is_torchvision_vit
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
@@ -120,6 +119,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_eva, TimmEvaAdapter),
     (is_hf_vit, HFViTAdapter),
     (is_hf_embedding, HFEmbeddingAdapter),
+    (is_hf_backbone, HFBackboneAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
@@ -130,7 +130,8 @@ SUPPORTED = (
     "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
-    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, and "
+    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, the "
+    "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, and "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
     "not conv_stem_configs)"
 )
@@ -323,13 +324,14 @@ __all__ = [
     "FAMILY_CONTRACT",
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
-    "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFEmbeddingAdapter",
+    "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
+    "HFEmbeddingAdapter",
     "HFViTAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout", "NormParts", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
-    "identity_rule", "image_logits", "is_torchvision_vit", "key_padding_bias",
+    "identity_rule", "image_logits", "is_hf_backbone", "is_torchvision_vit", "key_padding_bias",
     "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
     "probability_kind",

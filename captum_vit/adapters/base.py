@@ -416,7 +416,11 @@ class ViTAdapter(abc.ABC):
     def num_classes(self) -> int:
         """Number of scores: classes (rows of the classifier head), the embedding size of
         a head-less model, or the number ``T`` of target embeddings in force."""
-        weight = self.head.heads[0][1]
+        head = self.head
+        weight = head.heads[0][1]
+        pre = getattr(head, "pre_logits", None)
+        if weight is None and pre is not None:  # the representation layer's output
+            weight = pre[0]
         own = int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
         target = self.state.settings.target
         if isinstance(target, Target):
@@ -614,7 +618,7 @@ class ViTAdapter(abc.ABC):
         if h.norm is not None:
             x = ops.norm(x, h.norm)
         tokens = x
-        pooled = None
+        pooled, pre = None, getattr(h, "pre_logits", None)
         if h.attn_pool is not None:
             pooled, probs = self._attention_pool(x, h.attn_pool, ops)
             if record is not None:
@@ -624,6 +628,8 @@ class ViTAdapter(abc.ABC):
             z = pooled if row == "map" else ops.pool(x, row, self.num_prefix)
             if h.fc_norm is not None:
                 z = ops.norm(z, h.fc_norm)
+            if pre is not None:  # a representation layer (PreLogitsHeadParts)
+                z = ops.act(ops.linear(z, pre[0], pre[1]), pre[2])
             zs.append(z)
             outs.append(z if weight is None else ops.linear(z, weight, bias))
         if record is not None and self.readout == "cls_mean" and self.cls_alpha == "logit":

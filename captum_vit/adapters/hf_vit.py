@@ -112,7 +112,8 @@ class HFViTAdapter(ViTAdapter):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         name = type(model).__name__
-        self.backbone = getattr(model, model.base_model_prefix)
+        # a classifier holds its backbone under base_model_prefix; a backbone is its own
+        self.backbone = getattr(model, model.base_model_prefix, model)
         cfg = model.config
         layers = getattr(self.backbone, "layers", None)
         self.layers = self.backbone.encoder.layer if layers is None else layers
@@ -131,7 +132,9 @@ class HFViTAdapter(ViTAdapter):
         for head in heads:
             if head is not None and not isinstance(head, nn.Linear):
                 raise TypeError(f"{name} has no linear classifier head (num_labels=0?); "
-                                "captum_vit needs a classifier returning logits")
+                                "captum_vit needs a classifier returning logits, or pass "
+                                f"its backbone model.{model.base_model_prefix} (an "
+                                "embedding model) with vector targets")
         self.head = self._head()
 
     def _head(self) -> HeadParts:

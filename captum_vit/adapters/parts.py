@@ -607,6 +607,22 @@ class HeadParts:
     models inside :meth:`ViTAdapter.targeting`)."""
 
 
+@dataclass(frozen=True)
+class PreLogitsHeadParts(HeadParts):
+    """:class:`HeadParts` with a representation layer between the pooling and the
+    classifier: each pooled ``z`` becomes ``act(W z + b)`` before its head row
+    (``ops.linear`` then ``ops.act``). torchvision's ``representation_size`` head
+    (``pre_logits`` + Tanh) and the pooler of Hugging Face's ``ViTModel`` / ``DeiTModel``
+    (``pooler.dense`` + ``pooler.activation`` on the CLS row, no head row after it) are
+    this layer.
+
+    Attributes:
+        pre_logits (tuple or None): ``(weight, bias, act)``; ``None`` = no such layer.
+    """
+
+    pre_logits: tuple[Tensor, Tensor | None, Callable[[Tensor], Tensor]] | None = None
+
+
 
 def _detached(parts: Any) -> Any:
     """A copy of frozen parts (:class:`BlockParts`, :class:`HeadParts`, ...) whose tensors

@@ -19,9 +19,7 @@ A convolutional stem (``conv_stem_configs``) is refused by name.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,21 +27,7 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, _detached
-from captum_vit.adapters.trace import Trace
-
-
-@dataclasses.dataclass(frozen=True)
-class PreLogitsHeadParts(HeadParts):
-    """:class:`HeadParts` with a representation layer between the pooling and the
-    classifier: ``z -> act(W z + b)`` (torchvision's ``representation_size`` head,
-    ``pre_logits`` + Tanh), run through ``ops.linear`` and ``ops.act``.
-
-    Attributes:
-        pre_logits (tuple or None): ``(weight, bias, act)``; ``None`` = no such layer.
-    """
-
-    pre_logits: tuple[Tensor, Tensor | None, nn.Module] | None = None
+from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PreLogitsHeadParts
 
 
 def _norm(m: nn.Module, where: str) -> NormParts:
@@ -204,27 +188,6 @@ class TorchvisionViTAdapter(ViTAdapter):
                                  f"{type(m).__name__}.conv_proj").flatten(1, 2)
         x = torch.cat([m.class_token.expand(x.shape[0], -1, -1), x], dim=1)
         return m.encoder.dropout(x + m.encoder.pos_embedding)
-
-    def _head_logits(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts) -> Any:
-        """The engine's head, with the representation layer ``act(W z + b)`` between the
-        pooled class token and the classifier when the model has one."""
-        pre = getattr(h, "pre_logits", None)
-        if pre is None:
-            return super()._head_logits(x, ops, record, h)
-        if self.state.settings.frozen:
-            h, pre = _detached(h), _detached(pre)
-        weight, act = pre[0], pre[2]
-        pooled = super()._head_logits(x, ops, record, dataclasses.replace(
-            h, heads=tuple((row, None, None) for row, _, _ in h.heads), target=None,
-            pre_logits=None))
-        z = ops.act(ops.linear(pooled, weight, pre[1]), act)
-        (_, w, b), = h.heads
-        out = ops.linear(z, w, b)
-        if h.target is None:
-            return out
-        if h.target.cosine:
-            out = ops.normalize(out)
-        return ops.linear(out, h.target.weight(), h.target.bias_vector())
 
 
 def is_torchvision_vit(model: nn.Module) -> bool:

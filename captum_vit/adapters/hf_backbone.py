@@ -1,0 +1,117 @@
+"""Adapter for Hugging Face transformers' head-less ViT backbones: ``ViTModel``,
+``DeiTModel``, ``Dinov2Model`` and ``Dinov2WithRegistersModel`` (what
+``AutoModel.from_config`` builds for their configurations).
+
+They output an image embedding (``embedding = True``): their targets are vectors
+(:class:`captum_vit.targets.EmbeddingTarget`), scored against the model's own
+``pooler_output``. Verified in the installed transformers (5.x, ``modeling_vit.py``,
+``modeling_deit.py``, ``modeling_dinov2.py``, ``modeling_dinov2_with_registers.py``):
+
+- **ViTModel, DeiTModel**: ``sequence_output = layernorm(last hidden state)``;
+  ``pooler_output = pooler(sequence_output)`` where ``ViTPooler`` / ``DeiTPooler`` is
+  ``activation(dense(sequence_output[:, 0]))``: a Linear ``hidden_size ->
+  pooler_output_size`` and ``ACT2FN[config.pooler_act]`` (``"tanh"`` by default) on the
+  CLS row (for DeiT too: the pooler reads row 0, not the distillation token). The pooler
+  exists when the model is built with ``add_pooling_layer=True``, the constructor's
+  default (so ``AutoModel.from_config`` and ``from_pretrained`` have it); the classifiers
+  build their backbone with ``add_pooling_layer=False``, and then ``pooler_output`` is
+  ``None``. The pooler is the head's representation layer
+  (:class:`~captum_vit.adapters.parts.PreLogitsHeadParts`, the mechanism of torchvision's
+  ``representation_size`` head) with no classifier after it. **Without a pooler** the
+  embedding explained here is the CLS row after the final LayerNorm,
+  ``last_hidden_state[:, 0]`` (a choice of captum_vit: it is what the classifiers read).
+- **Dinov2Model, Dinov2WithRegistersModel**: ``pooler_output = sequence_output[:, 0, :]``,
+  the CLS row after the final LayerNorm (registers and patches are not read).
+
+The blocks, embeddings and input sizes are those of the classifiers
+(:mod:`captum_vit.adapters.hf_vit`): the model's own ``embeddings`` (position embeddings
+interpolated by the model's code at other sizes), both transformers layouts, any
+attention implementation.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from captum_vit.adapters.hf_vit import HFViTAdapter, _norm
+from captum_vit.adapters.parts import HeadParts, PreLogitsHeadParts
+
+CLASSES = ("ViTModel", "DeiTModel", "Dinov2Model", "Dinov2WithRegistersModel")
+
+
+class HFBackboneAdapter(HFViTAdapter):
+    """Canonical view of a Hugging Face ``ViTModel`` / ``DeiTModel`` / ``Dinov2Model`` /
+    ``Dinov2WithRegistersModel`` (never modified).
+
+    Its output is the model's own ``pooler_output`` (the CLS row after the final norm when
+    a ViT/DeiT has no pooler); explain it with a vector target:
+    ``GAE(model).attribute(pixel_values, target=EmbeddingTarget(t))``.
+
+    Args:
+        model (nn.Module): one of the classes of :data:`CLASSES`.
+
+    Raises:
+        TypeError: a pooler that is not ``activation(dense(CLS))``, or a layer layout the
+            adapter does not know.
+
+    Examples::
+
+        >>> import transformers
+        >>> from captum_vit.adapters import adapt
+        >>> cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2,
+        ...                              num_attention_heads=4, intermediate_size=64)
+        >>> a = adapt(transformers.AutoModel.from_config(cfg).eval())
+        >>> type(a).__name__, a.embedding, a.num_classes
+        ('HFBackboneAdapter', True, 32)
+    """
+
+    embedding = True
+
+    def _head(self) -> HeadParts:
+        """Final ``layernorm``, the CLS row and the pooler (ViT, DeiT) when there is one;
+        sets :attr:`readout`."""
+        model = self.model
+        name = type(model).__name__
+        self.readout = "token"
+        norm = _norm(model.layernorm, f"{name}.layernorm")
+        pooler = getattr(model, "pooler", None)
+        if pooler is None:
+            return HeadParts(norm, None, ((0, None, None),))
+        dense, act = getattr(pooler, "dense", None), getattr(pooler, "activation", None)
+        if not isinstance(dense, nn.Linear) or not isinstance(act, nn.Module):
+            raise TypeError(f"{name}.pooler is {type(pooler).__name__}; captum_vit supports "
+                            "the pooler activation(dense(CLS)) of ViTPooler / DeiTPooler")
+        return PreLogitsHeadParts(norm, None, ((0, None, None),),
+                                  pre_logits=(dense.weight, dense.bias, act))
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        """The model's own ``pooler_output`` [B, D′] (``last_hidden_state[:, 0]`` when a
+        ViT/DeiT has no pooler)."""
+        out = self.model(pixel_values=inputs, **self._size_kwargs(inputs))
+        pooled = out.pooler_output
+        return out.last_hidden_state[:, 0] if pooled is None else pooled
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        m = self.model
+        head = [m.layernorm, getattr(m, "pooler", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
+        return stages
+
+
+def is_hf_backbone(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face backbones in :data:`CLASSES` (transformers is never
+    imported for other models).
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`HFBackboneAdapter` applies.
+    """
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    import transformers
+
+    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
+                                   if hasattr(transformers, n)))
