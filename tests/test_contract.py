@@ -116,6 +116,53 @@ def test_outputs_batch_and_targets(name, family):
     assert_unchanged(model, before)
 
 
+TARGET_FAMILIES = ["vit", "hf_vit"]
+"""The families of the target axis (a timm and a Hugging Face classifier)."""
+TARGET_CASES = [pytest.param(m, f, k, marks=family_marks(f)) for m in METHODS
+                for f in TARGET_FAMILIES for k in ("callable", "token")]
+TOKEN_REFUSERS = {"tis"}
+"""Methods that remove tokens: they refuse a target reading token rows by name."""
+
+
+def _token_target():
+    """A head of the user's own on the token states: a fixed random probe on the patches."""
+    from captum_vit.targets import TokenTarget
+
+    def probe(z):
+        w = torch.linspace(-1, 1, z.shape[-1], dtype=z.dtype, device=z.device)
+        return ((z[:, 1:] @ w) ** 2).mean(1)
+    return TokenTarget(probe)
+
+
+@pytest.mark.parametrize(("name", "family", "kind"), TARGET_CASES)
+def test_target_kinds(name, family, kind):
+    """The target axis (SPEC_REACH §10.1): a callable on the logits gives the integer
+    target's map; a token target (a head of the user's own) gives finite, non-constant
+    maps image by image, or a refusal that names the fix; the model is unchanged."""
+    from captum_vit.targets import CallableTarget
+
+    model = model_of(family)
+    x = make_inputs(family, batch=2)
+    before = snapshot(model)
+    method = build(name, model)
+    if kind == "callable":
+        c = torch.tensor([1, 4])
+        close(attribute(method, x, CallableTarget(lambda z: z, index=c), output="tokens"),
+              attribute(method, x, c, output="tokens"))
+    else:
+        t = _token_target()
+        if name in TOKEN_REFUSERS:
+            with pytest.raises(ValueError, match="reads token rows"):
+                attribute(method, x, t)
+        else:
+            maps = attribute(method, x, t, output="tokens")
+            assert torch.isfinite(maps).all()
+            if name != "random":
+                assert maps.std() > 0
+            close(maps[1:], attribute(method, x[1:], t, output="tokens"))
+    assert_unchanged(model, before)
+
+
 @pytest.mark.parametrize(("name", "family"), CASES)
 def test_captum_noise_tunnel_and_sensitivity(name, family):
     """Captum's NoiseTunnel wraps the method; captum.metrics.sensitivity_max runs on it

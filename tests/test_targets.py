@@ -20,13 +20,21 @@ from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import (
     ClassTarget,
     Contrastive,
+    EmbeddingTarget,
     HeadTarget,
     MultiLabel,
     Target,
     TokenTarget,
     as_target,
 )
-from tests.helpers import assert_unchanged, make_inputs, make_model, snapshot
+from tests.helpers import (
+    EMBEDDING_FAMILIES,
+    assert_unchanged,
+    family_marks,
+    make_inputs,
+    make_model,
+    snapshot,
+)
 
 FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16},
         "bt_h": {"n_steps": 3, "start_layer": 1}, "bt_t": {"n_steps": 3, "start_layer": 1},
@@ -270,3 +278,26 @@ def test_the_model_is_unchanged_and_batches_are_independent(vit, images):
         one = attribute(name, vit, images[1:], t)
         assert rel(both[1:], one) <= 1e-10
     assert_unchanged(vit, before)
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=family_marks(f))
+                                    for f in EMBEDDING_FAMILIES])
+def test_head_less_models_take_token_targets_and_callables_on_the_embedding(family):
+    """§10.3: models without a classifier (CLIP/SigLIP towers, head-less timm and Hugging
+    Face backbones) explain a callable on their embedding and a head on their tokens."""
+    model = make_model(family, dtype=torch.float64)
+    x = make_inputs(family, 2, dtype=torch.float64)
+    before = snapshot(model)
+    e = adapt(model).model_outputs(x).detach()
+    for name in ("gae", "tokentm", "decompx", "rollout"):
+        f = build_method(name, model)
+        a = f.attribute(x, target=lambda z: z[:, 3], output="tokens")
+        # the callable on the embedding is the dot product with a one-hot vector
+        onehot = torch.zeros(e.shape[-1], dtype=torch.float64)
+        onehot[3] = 1
+        b = f.attribute(x, target=EmbeddingTarget(onehot, similarity="dot"), output="tokens")
+        assert rel(a, b) <= 1e-10
+        t = f.attribute(x, target=TokenTarget(lambda z: z[:, -4:, :2].sum((1, 2))),
+                        output="tokens")
+        assert torch.isfinite(t).all() and t.std() > 0
+    assert_unchanged(model, before)

@@ -566,7 +566,9 @@ class ViTAdapter(abc.ABC):
             read = [hidden[l] for l in layers]
             out = Outputs(hidden={l: ops.value(v) for l, v in hidden.items()}, **lay)
         else:
-            logits, tokens, pooled = self._own_logits(x, ops, record, h)
+            # a token-reading target's readout is its rows, not the attention pool's
+            logits, tokens, pooled = self._own_logits(
+                x, ops, None if target.reads_tokens else record, h)
             read = [tokens]
             out = Outputs(logits=ops.value(logits), pooled=ops.value(pooled),
                           tokens=ops.value(tokens), extra=self.output_extras(ops.value(tokens)),
@@ -587,7 +589,7 @@ class ViTAdapter(abc.ABC):
     def _outputs_layout(self, x: Any) -> dict[str, Any]:
         """``num_prefix`` and ``grid`` of :class:`Outputs` for the states ``x``."""
         n = self.num_prefix
-        p = _value_shape(x)[1] - n
+        p = max(_value_shape(x)[1] - n, 0)  # the last block may keep the prefix rows only
         side = math.isqrt(p)
         grid = self.state.settings.grid or ((side, side) if side * side == p else (1, p))
         return {"num_prefix": n, "grid": grid, "num_blocks": len(self.blocks)}
