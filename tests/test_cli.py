@@ -175,3 +175,25 @@ def test_explain_display_option(tmp_path, monkeypatch):
     assert seen["display"] == "bilinear"
     with pytest.raises(SystemExit):
         main(argv + ["--display", "cubic"])
+
+
+@pytest.mark.parametrize("kind", ["multilabel", "contrastive:1,0"])
+def test_explain_target_kinds(tmp_path, capsys, kind):
+    out = tmp_path / "k.png"
+    assert main(["explain", "--model", "random:vit_tiny", "--methods", "gae,token_ixg",
+                 "--target-kind", kind, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG
+    said = capsys.readouterr().out
+    assert ("1 vs 0" in said) if kind.startswith("contrastive") else ("explaining" in said)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--target-kind", "contrastive:1"], "two classes"),
+    (["--target-kind", "contrastive:1,1"], "with itself"),
+    (["--target-kind", "contrastive:1,0", "--target", "1"], "drop --target"),
+    (["--target-kind", "softmax"], "'class', 'multilabel' or 'contrastive:A,B'"),
+])
+def test_explain_target_kind_errors(tmp_path, capsys, argv, message):
+    assert main(["explain", "--model", "random:vit_tiny", "--methods", "gae",
+                 "--out", str(tmp_path / "e.png"), *argv]) == 2
+    assert message in capsys.readouterr().err

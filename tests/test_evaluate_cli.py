@@ -284,3 +284,18 @@ def test_folder_labels_need_class_names(tmp_path, capsys):
     classes.write_text("\n".join(["Dog", "bird", "CAT"] + [f"c{i}" for i in range(7)]) + "\n")
     assert main(argv + ["--classes", str(classes), "--out", str(tmp_path / "o")]) == 0
     assert main(argv[:-2] + ["--out", str(tmp_path / "q")]) == 0  # --target predicted
+
+
+def test_evaluate_target_kinds(tmp_path, capsys):
+    """multilabel: sigmoid probabilities (no accuracy); contrastive: the same contrast in
+    every image, recorded in the config."""
+    for kind in ("multilabel", "contrastive:2,0"):
+        out = tmp_path / kind.replace(":", "_")
+        assert main([*BASE, "--metrics", "deletion", "--target-kind", kind,
+                     "--out", str(out)]) == 0
+        data = json.loads((out / "results.json").read_text())
+        assert data["config"]["target_kind"] == kind
+        assert len(data["results"]["gae"]["deletion"]["per_example"]) == 5
+    assert main([*BASE, "--target-kind", "contrastive:2,0", "--target", "label",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "drop --target label" in capsys.readouterr().err

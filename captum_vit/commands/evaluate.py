@@ -20,6 +20,7 @@ also stored in ``results.json`` and ``results.md``), and its messages on standar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,7 +28,13 @@ from typing import Any
 
 import torch
 
-from captum_vit.commands.options import add_target_embedding_arguments, target_embeddings
+from captum_vit.adapters import adapt, probability_kind
+from captum_vit.commands.options import (
+    add_target_embedding_arguments,
+    add_target_kind_argument,
+    target_embeddings,
+    target_kind,
+)
 from captum_vit.data.specs import SPEC_HELP as DATA_HELP
 from captum_vit.data.specs import load_data
 from captum_vit.metrics import parallel, protocols, report, suite
@@ -36,6 +43,7 @@ from captum_vit.metrics.table import MethodFactory
 from captum_vit.models import SPEC_HELP as MODEL_HELP
 from captum_vit.models import load_model
 from captum_vit.registry import METHODS, canonical_name, method_factory, parse_methods
+from captum_vit.targets import Contrastive
 
 
 def positive_int(text: str) -> int:
@@ -84,6 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=20, help="deletion/insertion steps")
     p.add_argument("--target", default="predicted", choices=suite.TARGETS,
                    help="class explained and used for the perturbation accuracy")
+    add_target_kind_argument(p)
     add_target_embedding_arguments(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
@@ -210,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = suite.parse_metrics(args.metrics, has_masks=data.has_masks)
         factories = {m: method_factory(m, seed=args.seed) for m in methods}
         seconds: dict[str, float] = {}
-        with scoring:
+        with scoring, _target_kind(args, lm, model):
             results = suite.evaluate(model, data, factories, metrics, settings=settings_of(args),
                                      preprocess=lm.preprocess, progress=True, timings=seconds)
         if rank == 0:
@@ -218,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
                       "metrics": metrics, "n": len(data), "batch_size": args.batch_size,
                       "seed": args.seed, "removal": args.removal, "steps": args.steps,
                       "target": args.target, "dtype": args.dtype}
+            if args.target_kind != "class":
+                config["target_kind"] = args.target_kind
             if args.autocast != "none":
                 config["autocast"] = args.autocast
             config.update(subset_config(args, data))
@@ -229,6 +240,27 @@ def run(args: argparse.Namespace) -> int:
             print(report.text_table(results, seconds), end="", flush=True)
             print(f"wrote {args.out}/results.md, results.csv, results.json", file=sys.stderr)
     return 0
+
+
+def _target_kind(args: argparse.Namespace, lm: Any, model: Any
+                 ) -> contextlib.AbstractContextManager:
+    """The scores ``--target-kind`` asks for, in force for the whole evaluation:
+    ``multilabel`` makes probabilities sigmoids of the logits (labels do not compete;
+    top-1 accuracy is then skipped), ``contrastive:A,B`` makes every image's score
+    ``logit_A − logit_B`` (:class:`~captum_vit.targets.Contrastive`)."""
+    kind, pair = target_kind(args.target_kind, lm.class_names, lm.num_classes)
+    if kind == "class":
+        return contextlib.nullcontext()
+    if args.target_embeddings is not None:
+        raise ValueError("--target-kind applies to classifiers; an embedding model is "
+                         "evaluated against --target-embeddings")
+    if kind == "multilabel":
+        return probability_kind("sigmoid")
+    if args.target != "predicted":
+        raise ValueError("--target-kind contrastive:A,B explains the same contrast in every "
+                         "image; drop --target label")
+    assert pair is not None
+    return adapt(model).targeting(Contrastive(*pair))
 
 
 def _run_protocol(args: argparse.Namespace, proto: protocols.Protocol, lm: Any, model: Any,

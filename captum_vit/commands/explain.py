@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -18,8 +19,10 @@ from captum_vit._text import count_noun
 from captum_vit.adapters import adapt, probabilities
 from captum_vit.commands.options import (
     add_target_embedding_arguments,
+    add_target_kind_argument,
     parse_class,
     target_embeddings,
+    target_kind,
 )
 from captum_vit.data.images import conform, read_image
 from captum_vit.metrics.report import ensure_file_location
@@ -35,6 +38,7 @@ from captum_vit.registry import (
     quick_options,
     takes_option,
 )
+from captum_vit.targets import Contrastive, MultiLabel
 
 DEFAULT_MODEL = "zoo:vit_fmnist_loc"
 
@@ -97,6 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="class to explain: an index or a class name of the model, any case "
                         "(e.g. Sneaker), or the row of --target-embeddings (default: the "
                         "predicted class)")
+    add_target_kind_argument(p)
     add_target_embedding_arguments(p)
     p.add_argument("--full", action="store_true",
                    help="run every method at its API defaults instead of the quick settings "
@@ -209,11 +214,23 @@ def run(args: argparse.Namespace) -> int:
     with scoring:
         with torch.no_grad():
             logits = adapt(lm.model).model_logits(x)[0]
-        probs = probabilities(logits[None])[0]
-        target = parse_class(args.target, lm.class_names, probs.shape[0])
+        kind, pair = target_kind(args.target_kind, lm.class_names, logits.shape[-1])
+        if kind != "class" and lm.targets is not None:
+            raise ValueError("--target-kind applies to classifiers; an embedding model is "
+                             "explained against --target-embeddings")
+        probs = logits.sigmoid() if kind == "multilabel" else probabilities(logits[None])[0]
+        if pair is not None and args.target is not None:
+            raise ValueError("--target-kind contrastive:A,B names the classes; drop --target")
+        target = pair[0] if pair is not None else parse_class(args.target, lm.class_names,
+                                                              probs.shape[0])
         target = int(probs.argmax()) if target is None else target
+        explained: Any = target
+        if kind == "multilabel":
+            explained = MultiLabel(target)
+        elif pair is not None:
+            explained = Contrastive(*pair)
         maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
-                    x, target=target, output="grid", **options[name])
+                    x, target=explained, output="grid", **options[name])
                 for name in tqdm(names, desc="methods", file=sys.stderr)}
     scale = float(logits.detach().abs().max())
     flat = [n for n, z in viz.near_zero(maps, reference=scale).items() if bool(z[0])]
@@ -225,7 +242,16 @@ def run(args: argparse.Namespace) -> int:
     viz.plot_grid(shown[None], maps, path=out, display=args.display,
                   groups={n: FAMILIES[family[n]] for n in names}, reference=scale,
                   note=settings_note(options, args.full),
-                  row_titles=[viz.prediction_title(probs, target, lm.class_names, sep="\n")])
+                  row_titles=[_title(probs, target, lm.class_names, pair, "\n")])
     count = count_noun(len(maps), "method")
-    print(f"wrote {out}: {count}, {viz.prediction_title(probs, target, lm.class_names)}")
+    print(f"wrote {out}: {count}, {_title(probs, target, lm.class_names, pair, ' ')}")
     return 0
+
+
+def _title(probs: torch.Tensor, target: int, names: Any, pair: tuple[int, int] | None,
+           sep: str) -> str:
+    """The figure's row title: the explained class (and its probability), or "A vs B"."""
+    if pair is None:
+        return viz.prediction_title(probs, target, names, sep=sep)
+    a, b = (str(names[c]) if names else str(c) for c in pair)
+    return f"{a}{sep}vs {b}"

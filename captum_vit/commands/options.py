@@ -133,3 +133,45 @@ def target_embeddings(args: argparse.Namespace) -> Any:
     return EmbeddingTarget(read_target_embeddings(args.target_embeddings),
                            similarity=args.similarity, scale=args.embedding_scale,
                            bias=args.embedding_bias)
+
+
+TARGET_KIND_HELP = ("what is explained: 'class' (default: the class's logit, softmax "
+                    "probabilities), 'multilabel' (the class's logit with sigmoid "
+                    "probabilities: labels do not compete) or 'contrastive:A,B' (logit of A "
+                    "minus logit of B; A and B class indices or names)")
+
+
+def add_target_kind_argument(p: argparse.ArgumentParser) -> None:
+    """``--target-kind`` (:func:`target_kind`)."""
+    p.add_argument("--target-kind", default="class", metavar="KIND", help=TARGET_KIND_HELP)
+
+
+def target_kind(value: str, class_names: Sequence[str] | None, num_classes: int
+                ) -> tuple[str, tuple[int, int] | None]:
+    """Parse ``--target-kind``: ``("class", None)``, ``("multilabel", None)`` or
+    ``("contrastive", (a, b))``.
+
+    Raises:
+        ValueError: another kind, or a contrast without two distinct classes.
+
+    Examples::
+
+        >>> target_kind("contrastive:Sneaker,0", ["T-shirt/top", "Sneaker"], 2)
+        ('contrastive', (1, 0))
+    """
+    kind, _, rest = str(value).strip().partition(":")
+    kind = kind.strip().lower().replace("-", "")
+    if kind in ("class", "multilabel") and not rest:
+        return kind, None
+    if kind == "contrastive":
+        parts = [s for s in rest.split(",") if s.strip()]
+        if len(parts) != 2:
+            raise ValueError(f"--target-kind contrastive needs two classes, "
+                             f"'contrastive:A,B'; got {value!r}")
+        a, b = (parse_class(s, class_names, num_classes, option="--target-kind")
+                for s in parts)
+        if a == b:
+            raise ValueError(f"--target-kind {value!r} contrasts a class with itself")
+        return kind, (int(a), int(b))  # type: ignore[arg-type]
+    raise ValueError(f"--target-kind must be 'class', 'multilabel' or 'contrastive:A,B'; "
+                     f"got {value!r}")
