@@ -473,7 +473,7 @@ class ViTFront:
 
     def _block_sum(self, p: Prepared, target: Target, layers: tuple[int, ...],
                    kwargs: dict[str, Any]) -> Tensor:
-        r"""A target reading several block outputs (SPEC_REACH §10.2): the sum over the
+        r"""A target reading several block outputs (:mod:`captum_vit.targets`): the sum over the
         read blocks ``l`` of the method's map for the single-block score
         ``⟨x_l, g_l⟩``, ``g_l = ∂s/∂x_l`` the score's own gradient at that block's output
         (the partial derivative, the other read blocks held fixed). By the chain rule the
@@ -626,7 +626,7 @@ def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
 
 
 def _read_rows(tr: Trace, dt: torch.dtype) -> Tensor:
-    r"""Readout weights of a target that reads token rows ``z`` (SPEC_REACH §10.2; our
+    r"""Readout weights of a target that reads token rows ``z`` (our
     choice): with the score's gradient (gradient-weighted methods, after
     :func:`gradients_with_pool`) the positive input×gradient relevance of each row,
     :math:`w_i = \mathrm{ReLU}(⟨z_i, ∂s/∂z_i⟩) / \sum_j \mathrm{ReLU}(⟨z_j, ∂s/∂z_j⟩)`

@@ -548,11 +548,11 @@ class ViTAdapter(abc.ABC):
 
     def _target_columns(self, x: Any, ops: Ops, record: Trace | None, h: HeadParts,
                         target: Target) -> Any:
-        """The target's columns ``[n, K]`` on the last state ``x`` (SPEC_REACH §10.1).
+        """The target's columns ``[n, K]`` on the last state ``x`` (:mod:`captum_vit.targets`).
 
         The target runs on plain tensors (its own code). Under a rule set whose values
         are not tensors (DecompX's decomposition) a token-reading target is linearised at
-        the states it reads, ``Σ_i ⟨z_i, ∂s/∂z_i⟩`` per column (SPEC_REACH §10.2: the
+        the states it reads, ``Σ_i ⟨z_i, ∂s/∂z_i⟩`` per column (the
         decomposition is complete through the target only where it is linear)."""
         layers = target.readout_layers(len(self.blocks))
         lay = self._outputs_layout(x)
@@ -698,7 +698,7 @@ class ViTAdapter(abc.ABC):
 
     def check_token_removal(self) -> None:
         """Refuse true token removal under a target that reads token rows: removing
-        tokens changes the rows it reads (SPEC_REACH §10.2).
+        tokens changes the rows it reads (:mod:`captum_vit.targets`).
 
         Raises:
             ValueError: naming the target and the pixel removal that serves it.
@@ -808,7 +808,7 @@ class ViTAdapter(abc.ABC):
 
     def target_layout(self, layout: Layout) -> Layout:
         """``layout`` under the target in force: a target reading token rows through
-        code of its own reads out ``"rows"`` (SPEC_REACH §10.2)."""
+        code of its own reads out ``"rows"`` (:mod:`captum_vit.targets`)."""
         target = self.score_target
         if target is None or not (target.reads_tokens or target.blocks is not None):
             return layout

@@ -49,7 +49,7 @@ class Layout:
             ``w = α e_0 + (1 − α) u_P``, see ``alpha``) or ``"map"`` (an attention-pool
             head, :class:`PoolParts`: the weights come from the pool's attention of each
             image, :func:`captum_vit._base.readout_rows`) or ``"rows"`` (a target that
-            reads token rows through code of its own, SPEC_REACH §10.2: uniform over
+            reads token rows through code of its own, :mod:`captum_vit.targets`: uniform over
             ``rows`` for the gradient-free methods, the rows' input×gradient relevance
             for the others).
         num_blocks (int): ``L``.

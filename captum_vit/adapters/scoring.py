@@ -119,7 +119,7 @@ class TargetHead:
 
 @dataclass
 class Outputs:
-    r"""What a :class:`Target` may read of one forward pass (SPEC_REACH §10.1), built by
+    r"""What a :class:`Target` may read of one forward pass (:mod:`captum_vit.targets`), built by
     the adapter from its canonical forward; a target never touches the model's modules.
 
     Attributes:
@@ -165,7 +165,7 @@ class Outputs:
 
 class Target:
     r"""The target protocol: any differentiable scalar of the model, per image
-    (SPEC_REACH §10.1). Subclass it, or pass a plain callable ``f(logits) -> [B]``.
+    (:mod:`captum_vit.targets`). Subclass it, or pass a plain callable ``f(logits) -> [B]``.
 
     A target computes ``K`` candidate scores per forward row (:meth:`columns`) and picks
     one column per image (:meth:`index`): a class per image is a column of the logits,
@@ -181,7 +181,7 @@ class Target:
       (``l`` in ``[1, L]``; negative counts from the end as in Hugging Face's
       ``hidden_states``, ``-1`` = ``x_L``); ``None`` = the model's output.
     - ``reads_tokens`` (bool): the score reads token rows through code of its own (not
-      only the model's logits): the matrix methods then weigh the rows by §10.2's rule,
+      only the model's logits): the matrix methods then weigh the rows by their readout rule,
       and true token removal is refused.
     - ``rows`` (sequence of int, or None): the rows the score reads, for the gradient-
       free matrix methods' uniform weights (default: the patch rows).

@@ -54,7 +54,7 @@ class Trace:
     read: list[Tensor] | None = None
     """A target reading token rows (:class:`~captum_vit.adapters.scoring.Target`): the
     states ``z`` it read, in the graph (the final-normed tokens, or ``x_l``), for the
-    readout weights of SPEC_REACH §10.2."""
+    readout weights of :func:`captum_vit._base.readout_rows`."""
     read_grad: list[Tensor] | None = None
     """``∂s/∂z`` of :attr:`read` (set by :func:`captum_vit._base.gradients_with_pool`)."""
 

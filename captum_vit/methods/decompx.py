@@ -22,6 +22,12 @@ numbered D1-D6 and the code cites them:
 - D5 Residual / LayerScale: component-wise.
 - D6 Pooling and head: the readout row (the CLS row, or the mean of the patch rows;
   :meth:`~captum_vit.adapters.Layout.readout_weights`), then the classifier (D2).
+- D7 A target of the user's own (:mod:`captum_vit.targets`): the
+  decomposition stops at the states ``z`` the target reads (the final-normed tokens or block
+  outputs) and the score is linearised there, every source contributing
+  ``Σ_i ⟨z_i^(j), ∂s/∂z_i⟩``. Complete for a head linear in ``z``; otherwise the sum of the
+  contributions is ``⟨z, ∂s/∂z⟩`` and its difference from ``s`` is the completeness error
+  :meth:`DecompX.decompose` reports in ``logit`` (the linearised score). Both routes agree.
 
 Two routes give the same numbers: ``"explicit"`` carries the components through the
 adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token

@@ -1,4 +1,4 @@
-"""Targets: what a method explains (SPEC_REACH §10).
+"""Targets: what a method explains.
 
 ``target=`` of every method and metric takes class indices (a classifier), target
 vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding), a

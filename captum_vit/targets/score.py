@@ -1,4 +1,4 @@
-"""Ready-made targets: any differentiable scalar of the model (SPEC_REACH §10.1).
+"""Ready-made targets: any differentiable scalar of the model (:mod:`captum_vit.targets`).
 
 Every method and metric of the package takes one as ``target=``; the adapter builds the
 :class:`~captum_vit.adapters.scoring.Outputs` a target reads from its canonical forward,
@@ -10,10 +10,10 @@ so a target never touches the model's modules. What each target asks of the meth
 - targets that read token rows through code of their own (:class:`TokenTarget`,
   :class:`HeadTarget`) make the matrix methods weigh the read rows by their positive
   input×gradient relevance (gradient-weighted methods) or uniformly (gradient-free ones),
-  §10.2; true token removal (TIS's and the metrics' default) changes the rows such a target
+  our choice; true token removal (TIS's and the metrics' default) changes the rows such a target
   reads and is refused, with the pixel removal as the fix;
 - a target reading several blocks is explained as the sum of one single-block readout
-  per block, each with the gradient of the score at that block's output (§10.2).
+  per block, each with the gradient of the score at that block's output.
 """
 
 from __future__ import annotations
