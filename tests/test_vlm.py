@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from captum_vit.adapters import adapt
+from captum_vit.methods.gradsam import GradSAM
+from captum_vit.methods.scorecam import ScoreCAM
+from captum_vit.methods.vanilla import AttnGrad
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import VLMAnswer
 from tests.helpers import assert_unchanged, snapshot
@@ -184,27 +187,16 @@ def test_feature_layer_lists_full_strategy_and_own_merge():
 # sub-networks ending at the model's output).
 REFUSED = ("tis",)
 REFUSED_BLOCKS = ("fullgrad_plus", "skip_fullgrad_plus", "plus:", "skipplus:")  # LLaVA only
-# Fail inside the methods for targets reading an intermediate block (TokenTarget(...,
-# blocks=) too): core bugs reported, not VLMAnswer's.
-BLOCK_BUGS = ("attn_grad", "gradsam", "scorecam")
 FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16, "score": "logit"},
         "vit_cx": {"score": "logit"}, "bt_h": {"n_steps": 3, "start_layer": 1},
         "bt_t": {"n_steps": 3, "start_layer": 1}, "tam": {"n_steps": 3, "start_layer": 0}}
 
 
-def method_cases() -> list:
-    cases = []
-    for family in ("llava", "paligemma"):
-        for name in available_methods(compositions=True, baselines=False):
-            marks = ()
-            if family == "llava" and name in BLOCK_BUGS:
-                marks = pytest.mark.xfail(raises=(IndexError, KeyError, ValueError),
-                                          strict=True, reason="core: intermediate-block targets")
-            cases.append(pytest.param(name, family, marks=marks))
-    return cases
+CASES = [(name, family) for family in ("llava", "paligemma")
+         for name in available_methods(compositions=True, baselines=False)]
 
 
-@pytest.mark.parametrize(("name", "family"), method_cases())
+@pytest.mark.parametrize(("name", "family"), CASES)
 def test_every_method_explains_the_answer_and_leaves_the_vlm_unchanged(name, family):
     model = model_of(family)
     tower = VLMAnswer.tower(model)
@@ -224,6 +216,19 @@ def test_every_method_explains_the_answer_and_leaves_the_vlm_unchanged(name, fam
         # model (the method's own answer): the other image must still get a map
         assert varies.any() if name == "attn_gradcam" else varies.all(), f"{name}: constant"
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize(("cls", "explicit"), [
+    (AttnGrad, {"layer": 1}), (GradSAM, {"layers": [0, 1]}), (ScoreCAM, {"layer": 1})])
+def test_default_layers_end_at_the_block_the_answer_reads(cls, explicit):
+    """LLaVA reads x_2 of the 3-block tower: a method's default last block (all blocks)
+    is block 1 (blocks 0 and 1) under VLMAnswer, not the tower's last."""
+    model = model_of("llava")
+    tower = VLMAnswer.tower(model)
+    target = VLMAnswer(model, prompt(5, 7), torch.tensor([11, 12]))
+    got = cls(tower).attribute(images(), target=target)
+    close(got, cls(tower, **explicit).attribute(images(), target=target))
+    assert got.flatten(1).std(1).min() > 0
 
 
 def test_clear_errors():

@@ -65,6 +65,7 @@ class GradSAM(ScoredAttribution):
         super().__init__(model)
         num = self.adapter.num_blocks
         self.layers = tuple(range(num)) if layers is None else check_layers(layers, num)
+        self._all = layers is None  # every block in force at each call (Target.blocks)
         self.average = average
         self._genatt = GAE(self.adapter)  # same adapter: GenAtt's rows come from GAE
 
@@ -79,6 +80,7 @@ class GradSAM(ScoredAttribution):
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
         # GenAtt's per-layer readout rows, GAE's "layer" aggregate (see the class docstring)
-        rows = self._genatt.plus_maps(inputs, target, self.layers, aggregate="layer",
+        layers = tuple(range(self.adapter.num_blocks)) if self._all else self.layers
+        rows = self._genatt.plus_maps(inputs, target, layers, aggregate="layer",
                                      score=score)
         return rows.mean(0) if self.average else rows.sum(0)

@@ -198,6 +198,8 @@ class ScoreCAM(ViTPerturbationAttribution):
                  at: str = "residual") -> None:
         super().__init__(model)
         self.layer = block_layer("layer", layer, self.adapter.num_blocks)
+        self._last = layer is None  # the last block in force at each call (a target may end
+        # the model at an earlier block: Target.blocks)
         self.relu = check_scalar(relu, "relu", bool)
         self.batch_size = check_scalar(batch_size, "batch_size", int, min_val=1)
         self.removal = check_choice("removal", removal, REMOVALS)
@@ -246,19 +248,20 @@ class ScoreCAM(ViTPerturbationAttribution):
                     score: str = "probability", max_channels: int | None = None,
                     **_: Any) -> Tensor:
         adapter, k = self.adapter, self.adapter.num_prefix
+        layer = adapter.num_blocks - 1 if self._last else self.layer
         layout = adapter.layout(inputs)
         dt = accumulation_dtype(inputs)
         with torch.no_grad():
             ops = FusedOps()
             x0 = adapter.embed(inputs)
-            x = adapter.run(x0, 0, self.layer, ops=ops)  # X = x_l
+            x = adapter.run(x0, 0, layer, ops=ops)  # X = x_l
             if self.at == "norm1":  # X = LN1(x_l), recorded by block l itself
                 rec: list[BlockRecord] = []
-                out = adapter.block(x, self.layer, ops, rec)
+                out = adapter.block(x, layer, ops, rec)
                 x = rec[0].u
-                logits = adapter.run(out, self.layer + 1, ops=ops)  # the clean forward
+                logits = adapter.run(out, layer + 1, ops=ops)  # the clean forward
             else:
-                logits = adapter.run(x, self.layer, ops=ops)  # the clean forward
+                logits = adapter.run(x, layer, ops=ops)  # the clean forward
         t = resolve_target(target, logits)
         x = x.to(dt)
         if max_channels is not None and max_channels < x.shape[-1]:

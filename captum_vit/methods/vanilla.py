@@ -169,6 +169,7 @@ class AttnGrad(ScoredAttribution):
         super().__init__(model)
         num = self.adapter.num_blocks
         self.layer = num - 1 if layer is None else check_layer("layer", layer, num)
+        self._last = layer is None  # the last block in force at each call (Target.blocks)
 
     examples_doc = r"""
         >>> from captum_vit.methods.vanilla import AttnGrad
@@ -180,7 +181,7 @@ class AttnGrad(ScoredAttribution):
                     **_: Any) -> Tensor:
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.logits)
-        attn = tr.blocks[self.layer].attn
+        attn = tr.blocks[len(tr.blocks) - 1 if self._last else self.layer].attn
         (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
                                                  [attn])
         dt = accumulation_dtype(attn)
