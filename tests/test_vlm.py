@@ -1,4 +1,4 @@
-"""VLMAnswer (SPEC_REACH §10.6): a vision-language model's answer explained on its vision
+"""VLMAnswer: a vision-language model's answer explained on its vision
 tower, on tiny random LLaVA (CLIP tower + Llama) and PaliGemma (SigLIP tower + Gemma)
 models built from configs; ids are given, no tokenizer."""
 

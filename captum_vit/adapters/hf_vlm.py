@@ -1,5 +1,5 @@
-"""Hugging Face vision-language models whose answers are explained on their vision tower
-(SPEC_REACH §10.6): ``LlavaForConditionalGeneration`` (CLIP tower) and
+"""Hugging Face vision-language models whose answers are explained on their vision
+tower: ``LlavaForConditionalGeneration`` (CLIP tower) and
 ``PaliGemmaForConditionalGeneration`` (SigLIP tower).
 
 The methods explain the vision tower (:mod:`captum_vit.adapters.hf_clip` runs it); the

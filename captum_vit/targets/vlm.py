@@ -1,5 +1,5 @@
-"""A vision-language model's answer as the target of a map of its vision tower
-(SPEC_REACH §10.6)."""
+"""A vision-language model's answer as the target of a map of its vision tower (the
+model side: :mod:`captum_vit.adapters.hf_vlm`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class VLMAnswer(Target):
     Any method explains the **vision tower** (``VLMAnswer.tower(model)``; a Hugging Face
     CLIP or SigLIP vision model); this target continues from the tower's token states as
     the VLM does and runs the rest of the model as it is, with teacher forcing on the
-    answer (SPEC_REACH §10.6):
+    answer:
 
     - ``LlavaForConditionalGeneration``: the tower's ``hidden_states`` at
       ``config.vision_feature_layer`` (default ``-2``: the output of the last block but
@@ -49,8 +49,11 @@ class VLMAnswer(Target):
     summed. The score reads token rows through the model's code, so the matrix methods
     weigh the rows by their input×gradient relevance (gradient-weighted methods) or
     uniformly over the rows the VLM reads (gradient-free methods: the patch rows, the
-    class token too under ``"full"``), SPEC_REACH §10.2; true token removal is refused
-    (remove pixels instead).
+    class token too under ``"full"``), as for :class:`TokenTarget`; true token removal is
+    refused (remove pixels instead). A method's ``score="probability"`` (RISE's, ViT-CX's,
+    ScoreCAM's default) is the sigmoid of the score, ``p / (1 + p)`` for the answer's
+    probability ``p``: close to ``p`` and tiny for long answers; pass ``score="logit"``
+    to explain the log-probability itself.
 
     Per-image prompts: with one prompt (``[T]`` or ``[1, T]``) and one answer, every
     forward row is scored against it (one column). With ``B`` prompts or answers (one per
