@@ -261,6 +261,24 @@ def test_clear_errors():
         build_method("gae", other).attribute(images(), target=VLMAnswer(model, ids, [4]))
 
 
+def test_a_processors_output_gives_the_prompts():
+    """The mapping a processor returns: its input_ids and attention_mask are read; tiled
+    images under pixel_key are refused."""
+    model = model_of("llava")
+    x = images()
+    ids = prompt(5, 7)[None].expand(2, -1)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": x}
+    answer = torch.tensor([11, 12])
+    close(scores(model, x, VLMAnswer(model, batch, answer)),
+          scores(model, x, VLMAnswer(model, ids, answer)), tol=0)
+    with pytest.raises(ValueError, match="tiled images"):
+        VLMAnswer(model, {**batch, "images": x[:, None]}, answer, pixel_key="images")
+    with pytest.raises(ValueError, match="without 'input_ids'"):
+        VLMAnswer(model, {"pixel_values": x}, answer)
+    with pytest.raises(TypeError, match="pixel_key must be a str"):
+        VLMAnswer(model, ids, answer, pixel_key=0)
+
+
 def test_tiled_llava_next_is_refused_by_name():
     vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=4,

@@ -78,15 +78,17 @@ class VLMAnswer(Target):
             ``labels``).
         pixel_key (str, optional): the key of the images in a processor's output; when
             ``input_ids`` is that output (a mapping), its ``input_ids`` and
-            ``attention_mask`` are read and the images under ``pixel_key`` are what the
-            method explains (pass them as its inputs). Default ``"pixel_values"``.
+            ``attention_mask`` are read, and the images under ``pixel_key`` (what the
+            method explains: pass them as its inputs) must be ``[B, C, H, W]``, not
+            tiled. Default ``"pixel_values"``.
         attention_mask (Tensor, optional): ``[B, T]`` (1 = token, 0 = padding) of the
             prompts; default all ones.
 
     Raises:
         TypeError: ``model`` is not a supported VLM (LLaVA-NeXT and other VLMs that tile
             an image into crops are refused by name), or ids are not integer tensors.
-        ValueError: an empty answer, ``-100`` before an answer's last scored token,
+        ValueError: an empty answer, ``-100`` before an answer's last scored token, tiled
+            images in a processor's output,
             prompts and answers of different batch sizes, a prompt whose image tokens do
             not match the tower's features, or tower states of another model.
 
@@ -116,6 +118,11 @@ class VLMAnswer(Target):
             if "input_ids" not in batch:
                 raise ValueError("input_ids is a mapping without 'input_ids'; pass the "
                                  "processor's output or the ids themselves")
+            pixels = batch.get(pixel_key)
+            if isinstance(pixels, Tensor) and pixels.dim() != 4:
+                raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)}: tiled images "
+                                 "(one image as several crops) are not supported; give "
+                                 "[B, C, H, W] images")
             if attention_mask is None:
                 attention_mask = batch.get("attention_mask")
             input_ids = batch["input_ids"]
