@@ -161,9 +161,8 @@ def vlm_parts(model: Any) -> VLMParts:
     tower = _part(model, "vision_tower")
     params = inspect.signature(model.forward).parameters
     merge = "model" if "mm_encoder_outputs" in params else "embeds"
-    image_token_id = int(getattr(cfg, "image_token_id", None)
-                         if getattr(cfg, "image_token_id", None) is not None
-                         else cfg.image_token_index)
+    image_token_id = getattr(cfg, "image_token_id", None)
+    image_token_id = int(cfg.image_token_index if image_token_id is None else image_token_id)
     if name.startswith("Llava"):
         layer = cfg.vision_feature_layer
         layers = (int(layer),) if isinstance(layer, int) else tuple(int(v) for v in layer)
