@@ -14,7 +14,12 @@ embedding inside :meth:`ViTAdapter.targeting`.
 - **SigLIP**: no prefix token (K = 0); tanh-GELU MLPs; ``post_layernorm`` on every token,
   then the attention-pool head ``SiglipMultiheadAttentionPoolingHead`` (``probe`` attends
   over all tokens through ``nn.MultiheadAttention``, whose ``in_proj_weight`` rows are
-  ``[q; k; v]``; ``o + mlp(layernorm(o))``): the embedding is ``pooler_output``.
+  ``[q; k; v]``; ``o + mlp(layernorm(o))``): the embedding is ``pooler_output``. A tower
+  without the head (``vision_use_head=False``, PaliGemma's) outputs its final-normed tokens
+  only (``last_hidden_state``): their patch mean stands for its embedding (our choice);
+  :class:`~captum_vit.targets.VLMAnswer` reads the tokens themselves.
+- The towers inside LLaVA (``CLIPVisionModel``) and PaliGemma (``SiglipVisionModel``)
+  are these classes: explain them as they are (``model.model.vision_tower``).
 
 Both transformers layouts are read: transformers 5 puts ``embeddings``/``encoder``/
 ``post_layernorm`` on the model itself (``CLIPVisionModelWithProjection.vision_model`` is
@@ -95,11 +100,14 @@ class HFEmbeddingAdapter(HFViTAdapter):
         if self.siglip:
             head = getattr(self.backbone, "head", None)
             if head is None or not getattr(self.backbone, "use_head", True):
-                raise TypeError(f"{name} has no pooling head (vision_use_head=False), so it "
-                                "outputs no image embedding to explain")
-            self.readout = "map"
-            self.head = HeadParts(norm, None, (("map", None, None),),
-                                  attn_pool=_siglip_pool(head, f"{name}.head"))
+                # PaliGemma's tower (vision_use_head=False): no embedding of its own; the
+                # patch mean of its final-normed tokens stands for one (our choice)
+                self.readout = "avg"
+                self.head = HeadParts(norm, None, (("avg", None, None),))
+            else:
+                self.readout = "map"
+                self.head = HeadParts(norm, None, (("map", None, None),),
+                                      attn_pool=_siglip_pool(head, f"{name}.head"))
         else:
             self.readout = "token"
             proj = getattr(model, "visual_projection", None)
@@ -138,6 +146,8 @@ class HFEmbeddingAdapter(HFViTAdapter):
             return out if isinstance(out, Tensor) else out.pooler_output
         out = self.model(pixel_values=inputs, **kw)
         emb = getattr(out, "image_embeds", None)
+        if emb is None and out.pooler_output is None:  # a head-less SigLIP tower
+            return out.last_hidden_state.mean(1)
         return out.pooler_output if emb is None else emb
 
     @property

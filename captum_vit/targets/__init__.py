@@ -3,8 +3,8 @@
 ``target=`` of every method and metric takes class indices (a classifier), target
 vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding), a
 :class:`Target` (any differentiable scalar of the model: :class:`ClassTarget`,
-:class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`, or
-a subclass of your own) or a plain callable on the logits.
+:class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`,
+:class:`VLMAnswer`, or a subclass of your own) or a plain callable on the logits.
 """
 
 from captum_vit.adapters.scoring import Outputs, Target, per_image
@@ -26,10 +26,11 @@ from captum_vit.targets.score import (
     TokenTarget,
     as_target,
 )
+from captum_vit.targets.vlm import VLMAnswer
 
 __all__ = [
     "CLASS_SCORES", "SIMILARITIES", "CallableTarget", "ClassTarget", "Contrastive",
-    "EmbeddingTarget", "HeadTarget", "MultiLabel", "Outputs", "Target", "TokenTarget",
+    "EmbeddingTarget", "HeadTarget", "MultiLabel", "Outputs", "Target", "TokenTarget", "VLMAnswer",
     "as_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]
