@@ -48,6 +48,7 @@ from captum_vit.adapters.base import (
 )
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
+from captum_vit.adapters.hf_yolos import HFYolosAdapter, is_hf_yolos
 from captum_vit.adapters.layout import (
     GRID_MODES,
     READOUTS,
@@ -120,6 +121,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_eva, TimmEvaAdapter),
     (is_hf_vit, HFViTAdapter),
     (is_hf_embedding, HFEmbeddingAdapter),
+    (is_hf_yolos, HFYolosAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
@@ -130,7 +132,9 @@ SUPPORTED = (
     "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
-    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, and "
+    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, "
+    "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
+    "DetectionTarget), and "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
     "not conv_stem_configs)"
 )
@@ -324,7 +328,8 @@ __all__ = [
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFEmbeddingAdapter",
-    "HFViTAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout", "NormParts", "Ops",
+    "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout",
+    "NormParts", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",
