@@ -1,5 +1,4 @@
-"""Adapter for Hugging Face transformers' YOLOS detector (``YolosForObjectDetection``,
-SPEC_REACH §10.5).
+"""Adapter for Hugging Face transformers' YOLOS detector (``YolosForObjectDetection``).
 
 YOLOS (Fang et al., NeurIPS 2021) is a DeiT-style pre-LN ViT whose sequence is
 ``[CLS, patches, det_1 … det_K]``: ``config.num_detection_tokens`` learned detection

@@ -1,4 +1,4 @@
-"""Detection targets: one detection token of a detector (YOLOS, SPEC_REACH §10.5).
+"""Detection targets: one detection token of a detector (YOLOS; Fang et al., NeurIPS 2021).
 
 A detector scores each of its ``K`` detection tokens ("queries"): ``C + 1`` class logits
 (the last one "no object") and a box. The adapter of a detection model exposes them to
@@ -63,7 +63,7 @@ class _Resolved:
 
 
 class DetectionTarget(Target):
-    r"""One detection of a detector (YOLOS, SPEC_REACH §10.5): the class logit of a
+    r"""One detection of a detector (YOLOS): the class logit of a
     detection token, or the error of its box.
 
     The score of each image is read on one detection token ``q`` (its *query*):
@@ -88,9 +88,9 @@ class DetectionTarget(Target):
     gradient-free ones (Rollout, raw attention, GlobEnc, ALTI) read out the chosen rows
     (``rows``: the union of the batch's chosen rows, one row when the batch explains
     one query), the gradient-weighted ones the positive input×gradient relevance of the
-    rows, which the detection heads make ``e_query`` (SPEC_REACH §10.2). True token
-    removal keeps every detection token (they are prefix rows of the canonical form), so
-    TIS and the removal metrics remove tokens as for a classifier.
+    rows, which the detection heads make ``e_query`` (:func:`captum_vit._base.readout_rows`).
+    True token removal keeps every detection token (they are prefix rows of the canonical
+    form), so TIS and the removal metrics remove tokens as for a classifier.
 
     Args:
         query (int, list of int, Tensor or str, optional): the detection token of every
