@@ -14,6 +14,7 @@ from captum.attr import NoiseTunnel
 
 from captum_vit import GAE
 from captum_vit.adapters import HFYolosAdapter, adapt
+from captum_vit.metrics.faithfulness import deletion
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import DetectionTarget
 from tests.helpers import (
@@ -242,6 +243,19 @@ def test_token_removal_keeps_every_detection_row():
         logits = model.class_labels_classifier(h[:, -k:])
     expected = logits[torch.arange(2)[:, None], torch.tensor([0, 2]), torch.tensor([1, 3])]
     assert_close_scaled(cols, expected)
+
+
+def test_removal_metric_scores_the_chosen_detection():
+    """A removal metric (true token removal by default) under a DetectionTarget: the
+    unperturbed point of the deletion curve is the probability (sigmoid) of the model's
+    own logit of each image's query and label."""
+    model = make_yolos()
+    x = images()
+    result = deletion(model, x, GAE(model), target=DetectionTarget([0, 2], label=[1, 3]))
+    with torch.no_grad():
+        z = model(pixel_values=x).logits
+    assert_close_scaled(result.curves[:, 0], torch.stack([z[0, 0, 1], z[1, 2, 3]]).sigmoid())
+    assert torch.isfinite(result.curves).all()
 
 
 def test_noise_tunnel_expands_the_detection_target():
