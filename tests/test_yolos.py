@@ -106,6 +106,9 @@ def test_detection_target_scores_are_the_models_outputs():
     top = prob[:, 1, :-1].argmax(-1)  # query 1's most probable object class
     cases.append((DetectionTarget(1), ref.logits[torch.arange(2), 1, top]))
     box = torch.tensor([[0.5, 0.4, 0.2, 0.3], [0.1, 0.9, 0.5, 0.5]], dtype=torch.float64)
+    cases.append((DetectionTarget(2, label=0, score="probability"), prob[:, 2, 0]))
+    cases.append((DetectionTarget(2, label=[0, 4], score="log_probability"),
+                  ref.logits.log_softmax(-1)[torch.arange(2), 2, torch.tensor([0, 4])]))
     cases.append((DetectionTarget(0, box=box),
                   -(ref.pred_boxes[:, 0] - box).abs().sum(-1)))
     for target, expected in cases:
@@ -291,6 +294,10 @@ def test_detection_target_errors():
         DetectionTarget(0.5)
     with pytest.raises(ValueError, match="box must be"):
         DetectionTarget(0, box=[0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="score must be one of"):
+        DetectionTarget(0, 1, score="sigmoid")
+    with pytest.raises(ValueError, match="leave score='logit'"):
+        DetectionTarget(0, box=[0.5, 0.5, 0.1, 0.1], score="probability")
     with pytest.raises(ValueError, match="same number of entries"):
         DetectionTarget([0, 1], label=[1, 2, 3])
     with pytest.raises(ValueError, match=r"query must be in \[0, 3\)"):
@@ -303,3 +310,27 @@ def test_detection_target_errors():
         GAE(make_hf_model("hf_vit")).attribute(
             torch.randn(1, 3, 32, 32, dtype=torch.float64), target=DetectionTarget(0, 1))
     assert ad.num_prefix == 4  # nothing above changed the adapter
+
+
+def test_parameter_stages_and_the_pixel_embedding():
+    """The randomisation stages hold every parameter but the embedding's exactly once
+    (head first: final norm and both MLPs); ``embed(x, ops)`` has the model's values and
+    routes the pixel gradient through the patch projection exactly as autograd does."""
+    from captum_vit.adapters import Ops
+
+    model = make_yolos()
+    ad = adapt(model)
+    stages = ad.parameter_stages()
+    ids = [id(p) for stage in stages for p in stage]
+    assert len(ids) == len(set(ids))
+    embedding = {id(p) for p in model.vit.embeddings.parameters()}
+    assert set(ids) | embedding == {id(p) for p in model.parameters()}
+    assert not set(ids) & embedding
+    assert {id(p) for p in model.bbox_predictor.parameters()} <= {id(p) for p in stages[0]}
+    x = images().requires_grad_()
+    w = torch.randn(2, 28, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    a = ad.embed(x, Ops())
+    assert_close_scaled(a, ad.embed(x))
+    (g_ops,) = torch.autograd.grad((a * w).sum(), x)
+    (g_ref,) = torch.autograd.grad((ad.embed(x) * w).sum(), x)
+    assert_close_scaled(g_ops, g_ref)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.targets.score import CLASS_SCORES
 
 Indices = int | Sequence[int] | Tensor
 
@@ -68,8 +69,9 @@ class DetectionTarget(Target):
 
     The score of each image is read on one detection token ``q`` (its *query*):
 
-    - ``box=None``: the class logit ``z_{q, label}`` (before the softmax over the
-      ``C + 1`` classes of the token);
+    - ``box=None``: the class logit ``z_{q, label}``, or with ``score`` its probability
+      or log-probability (softmax over the token's ``C + 1`` classes, "no object"
+      included, as the model's post-processing reads it);
     - ``box=b``: :math:`-\lVert \hat b_q - b \rVert_1`, minus the L1 error of the
       token's predicted box ``(cx, cy, w, h)`` (normalised to ``[0, 1]``) to ``b``; a
       second score on the same token row (high where the box fits).
@@ -102,6 +104,11 @@ class DetectionTarget(Target):
         box (sequence of 4 floats or Tensor, optional): the reference box ``(cx, cy, w,
             h)`` in ``[0, 1]``, ``[4]`` or ``[B, 4]``; ``None``: the class logit is the
             score.
+        score (str, optional): the class score: ``"logit"`` (default),
+            ``"probability"`` or ``"log_probability"`` (over the token's classes). A
+            method's own ``score="probability"`` is the sigmoid of this score (the
+            columns are independent detections, not competing classes): leave it at
+            ``"logit"`` and ask here.
 
     Raises:
         TypeError: ``query`` or ``label`` of another type. ValueError: an unknown
@@ -121,7 +128,15 @@ class DetectionTarget(Target):
     """It reads detection rows only, which true token removal keeps."""
 
     def __init__(self, query: Indices | str = "best", label: Indices | None = None,
-                 box: Sequence[float] | Tensor | None = None) -> None:
+                 box: Sequence[float] | Tensor | None = None, *, score: str = "logit"
+                 ) -> None:
+        if score not in CLASS_SCORES:
+            raise ValueError(f"score must be one of {', '.join(map(repr, CLASS_SCORES))}, "
+                             f"got {score!r}")
+        if box is not None and score != "logit":
+            raise ValueError("score applies to the class score; a box target scores minus "
+                             "the L1 error of the box: leave score='logit'")
+        self.kind = score
         if isinstance(query, str):
             if query != "best":
                 raise ValueError(f"query must be a detection token index (int, list, "
@@ -143,7 +158,7 @@ class DetectionTarget(Target):
         q = "'best'" if self.query is None else self.query.tolist()
         label = None if self.label is None else self.label.tolist()
         box = None if self.box is None else self.box.tolist()
-        return f"DetectionTarget({q}, label={label}, box={box})"
+        return f"DetectionTarget({q}, label={label}, box={box}, score={self.kind!r})"
 
     @property
     def rows(self) -> tuple[int, ...] | None:  # type: ignore[override]
@@ -240,6 +255,10 @@ class DetectionTarget(Target):
             boxes = extra["boxes"][:, q]  # [n, m, 4]
             return -(boxes - r.box.to(boxes)).abs().sum(-1)
         z = extra["detection_logits"]
+        if self.kind == "probability":
+            z = z.softmax(-1)
+        elif self.kind == "log_probability":
+            z = z.log_softmax(-1)
         if (r.label >= z.shape[-1]).any():
             raise ValueError(f"label must be in [0, {z.shape[-1]}) (the model's classes and "
                              f"'no object' = {z.shape[-1] - 1}), got {r.label.tolist()}")
