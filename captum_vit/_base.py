@@ -295,6 +295,7 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
             raise TypeError("prepare(predict=True) with a Target needs it in force: call it "
                             "inside adapter.targeting(target) with target= its index")
         adapter.self_check(images)
+        obj = obj.resolve(adapter, images)
         obj.readout_layers(len(adapter.blocks))  # clear errors before any forward
         with adapter.targeting(obj):
             num = adapter.num_classes

@@ -50,6 +50,7 @@ from captum_vit.adapters.base import (
 from captum_vit.adapters.hf_backbone import HFBackboneAdapter, is_hf_backbone
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
+from captum_vit.adapters.hf_yolos import HFYolosAdapter, is_hf_yolos
 from captum_vit.adapters.layout import (
     GRID_MODES,
     READOUTS,
@@ -120,6 +121,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_hf_vit, HFViTAdapter),
     (is_hf_embedding, HFEmbeddingAdapter),
     (is_hf_backbone, HFBackboneAdapter),
+    (is_hf_yolos, HFYolosAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
@@ -131,7 +133,9 @@ SUPPORTED = (
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
     "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, the "
-    "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, and "
+    "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, "
+    "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
+    "DetectionTarget), and "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
     "not conv_stem_configs)"
 )
@@ -325,8 +329,8 @@ __all__ = [
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
-    "HFEmbeddingAdapter",
-    "HFViTAdapter", "HeadParts", "Heads", "HeadsOps", "LRPOps", "Layout", "NormParts", "Ops",
+    "HFEmbeddingAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
+    "LRPOps", "Layout", "NormParts", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",

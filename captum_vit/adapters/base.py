@@ -599,11 +599,12 @@ class ViTAdapter(abc.ABC):
         """Columns of a target on decomposed states: each read state's parts contracted
         with the gradient of the column at the real state (``Σ_i ⟨z_i, ∂s/∂z_i⟩``)."""
         values = [ops.value(v).detach().requires_grad_() for v in read]
-        if layers is not None:
-            probe = dataclasses.replace(out, hidden=dict(zip(layers, values, strict=True)))
-        else:
-            probe = dataclasses.replace(out, tokens=values[0])
         with torch.enable_grad():
+            if layers is not None:
+                probe = dataclasses.replace(out, hidden=dict(zip(layers, values, strict=True)))
+            else:  # the family's extras (detection heads) are functions of the leaf too
+                probe = dataclasses.replace(out, tokens=values[0],
+                                            extra=self.output_extras(values[0]))
             cols = target.columns(probe)
             grads = [torch.stack(g, -1) for g in zip(*(
                 torch.autograd.grad(cols[:, k].sum(), values, allow_unused=True,

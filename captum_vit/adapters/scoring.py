@@ -15,6 +15,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +225,12 @@ class Target:
         """The column of each of ``batch`` images ``[batch]`` (int64, CPU); ``None``: the
         highest-scoring column (a prediction)."""
         return torch.zeros(batch, dtype=torch.long)
+
+    def resolve(self, adapter: Any, images: Tensor) -> Target:
+        """The target for these ``images``, with per-image choices that depend on the
+        model's clean forward fixed (a detection query ``"best"``); called once per call
+        by the front and the metrics, before any perturbed forward. Default: itself."""
+        return self
 
     def readout_layers(self, num_blocks: int) -> tuple[int, ...] | None:
         """:attr:`blocks` as sorted indices in ``[1, L]`` (``None``: the output)."""

@@ -85,6 +85,7 @@ def vector_targets(metric: Metric) -> Metric:
             images, _ = check_images(inputs)
             adapter.check_inputs(images)
             adapter.self_check(images)
+            obj = obj.resolve(adapter, images)
             with adapter.targeting(obj, grid=adapter.layout(images).grid):
                 index = obj.index(images.shape[0])
                 return metric(model, inputs, *args, **{**kwargs, "target": index})

@@ -4,10 +4,12 @@
 vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding), a
 :class:`Target` (any differentiable scalar of the model: :class:`ClassTarget`,
 :class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`,
-:class:`VLMAnswer`, or a subclass of your own) or a plain callable on the logits.
+:class:`VLMAnswer`, :class:`DetectionTarget` (a detector's detection token), or a
+subclass of your own) or a plain callable on the logits.
 """
 
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.targets.detection import DetectionTarget
 from captum_vit.targets.embedding import (
     SIMILARITIES,
     EmbeddingTarget,
@@ -30,7 +32,8 @@ from captum_vit.targets.vlm import VLMAnswer
 
 __all__ = [
     "CLASS_SCORES", "SIMILARITIES", "CallableTarget", "ClassTarget", "Contrastive",
-    "EmbeddingTarget", "HeadTarget", "MultiLabel", "Outputs", "Target", "TokenTarget", "VLMAnswer",
+    "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel", "Outputs", "Target",
+    "TokenTarget", "VLMAnswer",
     "as_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]

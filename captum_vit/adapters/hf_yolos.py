@@ -1,0 +1,283 @@
+"""Adapter for Hugging Face transformers' YOLOS detector (``YolosForObjectDetection``).
+
+YOLOS (Fang et al., NeurIPS 2021) is a DeiT-style pre-LN ViT whose sequence is
+``[CLS, patches, det_1 … det_K]``: ``config.num_detection_tokens`` learned detection
+tokens appended after the patches, each with its own position embedding. After the final
+LayerNorm two MLPs (three linear layers, ReLU between them) read every detection row:
+``class_labels_classifier`` (``C + 1`` logits, the last one "no object") and
+``bbox_predictor`` (a sigmoid of four numbers: centre x, centre y, width, height,
+normalised to the image). Verified in the installed transformers
+(``models/yolos/modeling_yolos.py``): the layers are ViT layers with separate q/k/v
+projections (read as :func:`~captum_vit.adapters.hf_vit._layer_parts` reads ViT's); the
+embedding always resamples the patch position embeddings to the input size (bicubic,
+``InterpolateInitialPositionEmbeddings``; the identity at the configured size), so inputs
+of any size divisible by the patch size are taken as the model takes them; with
+``use_mid_position_embeddings`` the encoder adds a further (resampled) position embedding
+to the output of every block but the last.
+
+Canonical form (our choice). :meth:`HFYolosAdapter.embed` returns the model's own
+embedding with its rows reordered as ``[CLS, det_1 … det_K, patches]``, so the detection
+rows are prefix rows (``num_prefix = 1 + K``, query ``q`` at row ``1 + q``,
+:attr:`HFYolosAdapter.detection_rows`). Attention is permutation-equivariant and the
+position embeddings are added before the reordering, so every block computes exactly the
+model's states (reordered), the attention maps are the model's with rows and columns
+permuted, and true token removal (SkipPLUS, TIS, the removal metrics) keeps every
+detection row, as it keeps CLS.
+
+What is explained. A detector has no class logits of the image: the scores are per
+detection row, read through :class:`~captum_vit.targets.DetectionTarget` (a class logit
+or a box error of one query). The adapter exposes them to any target as
+``Outputs.extra`` (:meth:`HFYolosAdapter.output_extras`): ``"detection_logits"``
+``[n, K, C + 1]`` and ``"boxes"`` ``[n, K, 4]``, computed from the detection rows of the
+final-normed tokens with the model's own MLP parameters (plain functional ops; the model
+is never modified). Without a target the canonical head is the identity on the normed
+CLS row (the model's own ``last_hidden_state[:, 0]``), which nothing explains: an integer
+class target (or ``None``) is refused with a ``TypeError`` naming ``DetectionTarget``, and
+the self-check compares the canonical forward's detection logits and boxes with the
+model's own ``logits`` and ``pred_boxes``.
+
+Not supported: ``use_mid_position_embeddings=True`` (the default of ``YolosConfig`` and
+of the small and base checkpoints; ``hustvl/yolos-tiny`` has none). Those embeddings are
+an additive term between blocks that the canonical block has no place for (every
+decomposition and rule set of the methods would have to carry it); such a model is
+refused by name with a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import Ops, patch_projection
+from captum_vit.adapters.parts import HeadParts
+
+CLASSES = ("YolosForObjectDetection",)
+
+_NO_LOGITS = (
+    "{name} is an object detector: it has no class logits of the image to explain. "
+    "Explain one detection with target=captum_vit.targets.DetectionTarget(query, label) "
+    "(query: a detection token index or 'best'; label: a class index; box=...: the box "
+    "error instead of the class logit)")
+
+
+def _mlp(layers: nn.ModuleList, where: str) -> tuple[tuple[Tensor, Tensor | None], ...]:
+    """The (weight, bias) of each linear layer of a ``YolosMLPPredictionHead``."""
+    if not all(isinstance(m, nn.Linear) for m in layers):
+        raise TypeError(f"{where} is not a stack of nn.Linear layers; captum_vit reads "
+                        "YOLOS's MLP prediction heads")
+    return tuple((m.weight, m.bias) for m in layers)
+
+
+def _run_mlp(x: Tensor, layers: tuple[tuple[Tensor, Tensor | None], ...]) -> Tensor:
+    """``YolosMLPPredictionHead.forward`` on the parameters ``layers``: ReLU between the
+    linear layers, none after the last."""
+    for i, (w, b) in enumerate(layers):
+        x = F.linear(x, w, b)
+        if i < len(layers) - 1:
+            x = F.relu(x)
+    return x
+
+
+class HFYolosAdapter(ViTAdapter):
+    """Canonical view of a Hugging Face ``YolosForObjectDetection`` (never modified).
+
+    Attributes:
+        num_queries (int): ``K``, the detection tokens.
+        detection_rows (tuple of int): the canonical rows of the detection tokens,
+            ``(1, …, K)`` (query ``q`` at row ``1 + q``).
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> ad = adapt(yolos)                       # a YolosForObjectDetection
+        >>> ad.num_prefix == 1 + yolos.config.num_detection_tokens
+        True
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        name = type(model).__name__
+        cfg = model.config
+        if getattr(cfg, "use_mid_position_embeddings", False):
+            raise TypeError(
+                f"captum_vit cannot explain this {name}: its config has "
+                "use_mid_position_embeddings=True (a position embedding added between "
+                "blocks, which the canonical ViT block has no place for); supported are "
+                "YOLOS models with use_mid_position_embeddings=False, such as "
+                "hustvl/yolos-tiny")
+        self.backbone = model.vit
+        self.layers = self.backbone.encoder.layer
+        if len(self.layers) == 0:
+            raise TypeError(f"{name} has no transformer layers")
+        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+                       for i, layer in enumerate(self.layers)]
+        self.in_chans = int(cfg.num_channels)
+        self.num_queries = int(cfg.num_detection_tokens)
+        if self.num_queries < 1:
+            raise TypeError(f"{name} has no detection tokens (num_detection_tokens=0)")
+        self.num_prefix = 1 + self.num_queries
+        self.detection_rows = tuple(range(1, 1 + self.num_queries))
+        self.readout = "token"
+        self.class_mlp = _mlp(model.class_labels_classifier.layers,
+                              f"{name}.class_labels_classifier")
+        self.box_mlp = _mlp(model.bbox_predictor.layers, f"{name}.bbox_predictor")
+        norm = _norm(self.backbone.layernorm, f"{name}.vit.layernorm")
+        self.head = HeadParts(norm, None, ((0, None, None),))  # the normed CLS row
+
+    # -- geometry ------------------------------------------------------------------------
+    @property
+    def config(self) -> Any:
+        """The model's ``YolosConfig``."""
+        return self.model.config
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, _pair(self.config.image_size)
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        h, w = inputs.shape[-2:]
+        ph, pw = _pair(self.config.patch_size)
+        if h % ph or w % pw:
+            raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
+                             f"{(ph, pw)}; resize or pad the images to a multiple of it")
+
+    def is_random(self) -> bool:
+        cfg = self.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+            "hidden_dropout_prob", "attention_probs_dropout_prob"))
+
+    def layout(self, inputs: Tensor) -> Layout:
+        h, w = inputs.shape[-2:]
+        ph, pw = _pair(self.config.patch_size)
+        return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
+                      patch_size=(ph, pw), readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)))
+
+    # -- embedding -----------------------------------------------------------------------
+    def _reorder(self, x: Tensor) -> Tensor:
+        """The model's ``[CLS, patches, det]`` rows as ``[CLS, det, patches]``."""
+        k = self.num_queries
+        return torch.cat([x[:, :1], x[:, -k:], x[:, 1:-k]], dim=1)
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's own ``vit.embeddings(pixel_values)`` (CLS, patches, detection
+        tokens, resampled position embeddings) with the detection rows moved before the
+        patches (the module docstring's canonical form).
+
+        With ``ops`` (:meth:`ViTAdapter.embed`) the value is the model's embedding of the
+        detached images and the patch projection runs through ``ops.linear`` as
+        ``p - p.detach()`` (exactly 0) on the patch rows, so every pixel gradient goes
+        through ``ops.linear``'s backward.
+        """
+        emb = self.backbone.embeddings
+        if ops is None:
+            return self._reorder(emb(inputs))
+        x = self._reorder(emb(inputs.detach()))
+        name = f"{type(self.model).__name__}.vit.embeddings"
+        p = patch_projection(inputs, emb.patch_embeddings.projection, ops,
+                             f"{name} patch projection").flatten(1, 2)
+        return x + F.pad(p - p.detach(), (0, 0, self.num_prefix, 0))
+
+    # -- what a target reads -------------------------------------------------------------
+    def output_extras(self, tokens: Tensor) -> dict[str, Tensor]:
+        """Per-detection outputs of the final-normed ``tokens`` [n, N, D]:
+        ``"detection_logits"`` [n, K, C + 1] (the last class is "no object") and
+        ``"boxes"`` [n, K, 4] (``(cx, cy, w, h)`` in ``[0, 1]``), the model's
+        ``class_labels_classifier`` and ``bbox_predictor`` on its parameters."""
+        det = tokens[:, 1:self.num_prefix]
+        cls, box = self.class_mlp, self.box_mlp
+        if self.state.settings.frozen:  # a gradient trace: no parameter gradients
+            cls, box = (tuple((w.detach(), None if b is None else b.detach())
+                              for w, b in mlp) for mlp in (cls, box))
+        return {"detection_logits": _run_mlp(det, cls), "boxes": _run_mlp(det, box).sigmoid()}
+
+    def check_token_removal(self) -> None:
+        """True token removal keeps every prefix row, the detection rows included: a
+        target that reads only prefix rows (``Target.prefix_rows_only``, e.g.
+        :class:`~captum_vit.targets.DetectionTarget`) allows it; others as in
+        :meth:`ViTAdapter.check_token_removal`."""
+        target = self.score_target
+        if target is not None and target.blocks is None \
+                and getattr(target, "prefix_rows_only", False):
+            return
+        super().check_token_removal()
+
+    @property
+    def num_classes(self) -> int:
+        """The columns of the target in force (:class:`~captum_vit.targets.DetectionTarget`).
+
+        Raises:
+            TypeError: no target in force: a detector has no class logits to explain.
+        """
+        if self.score_target is None:
+            raise TypeError(_NO_LOGITS.format(name=type(self.model).__name__))
+        return super().num_classes
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        raise TypeError(_NO_LOGITS.format(name=type(self.model).__name__))
+
+    def self_check(self, inputs: Tensor) -> None:
+        """Compare the canonical forward's detection logits and boxes
+        (:meth:`output_extras` of the final-normed states) with the model's own
+        ``logits`` and ``pred_boxes``, once per dtype, device and input size."""
+        key = (type(self), inputs.dtype, inputs.device, tuple(inputs.shape[1:]))
+        checked = self.state.checked
+        if key in checked:
+            return
+        with torch.no_grad(), torch.autocast(inputs.device.type, enabled=False), \
+                self.state.override(target=None, hidden=None, frozen=False):
+            ref = self.model(pixel_values=inputs[:2])
+            ours = self.detections(inputs[:2])
+        tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(inputs.dtype, 1e-2)
+        for what, a, b in (("logit", ref.logits, ours["detection_logits"]),
+                           ("box", ref.pred_boxes, ours["boxes"])):
+            err = (a - b).abs().max().item()
+            if not err <= tol * (a.abs().max().item() + 1.0):
+                raise TypeError(
+                    f"captum_vit's {type(self).__name__} does not reproduce this "
+                    f"{type(self.model).__name__} (max {what} difference {err:.3g}): the "
+                    "model has a component the adapter does not know")
+        checked.add(key)
+
+    def detections(self, inputs: Tensor) -> dict[str, Tensor]:
+        """The canonical forward's :meth:`output_extras` of images ``inputs``
+        [B, C, H, W] (``"detection_logits"`` [B, K, C + 1], ``"boxes"`` [B, K, 4]): the
+        model's ``logits`` and ``pred_boxes`` up to rounding.
+
+        Examples::
+
+            >>> out = adapt(yolos).detections(images)
+            >>> out["detection_logits"].shape   # [B, num_detection_tokens, num_labels + 1]
+        """
+        self.refresh()
+        ops = Ops()
+        with self.state.override(target=None, hidden=None):
+            x = self.embed(inputs)
+            for l in range(len(self.blocks)):
+                x = self.block(x, l, ops)
+            return self.output_extras(ops.norm(x, self.head.norm))
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        m = self.model
+        stages = [[p for mod in (self.backbone.layernorm, m.class_labels_classifier,
+                                 m.bbox_predictor) for p in mod.parameters()]]
+        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
+        return stages
+
+
+def is_hf_yolos(model: nn.Module) -> bool:
+    """``True`` for Hugging Face ``YolosForObjectDetection`` (transformers optional)."""
+    if not type(model).__module__.startswith("transformers."):
+        return False  # never import transformers for other models
+    import transformers
+
+    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
+                                   if hasattr(transformers, n)))
