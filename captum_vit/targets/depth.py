@@ -32,7 +32,9 @@ class DepthTarget(Target):
     readout leaves out); the propagating methods differentiate neck and head as they are.
     PLUS, SkipPLUS and FullGrad+ refuse several-block targets, and TIS (true token
     removal) refuses a token-reading target; the removal metrics need
-    ``removal="mean"`` (pixel removal).
+    ``removal="mean"`` (pixel removal). A depth summed over a region is not a class
+    score: methods that explain a probability by default (ScoreCAM, RISE, ViT-CX) would
+    explain its sigmoid, which saturates; pass them ``score="logit"``.
 
     Args:
         model (nn.Module): the depth estimator, in eval mode; its ``backbone`` must be the
