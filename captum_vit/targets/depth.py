@@ -1,5 +1,5 @@
 """Depth of a region: a target on Hugging Face's DPT and Depth Anything depth estimators
-with a DINOv2 backbone (SPEC_REACH §10.1-10.2)."""
+with a DINOv2 backbone."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class DepthTarget(Target):
     modules as they are (:class:`~captum_vit.adapters.hf_depth.HFDepthHead`), so the
     score equals the model's own ``predicted_depth`` summed over ``select``.
 
-    What each method does with it (SPEC_REACH §10.2; our choices as written there): the
-    target reads several blocks, so the matrix methods sum one readout per read block,
+    What each method does with it (captum_vit's choices for targets reading token rows):
+    the target reads several blocks, so the matrix methods sum one readout per read block,
     each weighing the rows of ``x_l`` by ``ReLU(⟨x_l,i, ∂s/∂x_l,i⟩)`` (gradient-weighted
     methods) or uniformly over the patch rows (gradient-free ones; DPT's
     ``readout_type="project"``/``"add"`` also reads the CLS row, which this uniform
