@@ -23,6 +23,7 @@ import inspect
 
 import pytest
 import torch
+from captum.attr import NoiseTunnel
 from torch import nn
 
 from captum_vit import GAE
@@ -294,6 +295,16 @@ def test_per_image_regions_are_per_image_columns():
     assert rel(both[0], both[1]) > 1e-3
 
 
+def test_noise_tunnel_expands_per_image_regions():
+    model = depth_model("depth_anything")
+    x = images()
+    t = DepthTarget(model, region((28, 28), batch=2))
+    ixg = build_method("token_ixg", model.backbone)
+    got = NoiseTunnel(ixg).attribute(x, target=t, nt_samples=3, nt_type="smoothgrad",
+                                     stdevs=0.0)
+    assert rel(got, ixg.attribute(x, target=t)) <= 1e-10
+
+
 # -- DepthTarget: refusals ---------------------------------------------------------------
 def test_clear_errors_and_the_model_unchanged():
     import transformers
@@ -301,6 +312,8 @@ def test_clear_errors_and_the_model_unchanged():
     model = depth_model("depth_anything")
     x = images()
     before = snapshot(model)
+    with pytest.raises(TypeError, match=r"GAE\(model\.backbone\)"):
+        GAE(model)  # the depth model wraps the backbone, which is explained
     gae = GAE(model.backbone)
     with pytest.raises(ValueError, match=r"select is \(5, 5\).*\(28, 28\)"):
         gae.attribute(x, target=DepthTarget(model, torch.ones(5, 5, dtype=torch.float64)))

@@ -131,7 +131,8 @@ SUPPORTED = (
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
     "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, the "
-    "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, and "
+    "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, Dinov2Backbone (DPT and "
+    "Depth Anything's backbone), and "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
     "not conv_stem_configs)"
 )
