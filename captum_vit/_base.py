@@ -287,7 +287,7 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     emb = None
     obj = as_target(target)
     if obj is not None:
-        if adapter.head.target is not None:
+        if adapter.head.target is not None and adapter.score_target is None:
             raise TypeError(f"target is a {type(obj).__name__}, but scores against target "
                             "embeddings are in force (captum_vit.targets.scoring): pass the "
                             "index of a vector, or call outside that block")

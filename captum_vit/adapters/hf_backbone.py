@@ -1,6 +1,7 @@
 """Adapter for Hugging Face transformers' head-less ViT backbones: ``ViTModel``,
 ``DeiTModel``, ``Dinov2Model`` and ``Dinov2WithRegistersModel`` (what
-``AutoModel.from_config`` builds for their configurations).
+``AutoModel.from_config`` builds for their configurations), and ``Dinov2Backbone`` (the
+backbone of ``DPTForDepthEstimation`` / ``DepthAnythingForDepthEstimation``).
 
 They output an image embedding (``embedding = True``): their targets are vectors
 (:class:`captum_vit.targets.EmbeddingTarget`), scored against the model's own
@@ -22,6 +23,17 @@ They output an image embedding (``embedding = True``): their targets are vectors
   ``last_hidden_state[:, 0]`` (a choice of captum_vit: it is what the classifiers read).
 - **Dinov2Model, Dinov2WithRegistersModel**: ``pooler_output = sequence_output[:, 0, :]``,
   the CLS row after the final LayerNorm (registers and patches are not read).
+- **Dinov2Backbone** (``BackboneMixin``): the same embeddings, encoder and final
+  ``layernorm`` as ``Dinov2Model``, no pooler; its forward returns ``feature_maps``, the
+  hidden states of ``out_features`` (``hidden_states[k]`` for stage ``"stage{k}"``,
+  ``hidden_states[0]`` the embedding; after ``layernorm`` when ``config.apply_layernorm``,
+  without CLS and on the patch grid when ``config.reshape_hidden_states``). It has no
+  pooled output of its own: **the embedding explained here is Dinov2Model's**
+  ``pooler_output``, the CLS row of ``layernorm(hidden_states[-1])`` (a choice of
+  captum_vit; :meth:`HFBackboneAdapter.model_outputs` computes it from the model's own
+  forward with ``output_hidden_states=True`` and its own ``layernorm``, whatever
+  ``out_features`` says). Its depth heads are explained with
+  :class:`captum_vit.targets.DepthTarget`, which reads the ``out_features`` block outputs.
 
 The blocks, embeddings and input sizes are those of the classifiers
 (:mod:`captum_vit.adapters.hf_vit`): the model's own ``embeddings`` (position embeddings
@@ -36,15 +48,17 @@ from torch import Tensor, nn
 from captum_vit.adapters.hf_vit import HFViTAdapter, _norm
 from captum_vit.adapters.parts import HeadParts, PreLogitsHeadParts
 
-CLASSES = ("ViTModel", "DeiTModel", "Dinov2Model", "Dinov2WithRegistersModel")
+CLASSES = ("ViTModel", "DeiTModel", "Dinov2Model", "Dinov2WithRegistersModel",
+           "Dinov2Backbone")
 
 
 class HFBackboneAdapter(HFViTAdapter):
     """Canonical view of a Hugging Face ``ViTModel`` / ``DeiTModel`` / ``Dinov2Model`` /
-    ``Dinov2WithRegistersModel`` (never modified).
+    ``Dinov2WithRegistersModel`` / ``Dinov2Backbone`` (never modified).
 
     Its output is the model's own ``pooler_output`` (the CLS row after the final norm when
-    a ViT/DeiT has no pooler); explain it with a vector target:
+    a ViT/DeiT has no pooler, and for a ``Dinov2Backbone``); explain it with a vector
+    target:
     ``GAE(model).attribute(pixel_values, target=EmbeddingTarget(t))``.
 
     Args:
@@ -86,7 +100,11 @@ class HFBackboneAdapter(HFViTAdapter):
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The model's own ``pooler_output`` [B, D′] (``last_hidden_state[:, 0]`` when a
-        ViT/DeiT has no pooler)."""
+        ViT/DeiT has no pooler; for a ``Dinov2Backbone`` the CLS row of its own
+        ``layernorm`` on the last of its forward's ``hidden_states``)."""
+        if not hasattr(self.model, "pooler") and hasattr(self.model, "stage_names"):
+            out = self.model(pixel_values=inputs, output_hidden_states=True)
+            return self.model.layernorm(out.hidden_states[-1])[:, 0]
         out = self.model(pixel_values=inputs, **self._size_kwargs(inputs))
         pooled = out.pooler_output
         return out.last_hidden_state[:, 0] if pooled is None else pooled

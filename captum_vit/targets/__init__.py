@@ -4,11 +4,12 @@
 vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding), a
 :class:`Target` (any differentiable scalar of the model: :class:`ClassTarget`,
 :class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`,
-:class:`VLMAnswer`, :class:`DetectionTarget` (a detector's detection token), or a
-subclass of your own) or a plain callable on the logits.
+:class:`VLMAnswer`, :class:`DetectionTarget` (a detector's detection token),
+:class:`DepthTarget`, or a subclass of your own) or a plain callable on the logits.
 """
 
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.targets.depth import DepthTarget
 from captum_vit.targets.detection import DetectionTarget
 from captum_vit.targets.embedding import (
     SIMILARITIES,
@@ -32,8 +33,8 @@ from captum_vit.targets.vlm import VLMAnswer
 
 __all__ = [
     "CLASS_SCORES", "SIMILARITIES", "CallableTarget", "ClassTarget", "Contrastive",
-    "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel", "Outputs", "Target",
-    "TokenTarget", "VLMAnswer",
+    "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
+    "Outputs", "Target", "TokenTarget", "VLMAnswer",
     "as_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]
