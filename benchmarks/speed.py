@@ -5,7 +5,7 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit] \
-        [--batches 1 8]
+        [--batches 1 8] [--target class|token|vlm]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
 load drifting on a shared machine hits both alike). The reference is
@@ -18,7 +18,17 @@ class-token-free ViT with an attention-pool head; ``hf-vit``: Hugging Face
 ``Dinov2ForImageClassification``; ``hf-clip``: ``CLIPVisionModelWithProjection`` explained
 against one random target vector per image, the reference differentiating the cosine;
 ``torchvision-vit``: torchvision's ``VisionTransformer`` with ``nn.MultiheadAttention``),
-measured in the same run as the methods. Ratios are (time per call) / (reference time per
+measured in the same run as the methods.
+
+``--target token`` explains a head of the user's own on the tokens instead of a class
+(``TokenTarget``: a fixed random probe on the final-normed patch tokens of the timm ViT, the
+reference differentiating the same score through the model's own ``forward_features``);
+``--target vlm`` explains a LLaVA answer (``VLMAnswer``: a ViT-S/16-sized CLIP tower, 224 px,
+and a 4-block Llama of width 384, a 16-token prompt around the 196 image tokens and a
+4-token answer), the reference being one forward+backward of the whole VLM (the answer's
+log-probability through its own forward, to the pixels). Attention-only methods are also
+reported against the plain forward of the whole model (``--target`` runs: the column
+"vs forward"). Ratios are (time per call) / (reference time per
 call) at the same batch size, so they are per-image ratios too. Timings on a shared VM
 drift; compare the ratios of one run only.
 """
@@ -175,6 +185,47 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16}
 
 
+def token_probe(z: torch.Tensor) -> torch.Tensor:
+    """The ``--target token`` score: a fixed random probe on the patch tokens [B]."""
+    w = torch.linspace(-1, 1, z.shape[-1], dtype=z.dtype, device=z.device)
+    return ((z[:, 1:] @ w) ** 2).mean(1)
+
+
+def llava_s16() -> torch.nn.Module:
+    """LLaVA with a ViT-S/16-sized CLIP tower and a 4-block Llama (random, float32)."""
+    import transformers
+
+    vc = transformers.CLIPVisionConfig(hidden_size=384, intermediate_size=1536,
+                                       num_hidden_layers=12, num_attention_heads=6,
+                                       image_size=224, patch_size=16)
+    tc = transformers.LlamaConfig(vocab_size=1000, hidden_size=384, intermediate_size=1024,
+                                  num_hidden_layers=4, num_attention_heads=6,
+                                  num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=vc, text_config=tc, image_token_id=999)).eval()
+
+
+def vlm_case(vlm: torch.nn.Module, b: int) -> tuple[Callable, object, torch.nn.Module]:
+    """``(score(x) -> [B] through the VLM's own forward, VLMAnswer, the tower)``."""
+    from captum_vit.targets import VLMAnswer
+
+    prompt = torch.tensor([[1, 5, 6, 7, *[999] * 196, *range(10, 22)]]).expand(b, -1)
+    answer = torch.tensor([[30, 31, 32, 33]]).expand(b, -1)
+    seq = torch.cat([prompt, answer], 1)
+
+    def score(x: torch.Tensor) -> torch.Tensor:
+        logits = vlm(input_ids=seq, pixel_values=x, use_cache=False).logits
+        logp = logits[:, prompt.shape[1] - 1:-1].log_softmax(-1)
+        return logp.gather(-1, answer[..., None]).squeeze(-1).sum(1)
+
+    return score, VLMAnswer(vlm, prompt, answer), VLMAnswer.tower(vlm)
+
+
+ATTENTION_ONLY = ("raw_attention", "rollout", "globenc", "alti")
+"""Methods that need no gradient: with ``--target`` also timed against the forward."""
+
+
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The model's own logits (Hugging Face models return an output object)."""
     out = model(x)
@@ -249,7 +300,11 @@ def main() -> None:
                     help="subset of method names (registry names, any spelling)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch threads (1 gives steadier ratios on a shared machine)")
+    ap.add_argument("--target", default="class", choices=("class", "token", "vlm"),
+                    help="what is explained (see the module docstring)")
     args = ap.parse_args()
+    if args.target != "class":
+        return target_main(args)
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         print("warning: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ not set (see docstring)")
     torch.set_num_threads(args.threads)
@@ -290,6 +345,50 @@ def main() -> None:
         for b, name, n, ratio, goal in per_forward:
             print(f"| {b} | {name} | {n} | {ratio:.2f} | ≤ {goal:g}× "
                   f"{'ok' if ratio <= goal else 'MISSED'} |")
+
+
+def target_main(args: argparse.Namespace) -> None:
+    """``--target token`` (timm ViT) or ``--target vlm`` (LLaVA): every selected method's
+    ratio to one forward+backward of the same score through the whole model's own forward,
+    and the attention-only methods' ratio to its plain forward."""
+    from captum_vit.targets import TokenTarget
+
+    torch.set_num_threads(args.threads)
+    whole = llava_s16() if args.target == "vlm" else vit_s16()
+    only = {canonical_name(n) for n in args.only or ()}
+    selected = {k: v for k, v in cases().items() if not only or k in only}
+    rows = []
+    for b in args.batches:
+        x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        if args.target == "vlm":
+            score, target, explained = vlm_case(whole, b)
+        else:
+            def score(z: torch.Tensor) -> torch.Tensor:
+                return token_probe(whole.forward_features(z))
+            target, explained = TokenTarget(token_probe), whole
+        ref_fn = lambda x=x, score=score: score_backward(score, x)  # noqa: E731
+        fwd_fn = lambda x=x, score=score: torch.no_grad()(score)(x)  # noqa: E731
+        rows.append((b, "forward+backward", timeit(ref_fn, args.repeats), 1.0, None))
+        fwd = timeit(fwd_fn, args.repeats)
+        rows.append((b, "forward", fwd, fwd / rows[-1][2], None))
+        for name, factory in selected.items():
+            fn = factory(explained)
+            try:
+                _, sec, ratio = paired(ref_fn, lambda fn=fn, x=x, t=target: fn(x, target=t),
+                                       args.repeats)
+            except (ValueError, TypeError) as e:  # refused by name (e.g. token removal)
+                print(f"  batch {b} {name}: refused: {e}", flush=True)
+                continue
+            vs_fwd = sec / fwd if name in ATTENTION_ONLY else None
+            rows.append((b, name, sec, ratio, vs_fwd))
+            print(f"  batch {b} {name}: {ratio:.2f}x", flush=True)
+    print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, --target "
+          f"{args.target}, float32, median of {args.repeats} alternating pairs")
+    print("| batch | method | ms/call | ratio vs fwd+bwd | vs forward |")
+    print("|---:|---|---:|---:|---:|")
+    for b, name, sec, ratio, vs_fwd in rows:
+        f = "" if vs_fwd is None else f"{vs_fwd:.2f}"
+        print(f"| {b} | {name} | {1e3 * sec:.1f} | {ratio:.2f} | {f} |")
 
 
 if __name__ == "__main__":
