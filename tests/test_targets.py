@@ -301,3 +301,21 @@ def test_head_less_models_take_token_targets_and_callables_on_the_embedding(fami
                         output="tokens")
         assert torch.isfinite(t).all() and t.std() > 0
     assert_unchanged(model, before)
+
+
+def test_every_metric_takes_targets(vit, images):
+    """The metrics score the target on every perturbed input; accuracy metrics need
+    competing classes and say so."""
+    from captum_vit.metrics import aopc, insertion, max_sensitivity, perturbation_test, saco
+
+    token = TokenTarget(lambda z: (z[:, 1:, :3] ** 2).sum((1, 2)))
+    for t in (Contrastive([1, 4], [0, 2]), token, ClassTarget([1, 2])):
+        removal = {"removal": "mean"} if t is token else {}
+        for metric in (aopc, insertion, saco):
+            res = metric(vit, images, GAE(vit), target=t, **removal)
+            assert torch.isfinite(torch.as_tensor(res.value)).all()
+        assert torch.isfinite(torch.as_tensor(
+            max_sensitivity(vit, images, GAE(vit), target=t, n_samples=2).value)).all()
+    perturbation_test(vit, images, GAE(vit), target=ClassTarget([1, 2]))
+    with pytest.raises(ValueError, match="competing classes"):
+        perturbation_test(vit, images, GAE(vit), target=Contrastive(1, 0))

@@ -160,9 +160,11 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
     check_choice("order", order, ("positive", "negative"))
     x = check_fractions("fractions", fractions, closed=True)
     if not scores_are_classes():
-        raise ValueError("perturbation_test measures top-1 accuracy, which single target "
-                         "vectors do not define: pass a set, "
-                         "EmbeddingTarget(vectors [T, D′], index=...), or use aopc, lodds, "
+        raise ValueError("perturbation_test measures top-1 accuracy, which needs competing "
+                         "classes; this target's scores are independent (a single target "
+                         "vector, a multi-label, contrastive or token target): pass classes "
+                         "(a classifier's, ClassTarget) or a set of target vectors "
+                         "(EmbeddingTarget(vectors [T, D′], index=...)), or use aopc, lodds, "
                          "deletion or insertion")
     st = _Setup(model, inputs, attribution, target, **_common(kwargs, "perturbation_test"))
     _no_extra(kwargs)
