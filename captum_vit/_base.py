@@ -424,6 +424,9 @@ class ViTFront:
     """
 
     adapter: ViTAdapter
+    class_agnostic: bool = False
+    """Whether the map is the same for every score of the model (gradient-free attention
+    flow: raw attention, Rollout, GlobEnc, ALTI): it refuses a contrast between scores."""
     sums_subnetworks: bool = False
     """Whether the method sums maps over sub-networks ``f_l`` that end at the model's
     output (PLUS, SkipPLUS, FullGrad+): it refuses targets reading block outputs."""
@@ -456,6 +459,11 @@ class ViTFront:
         p = prepare(self.adapter, inputs, target)
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
+        if obj is not None and obj.contrast and self.class_agnostic:
+            raise ValueError(f"{type(self).__name__} is class-agnostic: its map is the same "
+                             f"for both sides of {type(obj).__name__}, so it cannot explain "
+                             "their difference; use a gradient-weighted method (GAE, "
+                             "TokenTM, Chefer21) or a gradient (TokenIxG, DecompX)")
         if layers is not None and self.sums_subnetworks:
             raise ValueError(f"{type(self).__name__} sums maps of the sub-networks that end "
                              f"at the model's output; {type(obj).__name__} reads block "

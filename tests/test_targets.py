@@ -319,3 +319,9 @@ def test_every_metric_takes_targets(vit, images):
     perturbation_test(vit, images, GAE(vit), target=ClassTarget([1, 2]))
     with pytest.raises(ValueError, match="competing classes"):
         perturbation_test(vit, images, GAE(vit), target=Contrastive(1, 0))
+
+
+@pytest.mark.parametrize("name", ["raw_attention", "rollout", "globenc", "alti"])
+def test_class_agnostic_methods_refuse_a_contrast(name, vit, images):
+    with pytest.raises(ValueError, match="class-agnostic"):
+        build_method(name, vit).attribute(images, target=Contrastive(1, 0))

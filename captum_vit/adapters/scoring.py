@@ -206,6 +206,8 @@ class Target:
     probability: str = "sigmoid"
     classes: bool = False
     """Whether the columns are the model's classes (an arg-max is a prediction)."""
+    contrast: bool = False
+    """Whether the score is a difference of scores (class-agnostic methods refuse it)."""
 
     def columns(self, out: Outputs) -> Tensor:
         """``[n, K]`` candidate scores of ``n`` forward rows (default: :meth:`score` as

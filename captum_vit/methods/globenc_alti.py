@@ -345,6 +345,8 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
 class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
+    class_agnostic = True
+
     measure: str = ""
     plus_aggregates = AGGREGATES
 

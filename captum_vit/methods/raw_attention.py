@@ -50,6 +50,8 @@ class RawAttention(PlainAttribution):
     ``source="pool"`` an attention-pool head's map does not depend on the block).
     """
 
+    class_agnostic = True
+
     layer_local = True
     """PLUS evaluates it on a one-block window: the map at block ``l``."""
     per_head = True

@@ -54,6 +54,8 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
             Chefer et al.'s evaluation scripts use 1.
     """
 
+    class_agnostic = True
+
     plus_aggregates = AGGREGATES
     per_head = True
     """``attribute`` takes ``heads="all"``: one map per head of the last block."""

@@ -133,7 +133,8 @@ class Contrastive(Target):
 
     Linear in the logits, so the methods that are linear in the score (gradients,
     Input×Gradient, DecompX, CP-LRP, AttnLRP) give ``map(a) − map(b)``; the others
-    (ReLU-weighted attention methods, perturbations) explain the difference itself. A
+    (ReLU-weighted attention methods, perturbations) explain the difference itself; the
+    class-agnostic ones (raw attention, Rollout, GlobEnc, ALTI) refuse it. A
     method's ``score="probability"`` is ``sigmoid(logit_a − logit_b) = p_a / (p_a +
     p_b)``.
 
@@ -144,8 +145,10 @@ class Contrastive(Target):
     Examples::
 
         >>> from captum_vit.targets import Contrastive
-        >>> IxG(model).attribute(images, target=Contrastive(243, 242))   # bull mastiff, not boxer
+        >>> TokenIxG(model).attribute(images, target=Contrastive(243, 242))
     """
+
+    contrast = True
 
     def __init__(self, a: int | Sequence[int] | Tensor, b: int | Sequence[int] | Tensor
                  ) -> None:
