@@ -179,18 +179,14 @@ class Contrastive(Target):
         return z[:, a] - z[:, b]
 
 
-class CallableTarget(Target):
-    """A plain callable ``f(logits) -> [n]`` (or ``[n, K]`` with ``index``) as a target;
-    on a model without a classifier ``logits`` is the image embedding. What
-    ``target=f`` becomes (:func:`as_target`)."""
+class _IndexedScores(Target):
+    """A score function's columns with an optional column per image (``index``): one
+    column without it (a single score, sigmoid probabilities), else columns that compete
+    like classes (softmax)."""
 
-    def __init__(self, fn: Callable[[Tensor], Tensor], index: Any = None) -> None:
-        self.fn = fn
+    def _set_index(self, index: Any) -> None:
         self.value = _classes(index, "index")
         self.probability = "sigmoid" if index is None else "softmax"
-
-    def __repr__(self) -> str:
-        return f"CallableTarget({getattr(self.fn, '__name__', type(self.fn).__name__)})"
 
     def num_columns(self, num_classes: int) -> int:
         return 1 if self.value is None else int(self.value.max()) + 1
@@ -198,6 +194,19 @@ class CallableTarget(Target):
     def index(self, batch: int) -> Tensor:
         value = torch.zeros(1, dtype=torch.long) if self.value is None else self.value
         return per_image(value, batch, "index")
+
+
+class CallableTarget(_IndexedScores):
+    """A plain callable ``f(logits) -> [n]`` (or ``[n, K]`` with ``index``) as a target;
+    on a model without a classifier ``logits`` is the image embedding. What
+    ``target=f`` becomes (:func:`as_target`)."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], index: Any = None) -> None:
+        self.fn = fn
+        self._set_index(index)
+
+    def __repr__(self) -> str:
+        return f"CallableTarget({getattr(self.fn, '__name__', type(self.fn).__name__)})"
 
     def columns(self, out: Outputs) -> Tensor:
         return _as_columns(self.fn(_logits(out, "a callable target")), out, self)
@@ -216,7 +225,7 @@ def _as_columns(s: Any, out: Outputs, who: Target) -> Tensor:
     return s[:, None] if s.dim() == 1 else s
 
 
-class TokenTarget(Target):
+class TokenTarget(_IndexedScores):
     r"""Any function of the token states: a head of your own.
 
     ``blocks=None``: ``fn(tokens)`` on the final-normed states ``[n, N, D]`` the model's
@@ -257,18 +266,10 @@ class TokenTarget(Target):
             (blocks,) if isinstance(blocks, int) else tuple(blocks))
         self.blocks = self.order
         self.rows = None if rows is None else tuple(int(r) for r in rows)
-        self.value = _classes(index, "index")
-        self.probability = "sigmoid" if index is None else "softmax"
+        self._set_index(index)
 
     def __repr__(self) -> str:
         return f"TokenTarget({getattr(self.fn, '__name__', 'fn')}, blocks={self.order})"
-
-    def num_columns(self, num_classes: int) -> int:
-        return 1 if self.value is None else int(self.value.max()) + 1
-
-    def index(self, batch: int) -> Tensor:
-        value = torch.zeros(1, dtype=torch.long) if self.value is None else self.value
-        return per_image(value, batch, "index")
 
     def columns(self, out: Outputs) -> Tensor:
         if self.order is None:
