@@ -145,6 +145,19 @@ def test_per_image_prompts_give_one_column_per_prompt(family):
           tol=1e-9)
 
 
+def test_a_repeated_prompt_is_one_column():
+    """A processor's batch repeats the question for every image: one distinct prompt is one
+    column (one language-model run per forward row), with the maps of the single prompt."""
+    model = model_of("llava")
+    x = images()
+    ids, answer = prompt(5, 7), torch.tensor([11, 12])
+    repeated = VLMAnswer(model, ids.expand(2, -1), answer.expand(2, -1))
+    assert repeated.num_columns(0) == 1 and repeated.index(2).tolist() == [0, 0]
+    tower = VLMAnswer.tower(model)
+    close(build_method("gae", tower).attribute(x, target=repeated),
+          build_method("gae", tower).attribute(x, target=VLMAnswer(model, ids, answer)))
+
+
 def test_per_image_maps_equal_one_image_at_a_time():
     """A batch of 2 images with one prompt each gives each image the map of its own
     prompt (a gradient method and a perturbation method)."""

@@ -57,11 +57,12 @@ class VLMAnswer(Target):
 
     Per-image prompts: with one prompt (``[T]`` or ``[1, T]``) and one answer, every
     forward row is scored against it (one column). With ``B`` prompts or answers (one per
-    image) every forward row is scored against every prompt (``B`` columns, so ``n·B``
-    language-model sequences for ``n`` forward rows, in one batch) and each image reads
-    its own column: the perturbation methods score many perturbed copies of the images in
-    one forward, and a row's prompt must come from its column, not from its position.
-    Explain per-image prompts one image at a time where ``B²`` sequences are too many.
+    image) every forward row is scored against every distinct prompt (``K ≤ B`` columns, so
+    ``n·K`` language-model sequences for ``n`` forward rows, in one batch; a processor's
+    batch that repeats one question is one column) and each image reads its own column:
+    the perturbation methods score many perturbed copies of the images in one forward, and
+    a row's prompt must come from its column, not from its position. Explain distinct
+    per-image prompts one image at a time where ``B²`` sequences are too many.
 
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
@@ -152,7 +153,16 @@ class VLMAnswer(Target):
                              f"(id {self.parts.image_token_id}) once per image feature; "
                              f"got {counts.tolist()} per prompt")
         self.image_tokens = int(counts[0])
-        self.prompts = b
+        # one column per DISTINCT (prompt, mask, answer): a processor's batch repeats the same
+        # question for every image, and each column costs one language-model run per row
+        t, a = self.input_ids.shape[1], self.answer_ids.shape[1]
+        rows = torch.cat([per_image(self.input_ids, b, "input_ids"),
+                          per_image(self.attention_mask, b, "attention_mask"),
+                          per_image(self.answer_ids, b, "answer_ids")], 1)
+        distinct, self._column_of = torch.unique(rows, dim=0, return_inverse=True)
+        self.input_ids, self.attention_mask = distinct[:, :t], distinct[:, t:2 * t]
+        self.answer_ids = distinct[:, 2 * t:2 * t + a]
+        self.prompts = int(distinct.shape[0])
         self.blocks = self.parts.layers
         if self.parts.keep_cls:
             self.rows = tuple(range(self.image_tokens))
@@ -171,7 +181,7 @@ class VLMAnswer(Target):
         return self.prompts
 
     def index(self, batch: int) -> Tensor:
-        return per_image(torch.arange(self.prompts), batch, "VLMAnswer's prompts")
+        return per_image(self._column_of, batch, "VLMAnswer's prompts")
 
     def _states(self, out: Outputs) -> list[Tensor]:
         if self.parts.layers is None:
