@@ -325,3 +325,14 @@ def test_every_metric_takes_targets(vit, images):
 def test_class_agnostic_methods_refuse_a_contrast(name, vit, images):
     with pytest.raises(ValueError, match="class-agnostic"):
         build_method(name, vit).attribute(images, target=Contrastive(1, 0))
+
+
+def test_alpha_logit_needs_a_class():
+    from captum_vit.adapters import readout_alpha
+
+    model = make_model("hf_dinov2", dtype=torch.float64)
+    x = make_inputs("hf_dinov2", 2, dtype=torch.float64)
+    with readout_alpha(model, "logit"):
+        GAE(model).attribute(x, target=ClassTarget([0, 1]))
+        with pytest.raises(ValueError, match="fixed alpha"):
+            GAE(model).attribute(x, target=Contrastive(0, 1))

@@ -569,6 +569,10 @@ class ViTAdapter(abc.ABC):
             # a token-reading target's readout is its rows, not the attention pool's
             logits, tokens, pooled = self._own_logits(
                 x, ops, None if target.reads_tokens else record, h)
+            if record is not None and record.readout_alpha is not None and not target.classes:
+                raise ValueError(f"alpha='logit' reads the class-token share of the explained "
+                                 f"class's logit; {type(target).__name__} explains no class "
+                                 "of the model: use a fixed alpha in [0, 1]")
             read = [tokens]
             out = Outputs(logits=ops.value(logits), pooled=ops.value(pooled),
                           tokens=ops.value(tokens), extra=self.output_extras(ops.value(tokens)),
