@@ -44,3 +44,56 @@ def test_the_suggested_layer_gradcam_runs_on_the_hybrid():
     maps = LayerGradCam(model, model.patch_embed.backbone).attribute(
         torch.randn(2, 3, 32, 32), target=1)
     assert maps.shape == (2, 1, 8, 8)
+
+
+# --- a processor's output as inputs -------------------------------------------------------
+
+def _batch_feature(**data):
+    """transformers' ``BatchFeature`` (a ``UserDict``), as an image processor returns it."""
+    from transformers import BatchFeature
+
+    return BatchFeature(data=data)
+
+
+@pytest.mark.parametrize("method", ["GAE", "TokenTM"])
+def test_a_batch_feature_is_explained_as_its_pixel_values(method):
+    pytest.importorskip("transformers")
+    import captum_vit
+    from tests.helpers import make_inputs, make_model
+
+    model = make_model("vit")
+    x = make_inputs("vit", batch=2)
+    explainer = getattr(captum_vit, method)(model)
+    want = explainer.attribute(x, target=[1, 2])
+    for inputs in (_batch_feature(pixel_values=x), {"pixel_values": x},
+                   _batch_feature(pixel_values=x, pixel_mask=torch.ones(2, 32, 32)),
+                   {"pixel_values": x, "labels": torch.tensor([1, 2])}):
+        got = explainer.attribute(inputs, target=[1, 2])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_batch_feature_is_accepted_by_the_metrics():
+    pytest.importorskip("transformers")
+    from captum_vit import GAE
+    from captum_vit.metrics import deletion
+    from tests.helpers import make_inputs, make_model
+
+    model = make_model("vit")
+    x = make_inputs("vit", batch=2)
+    maps = GAE(model).attribute(x, target=[1, 2])
+    want = deletion(model, x, maps, target=[1, 2], n_steps=4)
+    got = deletion(model, _batch_feature(pixel_values=x), maps, target=[1, 2], n_steps=4)
+    torch.testing.assert_close(got.per_example, want.per_example, rtol=1e-12, atol=0)
+
+
+def test_a_pixel_mask_with_padding_is_refused():
+    pytest.importorskip("transformers")
+    from captum_vit import GAE
+    from tests.helpers import make_inputs, make_model
+
+    x = make_inputs("vit", batch=2)
+    mask = torch.ones(2, 32, 32, dtype=torch.long)
+    mask[1, :, 24:] = 0
+    with pytest.raises(ValueError, match="pixel_mask.*padded.*pixel_values"):
+        GAE(make_model("vit")).attribute(_batch_feature(pixel_values=x, pixel_mask=mask),
+                                         target=[1, 2])
