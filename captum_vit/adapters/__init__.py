@@ -128,7 +128,8 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
 
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
-    "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size; not the hybrid CNN-stem ViTs), timm Beit "
+    "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size; not the "
+    "hybrid CNN-stem ViTs), timm Beit "
     "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
