@@ -102,6 +102,15 @@ HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
                     {"_dual": "CLIPConfig"}, (24, 40)),
     "hf_siglip_cls": ("SiglipForImageClassification", "SiglipVisionConfig",
                       {"_dual": "SiglipConfig"}, (32, 32)),
+    # BEiT: each layer's relative position bias, LayerScale, patch mean + pooler norm;
+    # data2vec-vision: one shared bias, absolute positions, CLS after the final norm
+    "hf_beit": ("BeitForImageClassification", "BeitConfig",
+                {"use_relative_position_bias": True, "use_mean_pooling": True,
+                 "layer_scale_init_value": 0.5}, (32, 32)),
+    "hf_data2vec": ("Data2VecVisionForImageClassification", "Data2VecVisionConfig",
+                    {"use_shared_relative_position_bias": True,
+                     "use_absolute_position_embeddings": True, "use_mean_pooling": False,
+                     "layer_scale_init_value": 0.0}, (32, 32)),
 }
 
 
