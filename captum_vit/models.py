@@ -192,11 +192,10 @@ def _torchvision(name: str, seed: int, pretrained: bool) -> LoadedModel:
     """``torchvision.models.get_model(name, weights=None)``, random or with the default
     weights from the local torch hub cache."""
     try:
-        import torchvision
+        from torchvision import models
     except ImportError as e:
         raise ValueError(f"--model torchvision:{name} needs torchvision: "
                          "pip install torchvision") from e
-    from torchvision import models
 
     if name not in models.list_models():
         raise ValueError(f"--model torchvision:{name}: unknown model; see "
@@ -377,5 +376,5 @@ def cached_timm_weights(cfg: Any) -> str:
 
 
 __all__ = ["LoadedModel", "Preprocess", "RANDOM_MODELS", "SPEC_HELP",
-           "cached_timm_weights", "cached_torchvision_weights", "class_index", "from_card", "load_model", "read_card",
-           "read_class_names", "timm_class_names"]
+           "cached_timm_weights", "cached_torchvision_weights", "class_index", "from_card",
+           "load_model", "read_card", "read_class_names", "timm_class_names"]
