@@ -97,3 +97,53 @@ def test_a_pixel_mask_with_padding_is_refused():
     with pytest.raises(ValueError, match="pixel_mask.*padded.*pixel_values"):
         GAE(make_model("vit")).attribute(_batch_feature(pixel_values=x, pixel_mask=mask),
                                          target=[1, 2])
+
+
+# --- CLIP / SigLIP image classifiers --------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["hf_clip_cls", "hf_siglip_cls"])
+def test_clip_and_siglip_classifiers_keep_their_classifier(family):
+    """The adapter's forward equals the model's logits (float64, <= 1e-12; CLIP's at a
+    non-native size through the tower's interpolated positions), with the model's own
+    pooling: CLIP's patch mean without any final norm, SigLIP's mean of every row after
+    ``post_layernorm`` (its attention-pool head unused)."""
+    pytest.importorskip("transformers")
+    from captum_vit.adapters import HFCLIPClassifierAdapter, Ops
+    from tests.helpers import (
+        assert_close_scaled,
+        assert_unchanged,
+        make_inputs,
+        make_model,
+        snapshot,
+    )
+
+    model = make_model(family)
+    before = snapshot(model)
+    ad = adapt(model)
+    assert isinstance(ad, HFCLIPClassifierAdapter) and not ad.embedding
+    assert (ad.readout, ad.num_classes, ad.num_prefix) == ("avg", 5, int(family == "hf_clip_cls"))
+    x = make_inputs(family, batch=3)
+    size = tuple(x.shape[-2:])
+    kw = {"interpolate_pos_encoding": True} if size != (32, 32) else {}
+    want = model(pixel_values=x, **kw).logits
+    scale = want.abs().max().item()
+    assert_close_scaled(ad.run(ad.embed(x)), want, rel=1e-12, scale=scale)
+    assert_close_scaled(ad.run(ad.embed(x, Ops())), want, rel=1e-12, scale=scale)
+    ad.self_check(x)
+    # the pooling, by hand from the tower's tokens
+    tower = model.vision_model
+    tokens = tower(pixel_values=x, **kw).last_hidden_state
+    pooled = tokens[:, 1:].mean(1) if family == "hf_clip_cls" else tokens.mean(1)
+    assert_close_scaled(model.classifier(pooled), want, rel=1e-12, scale=scale)
+    assert_unchanged(model, before)
+
+
+def test_a_clip_classifier_is_explained_with_class_targets():
+    pytest.importorskip("transformers")
+    from captum_vit import GAE
+    from tests.helpers import make_inputs, make_model
+
+    model = make_model("hf_siglip_cls")
+    x = make_inputs("hf_siglip_cls", batch=2)
+    maps = GAE(model).attribute(x, target=[0, 4], output="tokens")
+    assert maps.shape == (2, 16) and torch.isfinite(maps).all()
