@@ -147,3 +147,21 @@ def test_a_clip_classifier_is_explained_with_class_targets():
     x = make_inputs("hf_siglip_cls", batch=2)
     maps = GAE(model).attribute(x, target=[0, 4], output="tokens")
     assert maps.shape == (2, 16) and torch.isfinite(maps).all()
+
+
+def test_a_clip_classifier_without_labels_is_an_embedding_model():
+    pytest.importorskip("transformers")
+    import transformers
+
+    from captum_vit import GAE
+
+    vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=64)
+    model = transformers.CLIPForImageClassification(transformers.CLIPConfig(
+        vision_config=vision.to_dict(), num_labels=0)).double().eval()
+    ad = adapt(model)
+    assert ad.embedding and ad.num_classes == 32
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    maps = GAE(model).attribute(x, target=torch.randn(32, dtype=torch.float64), output="tokens")
+    assert maps.shape == (2, 16) and torch.isfinite(maps).all()
