@@ -4,7 +4,7 @@ Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
-                                    hf-dinov2|hf-clip|torchvision-vit] \
+                                    hf-dinov2|hf-clip|torchvision-vit|hf-beit] \
         [--batches 1 8] [--target class|token|vlm]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -17,8 +17,9 @@ class-token-free ViT with an attention-pool head; ``hf-vit``: Hugging Face
 ``ViTForImageClassification`` with SDPA attention; ``hf-dinov2``: Hugging Face
 ``Dinov2ForImageClassification``; ``hf-clip``: ``CLIPVisionModelWithProjection`` explained
 against one random target vector per image, the reference differentiating the cosine;
-``torchvision-vit``: torchvision's ``VisionTransformer`` with ``nn.MultiheadAttention``),
-measured in the same run as the methods.
+``torchvision-vit``: torchvision's ``VisionTransformer`` with ``nn.MultiheadAttention``;
+``hf-beit``: Hugging Face ``BeitForImageClassification`` with a relative position bias per
+layer), measured in the same run as the methods.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
 (``TokenTarget``: a fixed random probe on the final-normed patch tokens of the timm ViT, the
@@ -179,10 +180,23 @@ def torchvision_s16(img_size: int = 224) -> torch.nn.Module:
                           hidden_dim=384, mlp_dim=1536, num_classes=1000).eval()
 
 
+def hf_beit_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a Hugging Face ``BeitForImageClassification``
+    (relative position bias per layer, mean pooling, LayerScale), like :func:`beit_s16`."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    torch.manual_seed(0)
+    cfg = BeitConfig(image_size=img_size, patch_size=16, hidden_size=384, num_hidden_layers=12,
+                     num_attention_heads=6, intermediate_size=1536, num_labels=1000,
+                     use_relative_position_bias=True, use_mean_pooling=True,
+                     layer_scale_init_value=0.1)
+    return BeitForImageClassification(cfg).eval()
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-vit": vit_s16, "timm-beit": beit_s16, "timm-eva": eva02_s16,
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
-    "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16}
+    "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:

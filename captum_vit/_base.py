@@ -149,19 +149,41 @@ def input_type_hint(inputs: Any) -> str:
 
 
 def check_images(inputs: Any) -> tuple[Tensor, bool]:
-    """Validate a batch of images; accept a tensor or a 1-tuple (Captum style).
+    """Validate a batch of images; accept a tensor, a 1-tuple (Captum style), or a Hugging
+    Face image processor's output.
+
+    A mapping with a ``"pixel_values"`` key (transformers' ``BatchFeature``, or a plain
+    dict) stands for its ``pixel_values`` tensor. Its other keys are ignored (the image
+    classifiers explained here take ``pixel_values`` only), except a ``"pixel_mask"``
+    that marks padding (any zero): the padded pixels would be explained as image
+    content, so it is refused; crop or resize the images to one size instead.
 
     Args:
-        inputs: a floating-point tensor [B, C, H, W] or a 1-tuple holding one.
+        inputs: a floating-point tensor [B, C, H, W], a 1-tuple holding one, or a mapping
+            whose ``"pixel_values"`` is one.
 
     Returns:
         tuple[Tensor, bool]: the images and whether they came as a 1-tuple.
 
     Raises:
-        TypeError: not a floating-point tensor (numpy arrays, PIL images, lists, Hugging
-            Face ``BatchFeature`` dicts: the message says how to get one).
-        ValueError: another shape, an empty batch, NaN or infinite values.
+        TypeError: not a floating-point tensor (numpy arrays, PIL images, lists, a mapping
+            without ``pixel_values``: the message says how to get one).
+        ValueError: another shape, an empty batch, NaN or infinite values, a
+            ``pixel_mask`` with padding.
+
+    Examples::
+
+        >>> batch = processor(images=pil_images, return_tensors="pt")  # a BatchFeature
+        >>> images, _ = check_images(batch)  # batch["pixel_values"]
     """
+    if isinstance(inputs, Mapping) and "pixel_values" in inputs:
+        mask = inputs.get("pixel_mask")
+        if isinstance(mask, Tensor) and not bool((mask != 0).all()):
+            raise ValueError("inputs has a pixel_mask that marks padded pixels; captum_vit "
+                             "would explain the padding as image content: crop or resize "
+                             "the images to one size (the processor's do_pad=False) and "
+                             "pass inputs['pixel_values']")
+        inputs = inputs["pixel_values"]
     was_tuple = isinstance(inputs, tuple)
     if was_tuple:
         if len(inputs) != 1:

@@ -6,6 +6,11 @@
   (nothing is downloaded; :func:`cached_timm_weights` names the folders searched);
   normalisation from its ``pretrained_cfg`` (mean, std; input size from the model), class
   names for ImageNet heads (:func:`timm_class_names`);
+* ``torchvision:NAME`` — ``torchvision.models.get_model(NAME, weights=None)``: random
+  weights seeded by ``seed``, or with ``pretrained=True`` its default weights from the
+  local torch hub cache only (``torch.hub.get_dir()/checkpoints``, nothing is downloaded;
+  :func:`cached_torchvision_weights`); normalisation from the weights' transforms, class
+  names from the weights' ``meta["categories"]`` when pretrained;
 * ``file:PATH.safetensors`` — the state dict at ``PATH.safetensors`` and the model card
   ``PATH.json`` beside it, in the zoo's card format (:func:`read_card`);
 * ``hf:NAME_OR_PATH`` — a Hugging Face image classifier (extra ``hf``) from a local folder
@@ -51,7 +56,8 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
 }
 """``random:NAME`` models: keyword arguments of timm's ``VisionTransformer``."""
 
-SPEC_HELP = ("zoo:NAME | timm:NAME [--pretrained] | file:PATH.safetensors (+ PATH.json card) | "
+SPEC_HELP = ("zoo:NAME | timm:NAME [--pretrained] | torchvision:NAME [--pretrained] | "
+             "file:PATH.safetensors (+ PATH.json card) | "
              f"hf:NAME_OR_PATH (local only) | random:{'|'.join(RANDOM_MODELS)}")
 """One-line summary of the model specs (command-line help)."""
 
@@ -89,12 +95,14 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
     r"""The model named by ``spec`` (see the module docstring).
 
     Args:
-        spec (str): ``zoo:NAME``, ``timm:NAME``, ``file:PATH.safetensors``,
-            ``hf:NAME_OR_PATH`` or ``random:NAME``.
-        seed (int, optional): seed of random weights (``random:``, ``timm:`` without
-            ``pretrained``); the global random state is left as it was. Default 0.
-        pretrained (bool, optional): ``timm:NAME`` only: load the weights from the local
-            cache (:func:`cached_timm_weights`). Default False.
+        spec (str): ``zoo:NAME``, ``timm:NAME``, ``torchvision:NAME``,
+            ``file:PATH.safetensors``, ``hf:NAME_OR_PATH`` or ``random:NAME``.
+        seed (int, optional): seed of random weights (``random:``, ``timm:`` and
+            ``torchvision:`` without ``pretrained``); the global random state is left as
+            it was. Default 0.
+        pretrained (bool, optional): ``timm:NAME`` and ``torchvision:NAME`` only: load the
+            weights from the local cache (:func:`cached_timm_weights`,
+            :func:`cached_torchvision_weights`). Default False.
         class_names (Sequence[str] or path, optional): a name per output class, or a
             text file of them (:func:`read_class_names`); overrides the card's. For an
             embedding model with ``targets``: a name per target vector.
@@ -122,8 +130,9 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
     if not isinstance(spec, str):
         raise TypeError(f"model spec must be a str, got {type(spec).__name__}")
     kind, _, name = spec.partition(":")
-    if pretrained and kind != "timm":
-        raise ValueError(f"--pretrained applies to --model timm:NAME only, not {spec!r}")
+    if pretrained and kind not in ("timm", "torchvision"):
+        raise ValueError("--pretrained applies to --model timm:NAME and torchvision:NAME "
+                         f"only, not {spec!r}")
     if isinstance(class_names, (str, os.PathLike)):
         class_names = read_class_names(class_names)
     if kind == "zoo":
@@ -138,6 +147,8 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
         lm = from_card(read_card(path.with_suffix(".json")), path)
     elif kind == "timm":
         lm = _timm(name, seed, pretrained)
+    elif kind == "torchvision":
+        lm = _torchvision(name, seed, pretrained)
     elif kind == "hf":
         lm = _hf(name)
     elif kind == "random":
@@ -175,6 +186,82 @@ def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
     return loaded_model(model.eval(), cfg.get("mean", (0.5, 0.5, 0.5)),
                         cfg.get("std", (0.5, 0.5, 0.5)), timm_class_names(model),
                         random_weights=not pretrained)
+
+
+def _torchvision(name: str, seed: int, pretrained: bool) -> LoadedModel:
+    """``torchvision.models.get_model(name, weights=None)``, random or with the default
+    weights from the local torch hub cache."""
+    try:
+        from torchvision import models
+    except ImportError as e:
+        raise ValueError(f"--model torchvision:{name} needs torchvision: "
+                         "pip install torchvision") from e
+
+    if name not in models.list_models():
+        raise ValueError(f"--model torchvision:{name}: unknown model; see "
+                         "torchvision.models.list_models() (e.g. vit_b_16)")
+    try:
+        weights = models.get_model_weights(name).DEFAULT
+    except (ValueError, AttributeError):  # a builder without weights
+        weights = None
+    if pretrained and weights is None:
+        raise ValueError(f"--pretrained: torchvision {name} has no pretrained weights; drop "
+                         "--pretrained for random weights")
+    kwargs: dict[str, Any] = {}
+    if pretrained:
+        kwargs["num_classes"] = len(weights.meta["categories"])
+        if name.startswith("vit_") and "min_size" in weights.meta:  # as torchvision's builder
+            kwargs["image_size"] = int(weights.meta["min_size"][0])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = models.get_model(name, weights=None, **kwargs)
+    names = None
+    if pretrained:
+        path = cached_torchvision_weights(weights)
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        names = tuple(weights.meta["categories"])
+    pre = weights.transforms() if weights is not None else None
+    mean = tuple(getattr(pre, "mean", (0.485, 0.456, 0.406)))
+    std = tuple(getattr(pre, "std", (0.229, 0.224, 0.225)))
+    return loaded_model(model.eval(), mean, std, names, random_weights=not pretrained)
+
+
+def cached_torchvision_weights(weights: Any) -> str:
+    """Path of torchvision weights in the local torch hub cache; never downloads.
+
+    torchvision stores the file of ``weights.url`` under
+    ``torch.hub.get_dir()/checkpoints/`` with the URL's file name (its
+    ``load_state_dict_from_url``); this looks there only.
+
+    Args:
+        weights (torchvision WeightsEnum member): e.g.
+            ``torchvision.models.ViT_B_16_Weights.DEFAULT``.
+
+    Returns:
+        str: the path of the cached file.
+
+    Raises:
+        FileNotFoundError: the file is not there; the message names the path to put it
+            at and where it comes from.
+
+    Examples::
+
+        >>> from torchvision.models import ViT_B_16_Weights
+        >>> from captum_vit.models import cached_torchvision_weights
+        >>> cached_torchvision_weights(ViT_B_16_Weights.DEFAULT)  # doctest: +SKIP
+        '/root/.cache/torch/hub/checkpoints/vit_b_16-c867db91.pth'
+    """
+    from urllib.parse import urlparse
+
+    fname = Path(urlparse(weights.url).path).name
+    path = Path(torch.hub.get_dir()) / "checkpoints" / fname
+    if path.is_file():
+        return str(path)
+    raise FileNotFoundError(
+        f"--pretrained: the weights {weights} are not in the local torch hub cache: put "
+        f"{fname} at {path} (it is {weights.url}; or run torchvision.models.get_model(NAME, "
+        "weights='DEFAULT') once where it can be downloaded), or drop --pretrained for "
+        "random weights")
 
 
 def timm_class_names(model: nn.Module) -> tuple[str, ...] | None:
@@ -289,5 +376,5 @@ def cached_timm_weights(cfg: Any) -> str:
 
 
 __all__ = ["LoadedModel", "Preprocess", "RANDOM_MODELS", "SPEC_HELP",
-           "cached_timm_weights", "class_index", "from_card", "load_model", "read_card",
-           "read_class_names", "timm_class_names"]
+           "cached_timm_weights", "cached_torchvision_weights", "class_index", "from_card",
+           "load_model", "read_card", "read_class_names", "timm_class_names"]

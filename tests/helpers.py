@@ -96,6 +96,21 @@ HF_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
                       "Dinov2WithRegistersConfig", {"num_register_tokens": 2}, (24, 40)),
     "hf_dinov2_swiglu": ("Dinov2ForImageClassification", "Dinov2Config",
                          {"use_swiglu_ffn": True}, (32, 32)),
+    # CLIP / SigLIP classifiers: a vision config wrapped in the dual config ("_dual");
+    # CLIP's at a non-native size (the tower's interpolated positions)
+    "hf_clip_cls": ("CLIPForImageClassification", "CLIPVisionConfig",
+                    {"_dual": "CLIPConfig"}, (24, 40)),
+    "hf_siglip_cls": ("SiglipForImageClassification", "SiglipVisionConfig",
+                      {"_dual": "SiglipConfig"}, (32, 32)),
+    # BEiT: each layer's relative position bias, LayerScale, patch mean + pooler norm;
+    # data2vec-vision: one shared bias, absolute positions, CLS after the final norm
+    "hf_beit": ("BeitForImageClassification", "BeitConfig",
+                {"use_relative_position_bias": True, "use_mean_pooling": True,
+                 "layer_scale_init_value": 0.5}, (32, 32)),
+    "hf_data2vec": ("Data2VecVisionForImageClassification", "Data2VecVisionConfig",
+                    {"use_shared_relative_position_bias": True,
+                     "use_absolute_position_embeddings": True, "use_mean_pooling": False,
+                     "layer_scale_init_value": 0.0}, (32, 32)),
 }
 
 
@@ -174,10 +189,14 @@ def make_hf_model(family: str, *, seed: int = 0, depth: int = 3,
     import transformers
 
     cls_name, cfg_name, extra, _ = HF_FAMILIES[family]
+    extra = dict(extra)
+    dual = extra.pop("_dual", None)
     cfg = getattr(transformers, cfg_name)(
         image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=depth,
         num_attention_heads=4, intermediate_size=64, num_labels=num_classes,
         layer_norm_eps=1e-6, **extra)
+    if dual is not None:  # a classifier over the vision tower of a dual config
+        cfg = getattr(transformers, dual)(vision_config=cfg.to_dict(), num_labels=num_classes)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg)
     return randomize_(model, seed).to(dtype).eval()

@@ -82,7 +82,7 @@ def test_explain_timm_pretrained_without_cached_weights_says_so(tmp_path, empty_
     assert main(["explain", "--model", "timm:no_such_vit", "--out", str(tmp_path / "y.png")]) == 2
     assert "no_such_vit" in capsys.readouterr().err
     assert main(["explain", "--model", "random:vit_tiny", "--pretrained"]) == 2
-    assert "timm:NAME only" in capsys.readouterr().err
+    assert "timm:NAME and torchvision:NAME only" in capsys.readouterr().err
 
 
 def test_explain_timm_pretrained_loads_the_cached_weights(tmp_path, empty_caches, capsys,
@@ -116,6 +116,76 @@ def test_explain_timm_pretrained_loads_the_cached_weights(tmp_path, empty_caches
 
     out = tmp_path / "maps.png"
     assert main(["explain", "--model", f"timm:{TIMM_NAME}", "--pretrained", "--methods",
+                 "rollout", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG
+    assert "random-weight" not in capsys.readouterr().err
+
+
+needs_torchvision = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torchvision") is None,
+    reason="torchvision is not installed")
+
+
+@needs_torchvision
+def test_torchvision_spec_builds_the_model_with_random_weights():
+    import torch
+    import torchvision
+
+    from captum_vit.adapters import TorchvisionViTAdapter, adapt
+    from captum_vit.models import load_model
+
+    lm = load_model("torchvision:vit_b_32", seed=3)
+    assert isinstance(lm.model, torchvision.models.VisionTransformer)
+    assert isinstance(adapt(lm.model), TorchvisionViTAdapter)
+    assert lm.random_weights and lm.class_names is None and not lm.model.training
+    assert lm.preprocess.size == (224, 224)
+    assert lm.preprocess.mean == pytest.approx((0.485, 0.456, 0.406))
+    again = load_model("torchvision:vit_b_32", seed=3)
+    assert torch.equal(again.model.heads.head.weight, lm.model.heads.head.weight)
+    with pytest.raises(ValueError, match="list_models"):
+        load_model("torchvision:no_such_vit")
+
+
+@needs_torchvision
+def test_torchvision_pretrained_without_the_cached_file_names_the_path(tmp_path, empty_caches,
+                                                                       capsys):
+    import torch
+
+    argv = ["explain", "--model", "torchvision:vit_b_32", "--pretrained", "--methods",
+            "rollout", "--out", str(tmp_path / "x.png")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    path = Path(torch.hub.get_dir()) / "checkpoints" / "vit_b_32-d86f8d99.pth"
+    assert str(path) in err and "download.pytorch.org" in err and "drop --pretrained" in err
+
+
+@needs_torchvision
+def test_explain_torchvision_pretrained_loads_the_cached_weights(tmp_path, capsys, monkeypatch):
+    """A checkpoint in the torch hub cache (where torchvision's downloader puts it; here
+    under a TORCH_HOME of the test) is loaded offline, with ImageNet's class names."""
+    import torch
+    import torchvision
+
+    from captum_vit.models import cached_torchvision_weights, load_model
+
+    monkeypatch.setattr(torch.hub, "_hub_dir", None)  # the folder follows TORCH_HOME
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    weights = torchvision.models.ViT_B_32_Weights.DEFAULT
+    ckpt = tmp_path / "torch_home" / "hub" / "checkpoints" / Path(weights.url).name
+    ckpt.parent.mkdir(parents=True)
+    torch.manual_seed(123)
+    trained = torchvision.models.vit_b_32().eval()
+    torch.save(trained.state_dict(), ckpt)
+    assert cached_torchvision_weights(weights) == str(ckpt)
+
+    lm = load_model("torchvision:vit_b_32", pretrained=True)
+    for k, v in trained.state_dict().items():
+        torch.testing.assert_close(lm.model.state_dict()[k], v, rtol=0, atol=0)
+    assert not lm.random_weights and lm.class_names == tuple(weights.meta["categories"])
+    assert lm.class_names[0] == "tench"
+
+    out = tmp_path / "maps.png"
+    assert main(["explain", "--model", "torchvision:vit_b_32", "--pretrained", "--methods",
                  "rollout", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG
     assert "random-weight" not in capsys.readouterr().err

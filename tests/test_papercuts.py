@@ -177,8 +177,9 @@ class BatchFeature(UserDict):
     (np.zeros((1, 3, 32, 32), np.float32), "torch.from_numpy"),
     (Image.new("RGB", (32, 32)), "preprocess"),
     ([torch.zeros(3, 32, 32), torch.zeros(3, 32, 32)], "torch.stack"),
-    (BatchFeature(pixel_values=torch.zeros(1, 3, 32, 32)), 'inputs["pixel_values"]'),
-    ({"pixel_values": torch.zeros(1, 3, 32, 32)}, 'inputs["pixel_values"]'),
+    # a processor's output stands for its pixel_values (checked as such)
+    (BatchFeature(pixel_values=np.zeros((1, 3, 32, 32), np.float32)), "torch.from_numpy"),
+    ({"images": torch.zeros(1, 3, 32, 32)}, "the image tensor [B, C, H, W] it holds"),
     ([[0.0]], "[B, C, H, W]"),
 ])
 def test_non_tensor_inputs_get_a_type_error_with_the_fix(inputs, fix):

@@ -48,7 +48,13 @@ from captum_vit.adapters.base import (
     ViTAdapter,
 )
 from captum_vit.adapters.hf_backbone import HFBackboneAdapter, is_hf_backbone
-from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
+from captum_vit.adapters.hf_beit import HFBeitAdapter, is_hf_beit
+from captum_vit.adapters.hf_clip import (
+    HFCLIPClassifierAdapter,
+    HFEmbeddingAdapter,
+    is_hf_clip_classifier,
+    is_hf_embedding,
+)
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.hf_yolos import HFYolosAdapter, is_hf_yolos
 from captum_vit.adapters.layout import (
@@ -120,6 +126,8 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_eva, TimmEvaAdapter),
     (is_hf_vit, HFViTAdapter),
     (is_hf_embedding, HFEmbeddingAdapter),
+    (is_hf_clip_classifier, HFCLIPClassifierAdapter),
+    (is_hf_beit, HFBeitAdapter),
     (is_hf_backbone, HFBackboneAdapter),
     (is_hf_yolos, HFYolosAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
@@ -128,11 +136,15 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
 
 SUPPORTED = (
     "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
-    "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size), timm Beit "
+    "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size; not the "
+    "hybrid CNN-stem ViTs), timm Beit "
     "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
     "MLP) and Hugging Face transformers ViTForImageClassification, "
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
-    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, the "
+    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, "
+    "CLIPForImageClassification, SiglipForImageClassification, "
+    "BeitForImageClassification, Data2VecVisionForImageClassification (at the configured "
+    "image_size), the "
     "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, Dinov2Backbone (DPT and "
     "Depth Anything's backbone), "
     "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
@@ -330,6 +342,7 @@ __all__ = [
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
+    "HFBeitAdapter", "HFCLIPClassifierAdapter",
     "HFEmbeddingAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
     "LRPOps", "Layout", "NormParts", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",

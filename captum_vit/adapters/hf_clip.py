@@ -18,6 +18,9 @@ embedding inside :meth:`ViTAdapter.targeting`.
   without the head (``vision_use_head=False``, PaliGemma's) outputs its final-normed tokens
   only (``last_hidden_state``): their patch mean stands for its embedding (our choice);
   :class:`~captum_vit.targets.VLMAnswer` reads the tokens themselves.
+- **Classifiers**: ``CLIPForImageClassification`` and ``SiglipForImageClassification``
+  are the tower, a mean pooling and a linear ``classifier``
+  (:class:`HFCLIPClassifierAdapter`).
 - The towers inside LLaVA (``CLIPVisionModel``) and PaliGemma (``SiglipVisionModel``)
   are these classes: explain them as they are (``model.model.vision_tower``).
 
@@ -166,6 +169,71 @@ class HFEmbeddingAdapter(HFViTAdapter):
         stages = [[p for mod in heads if mod is not None for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
+
+
+CLASSIFIERS = ("CLIPForImageClassification", "SiglipForImageClassification")
+
+
+class HFCLIPClassifierAdapter(HFEmbeddingAdapter):
+    """Canonical view of a Hugging Face ``CLIPForImageClassification`` or
+    ``SiglipForImageClassification``: the vision tower, its mean pooling and the linear
+    ``classifier`` (never modified).
+
+    Verified in the installed transformers (their ``forward``):
+
+    - ``CLIPForImageClassification`` averages the patch rows of the tower's
+      ``last_hidden_state`` (CLS excluded) with **no** final norm (CLIP's
+      ``post_layernorm`` only normalises the pooled CLS row, which the classifier does not
+      read): ``readout="avg"`` without a norm;
+    - ``SiglipForImageClassification`` averages all rows of ``last_hidden_state`` (no
+      prefix token), which is after ``post_layernorm``; the attention-pool ``head`` of the
+      tower is computed by the model but unused: ``readout="avg"`` after the norm.
+
+    A classifier built with ``num_labels=0`` (``nn.Identity``) outputs the pooled
+    embedding and is explained with vector targets.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        name = type(model).__name__
+        clf = model.classifier
+        if isinstance(clf, nn.Identity):
+            self.embedding, weight, bias = True, None, None
+        elif isinstance(clf, nn.Linear):
+            self.embedding, weight, bias = False, clf.weight, clf.bias
+        else:
+            raise TypeError(f"{name}.classifier is {type(clf).__name__}; captum_vit needs "
+                            "its linear classifier (or none, num_labels=0)")
+        norm = _norm(self.backbone.post_layernorm, f"{name}.post_layernorm") \
+            if self.siglip else None
+        self.readout = "avg"
+        self.head = HeadParts(norm, None, (("avg", weight, bias),))
+
+    def refresh(self) -> None:
+        """Nothing is sliced: the parts are the model's own parameters."""
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        return self.model(pixel_values=inputs, **self._size_kwargs(inputs)).logits
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """Head stage (the classifier, and SigLIP's ``post_layernorm``), then the layers
+        ``L-1 .. 0``; parameters the logits do not use (CLIP's ``post_layernorm``,
+        SigLIP's attention-pool head) belong to no stage."""
+        head = [self.model.classifier] + ([self.backbone.post_layernorm] if self.siglip
+                                          else [])
+        stages = [[p for mod in head for p in mod.parameters()]]
+        return stages + [list(layer.parameters()) for layer in reversed(self.layers)]
+
+
+def is_hf_clip_classifier(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face CLIP / SigLIP image classifiers in
+    :data:`CLASSIFIERS`."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    import transformers
+
+    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSIFIERS
+                                   if hasattr(transformers, n)))
 
 
 def is_hf_embedding(model: nn.Module) -> bool:

@@ -69,6 +69,7 @@ class TimmViTAdapter(ViTAdapter):
 
         self.model = model
         name = type(model).__name__
+        _refuse_cnn_stem(model.patch_embed, name)
         for i, blk in enumerate(model.blocks):
             where = f"{name}.blocks[{i}]"
             if type(blk) is not Block:
@@ -234,6 +235,23 @@ class TimmViTAdapter(ViTAdapter):
                  ("norm_pre", getattr(m, "norm_pre", None)))
         return tuple(name for name, mod in found
                      if mod is not None and not isinstance(mod, nn.Identity))
+
+
+def _refuse_cnn_stem(pe: nn.Module, name: str) -> None:
+    """Refuse a hybrid ViT (``timm.models.vision_transformer_hybrid``, ViTamin): its
+    ``HybridEmbed`` runs a CNN (ResNet) stem and puts tokens on the CNN's feature grid,
+    not on pixel patches; the adapter explains a ViT whose tokens are linear projections
+    of pixel patches."""
+    from timm.layers import HybridEmbed
+
+    if isinstance(pe, HybridEmbed) or hasattr(pe, "backbone"):
+        stem = type(getattr(pe, "backbone", None)).__name__
+        raise TypeError(
+            f"{name}.patch_embed is {type(pe).__name__} with a CNN stem ({stem}): a hybrid "
+            "ViT (e.g. vit_small_r26_s32_224) makes its tokens from the CNN's feature map, "
+            "not from pixel patches, and captum_vit does not explain the stem. Use a plain "
+            "ViT (e.g. vit_small_patch16_224), or Captum's LayerGradCam on a layer of the "
+            "hybrid's CNN stem (LayerGradCam(model, model.patch_embed.backbone))")
 
 
 def timm_attention_fields(blk: nn.Module, where: str) -> dict:
