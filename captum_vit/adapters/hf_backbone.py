@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from captum_vit.adapters.hf_vit import HFViTAdapter, _norm
+from captum_vit.adapters.hf_vit import HFViTAdapter, _norm, is_transformers_model
 from captum_vit.adapters.parts import HeadParts, PreLogitsHeadParts
 
 CLASSES = ("ViTModel", "DeiTModel", "Dinov2Model", "Dinov2WithRegistersModel",
@@ -127,9 +127,4 @@ def is_hf_backbone(model: nn.Module) -> bool:
     Returns:
         bool: whether :class:`HFBackboneAdapter` applies.
     """
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
-                                   if hasattr(transformers, n)))
+    return is_transformers_model(model, CLASSES)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.hf_vit import HFViTAdapter, _norm, _pair
+from captum_vit.adapters.hf_vit import HFViTAdapter, _norm, _pair, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts
 
@@ -146,9 +146,4 @@ class HFBeitAdapter(HFViTAdapter):
 
 def is_hf_beit(model: nn.Module) -> bool:
     """``True`` for the Hugging Face classifiers in :data:`CLASSES`."""
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
-                                   if hasattr(transformers, n)))
+    return is_transformers_model(model, CLASSES)

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm
+from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm, is_transformers_model
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PoolParts
 
@@ -228,19 +228,9 @@ class HFCLIPClassifierAdapter(HFEmbeddingAdapter):
 def is_hf_clip_classifier(model: nn.Module) -> bool:
     """``True`` for the Hugging Face CLIP / SigLIP image classifiers in
     :data:`CLASSIFIERS`."""
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSIFIERS
-                                   if hasattr(transformers, n)))
+    return is_transformers_model(model, CLASSIFIERS)
 
 
 def is_hf_embedding(model: nn.Module) -> bool:
     """``True`` for the Hugging Face vision towers in :data:`CLASSES`."""
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
-                                   if hasattr(transformers, n)))
+    return is_transformers_model(model, CLASSES)

@@ -32,6 +32,7 @@ position embeddings, exactly as ``model(pixel_values, interpolate_pos_encoding=T
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch.nn.functional as F
@@ -239,11 +240,23 @@ class HFViTAdapter(ViTAdapter):
         return stages
 
 
-def is_hf_vit(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face classifiers in :data:`CLASSES` (transformers optional)."""
+def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:
+    """Whether ``model`` is an instance of one of the transformers classes ``names`` (those
+    the installed version has); transformers is never imported for other models.
+
+    Examples::
+
+        >>> is_transformers_model(torch.nn.Linear(2, 2), ["ViTModel"])
+        False
+    """
     if not type(model).__module__.startswith("transformers."):
-        return False  # never import transformers for other models
+        return False
     import transformers
 
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
+    return isinstance(model, tuple(getattr(transformers, n) for n in names
                                    if hasattr(transformers, n)))
+
+
+def is_hf_vit(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face classifiers in :data:`CLASSES` (transformers optional)."""
+    return is_transformers_model(model, CLASSES)

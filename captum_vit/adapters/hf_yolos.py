@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters.base import ViTAdapter
-from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair
+from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair, is_transformers_model
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts
@@ -275,9 +275,4 @@ class HFYolosAdapter(ViTAdapter):
 
 def is_hf_yolos(model: nn.Module) -> bool:
     """``True`` for Hugging Face ``YolosForObjectDetection`` (transformers optional)."""
-    if not type(model).__module__.startswith("transformers."):
-        return False  # never import transformers for other models
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
-                                   if hasattr(transformers, n)))
+    return is_transformers_model(model, CLASSES)
