@@ -121,7 +121,7 @@ def test_a_single_vector_is_scored_by_its_sigmoid(clip):
              fn(twin, x, GAE(twin), target=0).per_example)
     curve = fa.deletion(clip, x, GAE(clip), target=spec).curves
     same(curve[:, 0], torch.sigmoid(e @ t))
-    with pytest.raises(ValueError, match="single target vectors"):
+    with pytest.raises(ValueError, match="a single target vector"):
         fa.perturbation_test(clip, x, GAE(clip), target=spec)
     assert sorted(fa.token_ratio(clip, x, GAE(clip), target=spec)) == [
         "token_ratio_keep_aopc", "token_ratio_keep_lodds"]
