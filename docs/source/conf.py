@@ -45,9 +45,10 @@ exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+napoleon_use_ivar = True  # "Attributes:" as fields: no second entry beside :members:
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_class_signature = "separated"
+autodoc_typehints_description_target = "documented"
 
 myst_enable_extensions = ["dollarmath", "amsmath"]
 myst_heading_anchors = 3
@@ -66,12 +67,9 @@ html_title = f"captum_vit {release}"
 def _drop_type_docstrings(app, what, name, obj, options, lines):
     """A constant re-exported without a docstring of its own shows its value, not the
     docstring of its type (``dict``'s or ``tuple``'s)."""
-    if what in ("data", "attribute") and lines:
-        own = type(obj).__doc__ or ""
-        if "\n".join(lines).strip() == "\n".join(
-                line.strip() for line in own.strip().splitlines()).strip() or \
-                lines[0].strip() == own.strip().splitlines()[0].strip():
-            lines.clear()
+    own = [line.strip() for line in (type(obj).__doc__ or "").strip().splitlines()]
+    if what in ("data", "attribute") and own and lines and lines[0].strip() == own[0]:
+        lines.clear()
 
 
 def setup(app):
