@@ -105,6 +105,18 @@ def test_guide_markers_exist_in_the_readme():
         assert readme.count(marker) == 1, marker
 
 
+def test_every_tutorial_is_on_the_site():
+    """Each notebook of ``tutorials/`` is linked into ``docs/source/tutorials`` (the link
+    resolves to it) and listed in that page's table of contents."""
+    notebooks = sorted((ROOT / "tutorials").glob("*.ipynb"))
+    assert notebooks
+    toc = (SOURCE / "tutorials" / "index.md").read_text(encoding="utf-8")
+    for nb in notebooks:
+        link = SOURCE / "tutorials" / nb.name
+        assert link.resolve() == nb.resolve(), f"link {nb.name} into docs/source/tutorials"
+        assert re.search(rf"^{re.escape(nb.stem)}$", toc, re.MULTILINE), nb.stem
+
+
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_nb")
