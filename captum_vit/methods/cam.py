@@ -199,7 +199,7 @@ class _ChannelWeightCAM(_TokenCAM):
         return torch.einsum("bnd,bd->bn", x, w)
 
     def channel_weights(self, x: Tensor, g: Tensor) -> Tensor:
-        """Channel weights ``w`` [B, D] from the rows of ``T``: ``x``, ``g`` [B, |T|, D]."""
+        """Channel weights ``w`` [B, D] from the rows of ``T``: ``x``, ``g`` ``[B, |T|, D]``."""
         raise NotImplementedError  # pragma: no cover
 
 

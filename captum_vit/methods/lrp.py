@@ -244,7 +244,7 @@ class AttnLRP(_LRPAttribution):
 
     ====================================  ===============================================
     LayerNorm, q/k norms, cosine target   identity rule on the normalisation: σ detached
-    GELU, SiLU, QuickGELU, tanh-GELU       identity rule (Eq. 9),
+    GELU, SiLU, QuickGELU, tanh-GELU      identity rule (Eq. 9),
                                           :math:`\tilde g_z = \tilde g_y\,\mathrm{act}(z)/z`
                                           (exact ratio; LXT divides by
                                           :math:`z + 10^{-10}`)

@@ -1,0 +1,76 @@
+"""Sphinx configuration of the captum_vit documentation.
+
+Build (from the repository root)::
+
+    sphinx-build -W --keep-going -b html docs/source docs/_build/html
+
+The user guide's pages include sections of the top-level ``README.md`` (between
+``<!-- start:NAME -->`` / ``<!-- end:NAME -->`` markers), the tutorials are the notebooks of
+``tutorials/`` (linked into ``tutorials/`` here), executed at build time and cached under
+``docs/_build/``; ``-D nb_execution_mode=off`` renders them without running them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+# the notebooks' kernels import the package of this checkout too
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import captum_vit  # noqa: E402
+
+project = "captum_vit"
+author = "captum_vit developers"
+copyright = "captum_vit developers"  # noqa: A001
+release = captum_vit.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "myst_nb",  # Markdown pages (it loads myst_parser) and notebooks
+]
+
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+# Captum-style docstrings: Google sections (Args:, Returns:, Raises:, Examples::)
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_ivar = True  # "Attributes:" as fields: no second entry beside :members:
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
+
+myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_heading_anchors = 3
+
+# notebooks: executed at build time on the bundled model, outputs cached between builds
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(ROOT / "docs" / "_build" / ".jupyter_cache")
+nb_execution_timeout = 1800
+nb_execution_raise_on_error = True
+nb_kernel_rgx_aliases = {".*": "python3"}
+
+html_theme = "furo"
+html_title = f"captum_vit {release}"
+
+
+def _drop_type_docstrings(app, what, name, obj, options, lines):
+    """A constant re-exported without a docstring of its own shows its value, not the
+    docstring of its type (``dict``'s or ``tuple``'s)."""
+    own = [line.strip() for line in (type(obj).__doc__ or "").strip().splitlines()]
+    if what in ("data", "attribute") and own and lines and lines[0].strip() == own[0]:
+        lines.clear()
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _drop_type_docstrings)
