@@ -163,6 +163,10 @@ OPEN_CLIP_FAMILIES: dict[str, tuple[dict, bool, bool, tuple[int, int]]] = {
     "open_clip": ({}, False, True, (32, 32)),  # CLS pooling, GELU, the dual model
     "open_clip_avg": ({"pool_type": "avg", "ls_init_value": 0.5, "final_ln_after_pool": True},
                       True, False, (32, 32)),  # mean pooling, LayerScale, QuickGELU, tower
+    # CoCa's attention pool (4 learned queries, ln_q/ln_k, the first query read out); the
+    # pool's width is the embedding's (embed_dim 32 = width: one packed in-projection)
+    "open_clip_coca": ({"attentional_pool": True, "attn_pooler_queries": 4,
+                        "attn_pooler_heads": 4, "embed_dim": 32}, False, True, (32, 32)),
 }
 
 
@@ -238,17 +242,19 @@ def make_torchvision_model(family: str = "torchvision", *, seed: int = 0, depth:
 def make_open_clip_model(family: str = "open_clip", *, seed: int = 0, depth: int = 3,
                          dtype: torch.dtype = torch.float64, **overrides) -> nn.Module:
     """A small random OpenCLIP model of ``family`` (OPEN_CLIP_FAMILIES; 32x32 inputs, patch
-    8, width 32, 4 heads, embedding 16, a one-block text tower with OpenCLIP's own
-    vocabulary size), eval mode: the dual ``open_clip.CLIP`` or its ``visual`` tower.
-    ``overrides`` go to the vision config."""
+    8, width 32, 4 heads, embedding 16 unless the family says, a one-block text tower with
+    OpenCLIP's own vocabulary size), eval mode: the dual ``open_clip.CLIP`` or its
+    ``visual`` tower. ``overrides`` go to the vision config (``embed_dim`` to the model)."""
     open_clip = pytest.importorskip("open_clip")
     extra, quick_gelu, dual, (size, _) = OPEN_CLIP_FAMILIES[family]
     vision = dict(image_size=size, patch_size=8, width=32, head_width=8, layers=depth,
-                  mlp_ratio=2.0, **extra)
+                  mlp_ratio=2.0, embed_dim=16)
+    vision.update(extra)
     vision.update(overrides)
+    embed_dim = vision.pop("embed_dim")
     text = dict(context_length=8, vocab_size=49408, width=32, heads=4, layers=1)
     torch.manual_seed(seed)
-    model = open_clip.CLIP(embed_dim=16, vision_cfg=vision, text_cfg=text,
+    model = open_clip.CLIP(embed_dim=embed_dim, vision_cfg=vision, text_cfg=text,
                            quick_gelu=quick_gelu)
     logit_scale = model.logit_scale.detach().clone()
     model = randomize_(model, seed)
@@ -258,10 +264,11 @@ def make_open_clip_model(family: str = "open_clip", *, seed: int = 0, depth: int
         for name, p in model.named_parameters():
             if name.endswith("in_proj_weight"):  # q and k rows: sharper attention
                 p[:2 * p.shape[1]] *= 1.5
-            elif ".ln" in name and name.endswith("weight"):
+            elif (".ln" in name or "attn_pool.ln" in name) and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.startswith("visual.") and name.endswith(("class_embedding",
-                                                              "positional_embedding")):
+                                                              "positional_embedding",
+                                                              "attn_pool.query")):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
     model = model.to(dtype).eval()
     return model if dual else model.visual

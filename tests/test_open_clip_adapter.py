@@ -34,7 +34,7 @@ from tests.test_contract import FAST
 
 pytestmark = needs_open_clip
 METHODS = available_methods(compositions=True)
-FAMILIES = ("open_clip", "open_clip_avg")
+FAMILIES = ("open_clip", "open_clip_avg", "open_clip_coca")
 _MODELS: dict[str, nn.Module] = {}
 
 
@@ -61,6 +61,9 @@ VARIANTS = {  # vision-config overrides beyond the family's, and quick_gelu via 
     "avg_ln_before_pool_sincos": ("open_clip_avg", {"final_ln_after_pool": False,
                                                     "pos_embed_type": "sin_cos_2d"}),
     "tok_output_tokens": ("open_clip_avg", {"pool_type": "tok", "output_tokens": True}),
+    "coca_attention_pool": ("open_clip_coca", {"output_tokens": True}),
+    # a pool narrower than the tower: separate q/k/v projections (kdim = width)
+    "coca_separate_projections": ("open_clip_coca", {"embed_dim": 16}),
 }
 
 
@@ -88,7 +91,7 @@ def test_adapter_forward_equals_encode_image(variant, monkeypatch):
         fast = fast[0] if isinstance(fast, tuple) else fast
     assert len(fused) in (0, 3)
     scale = slow.abs().max().item()
-    assert slow.shape == (3, 16)
+    assert slow.shape == (3, ad.num_classes)
     assert_close_scaled(ours, slow, rel=1e-12, scale=scale)
     assert_close_scaled(ours, fast, rel=1e-12, scale=scale)
     assert_close_scaled(ad.model_logits(x), slow, rel=1e-12, scale=scale)
@@ -97,7 +100,8 @@ def test_adapter_forward_equals_encode_image(variant, monkeypatch):
     ad.self_check(x)
     visual = tower(model)
     lay = ad.layout(x)
-    readout = "token" if visual.pool_type == "tok" else "avg"
+    readout = "map" if visual.attn_pool is not None else \
+        "token" if visual.pool_type == "tok" else "avg"
     assert (lay.grid, lay.patch_size, lay.num_prefix, lay.readout) == ((4, 4), (8, 8), 1,
                                                                        readout)
     assert ad.embedding_norms() == (() if overrides.get("no_ln_pre") else ("ln_pre",))
@@ -120,8 +124,14 @@ def test_a_tower_without_projection_outputs_its_pooled_vector():
 def timm_twin(model: nn.Module, t: torch.Tensor) -> nn.Module:
     """A timm ViT with the OpenCLIP tower's weights (timm's OpenCLIP layout:
     ``pre_norm=True``, so a bias-free patch embedding and ``norm_pre``) whose logit 0 is
-    ``⟨e, t⟩``: its head row is ``proj t`` (logit 1 is 0)."""
+    ``⟨e, t⟩``: its head row is ``proj t`` (logit 1 is 0).
+
+    CoCa's attention pool becomes timm's ``global_pool='map'`` over every token
+    (``pool_include_prefix``): its latent is the first query after ``ln_q``, ``norm`` is
+    ``ln_k``, the pool's MLP adds zero (``fc2`` zeroed) and ``fc_norm`` is ``ln_post`` (a
+    LayerNorm set after construction: timm builds ``fc_norm`` or ``norm``, not both)."""
     v = tower(model)
+    coca = v.attn_pool is not None
     blk0 = v.transformer.resblocks[0]
     quick = type(blk0.mlp.gelu).__name__ == "QuickGELU"
     ls = blk0.ls_1.gamma if hasattr(blk0.ls_1, "gamma") else None
@@ -129,17 +139,32 @@ def timm_twin(model: nn.Module, t: torch.Tensor) -> nn.Module:
     twin = TimmViT(
         img_size=32, patch_size=8, embed_dim=32, depth=len(v.transformer.resblocks),
         num_heads=4, mlp_ratio=2.0, num_classes=2, qkv_bias=True, pre_norm=True,
-        global_pool="token" if v.pool_type == "tok" else "avg", fc_norm=after,
+        global_pool="map" if coca else "token" if v.pool_type == "tok" else "avg",
+        fc_norm=after, pool_include_prefix=coca,
         init_values=None if ls is None else 1.0, act_layer=QuickGELU if quick else nn.GELU,
         norm_layer=functools.partial(nn.LayerNorm, eps=v.ln_post.eps),
     ).double().eval()
     assert twin.patch_embed.proj.bias is None
+    if coca:
+        twin.fc_norm = nn.LayerNorm(32, eps=v.ln_post.eps).double()
     with torch.no_grad():
         twin.patch_embed.proj.weight.copy_(v.conv1.weight)
         twin.cls_token.copy_(v.class_embedding.reshape(1, 1, -1))
         twin.pos_embed.copy_(v.positional_embedding[None])
         twin.norm_pre.load_state_dict(v.ln_pre.state_dict())
-        (twin.fc_norm if after else twin.norm).load_state_dict(v.ln_post.state_dict())
+        if coca:
+            pool, mha = twin.attn_pool, v.attn_pool.attn
+            pool.latent.copy_(v.attn_pool.ln_q(v.attn_pool.query)[:1][None])
+            w, b = mha.in_proj_weight, mha.in_proj_bias
+            pool.q.weight.copy_(w[:32])
+            pool.q.bias.copy_(b[:32])
+            pool.kv.weight.copy_(w[32:])
+            pool.kv.bias.copy_(b[32:])
+            pool.proj.load_state_dict(mha.out_proj.state_dict())
+            pool.mlp.fc2.weight.zero_()
+            pool.mlp.fc2.bias.zero_()
+            twin.norm.load_state_dict(v.attn_pool.ln_k.state_dict())
+        (twin.fc_norm if after or coca else twin.norm).load_state_dict(v.ln_post.state_dict())
         for blk, res in zip(twin.blocks, v.transformer.resblocks, strict=True):
             pairs = [(blk.norm1, res.ln_1), (blk.norm2, res.ln_2), (blk.attn.proj,
                      res.attn.out_proj), (blk.mlp.fc1, res.mlp.c_fc),
@@ -152,15 +177,20 @@ def timm_twin(model: nn.Module, t: torch.Tensor) -> nn.Module:
                 blk.ls1.gamma.copy_(res.ls_1.gamma)
                 blk.ls2.gamma.copy_(res.ls_2.gamma)
         twin.head.weight.zero_()
-        twin.head.weight[0] = v.proj @ t
+        twin.head.weight[0] = v.proj @ t  # [width, D'] @ [D']
         twin.head.bias.zero_()
     return twin
+
+
+def vector(model: nn.Module) -> torch.Tensor:
+    return torch.randn(adapt(model).num_classes, generator=torch.Generator().manual_seed(3),
+                       dtype=torch.float64)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_timm_twin_has_the_embeddings_dot_product_as_logit(family):
     model = oc_model(family)
-    t = torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    t = vector(model)
     x = make_inputs(family, batch=2)
     assert_close_scaled(timm_twin(model, t)(x)[:, 0], encode(model, x) @ t, rel=1e-12)
 
@@ -182,7 +212,7 @@ def test_timm_twin_of_an_open_clip_tower_gets_identical_maps(name, family):
     if name in NOT_MERGE_INVARIANT:
         pytest.skip("α1β0 LRP depends on how the head is split into linear maps")
     model = oc_model(family)
-    t = torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    t = vector(model)
     twin = timm_twin(model, t)
     x = make_inputs(family, batch=2)
     before = snapshot(model)
@@ -229,8 +259,11 @@ def test_adapter_answers_and_refuses():
         return open_clip.CLIP(16, {**cfg, **vision}, dict(
             context_length=8, vocab_size=100, width=32, heads=4, layers=1))
 
-    with pytest.raises(TypeError, match="attention-pool head.*CoCa"):
-        adapt(tiny(attentional_pool=True, attn_pooler_queries=4, attn_pooler_heads=2))
+    with pytest.raises(TypeError, match="attentional_pool='parallel'.*contrastive"):
+        adapt(tiny(attentional_pool="parallel", attn_pooler_queries=4, attn_pooler_heads=2))
+    with pytest.raises(TypeError, match="pool_type='avg'.*mean over pooled queries"):
+        adapt(tiny(attentional_pool=True, attn_pooler_queries=4, attn_pooler_heads=2,
+                   pool_type="avg"))
     with pytest.raises(TypeError, match="pool_type='none'"):
         adapt(tiny(pool_type="none").visual)
     with pytest.raises(TypeError, match="CustomResidualAttentionBlock.*qk_norm"):

@@ -29,14 +29,23 @@ Only this file knows OpenCLIP's attribute names. What the installed ``open_clip`
   pooled vector. With ``output_tokens`` the tower also returns its tokens; the embedding
   (its first output) is what is explained.
 
-Refused by name (``TypeError``): the attention-pool towers (CoCa's ``attn_pool``, an
-``AttentionalPooler`` whose learned queries pass ``ln_q`` before their projection, then
-``ln_post`` on the pooled queries: not the attention-pool head of
-:class:`~captum_vit.adapters.parts.PoolParts`, whose latent is the query itself),
-``pool_type='none'`` (no single embedding), the custom blocks
+- **Attention pool** (CoCa's ``attn_pool``, an ``AttentionalPooler``; OpenCLIP's original
+  CoCa setup, ``attentional_pool=True``): ``ln_k`` on every token (no ``ln_post`` before
+  it), then ``nn.MultiheadAttention`` from the learned queries, normed by ``ln_q``, over
+  all tokens (class token included; ``kdim = width``, so separate q/k/v projections when
+  the width differs from ``output_dim``), then ``ln_post`` on the pooled queries, the
+  first query's row (``pool_type='tok'``) and ``proj``: the package's attention-pool head
+  (:class:`~captum_vit.adapters.parts.PoolParts`, no MLP) with ``ln_k`` as the final norm,
+  the queries' ``ln_q(query)`` as its latent (recomputed from the parameters at every
+  entry point, since ``ln_q`` comes before the projection) and ``ln_post`` as the head's
+  ``fc_norm``.
+
+Refused by name (``TypeError``): the ``'parallel'`` / ``'cascade'`` attention pools (a
+second, contrastive pooler), an attention pool with ``pool_type='avg'`` (a mean over
+pooled queries), ``pool_type='none'`` (no single embedding), the custom blocks
 (``CustomResidualAttentionBlock``: ``qk_norm``, ``scaled_cosine_attn``, ``scale_heads``,
-``scale_attn_inner``, ``scale_attn``, ``scale_fc``), and towers that are no
-Vision Transformer of OpenCLIP's own (``ModifiedResNet``, a ``TimmModel`` trunk).
+``scale_attn_inner``, ``scale_attn``, ``scale_fc``), and towers that are no Vision
+Transformer of OpenCLIP's own (``ModifiedResNet``, a ``TimmModel`` trunk).
 ``LayerNormFp32`` norms compute in float32 whatever the input's dtype; the adapter's
 norms compute in the input's dtype (the same in float32).
 """
@@ -51,7 +60,7 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
 
 CUSTOM_BLOCK_OPTIONS = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
                         "scale_attn", "scale_fc")
@@ -129,6 +138,36 @@ def _block_parts(blk: nn.Module, where: str) -> BlockParts:
     )
 
 
+def _attention_pool(pool: nn.Module, where: str) -> PoolParts:
+    """The canonical parts of CoCa's ``AttentionalPooler``: the latent is ``ln_q(query)``
+    (a tensor computed now, without gradient), ``k``/``v`` read the tokens (normed by
+    ``ln_k``, the head's norm), no MLP."""
+    mha = pool.attn
+    if not (isinstance(mha, nn.MultiheadAttention) and mha.batch_first
+            and mha.bias_k is None and not mha.add_zero_attn):
+        raise TypeError(f"{where}.attn is not a plain batch-first nn.MultiheadAttention; "
+                        "this attention pool is not supported")
+    d = mha.embed_dim
+    if mha._qkv_same_embed_dim:
+        w = mha.in_proj_weight.detach()
+        q, k, v = w[:d], w[d:2 * d], w[2 * d:]
+    else:
+        q, k, v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    b = mha.in_proj_bias
+    qb, kb, vb = (None, None, None) if b is None else b.detach().split(d)
+    with torch.no_grad():
+        latent = pool.ln_q(pool.query).detach()
+    head_dim = d // mha.num_heads
+    identity = nn.Identity()
+    return PoolParts(
+        latent=latent, q_weight=q, q_bias=qb, k_weight=k, k_bias=kb, v_weight=v, v_bias=vb,
+        num_heads=mha.num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
+        q_norm=identity, k_norm=identity,
+        proj_weight=mha.out_proj.weight, proj_bias=mha.out_proj.bias,
+        norm=None, fc1_weight=None, fc1_bias=None, act=None, fc2_weight=None, fc2_bias=None,
+    )
+
+
 def _vision_transformer_class() -> type | None:
     module = sys.modules.get("open_clip.transformer")
     return None if module is None else module.VisionTransformer
@@ -143,13 +182,13 @@ class OpenCLIPAdapter(ViTAdapter):
 
     Args:
         model (nn.Module): ``open_clip``'s ``VisionTransformer`` (``clip.visual``) or a
-            dual model holding one (``open_clip.CLIP``, ``CustomTextCLIP``), explained
-            through ``encode_image``.
+            model holding one (``open_clip.CLIP``, ``CustomTextCLIP``, ``CoCa``),
+            explained through ``encode_image`` (un-normalised).
 
     Raises:
-        TypeError: an attention-pool tower (CoCa), ``pool_type='none'``, custom blocks,
-            or an image tower that is not OpenCLIP's ``VisionTransformer``; the message
-            names what is not supported.
+        TypeError: a contrastive attention pool (``'parallel'``, ``'cascade'``),
+            ``pool_type='none'``, custom blocks, or an image tower that is not OpenCLIP's
+            ``VisionTransformer``; the message names what is not supported.
 
     Examples::
 
@@ -178,12 +217,15 @@ class OpenCLIPAdapter(ViTAdapter):
                             "model)")
         self.visual = visual
         where = name if visual is model else f"{name}.visual"
-        if getattr(visual, "attn_pool", None) is not None:
+        pooled = getattr(visual, "attn_pool", None) is not None
+        if pooled and (getattr(visual, "attn_pool_contrastive", None) is not None
+                       or visual.pool_type != "tok"):
             raise TypeError(
-                f"{where} has an attention-pool head (attn_pool, CoCa's AttentionalPooler): "
-                "its learned queries pass ln_q before their projection and ln_post follows "
-                "the pooled queries, which captum_vit's attention-pool head does not "
-                "represent; explain an OpenCLIP tower with pool_type 'tok' or 'avg'")
+                f"{where} has the attention pool attentional_pool="
+                f"{getattr(visual, 'attn_pool_type', '') or True!r} with pool_type="
+                f"{visual.pool_type!r}; captum_vit supports OpenCLIP's original CoCa pool "
+                "(attentional_pool=True, pool_type='tok': the first pooled query), not a "
+                "second contrastive pooler nor a mean over pooled queries")
         if visual.pool_type not in ("tok", "avg"):
             raise TypeError(f"{where} has pool_type={visual.pool_type!r}: it outputs every "
                             "token, not one image embedding; captum_vit explains pool_type "
@@ -196,7 +238,7 @@ class OpenCLIPAdapter(ViTAdapter):
         self._where = where
         self.num_prefix = 1
         self.in_chans = int(visual.conv1.in_channels)
-        self.readout = "token" if visual.pool_type == "tok" else "avg"
+        self.readout = "map" if pooled else "token" if visual.pool_type == "tok" else "avg"
         self._read_parts()
 
     def _read_parts(self) -> None:
@@ -206,10 +248,16 @@ class OpenCLIPAdapter(ViTAdapter):
         self.blocks = [_block_parts(blk, f"{where}.transformer.resblocks[{i}]")
                        for i, blk in enumerate(v.transformer.resblocks)]
         ln_post = _norm(v.ln_post, f"{where}.ln_post")
+        proj = None if v.proj is None else v.proj.T
+        if self.readout == "map":  # ln_k, the pool, ln_post on the first pooled query
+            self.head = HeadParts(_norm(v.attn_pool.ln_k, f"{where}.attn_pool.ln_k"), ln_post,
+                                  (("map", proj, None),),
+                                  attn_pool=_attention_pool(v.attn_pool, f"{where}.attn_pool"))
+            return
         after = bool(getattr(v, "final_ln_after_pool", False))
         row = 0 if self.readout == "token" else "avg"
         self.head = HeadParts(None if after else ln_post, ln_post if after else None,
-                              ((row, None if v.proj is None else v.proj.T, None),))
+                              ((row, proj, None),))
 
     def refresh(self) -> None:
         """Re-read the q/k/v views and the projection after the parameters were replaced
@@ -218,9 +266,9 @@ class OpenCLIPAdapter(ViTAdapter):
         stale = any(p.q_weight.data_ptr() != blk.attn.in_proj_weight.data_ptr()
                     for p, blk in zip(self.blocks, blocks, strict=True))
         weight, proj = self._head_parts.heads[0][1], self.visual.proj
-        if stale or (weight is None) != (proj is None) or (
+        if stale or self.readout == "map" or (weight is None) != (proj is None) or (
                 weight is not None and weight.data_ptr() != proj.data_ptr()):
-            self._read_parts()
+            self._read_parts()  # the pool's latent ln_q(query) is recomputed every time
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
@@ -229,7 +277,9 @@ class OpenCLIPAdapter(ViTAdapter):
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
         v = self.visual
-        head = list(v.ln_post.parameters()) + ([v.proj] if v.proj is not None else [])
+        pool = getattr(v, "attn_pool", None)
+        head = [*(pool.parameters() if pool is not None else ()), *v.ln_post.parameters(),
+                *([v.proj] if v.proj is not None else [])]
         return [head, *(list(blk.parameters()) for blk in reversed(v.transformer.resblocks))]
 
     def check_inputs(self, inputs: Tensor) -> None:
@@ -278,10 +328,11 @@ class OpenCLIPAdapter(ViTAdapter):
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """``encode_image`` of a dual model, else the tower's forward (its first output
         with ``output_tokens``)."""
-        if self.visual is not self.model:
-            return self.model.encode_image(inputs)
-        out = self.model(inputs)
-        return out[0] if isinstance(out, tuple) else out
+        if self.visual is not self.model:  # CoCa's encode_image normalises by default
+            out = self.model.encode_image(inputs, normalize=False)
+        else:
+            out = self.model(inputs)
+        return out[0] if isinstance(out, tuple) else out  # output_tokens: (pooled, tokens)
 
 
 def is_open_clip(model: nn.Module) -> bool:

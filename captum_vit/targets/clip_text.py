@@ -35,7 +35,7 @@ def _open_clip_features(model: nn.Module, tokenizer: Callable[..., Any], texts: 
         raise TypeError(f"tokenizer must return a tensor of token ids for an OpenCLIP model "
                         f"(open_clip.get_tokenizer(NAME)), got {type(tokens).__name__}")
     device = next(model.parameters()).device
-    features = model.encode_text(tokens.to(device))
+    features = model.encode_text(tokens.to(device), normalize=False)  # CoCa's default: True
     bias = getattr(model, "logit_bias", None)
     return features, _scalar(model.logit_scale.exp()), 0.0 if bias is None else _scalar(bias)
 
