@@ -448,3 +448,32 @@ def test_pretrained_open_clip_weights_come_from_the_local_cache_only(tmp_path, m
     if cfg.get("url", "").endswith("ViT-B-32.pt"):
         path, tag_cfg = cached_open_clip_weights("ViT-B-32", "openai")
         assert path == str(clip_dir / "ViT-B-32.pt") and tag_cfg["mean"]
+
+
+def test_a_coca_model_is_explained_through_its_unnormalised_image_embedding():
+    """``CoCa.encode_image`` normalises by default; the adapter explains the embedding
+    before it, and the text target's cosine makes the score the model's own logit."""
+    from open_clip.coca_model import CoCa
+    from open_clip.tokenizer import SimpleTokenizer
+
+    text = dict(context_length=8, vocab_size=49408, width=32, heads=4, layers=1)
+    torch.manual_seed(0)
+    coca = CoCa(32, multimodal_cfg=text, text_cfg=dict(text, embed_cls=True, output_tokens=True),
+                vision_cfg=dict(image_size=32, patch_size=8, width=32, head_width=8, layers=2,
+                                mlp_ratio=2.0, attentional_pool=True, attn_pooler_queries=4,
+                                attn_pooler_heads=4, output_tokens=True)).double().eval()
+    before = snapshot(coca)
+    ad = adapt(coca)
+    assert isinstance(ad, OpenCLIPAdapter) and ad.readout == "map"
+    x = make_inputs("open_clip", batch=2)
+    assert_close_scaled(ad.run(ad.embed(x)), coca.encode_image(x, normalize=False), rel=1e-12)
+    tokenizer = SimpleTokenizer(context_length=8)
+    texts = ["a dog", "a cat"]
+    target = clip_text_target(coca, tokenizer, texts, index=[1, 0])
+    ref = coca.logit_scale.exp() * (coca.encode_image(x) * coca.encode_text(
+        tokenizer(texts))[[1, 0]]).sum(-1)
+    res = DecompX(coca, route="explicit").decompose(x, target)
+    assert_close_scaled(res.logit, ref.detach(), rel=1e-12)
+    torch.testing.assert_close(res.tokens.sum(-1) + res.bias, ref.detach(), rtol=0,
+                               atol=1e-10)
+    assert_unchanged(coca, before)

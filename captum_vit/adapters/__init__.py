@@ -141,7 +141,8 @@ SUPPORTED = (
     "DetectionTarget), "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
     "not conv_stem_configs) and OpenCLIP image towers (open_clip VisionTransformer with "
-    "pool_type 'tok' or 'avg', alone or inside open_clip.CLIP; not CoCa's attention pool)"
+    "pool_type 'tok' or 'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or "
+    "CoCa)"
 )
 
 

@@ -1,8 +1,8 @@
 """Adapter for OpenCLIP's image tower (``open_clip_torch``, extra ``openclip``): the
 ``VisionTransformer`` of ``open_clip.transformer`` on its own (``model.visual``) or inside
-the dual model (``open_clip.CLIP``, ``CustomTextCLIP``), whose image side
-(``encode_image``) is explained; the text side is the user's, to make target vectors
-(:func:`captum_vit.targets.clip_text_target`).
+a model with a text side (``open_clip.CLIP``, ``CustomTextCLIP``, ``CoCa``), whose image
+side (``encode_image(images, normalize=False)``) is explained; the text side is the
+user's, to make target vectors (:func:`captum_vit.targets.clip_text_target`).
 
 Only this file knows OpenCLIP's attribute names. What the installed ``open_clip``
 (``transformer.py``, ``VisionTransformer.forward``) computes, and how it maps here:

@@ -65,9 +65,10 @@ def clip_text_target(model: nn.Module, tokenizer: Callable[..., Any],
     r"""Text prompts as an :class:`EmbeddingTarget` of a CLIP-style model's image embedding.
 
     The prompts are embedded by the model's own text side: OpenCLIP's
-    ``model.encode_text(tokenizer(texts))``, Hugging Face ``CLIPModel`` / ``SiglipModel``'s
-    ``get_text_features`` on ``tokenizer(text=texts, padding=..., return_tensors="pt")``
-    (``padding="max_length"`` for SigLIP, as it was trained; ``True`` for CLIP). The
+    ``model.encode_text(tokenizer(texts), normalize=False)``, Hugging Face ``CLIPModel`` /
+    ``SiglipModel``'s ``get_text_features`` on
+    ``tokenizer(text=texts, padding=..., return_tensors="pt")`` (``padding="max_length"``
+    for SigLIP, as it was trained; ``True`` for CLIP). The
     target scores the cosine similarity times the model's temperature
     ``logit_scale.exp()``, plus ``logit_bias`` where the model has one (SigLIP, OpenCLIP's
     SigLIP models): the image-to-text logits of Radford et al. (ICML 2021) and Zhai et
@@ -80,7 +81,8 @@ def clip_text_target(model: nn.Module, tokenizer: Callable[..., Any],
 
     Args:
         model (nn.Module): an OpenCLIP model with a text side (``open_clip.CLIP``,
-            ``CustomTextCLIP``) or a Hugging Face ``CLIPModel`` / ``SiglipModel``.
+            ``CustomTextCLIP``, ``CoCa``) or a Hugging Face ``CLIPModel`` /
+            ``SiglipModel``.
         tokenizer (callable): the model's tokenizer: ``open_clip.get_tokenizer(NAME)``
             (or ``open_clip.tokenizer.SimpleTokenizer``, whose vocabulary ships with
             ``open_clip``) for OpenCLIP; the Hugging Face tokenizer or processor
