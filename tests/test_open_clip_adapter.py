@@ -477,3 +477,20 @@ def test_a_coca_model_is_explained_through_its_unnormalised_image_embedding():
     torch.testing.assert_close(res.tokens.sum(-1) + res.bias, ref.detach(), rtol=0,
                                atol=1e-10)
     assert_unchanged(coca, before)
+
+
+def test_explain_command_with_an_open_clip_model(tiny_arch, tmp_path, capsys):
+    import numpy as np
+
+    from captum_vit.cli import main
+
+    np.save(tmp_path / "classes.npy", np.random.default_rng(0).standard_normal((3, 16)))
+    (tmp_path / "classes.txt").write_text("cat\ndog\nbird\n")
+    out = tmp_path / "explain.png"
+    args = ["explain", "--model", f"open_clip:{tiny_arch}", "--methods", "gae,decompx",
+            "--target-embeddings", str(tmp_path / "classes.npy"), "--classes",
+            str(tmp_path / "classes.txt"), "--embedding-scale", "100", "--out", str(out)]
+    assert main(args) == 0 and out.stat().st_size > 0
+    captured = capsys.readouterr()
+    assert any(n in captured.out for n in ("cat", "dog", "bird"))
+    assert "--pretrained" in captured.err  # the random-weight note names the fix
