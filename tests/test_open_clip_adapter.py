@@ -494,3 +494,18 @@ def test_explain_command_with_an_open_clip_model(tiny_arch, tmp_path, capsys):
     captured = capsys.readouterr()
     assert any(n in captured.out for n in ("cat", "dog", "bird"))
     assert "--pretrained" in captured.err  # the random-weight note names the fix
+
+
+def test_the_coca_latent_follows_in_place_updates():
+    """The pool's latent ``ln_q(query)`` is computed, not a view: it is recomputed at every
+    entry point, so in-place updates (the randomisation metric's) reach it."""
+    model = make_open_clip_model("open_clip_coca")
+    ad = adapt(model)
+    x = make_inputs("open_clip_coca", batch=2)
+    with torch.no_grad():
+        model.visual.attn_pool.query.mul_(-1.3)
+        model.visual.attn_pool.ln_q.weight.add_(0.5)
+    assert_close_scaled(ad.run(ad.embed(x)), model.encode_image(x, normalize=False),
+                        rel=1e-12)
+    stages = ad.parameter_stages()
+    assert {id(p) for p in model.visual.attn_pool.parameters()} <= {id(p) for p in stages[0]}
