@@ -242,11 +242,16 @@ class OpenCLIPAdapter(ViTAdapter):
         self._read_parts()
 
     def _read_parts(self) -> None:
-        """The blocks' parts and the head (``ln_post`` before or after pooling, ``projᵀ``)
-        as views of the tower's parameters."""
+        """The blocks' parts and the head, views of the tower's parameters."""
         v, where = self.visual, self._where
         self.blocks = [_block_parts(blk, f"{where}.transformer.resblocks[{i}]")
                        for i, blk in enumerate(v.transformer.resblocks)]
+        self._read_head()
+
+    def _read_head(self) -> None:
+        """``ln_post`` before or after pooling (or CoCa's ``ln_k``, pool and ``ln_post``)
+        and ``projᵀ``."""
+        v, where = self.visual, self._where
         ln_post = _norm(v.ln_post, f"{where}.ln_post")
         proj = None if v.proj is None else v.proj.T
         if self.readout == "map":  # ln_k, the pool, ln_post on the first pooled query
@@ -261,14 +266,17 @@ class OpenCLIPAdapter(ViTAdapter):
 
     def refresh(self) -> None:
         """Re-read the q/k/v views and the projection after the parameters were replaced
-        (``model.to``)."""
+        (``model.to``); recompute CoCa's pool latent ``ln_q(query)`` every time (it is no
+        view, and in-place updates must reach it)."""
         blocks = self.visual.transformer.resblocks
-        stale = any(p.q_weight.data_ptr() != blk.attn.in_proj_weight.data_ptr()
-                    for p, blk in zip(self.blocks, blocks, strict=True))
+        if any(p.q_weight.data_ptr() != blk.attn.in_proj_weight.data_ptr()
+               for p, blk in zip(self.blocks, blocks, strict=True)):
+            self._read_parts()
+            return
         weight, proj = self._head_parts.heads[0][1], self.visual.proj
-        if stale or self.readout == "map" or (weight is None) != (proj is None) or (
+        if self.readout == "map" or (weight is None) != (proj is None) or (
                 weight is not None and weight.data_ptr() != proj.data_ptr()):
-            self._read_parts()  # the pool's latent ln_q(query) is recomputed every time
+            self._read_head()
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
