@@ -462,6 +462,10 @@ def test_a_coca_model_is_explained_through_its_unnormalised_image_embedding():
                 vision_cfg=dict(image_size=32, patch_size=8, width=32, head_width=8, layers=2,
                                 mlp_ratio=2.0, attentional_pool=True, attn_pooler_queries=4,
                                 attn_pooler_heads=4, output_tokens=True)).double().eval()
+    with torch.no_grad():  # the text decoder's projection is left uninitialised (torch.empty)
+        for p in coca.parameters():
+            if not torch.isfinite(p).all():
+                p.normal_(std=0.02)
     before = snapshot(coca)
     ad = adapt(coca)
     assert isinstance(ad, OpenCLIPAdapter) and ad.readout == "map"
