@@ -4,7 +4,7 @@ Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
-                                    hf-dinov2|hf-clip|torchvision-vit|hf-beit] \
+                                    hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip] \
         [--batches 1 8] [--target class|token|vlm]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -19,7 +19,9 @@ class-token-free ViT with an attention-pool head; ``hf-vit``: Hugging Face
 against one random target vector per image, the reference differentiating the cosine;
 ``torchvision-vit``: torchvision's ``VisionTransformer`` with ``nn.MultiheadAttention``;
 ``hf-beit``: Hugging Face ``BeitForImageClassification`` with a relative position bias per
-layer), measured in the same run as the methods.
+layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTransformer``,
+``nn.MultiheadAttention``, ``ln_pre``, projection), explained like ``hf-clip``), measured
+in the same run as the methods.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
 (``TokenTarget``: a fixed random probe on the final-normed patch tokens of the timm ViT, the
@@ -193,10 +195,21 @@ def hf_beit_s16(img_size: int = 224) -> torch.nn.Module:
     return BeitForImageClassification(cfg).eval()
 
 
+def open_clip_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as OpenCLIP's image tower (class-token pooling,
+    ``ln_pre``, a 256-wide projection; explained against target vectors)."""
+    from open_clip.transformer import VisionTransformer as OpenCLIPViT
+
+    torch.manual_seed(0)
+    return OpenCLIPViT(image_size=img_size, patch_size=16, width=384, layers=12, heads=6,
+                       mlp_ratio=4.0, output_dim=256).eval()
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-vit": vit_s16, "timm-beit": beit_s16, "timm-eva": eva02_s16,
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
-    "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16}
+    "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
+    "open-clip": open_clip_s16}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -249,13 +262,17 @@ def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
     """``(score(x) -> [B], method target)``: the target logit of a classifier, or for a
     model that outputs an embedding the cosine with random unit vectors, one per image."""
-    if not hasattr(model, "visual_projection"):
+    if hasattr(model, "visual_projection"):  # Hugging Face CLIP
+        dim, embed = model.config.projection_dim, lambda x: model(pixel_values=x).image_embeds
+    elif type(model).__module__.startswith("open_clip."):
+        dim, embed = model.output_dim, model
+    else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t
-    vec = torch.randn(b, model.config.projection_dim, generator=torch.Generator().manual_seed(1))
+    vec = torch.randn(b, dim, generator=torch.Generator().manual_seed(1))
 
     def cosine(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cosine_similarity(model(pixel_values=x).image_embeds, vec)
+        return torch.nn.functional.cosine_similarity(embed(x), vec)
 
     return cosine, vec
 

@@ -16,6 +16,14 @@
 * ``hf:NAME_OR_PATH`` — a Hugging Face image classifier (extra ``hf``) from a local folder
   or the local Hugging Face cache, never downloaded; preprocessing from its image
   processor, class names from ``config.id2label``;
+* ``open_clip:ARCH[:PATH]`` — ``open_clip.create_model(ARCH, pretrained=None)`` (extra
+  ``openclip``; ``ARCH`` one of ``open_clip.list_models()``): random weights seeded by
+  ``seed``, the state dict at ``PATH`` (``.pt``, ``.pth``, ``.bin`` or ``.safetensors``,
+  read by ``open_clip.load_checkpoint``), or with ``pretrained=True`` the weights of the
+  tag ``PATH`` (default: the architecture's first tag) already in the local cache
+  (:func:`cached_open_clip_weights`; nothing is downloaded); normalisation from the
+  model's ``preprocess_cfg`` (or the tag's). An image-embedding model: its targets are
+  vectors (:func:`captum_vit.targets.clip_text_target`);
 * ``random:vit_tiny`` / ``random:vit_small`` — a random-weight timm ViT built from ``seed``
   (3×32×32, patch 8, 10 classes / ViT-S/16 224); no download (tests, demos).
 
@@ -57,8 +65,9 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
 """``random:NAME`` models: keyword arguments of timm's ``VisionTransformer``."""
 
 SPEC_HELP = ("zoo:NAME | timm:NAME [--pretrained] | torchvision:NAME [--pretrained] | "
-             "file:PATH.safetensors (+ PATH.json card) | "
-             f"hf:NAME_OR_PATH (local only) | random:{'|'.join(RANDOM_MODELS)}")
+             "file:PATH.safetensors (+ PATH.json card) | hf:NAME_OR_PATH (local only) | "
+             "open_clip:ARCH[:PATH | :TAG --pretrained] | "
+             f"random:{'|'.join(RANDOM_MODELS)}")
 """One-line summary of the model specs (command-line help)."""
 
 def read_class_names(path: str | os.PathLike) -> tuple[str, ...]:
@@ -96,13 +105,15 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
 
     Args:
         spec (str): ``zoo:NAME``, ``timm:NAME``, ``torchvision:NAME``,
-            ``file:PATH.safetensors``, ``hf:NAME_OR_PATH`` or ``random:NAME``.
-        seed (int, optional): seed of random weights (``random:``, ``timm:`` and
-            ``torchvision:`` without ``pretrained``); the global random state is left as
-            it was. Default 0.
-        pretrained (bool, optional): ``timm:NAME`` and ``torchvision:NAME`` only: load the
-            weights from the local cache (:func:`cached_timm_weights`,
-            :func:`cached_torchvision_weights`). Default False.
+            ``file:PATH.safetensors``, ``hf:NAME_OR_PATH``, ``open_clip:ARCH[:PATH]`` or
+            ``random:NAME``.
+        seed (int, optional): seed of random weights (``random:``, and ``timm:``,
+            ``torchvision:`` and ``open_clip:`` without weights); the global random state
+            is left as it was. Default 0.
+        pretrained (bool, optional): ``timm:NAME``, ``torchvision:NAME`` and
+            ``open_clip:ARCH[:TAG]`` only: load the weights from the local cache
+            (:func:`cached_timm_weights`, :func:`cached_torchvision_weights`,
+            :func:`cached_open_clip_weights`). Default False.
         class_names (Sequence[str] or path, optional): a name per output class, or a
             text file of them (:func:`read_class_names`); overrides the card's. For an
             embedding model with ``targets``: a name per target vector.
@@ -130,9 +141,9 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
     if not isinstance(spec, str):
         raise TypeError(f"model spec must be a str, got {type(spec).__name__}")
     kind, _, name = spec.partition(":")
-    if pretrained and kind not in ("timm", "torchvision"):
-        raise ValueError("--pretrained applies to --model timm:NAME and torchvision:NAME "
-                         f"only, not {spec!r}")
+    if pretrained and kind not in ("timm", "torchvision", "open_clip"):
+        raise ValueError(f"--pretrained applies to --model timm:NAME and torchvision:NAME "
+                         f"only, or to open_clip:ARCH[:TAG], not {spec!r}")
     if isinstance(class_names, (str, os.PathLike)):
         class_names = read_class_names(class_names)
     if kind == "zoo":
@@ -151,6 +162,8 @@ def load_model(spec: str, *, seed: int = 0, pretrained: bool = False,
         lm = _torchvision(name, seed, pretrained)
     elif kind == "hf":
         lm = _hf(name)
+    elif kind == "open_clip":
+        lm = _open_clip(name, seed, pretrained)
     elif kind == "random":
         from timm.models.vision_transformer import VisionTransformer
 
@@ -325,6 +338,109 @@ def _hf(name: str) -> LoadedModel:
     return loaded_model(model, 0.5 if mean is None else mean, 0.5 if std is None else std, names)
 
 
+def _open_clip(name: str, seed: int, pretrained: bool) -> LoadedModel:
+    """An OpenCLIP model from a built-in architecture: random, a local state dict, or a
+    tag's weights from the local cache (never downloads)."""
+    try:
+        import open_clip
+    except ImportError as e:
+        raise ValueError(f"--model open_clip:{name} needs the openclip extra: "
+                         "pip install 'captum_vit[openclip]'") from e
+    arch, _, rest = name.partition(":")
+    if arch not in open_clip.list_models():
+        raise ValueError(f"--model open_clip:{name}: unknown architecture {arch!r}; use one "
+                         "of open_clip.list_models() (e.g. ViT-B-32), optionally "
+                         "open_clip:ARCH:PATH with a local state dict")
+    path, tag_cfg = None, {}
+    if pretrained:
+        path, tag_cfg = cached_open_clip_weights(arch, rest or None)
+    elif rest:
+        path = Path(rest)
+        if path.suffix not in (".pt", ".pth", ".bin", ".safetensors"):
+            raise ValueError(f"--model open_clip:{name}: PATH must be a state dict file (.pt, "
+                             f".pth, .bin or .safetensors), got {rest!r}; for a pretrained "
+                             "tag use open_clip:ARCH:TAG --pretrained")
+        if not path.is_file():
+            raise FileNotFoundError(f"--model open_clip:{name}: no such file {path}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = open_clip.create_model(arch, pretrained=None, pretrained_text=False)
+    if path is not None:
+        open_clip.load_checkpoint(model, str(path))
+    cfg = {**getattr(model.visual, "preprocess_cfg", {}), **tag_cfg}
+    mean = cfg.get("mean", open_clip.OPENAI_DATASET_MEAN)
+    std = cfg.get("std", open_clip.OPENAI_DATASET_STD)
+    return loaded_model(model.eval(), tuple(mean), tuple(std), None,
+                        random_weights=path is None)
+
+
+def cached_open_clip_weights(arch: str, tag: str | None = None) -> tuple[str, dict]:
+    """Path of an OpenCLIP tag's weights in the local cache; never downloads.
+
+    Looks where ``open_clip.create_model(ARCH, pretrained=TAG)`` stores them: the Hugging
+    Face hub cache for tags hosted there (``open_clip_model.safetensors`` before the
+    ``.bin``), and ``~/.cache/clip`` for tags downloaded from a URL.
+
+    Args:
+        arch (str): an OpenCLIP architecture (``open_clip.list_models()``).
+        tag (str, optional): a pretrained tag of it
+            (``open_clip.list_pretrained_tags_by_model(arch)``); default the first.
+
+    Returns:
+        (str, dict): the path of the cached weights and the tag's configuration (its
+        ``mean`` and ``std`` normalise the inputs).
+
+    Raises:
+        ValueError: the architecture has no such tag.
+        FileNotFoundError: the weights are in neither cache; the message names the
+            folders and file names to put them at.
+
+    Examples::
+
+        >>> from captum_vit.models import cached_open_clip_weights
+        >>> cached_open_clip_weights("ViT-B-32", "laion2b_s34b_b79k")  # doctest: +SKIP
+        ('/root/.cache/huggingface/hub/models--laion--.../open_clip_model.safetensors', {...})
+    """
+    import open_clip
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    tags = open_clip.list_pretrained_tags_by_model(arch)
+    if not tags:
+        raise ValueError(f"--pretrained: OpenCLIP lists no pretrained tag for {arch}; pass "
+                         f"a local state dict as open_clip:{arch}:PATH")
+    tag = tags[0] if tag is None else tag
+    cfg = open_clip.get_pretrained_cfg(arch, tag)
+    if not cfg:
+        raise ValueError(f"--pretrained: {arch} has no tag {tag!r}; choose from "
+                         f"{', '.join(tags)}")
+    where = []
+    hub = cfg.get("hf_hub", "")
+    if hub:
+        # 'org/repo/file' names a file, 'org/repo/' the default ones (open_clip.pretrained)
+        repo, _, fname = hub.rpartition("/")
+        names = [fname] if fname else ["open_clip_model.safetensors",
+                                       "open_clip_pytorch_model.bin"]
+        if fname.endswith((".bin", ".pth")):
+            names.insert(0, fname[:-4] + ".safetensors")
+        for candidate in names:
+            hit = try_to_load_from_cache(repo, candidate)
+            if isinstance(hit, str):
+                return hit, cfg
+        where.append(f"Hugging Face cache {constants.HF_HUB_CACHE} ({repo}: "
+                     f"{' or '.join(names)})")
+    url = cfg.get("url", "")
+    if url:
+        local = Path("~/.cache/clip").expanduser() / Path(url).name
+        if local.is_file():
+            return str(local), cfg
+        where.append(f"{local}")
+    raise FileNotFoundError(
+        f"--pretrained: the weights of OpenCLIP {arch} ({tag}) are not in the local cache "
+        f"(looked in {' and '.join(where) or 'no source: the tag names none'}); nothing is "
+        f"downloaded: run open_clip.create_model({arch!r}, pretrained={tag!r}) once where "
+        f"the hub can be reached, or pass a local state dict as open_clip:{arch}:PATH")
+
+
 def cached_timm_weights(cfg: Any) -> str:
     """Path of the pretrained weights of a timm config in the local cache; never downloads.
 
@@ -376,5 +492,6 @@ def cached_timm_weights(cfg: Any) -> str:
 
 
 __all__ = ["LoadedModel", "Preprocess", "RANDOM_MODELS", "SPEC_HELP",
-           "cached_timm_weights", "cached_torchvision_weights", "class_index", "from_card",
-           "load_model", "read_card", "read_class_names", "timm_class_names"]
+           "cached_open_clip_weights", "cached_timm_weights", "cached_torchvision_weights",
+           "class_index", "from_card", "load_model", "read_card", "read_class_names",
+           "timm_class_names"]

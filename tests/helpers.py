@@ -132,7 +132,10 @@ HF_FAMILIES.update(EMBED_FAMILIES)
 
 
 def embedding_dim(model: nn.Module) -> int:
-    """The image-embedding size of an EMBED_FAMILIES / TIMM_EMBED_FAMILIES model."""
+    """The image-embedding size of an EMBEDDING_FAMILIES model."""
+    if type(model).__module__.startswith("open_clip."):
+        visual = getattr(model, "visual", model)
+        return int(visual.transformer.width if visual.proj is None else visual.proj.shape[1])
     if not hasattr(model, "config"):  # timm, num_classes=0
         return int(model.num_features)
     cfg = model.config
@@ -168,11 +171,35 @@ def have_torchvision() -> bool:
 
 needs_torchvision = pytest.mark.skipif(not have_torchvision(),
                                        reason="torchvision is not installed")
+# OpenCLIP image towers (optional extra openclip): name -> (VisionTransformer config
+# overrides, quick_gelu, whether the test model is the dual open_clip.CLIP or its
+# ``visual`` alone, input size (H, W)); the size is fixed by image_size. Embedding models.
+OPEN_CLIP_FAMILIES: dict[str, tuple[dict, bool, bool, tuple[int, int]]] = {
+    "open_clip": ({}, False, True, (32, 32)),  # CLS pooling, GELU, the dual model
+    "open_clip_avg": ({"pool_type": "avg", "ls_init_value": 0.5, "final_ln_after_pool": True},
+                      True, False, (32, 32)),  # mean pooling, LayerScale, QuickGELU, tower
+    # CoCa's attention pool (4 learned queries, ln_q/ln_k, the first query read out); the
+    # pool's width is the embedding's (embed_dim 32 = width: one packed in-projection)
+    "open_clip_coca": ({"attentional_pool": True, "attn_pooler_queries": 4,
+                        "attn_pooler_heads": 4, "embed_dim": 32}, False, True, (32, 32)),
+}
+
+
+def have_open_clip() -> bool:
+    try:
+        import open_clip  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_open_clip = pytest.mark.skipif(not have_open_clip(),
+                                     reason="the openclip extra (open_clip_torch) is not installed")
 ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FAMILIES),
                 *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES), *TORCHVISION_FAMILIES]
 """Every classifier family (timm ViT, other timm families, Hugging Face, torchvision)."""
-EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES]
-"""Every family that outputs an image embedding (timm head-less, then Hugging Face)."""
+EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES]
+"""Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
 
 def family_marks(family: str) -> tuple:
@@ -180,6 +207,8 @@ def family_marks(family: str) -> tuple:
     ones without torchvision."""
     if family in TORCHVISION_FAMILIES:
         return (needs_torchvision,)
+    if family in OPEN_CLIP_FAMILIES:
+        return (needs_open_clip,)
     return (needs_transformers,) if family in HF_FAMILIES else ()
 
 
@@ -229,6 +258,41 @@ def make_torchvision_model(family: str = "torchvision", *, seed: int = 0, depth:
     return model.to(dtype).eval()
 
 
+def make_open_clip_model(family: str = "open_clip", *, seed: int = 0, depth: int = 3,
+                         dtype: torch.dtype = torch.float64, **overrides) -> nn.Module:
+    """A small random OpenCLIP model of ``family`` (OPEN_CLIP_FAMILIES; 32x32 inputs, patch
+    8, width 32, 4 heads, embedding 16 unless the family says, a one-block text tower with
+    OpenCLIP's own vocabulary size), eval mode: the dual ``open_clip.CLIP`` or its
+    ``visual`` tower. ``overrides`` go to the vision config (``embed_dim`` to the model)."""
+    open_clip = pytest.importorskip("open_clip")
+    extra, quick_gelu, dual, (size, _) = OPEN_CLIP_FAMILIES[family]
+    vision = dict(image_size=size, patch_size=8, width=32, head_width=8, layers=depth,
+                  mlp_ratio=2.0, embed_dim=16)
+    vision.update(extra)
+    vision.update(overrides)
+    embed_dim = vision.pop("embed_dim")
+    text = dict(context_length=8, vocab_size=49408, width=32, heads=4, layers=1)
+    torch.manual_seed(seed)
+    model = open_clip.CLIP(embed_dim=embed_dim, vision_cfg=vision, text_cfg=text,
+                           quick_gelu=quick_gelu)
+    logit_scale = model.logit_scale.detach().clone()
+    model = randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # the names randomize_ does not know
+        model.logit_scale.copy_(logit_scale)  # CLIP's initial temperature, 1/0.07
+        for name, p in model.named_parameters():
+            if name.endswith("in_proj_weight"):  # q and k rows: sharper attention
+                p[:2 * p.shape[1]] *= 1.5
+            elif (".ln" in name or "attn_pool.ln" in name) and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.startswith("visual.") and name.endswith(("class_embedding",
+                                                              "positional_embedding",
+                                                              "attn_pool.query")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    model = model.to(dtype).eval()
+    return model if dual else model.visual
+
+
 def randomize_(model: nn.Module, seed: int) -> nn.Module:
     """Re-initialise weights so attention is far from uniform (like the parity fixture)."""
     g = torch.Generator().manual_seed(seed)
@@ -264,6 +328,8 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
     if family in TORCHVISION_FAMILIES:
         return make_torchvision_model(family, seed=seed, depth=depth, dtype=dtype,
                                       num_classes=num_classes)
+    if family in OPEN_CLIP_FAMILIES:
+        return make_open_clip_model(family, seed=seed, depth=depth, dtype=dtype)
     cls, extra, size = {**FAMILIES, **OTHER_FAMILIES}[family]
     kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
                   num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
@@ -275,7 +341,8 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
 
 def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES, **TORCHVISION_FAMILIES}[family][-1]
+    h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES, **TORCHVISION_FAMILIES,
+            **OPEN_CLIP_FAMILIES}[family][-1]
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, h, w, generator=g).to(dtype)
 

@@ -1,5 +1,5 @@
-"""Models that output an image embedding (CLIP, SigLIP, timm ``num_classes=0``) and vector
-targets (SPEC_NEXT §7.5).
+"""Models that output an image embedding (CLIP, SigLIP, OpenCLIP, timm ``num_classes=0``) and
+vector targets (SPEC_NEXT §7.5).
 
 - the adapter's forward equals the model's own embedding (float64, SDPA on, two sizes for
   the Hugging Face towers);
@@ -26,6 +26,7 @@ from captum_vit.adapters import adapt
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
     EMBEDDING_FAMILIES,
+    OPEN_CLIP_FAMILIES,
     TIMM_EMBED_FAMILIES,
     assert_close_scaled,
     assert_unchanged,
@@ -65,6 +66,11 @@ def test_adapter_forward_equals_the_models_embedding(family):
     if family in TIMM_EMBED_FAMILIES:
         x = make_inputs(family, batch=2)
         assert_close_scaled(a.run(a.embed(x)), model(x))
+        return
+    if family in OPEN_CLIP_FAMILIES:  # the dual model's encode_image, or the tower itself
+        x = make_inputs(family, batch=2)
+        ref = model.encode_image(x) if hasattr(model, "encode_image") else model(x)
+        assert_close_scaled(a.run(a.embed(x)), ref)
         return
     for size in ((32, 32), (24, 40)):
         x = torch.randn(2, 3, *size, dtype=torch.float64)

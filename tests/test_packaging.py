@@ -12,7 +12,8 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> distribution name where they differ
-DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml"}
+DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml",
+                "open_clip": "open_clip_torch"}
 
 
 def _imports(path: Path) -> set[str]:

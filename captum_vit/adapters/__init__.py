@@ -6,7 +6,7 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 - :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
 - the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
   :class:`AdapterState`, :class:`AdapterSettings`, the family adapters (with
-  :func:`is_torchvision_vit` and :func:`is_hf_backbone`) and
+  :func:`is_torchvision_vit`, :func:`is_open_clip` and :func:`is_hf_backbone`) and
   :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
 - token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
@@ -64,6 +64,7 @@ from captum_vit.adapters.layout import (
     grid_to_pixels,
     tokens_to_grid,
 )
+from captum_vit.adapters.open_clip import OpenCLIPAdapter, is_open_clip
 from captum_vit.adapters.ops import (
     FusedOps,
     HeadsOps,
@@ -131,6 +132,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_hf_backbone, HFBackboneAdapter),
     (is_hf_yolos, HFYolosAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
+    (is_open_clip, OpenCLIPAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
@@ -148,9 +150,11 @@ SUPPORTED = (
     "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, Dinov2Backbone (DPT and "
     "Depth Anything's backbone), "
     "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
-    "DetectionTarget), and "
+    "DetectionTarget), "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
-    "not conv_stem_configs)"
+    "not conv_stem_configs) and OpenCLIP image towers (open_clip VisionTransformer with "
+    "pool_type 'tok' or 'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or "
+    "CoCa)"
 )
 
 
@@ -344,12 +348,13 @@ __all__ = [
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
     "HFBeitAdapter", "HFCLIPClassifierAdapter",
     "HFEmbeddingAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
-    "LRPOps", "Layout", "NormParts", "Ops",
+    "LRPOps", "Layout", "NormParts", "OpenCLIPAdapter", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
-    "identity_rule", "image_logits", "is_hf_backbone", "is_torchvision_vit", "key_padding_bias",
+    "identity_rule", "image_logits", "is_hf_backbone", "is_open_clip", "is_torchvision_vit",
+    "key_padding_bias",
     "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
     "probability_kind",

@@ -58,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``captum-vit evaluate``."""
     p.add_argument("--model", default="zoo:vit_fmnist_loc", help=MODEL_HELP)
     p.add_argument("--pretrained", action="store_true",
-                   help="with --model timm:NAME or torchvision:NAME: load its pretrained "
-                        "weights from the local cache (never downloads); without it the "
-                        "model has random weights")
+                   help="with --model timm:NAME, torchvision:NAME or open_clip:ARCH[:TAG]: load "
+                        "its pretrained weights from the local cache (never downloads); "
+                        "without it the model has random weights")
     p.add_argument("--classes", default=None, metavar="FILE",
                    help="class names of the model, one per line (for timm/file/random models; "
                         "matches folder names with --target label)")

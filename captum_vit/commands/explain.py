@@ -87,9 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--model", default=DEFAULT_MODEL, help=SPEC_HELP)
     p.add_argument("--pretrained", action="store_true",
-                   help="with --model timm:NAME or torchvision:NAME: load its pretrained "
-                        "weights from the local cache (never downloads); without it the "
-                        "model has random weights")
+                   help="with --model timm:NAME, torchvision:NAME or open_clip:ARCH[:TAG]: load "
+                        "its pretrained weights from the local cache (never downloads); "
+                        "without it the model has random weights")
     p.add_argument("--classes", default=None, metavar="FILE",
                    help="class names of the model, one per line (for timm/file/random models)")
     p.add_argument("--image", default=None,
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     scoring = lm.scoring()  # embedding models: scored against --target-embeddings
     if lm.random_weights:
         hint = ("; add --pretrained for the trained weights in the local cache"
-                if args.model.startswith(("timm:", "torchvision:")) else "")
+                if args.model.startswith(("timm:", "torchvision:", "open_clip:")) else "")
         print(f"note: explaining a random-weight ViT{hint}", file=sys.stderr)
     if args.image is None:
         from captum_vit.data import load_sample

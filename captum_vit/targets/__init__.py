@@ -6,9 +6,12 @@ vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding)
 :class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`,
 :class:`VLMAnswer`, :class:`DetectionTarget` (a detector's detection token),
 :class:`DepthTarget`, or a subclass of your own) or a plain callable on the logits.
+:func:`clip_text_target` turns text prompts into the :class:`EmbeddingTarget` of a CLIP-style
+model (OpenCLIP, Hugging Face CLIP and SigLIP).
 """
 
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.targets.clip_text import clip_text_target
 from captum_vit.targets.depth import DepthTarget
 from captum_vit.targets.detection import DetectionTarget
 from captum_vit.targets.embedding import (
@@ -35,6 +38,6 @@ __all__ = [
     "CLASS_SCORES", "SIMILARITIES", "CallableTarget", "ClassTarget", "Contrastive",
     "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
     "Outputs", "Target", "TokenTarget", "VLMAnswer",
-    "as_target", "embedding_target", "is_embedding_target", "per_image",
+    "as_target", "clip_text_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]
