@@ -6,9 +6,10 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 - :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
 - the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
   :class:`AdapterState`, :class:`AdapterSettings`, the family adapters (with
-  :func:`is_torchvision_vit` and :func:`is_hf_backbone`) and
+  :func:`is_torchvision_vit`, :func:`is_hf_backbone` and :func:`is_hf_videomae`) and
   :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
-- token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
+- token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`grid_to_video`,
+  :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
 - what a score is: :class:`TargetHead`, :func:`probabilities`, :func:`log_probabilities`,
   :func:`scores_are_classes`, :func:`probability_kind` (:mod:`~captum_vit.adapters.scoring`);
@@ -49,6 +50,7 @@ from captum_vit.adapters.base import (
 )
 from captum_vit.adapters.hf_backbone import HFBackboneAdapter, is_hf_backbone
 from captum_vit.adapters.hf_clip import HFEmbeddingAdapter, is_hf_embedding
+from captum_vit.adapters.hf_videomae import HFVideoMAEAdapter, is_hf_videomae
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.hf_yolos import HFYolosAdapter, is_hf_yolos
 from captum_vit.adapters.layout import (
@@ -56,6 +58,7 @@ from captum_vit.adapters.layout import (
     READOUTS,
     Layout,
     grid_to_pixels,
+    grid_to_video,
     tokens_to_grid,
 )
 from captum_vit.adapters.ops import (
@@ -123,6 +126,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_hf_backbone, HFBackboneAdapter),
     (is_hf_yolos, HFYolosAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
+    (is_hf_videomae, HFVideoMAEAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
@@ -136,9 +140,10 @@ SUPPORTED = (
     "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, Dinov2Backbone (DPT and "
     "Depth Anything's backbone), "
     "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
-    "DetectionTarget), and "
+    "DetectionTarget), "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
-    "not conv_stem_configs)"
+    "not conv_stem_configs), and Hugging Face VideoMAEForVideoClassification and "
+    "VideoMAEModel (videos [B, T, C, H, W])"
 )
 
 
@@ -330,13 +335,16 @@ __all__ = [
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
-    "HFEmbeddingAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
+    "HFEmbeddingAdapter", "HFVideoMAEAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts",
+    "Heads", "HeadsOps",
     "LRPOps", "Layout", "NormParts", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
-    "identity_rule", "image_logits", "is_hf_backbone", "is_torchvision_vit", "key_padding_bias",
+    "grid_to_video",
+    "identity_rule", "image_logits", "is_hf_backbone", "is_hf_videomae", "is_torchvision_vit",
+    "key_padding_bias",
     "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
     "probability_kind",
