@@ -83,14 +83,18 @@ def patch_means(pixels: Tensor, layout: Layout) -> Tensor:
 
 
 def resolve_removal(adapter: ViTAdapter, removal: Any) -> str:
-    """``removal`` checked, with ``None`` resolved: ``"pixels"`` for a model and
-    ``"tokens"`` for a sub-network ``f_l`` (PLUS / SkipPLUS, :mod:`captum_vit.combinators`:
+    """``removal`` checked, with ``None`` resolved: ``"pixels"`` for a model of images,
+    ``"tokens"`` for a video model (masks over tubelets) and for a sub-network ``f_l`` (PLUS / SkipPLUS, :mod:`captum_vit.combinators`:
     its input is the token states ``x_l``, so its masks are applied to them by true
     removal)."""
     view = isinstance(adapter, SubnetworkAdapter)
     if removal is None:
-        return "tokens" if view else "pixels"
+        return "tokens" if view or adapter.video else "pixels"
     check_choice("removal", removal, REMOVALS)
+    if removal == "pixels" and adapter.video:
+        raise ValueError("removal='pixels' masks images [B, C, H, W]; this model takes "
+                         "videos, whose masks are over tubelets: use removal='tokens' (true "
+                         "token removal on the tubelet grid) or leave removal=None")
     if removal == "pixels" and view:
         raise ValueError("removal='pixels' masks images, but this method runs on a "
                          "sub-network f_l (PLUS/SkipPLUS) whose input is the token states "
