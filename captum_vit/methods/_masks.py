@@ -84,9 +84,9 @@ def patch_means(pixels: Tensor, layout: Layout) -> Tensor:
 
 def resolve_removal(adapter: ViTAdapter, removal: Any) -> str:
     """``removal`` checked, with ``None`` resolved: ``"pixels"`` for a model of images,
-    ``"tokens"`` for a video model (masks over tubelets) and for a sub-network ``f_l`` (PLUS / SkipPLUS, :mod:`captum_vit.combinators`:
-    its input is the token states ``x_l``, so its masks are applied to them by true
-    removal)."""
+    ``"tokens"`` for a video model (masks over tubelets) and for a sub-network ``f_l``
+    (PLUS / SkipPLUS, :mod:`captum_vit.combinators`: its input is the token states
+    ``x_l``, so its masks are applied to them by true removal)."""
     view = isinstance(adapter, SubnetworkAdapter)
     if removal is None:
         return "tokens" if view or adapter.video else "pixels"
