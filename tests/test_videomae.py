@@ -16,7 +16,16 @@ from torch import nn
 
 from captum_vit import CPLRP, GAE, RISE
 from captum_vit.adapters import HFVideoMAEAdapter, adapt
-from captum_vit.metrics import deletion, insertion
+from captum_vit.metrics import (
+    aopc,
+    deletion,
+    insertion,
+    lodds,
+    pointing_game,
+    randomization,
+    saco,
+    sparseness,
+)
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
     assert_close_scaled,
@@ -297,6 +306,19 @@ def test_deletion_insertion_over_tubelets_match_a_slow_reference(metric, removal
     assert_unchanged(model, before)
 
 
+def test_other_metrics_run_on_videos():
+    model = make_video_model("hf_videomae")
+    x = make_inputs("hf_videomae", batch=2)
+    before = snapshot(model)
+    for res in (aopc(model, x, GAE(model), target=[0, 1]),
+                lodds(model, x, GAE(model), target=[0, 1]),
+                saco(model, x, GAE(model), target=[0, 1], n_groups=4),
+                sparseness(model, x, GAE(model), target=[0, 1]),
+                randomization(model, x, GAE, target=[0, 1])):
+        assert np.isfinite(res.value)
+    assert_unchanged(model, before)
+
+
 # -- errors -------------------------------------------------------------------------------
 def test_clear_errors():
     model = make_video_model("hf_videomae")
@@ -319,6 +341,8 @@ def test_clear_errors():
         CPLRP(model, at="pixels").attribute(x, target=0)
     with pytest.raises(ValueError, match="unit='patch'"):
         deletion(model, x, GAE(model), target=[0, 1], removal="black", unit="pixel")
+    with pytest.raises(ValueError, match="localisation metrics take images"):
+        pointing_game(model, x, GAE(model), torch.ones(2, 16, 16, dtype=torch.bool))
     assert_unchanged(model, before)
 
 
