@@ -14,7 +14,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
-from captum_vit import CPLRP, GAE, RISE
+from captum_vit import CPLRP, GAE, RISE, EmbeddingTarget
 from captum_vit.adapters import HFVideoMAEAdapter, adapt
 from captum_vit.metrics import (
     aopc,
@@ -189,6 +189,38 @@ def test_one_slice_video_gets_the_timm_twins_maps(name):
     assert pixels.shape == x.shape
     assert_close_scaled(pixels[:, 0], ref_pixels, rel=1e-10, scale=scale, msg=name)
     assert_unchanged(vm, before)
+
+
+_HEADLESS: dict[str, nn.Module] = {}
+
+
+def _headless_pair() -> tuple[nn.Module, nn.Module]:
+    """A classifier with a bias-free head and the same model built with ``num_labels=0``
+    (an ``nn.Identity`` classifier: its output is ``fc_norm`` of the token mean)."""
+    if not _HEADLESS:
+        clf = make_video_model("hf_videomae")
+        with torch.no_grad():
+            clf.classifier.bias.zero_()
+        emb = make_video_model("hf_videomae", num_classes=0)
+        state = {k: v for k, v in clf.state_dict().items() if not k.startswith("classifier")}
+        emb.load_state_dict(state)
+        _HEADLESS.update(clf=clf, emb=emb)
+    return _HEADLESS["clf"], _HEADLESS["emb"]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_embedding_output_with_vector_targets_gives_the_classifiers_maps(name):
+    """A VideoMAE without classifier outputs its pooled vector and takes vector targets:
+    the classifier's weight rows as targets (dot product) give the classifier's maps."""
+    clf, emb = _headless_pair()
+    assert adapt(emb).embedding and not adapt(clf).embedding
+    x = make_inputs("hf_videomae", batch=2)
+    kw = FAST.get(name, {})
+    target = EmbeddingTarget(clf.classifier.weight.detach(), index=[1, 3], similarity="dot")
+    ours = build_method(name, emb).attribute(x, target=target, output="tokens", **kw)
+    ref = build_method(name, clf).attribute(x, target=[1, 3], output="tokens", **kw)
+    scale = None if ref.abs().max() > 1e-10 else clf(pixel_values=x).logits.abs().max().item()
+    assert_close_scaled(ours, ref, rel=1e-10, scale=scale, msg=name)
 
 
 IDENTICAL_FRAME_METHODS = ("raw_attention", "rollout", "token_ixg")
