@@ -242,13 +242,22 @@ def test_identical_frames_reduce_to_the_image_map_over_T(name):
     symmetry: this test covers the three linear cases."""
     vm, _ = _one_slice_pair()
     frames = 3
+    image = _video(frames=1)
+    x = image.expand(-1, frames, -1, -1, -1).contiguous()
+    # VideoMAE's own table: identical frames, tokens that differ by their table rows only
+    own = make_video_model("hf_videomae", num_frames=frames, tubelet_size=1)
+    x0 = adapt(own).embed(x)
+    table = own.videomae.embeddings.position_embeddings[0].double()  # float32 values
+    for k in range(1, frames):
+        assert_close_scaled(x0[:, 4 * k:4 * k + 4] - x0[:, :4],
+                            (table[4 * k:4 * k + 4] - table[:4]).expand(2, -1, -1),
+                            rel=1e-12)
+        assert (x0[:, 4 * k:4 * k + 4] - x0[:, :4]).abs().max() > 0.1
     video = copy.deepcopy(vm)
     video.config.num_frames = frames
     emb = video.videomae.embeddings
     emb.position_embeddings = vm.videomae.embeddings.position_embeddings.repeat(1, frames, 1)
     emb.patch_embeddings.num_patches *= frames
-    image = _video(frames=1)
-    x = image.expand(-1, frames, -1, -1, -1).contiguous()
     with torch.no_grad():
         assert_close_scaled(video(pixel_values=x).logits, vm(pixel_values=image).logits,
                             rel=1e-12)
