@@ -14,7 +14,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
-from captum_vit import CPLRP, GAE, RISE, EmbeddingTarget
+from captum_vit import CPLRP, GAE, RISE, AttnLRP, EmbeddingTarget
 from captum_vit.adapters import HFVideoMAEAdapter, adapt
 from captum_vit.metrics import (
     aopc,
@@ -223,6 +223,25 @@ def test_embedding_output_with_vector_targets_gives_the_classifiers_maps(name):
     assert_close_scaled(ours, ref, rel=1e-10, scale=scale, msg=name)
 
 
+@pytest.mark.parametrize("method", [CPLRP, AttnLRP])
+def test_lrp_to_the_pixels_of_a_video(method):
+    """``at="pixels"``: the rules run through the tubelet projection (a Conv3d as a linear
+    map); a one-slice video gets the timm twin's pixel relevance per patch, and on a
+    4-frame video the relevance of each tubelet is its pixels' (all t frames)."""
+    vm, twin = _one_slice_pair()
+    x = _video(frames=1)
+    ours = method(vm, at="pixels").attribute(x, target=[1, 3], output="tokens")
+    ref = method(twin, at="pixels").attribute(x[:, 0], target=[1, 3], output="tokens")
+    assert_close_scaled(ours, ref, rel=1e-10)
+    model = make_video_model("hf_videomae")
+    video = make_inputs("hf_videomae", batch=2)
+    before = snapshot(model)
+    pix = method(model, at="pixels").attribute(video, target=[1, 3], output="tokens")
+    tok = method(model).attribute(video, target=[1, 3], output="tokens")
+    assert pix.shape == tok.shape == (2, 8) and torch.isfinite(pix).all()
+    assert_unchanged(model, before)
+
+
 IDENTICAL_FRAME_METHODS = ("raw_attention", "rollout", "token_ixg")
 
 
@@ -378,8 +397,6 @@ def test_clear_errors():
         gae.attribute(x[:, :, :2], target=0)
     with pytest.raises(ValueError, match="removal='tokens'"):
         RISE(model).attribute(x, target=0, removal="pixels", n_masks=4)
-    with pytest.raises(TypeError, match="at='tokens'"):
-        CPLRP(model, at="pixels").attribute(x, target=0)
     with pytest.raises(ValueError, match="unit='patch'"):
         deletion(model, x, GAE(model), target=[0, 1], removal="black", unit="pixel")
     with pytest.raises(ValueError, match="localisation metrics take images"):

@@ -163,16 +163,19 @@ class HFVideoMAEAdapter(ViTAdapter):
         """The model's own ``embeddings(pixel_values, None)`` (tubelet projection plus the
         sinusoid table).
 
-        Raises:
-            TypeError: with ``ops`` (relevance rules into the pixels, LRP's
-                ``at="pixels"``): the tubelet projection is a ``Conv3d``; explain
-                ``at="tokens"``.
+        With ``ops`` (:meth:`ViTAdapter.embed`) the model's embedding of the detached
+        video is the value and the tubelet projection ``p``, the ``Conv3d`` as
+        ``ops.linear`` of the unfolded tubelets (:func:`tubelet_projection`), is added as
+        ``p - p.detach()`` (exactly 0): every pixel gradient runs through ``ops.linear``.
         """
-        if ops is not None:
-            raise TypeError(f"{type(self.model).__name__}'s tubelet projection is a Conv3d "
-                            "over frames; relevance rules do not reach the video's pixels: "
-                            "explain at='tokens' (maps per tubelet)")
-        return self.backbone.embeddings(inputs, None)
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs, None)
+        x = emb(inputs.detach(), None)
+        conv = emb.patch_embeddings.projection
+        p = tubelet_projection(inputs, conv, ops,
+                               f"{type(self.model).__name__} tubelet projection")
+        return x + (p - p.detach())
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The logits; for an embedding model the pooled vector (module docstring)."""
@@ -188,6 +191,36 @@ class HFVideoMAEAdapter(ViTAdapter):
         stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
+
+
+def tubelet_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+    """A tubelet-embedding ``Conv3d`` (stride = kernel ``(t, ph, pw)``, no padding) as the
+    linear map of the unfolded tubelets through ``ops.linear`` (the video form of
+    :func:`~captum_vit.adapters.ops.patch_projection`).
+
+    Args:
+        inputs (Tensor): videos [B, T, C, H, W].
+        conv (nn.Module): the model's ``Conv3d`` (its own parameters, reshaped).
+        ops (Ops): supplies ``linear``.
+        what (str): the convolution's name in the model, for the error message.
+
+    Returns:
+        Tensor: tubelet embeddings [B, F·gh·gw, D] in the order (slice, row, column).
+
+    Raises:
+        TypeError: ``conv`` is not such a convolution.
+    """
+    if not isinstance(conv, nn.Conv3d) or tuple(conv.stride) != tuple(conv.kernel_size) \
+            or conv.padding not in ("valid", (0, 0, 0)) or conv.groups != 1 \
+            or tuple(conv.dilation) != (1, 1, 1):
+        raise TypeError(f"{what} is not a tubelet projection (a Conv3d with stride == "
+                        "kernel_size, no padding, one group); explain at='tokens'")
+    b, frames, c, h, w = inputs.shape
+    t, ph, pw = conv.kernel_size
+    f, gh, gw = frames // t, h // ph, w // pw
+    x = inputs[:, :f * t, :, :gh * ph, :gw * pw].reshape(b, f, t, c, gh, ph, gw, pw)
+    x = x.permute(0, 1, 4, 6, 3, 2, 5, 7).reshape(b, f * gh * gw, c * t * ph * pw)
+    return ops.linear(x, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
 
 def is_hf_videomae(model: nn.Module) -> bool:

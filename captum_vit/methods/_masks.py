@@ -66,8 +66,14 @@ def interpolation_matrix(n_in: int, n_out: int, edge: str = "clamp", *,
 
 def patch_sums(pixels: Tensor, layout: Layout) -> Tensor:
     """Per-patch sums [B, P] (raster order) of a pixel map [B, H, W], cropped or
-    zero-padded to the patch grid as the patch embedding sees the image."""
+    zero-padded to the patch grid as the patch embedding sees the image; for a video
+    layout per-tubelet sums of frame maps [B, T, H, W]."""
     b = pixels.shape[0]
+    if layout.frames is not None:
+        f, t, (gh, gw), (ph, pw) = (layout.frames, layout.tubelet, layout.frame_grid,
+                                    layout.patch_size)
+        pixels = pixels[:, :f * t, :gh * ph, :gw * pw]
+        return pixels.reshape(b, f, t, gh, ph, gw, pw).sum((2, 4, 6)).reshape(b, -1)
     (gh, gw), (ph, pw) = layout.grid, layout.patch_size
     h, w = gh * ph, gw * pw
     pixels = pixels[:, :h, :w]
