@@ -4,7 +4,8 @@ Run::
 
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
-                                    hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip] \
+                                    hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
+                                    hf-videomae] \
         [--batches 1 8] [--target class|token|vlm]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -20,8 +21,9 @@ against one random target vector per image, the reference differentiating the co
 ``torchvision-vit``: torchvision's ``VisionTransformer`` with ``nn.MultiheadAttention``;
 ``hf-beit``: Hugging Face ``BeitForImageClassification`` with a relative position bias per
 layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTransformer``,
-``nn.MultiheadAttention``, ``ln_pre``, projection), explained like ``hf-clip``), measured
-in the same run as the methods.
+``nn.MultiheadAttention``, ``ln_pre``, projection), explained like ``hf-clip``;
+``hf-videomae``: ``VideoMAEForVideoClassification`` on 4-frame videos with tubelets of 2
+frames, 2 x 196 tokens, mean pooling), measured in the same run as the methods.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
 (``TokenTarget``: a fixed random probe on the final-normed patch tokens of the timm ViT, the
@@ -205,11 +207,33 @@ def open_clip_s16(img_size: int = 224) -> torch.nn.Module:
                        mlp_ratio=4.0, output_dim=256).eval()
 
 
+def hf_videomae_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same width and depth as :func:`vit_s16` as a Hugging Face
+    ``VideoMAEForVideoClassification`` on 4-frame videos (tubelets of 2 frames: 2 x 196
+    tokens; mean pooling and ``fc_norm``)."""
+    from transformers import VideoMAEConfig, VideoMAEForVideoClassification
+
+    torch.manual_seed(0)
+    cfg = VideoMAEConfig(image_size=img_size, patch_size=16, num_frames=4, tubelet_size=2,
+                         hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
+                         intermediate_size=1536, num_labels=1000)
+    return VideoMAEForVideoClassification(cfg).eval()
+
+
+def inputs_of(model: torch.nn.Module, b: int,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
+    224] for a VideoMAE."""
+    if type(model).__name__.startswith("VideoMAE"):
+        return torch.randn(b, model.config.num_frames, 3, 224, 224, generator=generator)
+    return torch.randn(b, 3, 224, 224, generator=generator)
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-vit": vit_s16, "timm-beit": beit_s16, "timm-eva": eva02_s16,
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
-    "open-clip": open_clip_s16}
+    "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -344,7 +368,7 @@ def main() -> None:
     selected = {k: v for k, v in cases().items() if not only or k in only}
     rows, per_forward, plain = [], [], None
     for b in args.batches:
-        x = torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        x = inputs_of(model, b, torch.Generator().manual_seed(0))
         score, t = targets_of(model, b)
         ref_fn = lambda x=x, score=score: score_backward(score, x)  # noqa: E731
         rows.append((b, "forward+backward", timeit(ref_fn, args.repeats), 1.0, None))
@@ -356,7 +380,7 @@ def main() -> None:
             print(f"  batch {b} {name}: {ratio:.2f}x", flush=True)
             if name in PER_FORWARD_GOALS:
                 if plain is None:  # one image's plain forward, in batches of PLAIN_BATCH
-                    xp = torch.randn(PLAIN_BATCH, 3, 224, 224)
+                    xp = inputs_of(model, PLAIN_BATCH)
                     plain = timeit(lambda xp=xp: forward(model, xp), args.repeats) / PLAIN_BATCH
                 n = forwards_of(fn)
                 per_forward.append((b, name, n, sec / (n * plain), PER_FORWARD_GOALS[name]))

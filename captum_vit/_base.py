@@ -26,6 +26,7 @@ from captum_vit.adapters import (
     ViTAdapter,
     adapt,
     grid_to_pixels,
+    grid_to_video,
     probabilities,
     tokens_to_grid,
 )
@@ -148,7 +149,7 @@ def input_type_hint(inputs: Any) -> str:
     return PREPROCESS_HINT
 
 
-def check_images(inputs: Any) -> tuple[Tensor, bool]:
+def check_images(inputs: Any, *, video: bool = False) -> tuple[Tensor, bool]:
     """Validate a batch of images; accept a tensor, a 1-tuple (Captum style), or a Hugging
     Face image processor's output.
 
@@ -161,6 +162,8 @@ def check_images(inputs: Any) -> tuple[Tensor, bool]:
     Args:
         inputs: a floating-point tensor [B, C, H, W], a 1-tuple holding one, or a mapping
             whose ``"pixel_values"`` is one.
+        video (bool, optional): the model takes videos [B, T, C, H, W] instead
+            (:attr:`~captum_vit.adapters.ViTAdapter.video`). Default ``False``.
 
     Returns:
         tuple[Tensor, bool]: the images and whether they came as a 1-tuple.
@@ -195,7 +198,13 @@ def check_images(inputs: Any) -> tuple[Tensor, bool]:
         kind = kind if module == "builtins" else f"{module}.{kind}"
         raise TypeError(f"inputs must be a torch.Tensor [B, C, H, W], got {kind}: "
                         f"{input_type_hint(inputs)}")
-    if inputs.dim() != 4:
+    if video:
+        if inputs.dim() != 5:
+            hint = (" (add a batch dimension with inputs.unsqueeze(0))" if inputs.dim() == 4
+                    else "")
+            raise ValueError("inputs must be videos of shape [B, T, C, H, W] (frames before "
+                             f"channels), got {tuple(inputs.shape)}{hint}")
+    elif inputs.dim() != 4:
         hint = " (add a batch dimension with inputs.unsqueeze(0))" if inputs.dim() == 3 else ""
         raise ValueError(f"inputs must have shape [B, C, H, W], got {tuple(inputs.shape)}{hint}")
     if not torch.is_floating_point(inputs):
@@ -304,7 +313,7 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
         >>> p = prepare(adapt(model), images, [0, 3], predict=True)
         >>> p.target, p.logits.shape
     """
-    images, was_tuple = check_images(inputs)
+    images, was_tuple = check_images(inputs, video=adapter.video)
     adapter.check_inputs(images)
     emb = None
     obj = as_target(target)
@@ -399,9 +408,23 @@ def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -
 
     Per-head scores [B, H, P] (``heads="all"``) -> tokens [B, H, P], a grid
     [B, H, gh, gw] or pixels [B, H, H_img, W_img]: one channel per head instead of the
-    image's channels."""
+    image's channels.
+
+    Videos (``layout.frames`` set): a grid [B, 1, F, gh, gw] (per head [B, H, F, gh, gw])
+    or pixels shaped like the video [B, T, C, H, W] (per head [B, T, H, H_img, W_img]),
+    each tubelet's score copied to its frames and pixels."""
     if output == "tokens":
         return tokens
+    if layout.frames is not None:
+        lead = tokens.shape[:-1] if tokens.dim() == 3 else (tokens.shape[0], 1)
+        grid = tokens.reshape(*lead, layout.frames, *layout.frame_grid)
+        if output == "grid":
+            return grid
+        pix = grid_to_video(grid, images.shape[-2:], patch_size=layout.patch_size,
+                            tubelet=layout.tubelet).movedim(1, 2)  # [B, T, c, H, W]
+        if tokens.dim() == 3:
+            return pix
+        return pix.expand(-1, -1, images.shape[2], -1, -1).contiguous()
     if tokens.dim() == 3:
         b, h, _ = tokens.shape
         grid = tokens_to_grid(tokens.reshape(b * h, -1), layout)

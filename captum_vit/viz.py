@@ -451,6 +451,130 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
     return fig
 
 
+VIDEO_FORMATS = ("gif", "mp4")
+"""File suffixes :func:`plot_video` writes (GIF with Pillow, MP4 with ffmpeg)."""
+
+
+def _frame_maps(maps: Tensor, frames: int) -> Tensor:
+    """A video's map as one map per slice ``[S, ...]`` with ``S`` dividing ``frames``:
+    pixel maps [T, C, H, W] / [T, H, W], grids [1, F, gh, gw] / [F, gh, gw]."""
+    m = maps.detach()
+    if m.dim() == 5 and m.shape[0] == 1:  # a batch of one: [1, T, C, H, W] / [1, 1, F, ...]
+        m = m[0]
+    if m.dim() == 4 and m.shape[0] == 1 and m.shape[1] != frames:  # grid [1, F, gh, gw]
+        m = m[0]
+    if m.dim() < 3 or m.shape[0] == 0 or frames % m.shape[0]:
+        raise ValueError(f"maps of shape {tuple(maps.shape)} do not give one map per frame of "
+                         f"a {frames}-frame video: pass frame maps [T, C, H, W] / [T, H, W] "
+                         "or a tubelet grid [1, F, gh, gw] (attribute(..., output='grid')[i])")
+    return m
+
+
+def plot_video(video: Tensor, maps: Tensor, *, path: str | None = None, fps: float = 4,
+               title: str | None = None, alpha: float = 0.5, display: str = "nearest",
+               cmap: Any = None):
+    """One video and its map, frame by frame: each frame beside the frame with its map
+    over it, as a matplotlib animation, written as an animated GIF or an MP4.
+
+    The colour scale is shared by all frames (a map's values are comparable across
+    frames): ``[-m, m]`` with a diverging colour map when the map has negative values,
+    else ``[min, max]``.
+
+    Args:
+        video (Tensor): one video [T, C, H, W] (or a batch of one [1, T, C, H, W]).
+        maps (Tensor): its map: pixel maps shaped like the video ([T, C, H, W], [T, H,
+            W], as ``attribute(videos)[i]`` returns them) or the tubelet grid [1, F, gh,
+            gw] (``attribute(videos, output="grid")[i]``); slice ``f`` of ``F`` is shown on
+            frames ``f·T/F … (f+1)·T/F - 1``.
+        path (str, optional): write the animation there: ``.gif`` (Pillow) or ``.mp4``
+            (ffmpeg, which must be installed); ``None`` (default): only return it.
+        fps (float, optional): frames per second. Default 4.
+        title (str, optional): figure title.
+        alpha (float, optional): opacity of the map. Default 0.5.
+        display (str, optional): ``"nearest"`` (default) or ``"bilinear"``
+            (:func:`upsample_map`).
+        cmap (str or Colormap, optional): colour map; ``None``: ``"bwr"`` for signed
+            maps, ``"jet"`` otherwise.
+
+    Returns:
+        matplotlib.animation.FuncAnimation: the animation (its figure is closed once the
+        file is written).
+
+    Raises:
+        ValueError: a video or map of another shape, or an unknown file suffix.
+        RuntimeError: ``.mp4`` without ffmpeg (the message says to write a ``.gif``).
+
+    Examples::
+
+        >>> from captum_vit import GAE
+        >>> from captum_vit.viz import plot_video
+        >>> maps = GAE(videomae).attribute(videos, target=labels)     # [B, T, C, H, W]
+        >>> plot_video(videos[0], maps[0], path="gae.gif", fps=4)
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib import animation
+
+    check = _positive(fps, "fps")
+    v = video.detach()
+    if v.dim() == 5 and v.shape[0] == 1:
+        v = v[0]
+    if v.dim() != 4:
+        raise ValueError(f"video must be one video [T, C, H, W], got {tuple(video.shape)}")
+    suffix = None if path is None else str(path).rsplit(".", 1)[-1].lower()
+    if suffix is not None and suffix not in VIDEO_FORMATS:
+        raise ValueError(f"path must end in {' or '.join('.' + f for f in VIDEO_FORMATS)}, "
+                         f"got {path!r}")
+    if suffix == "mp4" and not animation.writers.is_available("ffmpeg"):
+        raise RuntimeError("writing an .mp4 needs ffmpeg, which matplotlib cannot find: "
+                           "install it (e.g. apt-get install ffmpeg) or write a .gif")
+    t, size = v.shape[0], tuple(v.shape[-2:])
+    m = _frame_maps(maps, t)
+    per = t // m.shape[0]
+    heats = np.stack([upsample_map(m[k // per], size, display=display).numpy()
+                      for k in range(t)])
+    if (heats < 0).any():
+        lim = float(np.abs(heats).max()) or 1.0
+        lo, hi, cm = -lim, lim, cmap or "bwr"
+    else:
+        lo, hi, cm = float(heats.min()), float(heats.max()), cmap or "jet"
+        hi = hi if hi > lo else lo + 1.0
+    frames = [_image_to_numpy(v[k]) for k in range(t)]
+    gray = "gray" if frames[0].ndim == 2 else None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(6, 3.3))
+    shown = left.imshow(frames[0], cmap=gray)
+    under = right.imshow(frames[0], cmap=gray)
+    over = right.imshow(heats[0], cmap=cm, vmin=lo, vmax=hi, alpha=alpha)
+    fig.colorbar(over, ax=right, fraction=0.046, pad=0.04)
+    for ax, name in ((left, "frame"), (right, "map")):
+        ax.axis("off")
+        ax.set_title(name, fontsize=9)
+    label = fig.suptitle(f"{title + ' — ' if title else ''}frame 1/{t}", fontsize=10)
+
+    def draw(k: int):
+        shown.set_data(frames[k])
+        under.set_data(frames[k])
+        over.set_data(heats[k])
+        label.set_text(f"{title + ' — ' if title else ''}frame {k + 1}/{t}")
+        return shown, under, over, label
+
+    anim = animation.FuncAnimation(fig, draw, frames=t, interval=1000 / check, blit=False)
+    if path is not None:
+        writer = (animation.PillowWriter(fps=check) if suffix == "gif"
+                  else animation.FFMpegWriter(fps=check))
+        anim.save(str(path), writer=writer)
+        plt.close(fig)
+    return anim
+
+
+def _positive(x: Any, name: str) -> float:
+    """``x`` as a positive float, else ``ValueError`` / ``TypeError`` naming ``name``."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    if not x > 0:
+        raise ValueError(f"{name} must be > 0, got {x!r}")
+    return float(x)
+
+
 def _label_groups(fig, axes, grouped: Sequence[tuple[str, list[str]]],
                   slots: Sequence[int] | None, cols: int) -> None:
     """Write each group's label beside its rows (``slots``: one image) or above its first
@@ -471,5 +595,5 @@ def _label_groups(fig, axes, grouped: Sequence[tuple[str, list[str]]],
 
 __all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "figure_formats",
            "near_zero", "patch_grid", "plot_grid", "plot_heads", "plot_overlay",
-           "prediction_title", "upsample_map"]
+           "plot_video", "prediction_title", "upsample_map", "VIDEO_FORMATS"]
 

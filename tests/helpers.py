@@ -195,9 +195,44 @@ def have_open_clip() -> bool:
 
 needs_open_clip = pytest.mark.skipif(not have_open_clip(),
                                      reason="the openclip extra (open_clip_torch) is not installed")
+# Hugging Face VideoMAE (videos [B, T, C, H, W]): name -> (class name, config overrides,
+# input size (T, H, W)); 2 frame slices of 2 x 2 tubelets (t = 2, p = 8).
+VIDEO_FAMILIES: dict[str, tuple[str, dict, tuple[int, int, int]]] = {
+    "hf_videomae": ("VideoMAEForVideoClassification", {"use_mean_pooling": True}, (4, 16, 16)),
+}
+HF_VIDEO_EXTRA: dict[str, tuple[str, dict, tuple[int, int, int]]] = {
+    # first-tubelet readout after the final LayerNorm; the head-less backbone
+    "hf_videomae_token": ("VideoMAEForVideoClassification", {"use_mean_pooling": False},
+                          (4, 16, 16)),
+    "hf_videomae_model": ("VideoMAEModel", {"use_mean_pooling": True}, (4, 16, 16)),
+}
+
+
+def make_video_model(family: str = "hf_videomae", *, seed: int = 0, depth: int = 3,
+                     dtype: torch.dtype = torch.float64, num_classes: int = 5,
+                     **overrides) -> nn.Module:
+    """A small random Hugging Face VideoMAE of ``family`` (VIDEO_FAMILIES or
+    HF_VIDEO_EXTRA; patch 8, width 32, 4 heads), eval mode; ``overrides`` go to the
+    ``VideoMAEConfig`` (e.g. ``tubelet_size=1``)."""
+    import transformers
+
+    cls_name, extra, (frames, size, _) = {**VIDEO_FAMILIES, **HF_VIDEO_EXTRA}[family]
+    kwargs = dict(image_size=size, patch_size=8, num_channels=3, num_frames=frames,
+                  tubelet_size=2, hidden_size=32, num_hidden_layers=depth,
+                  num_attention_heads=4, intermediate_size=64, num_labels=num_classes,
+                  qv_bias=True, layer_norm_eps=1e-6)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(transformers.VideoMAEConfig(**kwargs))
+    return randomize_(model, seed).to(dtype).eval()
+
+
 ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FAMILIES),
-                *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES), *TORCHVISION_FAMILIES]
-"""Every classifier family (timm ViT, other timm families, Hugging Face, torchvision)."""
+                *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES), *TORCHVISION_FAMILIES,
+                *VIDEO_FAMILIES]
+"""Every classifier family (timm ViT, other timm families, Hugging Face, torchvision,
+Hugging Face VideoMAE on videos)."""
 EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES]
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
@@ -209,7 +244,8 @@ def family_marks(family: str) -> tuple:
         return (needs_torchvision,)
     if family in OPEN_CLIP_FAMILIES:
         return (needs_open_clip,)
-    return (needs_transformers,) if family in HF_FAMILIES else ()
+    hf = family in HF_FAMILIES or family in VIDEO_FAMILIES or family in HF_VIDEO_EXTRA
+    return (needs_transformers,) if hf else ()
 
 
 def make_hf_model(family: str, *, seed: int = 0, depth: int = 3,
@@ -320,8 +356,8 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
 
 def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
                dtype: torch.dtype = torch.float64, num_classes: int = 5) -> nn.Module:
-    """A small random ViT of ``family`` (timm FAMILIES, HF_FAMILIES or
-    TORCHVISION_FAMILIES), eval mode."""
+    """A small random ViT of ``family`` (timm FAMILIES, HF_FAMILIES,
+    TORCHVISION_FAMILIES or the VideoMAE families), eval mode."""
     if family in HF_FAMILIES:
         return make_hf_model(family, seed=seed, depth=depth, dtype=dtype,
                              num_classes=num_classes)
@@ -330,6 +366,9 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
                                       num_classes=num_classes)
     if family in OPEN_CLIP_FAMILIES:
         return make_open_clip_model(family, seed=seed, depth=depth, dtype=dtype)
+    if family in VIDEO_FAMILIES or family in HF_VIDEO_EXTRA:
+        return make_video_model(family, seed=seed, depth=depth, dtype=dtype,
+                                num_classes=num_classes)
     cls, extra, size = {**FAMILIES, **OTHER_FAMILIES}[family]
     kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
                   num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
@@ -341,9 +380,12 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
 
 def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if family in VIDEO_FAMILIES or family in HF_VIDEO_EXTRA:  # videos [B, T, C, H, W]
+        t, h, w = {**VIDEO_FAMILIES, **HF_VIDEO_EXTRA}[family][-1]
+        return torch.randn(batch, t, 3, h, w, generator=g).to(dtype)
     h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES, **TORCHVISION_FAMILIES,
             **OPEN_CLIP_FAMILIES}[family][-1]
-    g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, h, w, generator=g).to(dtype)
 
 

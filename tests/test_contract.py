@@ -95,11 +95,17 @@ def test_outputs_batch_and_targets(name, family):
     assert tokens.dtype == torch.float64
     close(attribute(method, x, pred, output="tokens"), tokens)
     grid = attribute(method, x, None, output="grid")
-    assert grid.shape == (3, 1, gh, gw)
-    close(grid.reshape(3, -1), tokens)
     pixels = attribute(method, x, None)
     assert pixels.shape == x.shape
-    up = grid.repeat_interleave(ph, 2).repeat_interleave(pw, 3)[..., :x.shape[2], :x.shape[3]]
+    if lay.frames is None:
+        assert grid.shape == (3, 1, gh, gw)
+        up = grid.repeat_interleave(ph, 2).repeat_interleave(pw, 3)[..., :x.shape[2],
+                                                                      :x.shape[3]]
+    else:  # videos: one grid per frame slice, each tubelet copied to its t frames
+        assert grid.shape == (3, 1, lay.frames, gh // lay.frames, gw)
+        up = grid[:, 0, :, None].repeat_interleave(lay.tubelet, 1)
+        up = up.repeat_interleave(ph, 3).repeat_interleave(pw, 4)
+    close(grid.reshape(3, -1), tokens)
     close(pixels, up.expand_as(x))
 
     target = torch.tensor([1, 0, 4])

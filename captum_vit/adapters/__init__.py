@@ -6,9 +6,11 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 - :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
 - the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
   :class:`AdapterState`, :class:`AdapterSettings`, the family adapters (with
-  :func:`is_torchvision_vit`, :func:`is_open_clip` and :func:`is_hf_backbone`) and
+  :func:`is_torchvision_vit`, :func:`is_open_clip`, :func:`is_hf_backbone` and
+  :func:`is_hf_videomae`) and
   :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
-- token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`tokens_to_grid`
+- token geometry: :class:`Layout`, :func:`grid_to_pixels`, :func:`grid_to_video`,
+  :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
 - what a score is: :class:`TargetHead`, :func:`probabilities`, :func:`log_probabilities`,
   :func:`scores_are_classes`, :func:`probability_kind` (:mod:`~captum_vit.adapters.scoring`);
@@ -55,6 +57,7 @@ from captum_vit.adapters.hf_clip import (
     is_hf_clip_classifier,
     is_hf_embedding,
 )
+from captum_vit.adapters.hf_videomae import HFVideoMAEAdapter, is_hf_videomae
 from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
 from captum_vit.adapters.hf_yolos import HFYolosAdapter, is_hf_yolos
 from captum_vit.adapters.layout import (
@@ -62,6 +65,7 @@ from captum_vit.adapters.layout import (
     READOUTS,
     Layout,
     grid_to_pixels,
+    grid_to_video,
     tokens_to_grid,
 )
 from captum_vit.adapters.open_clip import OpenCLIPAdapter, is_open_clip
@@ -133,6 +137,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_hf_yolos, HFYolosAdapter),
     (is_torchvision_vit, TorchvisionViTAdapter),
     (is_open_clip, OpenCLIPAdapter),
+    (is_hf_videomae, HFVideoMAEAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
@@ -152,9 +157,10 @@ SUPPORTED = (
     "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
     "DetectionTarget), "
     "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
-    "not conv_stem_configs) and OpenCLIP image towers (open_clip VisionTransformer with "
+    "not conv_stem_configs), OpenCLIP image towers (open_clip VisionTransformer with "
     "pool_type 'tok' or 'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or "
-    "CoCa)"
+    "CoCa), and Hugging Face VideoMAEForVideoClassification and VideoMAEModel (videos "
+    "[B, T, C, H, W])"
 )
 
 
@@ -346,14 +352,16 @@ __all__ = [
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
-    "HFBeitAdapter", "HFCLIPClassifierAdapter",
-    "HFEmbeddingAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
+    "HFBeitAdapter", "HFCLIPClassifierAdapter", "HFEmbeddingAdapter", "HFVideoMAEAdapter",
+    "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
     "LRPOps", "Layout", "NormParts", "OpenCLIPAdapter", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
-    "identity_rule", "image_logits", "is_hf_backbone", "is_open_clip", "is_torchvision_vit",
+    "grid_to_video",
+    "identity_rule", "image_logits", "is_hf_backbone", "is_hf_videomae", "is_open_clip",
+    "is_torchvision_vit",
     "key_padding_bias",
     "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",

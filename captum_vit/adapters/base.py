@@ -287,8 +287,8 @@ class ViTAdapter(abc.ABC):
                 f"inputs are {inputs.dtype} but the model's parameters are {want}; convert "
                 f"the inputs with inputs.to({want}) or the model with "
                 f"model.to({inputs.dtype})")
-        if inputs.shape[1] != self.in_chans:
-            raise ValueError(_channel_mismatch(inputs.shape[1], self.in_chans))
+        if inputs.shape[-3] != self.in_chans:  # [B, C, H, W], videos [B, T, C, H, W]
+            raise ValueError(_channel_mismatch(inputs.shape[-3], self.in_chans))
         if self.is_random():
             raise ValueError("the model is in training mode with active dropout/drop-path, "
                              "so its output is random; call model.eval() before explaining")
@@ -296,6 +296,10 @@ class ViTAdapter(abc.ABC):
     def is_random(self) -> bool:
         """Whether the model's forward is random now (training mode with active dropout)."""
         return False
+
+    video: bool = False
+    """Whether the model takes videos ``[B, T, C, H, W]`` rather than images ``[B, C, H,
+    W]`` (its :meth:`layout` then sets ``frames``, :mod:`captum_vit.adapters.layout`)."""
 
     embedding: bool = False
     """Whether the model outputs an image embedding (CLIP, SigLIP, head-less models)

@@ -21,6 +21,17 @@ part of its blocks (:mod:`captum_vit.adapters.base`). The front, the metrics and
 then need no change: they only ever go from that grid to pixels here. A score read from
 the rows of any block (not only the readout) needs no geometry beyond this either: its
 rows are token rows of the block's own grid, named by index.
+
+Videos. A video model whose patch embedding cuts the video ``[B, T, C, H, W]`` into
+*tubelets* of ``t`` frames and ``(ph, pw)`` pixels (VideoMAE, Tong et al., NeurIPS 2022)
+has ``F = T / t`` frame slices of ``(gh, gw)`` patches, its tokens in the order
+``(slice, row, column)``. Its :class:`Layout` sets ``frames = F`` and ``tubelet = t`` and
+stacks the slices' grids along the height: ``grid = (F * gh, gw)``, so the tokens are
+still the grid in raster order and every method that works on token rows or on the patch
+grid (true token removal, masks on the grid) runs unchanged; :attr:`Layout.frame_grid`
+is ``(gh, gw)``. Maps leave as ``[B, 1, F, gh, gw]`` grids (:func:`tokens_to_grid`) or
+as pixels shaped like the video (:func:`grid_to_video`: each tubelet's score copied to
+its ``t`` frames and ``ph × pw`` pixels).
 """
 
 from __future__ import annotations
@@ -70,6 +81,11 @@ class Layout:
     alpha: float | str = 0.5
     rows: tuple[int, ...] | None = None
     """The ``"rows"`` readout's rows (``None``: the patch rows)."""
+    frames: int | None = None
+    """Videos: ``F``, the frame slices of tubelets (the grid is their ``F`` grids stacked
+    along the height, see the module docstring); ``None`` for images."""
+    tubelet: int = 1
+    """Videos: ``t``, the frames of one tubelet (``T = F * t``)."""
 
     @classmethod
     def of_tokens(cls, num_tokens: int, num_prefix: int, readout: str, num_blocks: int,
@@ -96,6 +112,13 @@ class Layout:
         side = math.isqrt(p)
         grid = (side, side) if side * side == p else (1, p)
         return cls(num_prefix, grid, (1, 1), readout, num_blocks, num_heads, grid)
+
+    @property
+    def frame_grid(self) -> tuple[int, int]:
+        """``(gh, gw)``: the patch grid of one image, or of one frame slice of a video."""
+        if self.frames is None:
+            return self.grid
+        return (self.grid[0] // self.frames, self.grid[1])
 
     @property
     def num_patches(self) -> int:
@@ -194,12 +217,40 @@ def tokens_to_grid(tokens: Tensor, layout: Layout) -> Tensor:
         layout (Layout): the batch's layout.
 
     Returns:
-        Tensor: ``[B, 1, gh, gw]``.
+        Tensor: ``[B, 1, gh, gw]``; for a video layout (``frames`` set) ``[B, 1, F, gh,
+        gw]``, one grid per frame slice.
 
     Examples::
 
         >>> tokens_to_grid(torch.rand(2, 196), layout).shape   # a 14 x 14 grid
         torch.Size([2, 1, 14, 14])
     """
+    if layout.frames is not None:
+        return tokens.reshape(tokens.shape[0], 1, layout.frames, *layout.frame_grid)
     gh, gw = layout.grid
     return tokens.reshape(tokens.shape[0], 1, gh, gw)
+
+
+def grid_to_video(grid: Tensor, size: tuple[int, int], *, patch_size: tuple[int, int],
+                  tubelet: int) -> Tensor:
+    """Tubelet-grid maps ``[..., F, gh, gw]`` as frame maps ``[..., F * t, H, W]``: each
+    tubelet's value copied to its ``t`` frames and its ``ph × pw`` pixels (the video
+    form of :func:`grid_to_pixels` with ``mode="nearest"``).
+
+    Args:
+        grid (Tensor): maps ``[..., F, gh, gw]``.
+        size (tuple[int, int]): ``(H, W)`` of the frames.
+        patch_size (tuple[int, int]): ``(ph, pw)`` in pixels.
+        tubelet (int): ``t``, frames per tubelet.
+
+    Returns:
+        Tensor: ``[..., F * t, H, W]`` with the leading dimensions of ``grid``.
+
+    Examples::
+
+        >>> grid_to_video(torch.rand(2, 1, 8, 14, 14), (224, 224), patch_size=(16, 16),
+        ...               tubelet=2).shape
+        torch.Size([2, 1, 16, 224, 224])
+    """
+    pixels = grid_to_pixels(grid, size, patch_size=patch_size)
+    return pixels.repeat_interleave(int(tubelet), dim=-3)

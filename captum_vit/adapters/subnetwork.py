@@ -112,6 +112,7 @@ class SubnetworkAdapter(ViTAdapter):
         self.readout = adapter.readout
         self.in_chans = adapter.in_chans
         self.embedding = adapter.embedding
+        self.video = adapter.video
         self.__dict__["_state"] = adapter.state  # one set of settings per model
 
     def __repr__(self) -> str:

@@ -66,8 +66,14 @@ def interpolation_matrix(n_in: int, n_out: int, edge: str = "clamp", *,
 
 def patch_sums(pixels: Tensor, layout: Layout) -> Tensor:
     """Per-patch sums [B, P] (raster order) of a pixel map [B, H, W], cropped or
-    zero-padded to the patch grid as the patch embedding sees the image."""
+    zero-padded to the patch grid as the patch embedding sees the image; for a video
+    layout per-tubelet sums of frame maps [B, T, H, W]."""
     b = pixels.shape[0]
+    if layout.frames is not None:
+        f, t, (gh, gw), (ph, pw) = (layout.frames, layout.tubelet, layout.frame_grid,
+                                    layout.patch_size)
+        pixels = pixels[:, :f * t, :gh * ph, :gw * pw]
+        return pixels.reshape(b, f, t, gh, ph, gw, pw).sum((2, 4, 6)).reshape(b, -1)
     (gh, gw), (ph, pw) = layout.grid, layout.patch_size
     h, w = gh * ph, gw * pw
     pixels = pixels[:, :h, :w]
@@ -83,14 +89,18 @@ def patch_means(pixels: Tensor, layout: Layout) -> Tensor:
 
 
 def resolve_removal(adapter: ViTAdapter, removal: Any) -> str:
-    """``removal`` checked, with ``None`` resolved: ``"pixels"`` for a model and
-    ``"tokens"`` for a sub-network ``f_l`` (PLUS / SkipPLUS, :mod:`captum_vit.combinators`:
-    its input is the token states ``x_l``, so its masks are applied to them by true
-    removal)."""
+    """``removal`` checked, with ``None`` resolved: ``"pixels"`` for a model of images,
+    ``"tokens"`` for a video model (masks over tubelets) and for a sub-network ``f_l``
+    (PLUS / SkipPLUS, :mod:`captum_vit.combinators`: its input is the token states
+    ``x_l``, so its masks are applied to them by true removal)."""
     view = isinstance(adapter, SubnetworkAdapter)
     if removal is None:
-        return "tokens" if view else "pixels"
+        return "tokens" if view or adapter.video else "pixels"
     check_choice("removal", removal, REMOVALS)
+    if removal == "pixels" and adapter.video:
+        raise ValueError("removal='pixels' masks images [B, C, H, W]; this model takes "
+                         "videos, whose masks are over tubelets: use removal='tokens' (true "
+                         "token removal on the tubelet grid) or leave removal=None")
     if removal == "pixels" and view:
         raise ValueError("removal='pixels' masks images, but this method runs on a "
                          "sub-network f_l (PLUS/SkipPLUS) whose input is the token states "

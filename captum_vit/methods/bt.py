@@ -139,7 +139,7 @@ def integrated_attention_gradient(adapter: ViTAdapter, inputs: Tensor, target: T
         flat = torch.arange(lo, min(lo + chunk, count), device=dev)
         img = flat % b
         alpha = alphas.to(dev)[flat // b].to(inputs.dtype)
-        scaled = images[img] * alpha[:, None, None, None]
+        scaled = images[img] * alpha.reshape(-1, *[1] * (images.dim() - 1))  # images, videos
         with torch.no_grad():  # blocks before the last take no part in the backward pass
             x = adapter.embed(scaled)
             if L > 1:

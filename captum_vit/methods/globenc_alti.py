@@ -395,7 +395,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
             >>> torch.allclose(T.sum(-1), torch.ones(()))
             True
         """
-        images, _ = check_images(inputs)
+        images, _ = check_images(inputs, video=self.adapter.video)
         self.adapter.check_inputs(images)
         self.adapter.self_check(images)
         return self._matrices(self.adapter.trace(images))

@@ -96,8 +96,8 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
     dt = accumulation_dtype(inputs)
     with torch.no_grad():
         if at == "pixels":
-            pix = (images.detach().to(dt) * grads[0].to(dt)).sum(1)
-            lay = tr.layout
+            lay = tr.layout  # channels: dim 1 of images, dim 2 of videos [B, T, C, H, W]
+            pix = (images.detach().to(dt) * grads[0].to(dt)).sum(-3)
             m = pix.new_zeros(pix.shape[0], lay.num_tokens)
             m[:, lay.num_prefix:] = patch_sums(pix, lay)
             return m[None], tr, t

@@ -36,6 +36,14 @@ def check_masks(masks: Any, inputs: Tensor) -> Tensor:
     return masks.to(device=inputs.device).bool()
 
 
+def _images_only(layout: Any) -> None:
+    """Refuse videos: the localisation metrics compare a map with one mask per image."""
+    if layout.frames is not None:
+        raise ValueError("the localisation metrics take images [B, C, H, W] with one mask "
+                         "each; this model takes videos: use the faithfulness metrics "
+                         "(deletion, insertion, ...), which remove tubelets")
+
+
 @vector_targets
 def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                    target: TargetLike = None, mode: str = "bilinear", pixel_reduce: str = "abs",
@@ -43,6 +51,7 @@ def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLik
     """Patch maps upsampled to the image size [B, H, W] (``mode``: bilinear, bicubic or
     nearest; see :func:`~captum_vit.metrics.removal.upsample`)."""
     _, p = prepare_metric(model, inputs, target)
+    _images_only(p.layout)
     scores = patch_maps(attribution, p.images, p.target, p.layout, pixel_reduce=pixel_reduce,
                         attribute_kwargs=attribute_kwargs)
     return upsample(scores, p.layout.grid, p.layout.patch_size, p.images.shape[-2:], mode)
@@ -88,6 +97,7 @@ def pointing_game(model: nn.Module, inputs: Tensor, attribution: AttributionLike
     """
     tolerance = check_scalar(tolerance, "tolerance", int, min_val=0)
     _, p = prepare_metric(model, inputs, target)
+    _images_only(p.layout)
     m = check_masks(masks, p.images)
     skip = m.reshape(m.shape[0], -1).double().mean(1) >= max_region
     scores = patch_maps(attribution, p.images, p.target, p.layout, **kwargs)
@@ -200,6 +210,7 @@ def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
     check_choice("ap_mode", ap_mode, AP_MODES)
     check_choice("raw_upsample", raw_upsample, UPSAMPLE_MODES)
     _, p = prepare_metric(model, inputs, target)
+    _images_only(p.layout)
     inputs, layout = p.images, p.layout
     m = check_masks(masks, inputs)
     scores = patch_maps(attribution, inputs, p.target, layout, **kwargs)

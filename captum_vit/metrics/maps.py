@@ -41,7 +41,9 @@ def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, lay
               ``NoiseTunnel(...)``): ``attribute(inputs, target=target, **attribute_kwargs)``
               gives a pixel map, pooled as above;
             * a callable ``f(inputs, target) -> map`` (any of the shapes above).
-        inputs (Tensor): images [B, C, H, W].
+        inputs (Tensor): images [B, C, H, W] (or videos [B, T, C, H, W]: maps [B, P],
+            grids [B, 1, F, gh, gw] or frame maps shaped like the video, pooled per
+            tubelet).
         target (Tensor): class per image [B].
         layout (Layout): the model's token layout for ``inputs``.
         pixel_reduce (str): ``"abs"`` (default: sum of ``|a|`` over channels and patch
@@ -72,6 +74,8 @@ def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, lay
 
 
 def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str) -> Tensor:
+    if layout.frames is not None:
+        return _video_to_patches(maps, inputs, layout, pixel_reduce)
     b = inputs.shape[0]
     (gh, gw), p = layout.grid, layout.num_patches
     h, w = inputs.shape[-2:]
@@ -97,6 +101,35 @@ def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str)
     raise ValueError(
         f"attribution maps of shape {shape} match neither the patch grid ({p} patches, grid "
         f"{(gh, gw)}) nor the image size {(h, w)}; give [B, P], [B, 1, gh, gw] or pixel maps")
+
+
+def _video_to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str
+                      ) -> Tensor:
+    """Tubelet scores [B, P] of video maps: [B, P], a grid [B, 1, F, gh, gw] / [B, F, gh,
+    gw], or frame maps [B, T, H, W] / [B, T, C, H, W] pooled over each tubelet's frames,
+    channels and pixels (``pixel_reduce``)."""
+    b, t = inputs.shape[0], inputs.shape[1]
+    f, (gh, gw), p = layout.frames, layout.frame_grid, layout.num_patches
+    h, w = inputs.shape[-2:]
+    shape = tuple(maps.shape)
+    if shape[:1] != (b,):
+        raise ValueError(f"attribution maps have shape {shape} but the batch has "
+                         f"{count_noun(b, 'video')}")
+    if maps.dim() == 2 and shape[1] == p:
+        return maps
+    if shape[1:] in ((1, f, gh, gw), (f, gh, gw)):
+        return maps.reshape(b, p)
+    if maps.dim() in (4, 5) and shape[1] == t and shape[-2:] == (h, w):
+        pix = maps.abs() if pixel_reduce == "abs" else maps
+        pix = pix.sum(2) if pix.dim() == 5 else pix  # channels -> [B, T, H, W]
+        ph, pw = layout.patch_size
+        pix = F.pad(pix[:, :f * layout.tubelet], (0, gw * pw - w, 0, gh * ph - h))
+        pix = pix.reshape(b, f, layout.tubelet, gh, ph, gw, pw)
+        return pix.sum((2, 4, 6)).reshape(b, p)
+    raise ValueError(
+        f"attribution maps of shape {shape} match neither the tubelet grid ({p} tubelets, "
+        f"{f} frame slices of {(gh, gw)}) nor the video's frames {(t, h, w)}; give [B, P], "
+        "[B, 1, F, gh, gw] or frame maps [B, T, C, H, W]")
 
 
 def ranking(scores: Tensor) -> Tensor:

@@ -52,7 +52,14 @@ from captum_vit._base import (
     prepare,
 )
 from captum_vit._text import count_noun
-from captum_vit.adapters import Layout, ViTAdapter, adapt, grid_to_pixels, subset_logits
+from captum_vit.adapters import (
+    Layout,
+    ViTAdapter,
+    adapt,
+    grid_to_pixels,
+    grid_to_video,
+    subset_logits,
+)
 from captum_vit.adapters.subsets import image_logits
 from captum_vit.metrics.maps import PIXEL_REDUCES, AttributionLike, patch_maps, ranking
 from captum_vit.metrics.settings import REMOVALS, Fill, Removal, forward_batch_of
@@ -82,7 +89,7 @@ def vector_targets(metric: Metric) -> Metric:
         adapter = adapt(model)
         obj = as_target(kwargs.get("target"))
         if obj is not None:  # a Target: its columns are the scores of the whole metric
-            images, _ = check_images(inputs)
+            images, _ = check_images(inputs, video=adapter.video)
             adapter.check_inputs(images)
             adapter.self_check(images)
             obj = obj.resolve(adapter, images)
@@ -91,7 +98,7 @@ def vector_targets(metric: Metric) -> Metric:
                 return metric(model, inputs, *args, **{**kwargs, "target": index})
         if not adapter.embedding or adapter.head.target is not None:
             return metric(model, inputs, *args, **kwargs)
-        images, _ = check_images(inputs)
+        images, _ = check_images(inputs, video=adapter.video)
         head, index = embedding_target(kwargs.get("target"), images.shape[0],
                                        adapter.num_classes, images)
         with adapter.targeting(head):
@@ -141,7 +148,10 @@ def upsample(scores: Tensor, grid: tuple[int, int], patch_size: tuple[int, int],
 
 # -- baselines ----------------------------------------------------------------------------
 def gaussian_blur(images: Tensor, kernel_size: int = 11, sigma: float = 5.0) -> Tensor:
-    """Separable Gaussian blur with reflect padding, per channel."""
+    """Separable Gaussian blur with reflect padding, per channel (videos [B, T, C, H, W]:
+    per frame)."""
+    if images.dim() == 5:
+        return gaussian_blur(images.flatten(0, 1), kernel_size, sigma).reshape(images.shape)
     r = kernel_size // 2
     x = torch.arange(kernel_size, dtype=images.dtype, device=images.device) - r
     k = torch.exp(-0.5 * (x / sigma) ** 2)
@@ -154,12 +164,15 @@ def gaussian_blur(images: Tensor, kernel_size: int = 11, sigma: float = 5.0) -> 
 
 
 def baseline_images(inputs: Tensor, removal: str, seeds: Sequence[int]) -> Tensor:
-    """The fill images [B, C, H, W] of a pixel baseline (see the module docstring)."""
+    """The fill images [B, C, H, W] of a pixel baseline (see the module docstring);
+    videos [B, T, C, H, W]: ``"mean"`` per channel over all frames, ``"blur"`` per
+    frame."""
     check_choice("removal", removal, REMOVALS[1:])
     if removal == "black":
         return torch.zeros_like(inputs)
     if removal == "mean":
-        return inputs.mean((2, 3), keepdim=True).expand_as(inputs).clone()
+        dims = (1, 3, 4) if inputs.dim() == 5 else (2, 3)
+        return inputs.mean(dims, keepdim=True).expand_as(inputs).clone()
     if removal == "blur":
         return gaussian_blur(inputs)
     out = torch.empty_like(inputs)
@@ -310,6 +323,10 @@ class RemovalEngine:
         prep = prepare(self.adapter, inputs, None)
         inputs, layout = prep.images, prep.layout
         b = inputs.shape[0]
+        if self.unit == "pixel" and layout.frames is not None:
+            raise ValueError("unit='pixel' ranks the pixels of one image; this model takes "
+                             "videos: use unit='patch' (tubelets, with removal='token' or "
+                             "a pixel baseline over each tubelet's frames and pixels)")
         p = layout.num_patches if self.unit == "patch" else inputs.shape[-2] * inputs.shape[-1]
         if order.shape != (b, p):
             raise ValueError(f"order must be [B, {'P' if self.unit == 'patch' else 'H*W'}] = "
@@ -415,7 +432,7 @@ class RemovalEngine:
         if len(jobs):
             def make(j: Tensor) -> tuple[Tensor, Tensor]:
                 ii, jj = jobs[j].unbind(1)
-                m = removed_of(ii, jj)[:, None]
+                m = removed_of(ii, jj).unsqueeze(-3)  # [n, 1, H, W]; videos [n, T, 1, H, W]
                 return torch.where(m, fill[ii], inputs[ii]), ii
 
             with torch.no_grad():
@@ -429,13 +446,20 @@ class RemovalEngine:
 
 
 def patch_pixels(removed: Tensor, layout: Layout, size: tuple[int, int]) -> Tensor:
-    """Patch masks [B, P] (bool) as pixel masks [B, H, W] of an image of ``size``."""
+    """Patch masks [B, P] (bool) as pixel masks [B, H, W] of an image of ``size``; for a
+    video layout tubelet masks as frame masks [B, T, H, W] (each tubelet's frames and
+    pixels)."""
+    if layout.frames is not None:
+        grid = removed.reshape(-1, layout.frames, *layout.frame_grid)
+        return grid_to_video(grid, size, patch_size=layout.patch_size, tubelet=layout.tubelet)
     return grid_to_pixels(removed.reshape(-1, *layout.grid), size, patch_size=layout.patch_size)
 
 
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
-    """Images [B, C, H, W] whose removed patches ([B, P] bool) take the ``fill`` pixels."""
-    return torch.where(patch_pixels(removed, layout, inputs.shape[-2:])[:, None], fill, inputs)
+    """Images [B, C, H, W] (videos [B, T, C, H, W]) whose removed patches ([B, P] bool)
+    take the ``fill`` pixels."""
+    mask = patch_pixels(removed, layout, inputs.shape[-2:]).unsqueeze(-3)
+    return torch.where(mask, fill, inputs)
 
 
 __all__ = ["PIXEL_REDUCES", "REMOVALS", "TIS_BASELINES", "UNITS", "UPSAMPLE_MODES",

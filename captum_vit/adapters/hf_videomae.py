@@ -1,0 +1,241 @@
+"""Adapter for Hugging Face transformers' VideoMAE (``VideoMAEForVideoClassification``,
+``VideoMAEModel``; Tong et al., "VideoMAE: Masked Autoencoders are Data-Efficient Learners
+for Self-Supervised Video Pre-Training", NeurIPS 2022).
+
+Only this file knows VideoMAE's attribute names. Verified in the installed transformers
+(5.x, ``models/videomae/modeling_videomae.py``):
+
+- **Inputs** are videos ``pixel_values`` [B, T, C, H, W] (frames before channels);
+  ``VideoMAEPatchEmbeddings`` permutes them to [B, C, T, H, W] and applies a ``Conv3d``
+  with kernel = stride = ``(tubelet_size, patch_size, patch_size)``, then flattens the
+  ``(T / t, H / p, W / p)`` grid in that order: tokens are ordered (frame slice, row,
+  column). The image size is fixed (the model raises on another one) and so is the frame
+  count (the position table has ``num_frames / t · (H / p) · (W / p)`` rows).
+- **Position embeddings**: a fixed sinusoid table (a plain tensor, not a parameter),
+  added to the patch embeddings; no class token, no prefix rows (``num_prefix = 0``); no
+  embedding dropout. The adapter calls the model's own ``embeddings`` module, so a kept
+  token under true token removal keeps its own row of that table.
+- **Layers** are ViT layers in transformers' older naming (``layernorm_before``,
+  ``attention.attention.{query, key, value}``, ``attention.output.dense``,
+  ``layernorm_after``, ``intermediate.dense``, ``output.dense``): pre-LayerNorm, the key
+  projection without bias and query / value biases only when ``qv_bias`` (the canonical
+  parts take ``k_bias=None``); no LayerScale (``init_values`` is not read by
+  ``VideoMAELayer``). The parts are read by :func:`captum_vit.adapters.hf_vit._layer_parts`.
+- **Head** (``VideoMAEForVideoClassification``): with ``use_mean_pooling`` the backbone
+  has no final LayerNorm and the classifier reads ``fc_norm(mean of all tokens)``
+  (``fc_norm`` built with LayerNorm's default eps 1e-5): readout ``"avg"``; without it
+  the backbone's final ``layernorm`` is applied and the classifier reads row 0, which is
+  the *first tubelet* (there is no class token): readout ``"token"``.
+- **VideoMAEModel** (head-less, ``embedding = True``): its output here is the pooled
+  vector of the classifier's convention, before any classifier: the mean of
+  ``last_hidden_state`` over the tokens with ``use_mean_pooling`` (no ``fc_norm``: it
+  belongs to the classifier), else row 0 of ``last_hidden_state`` (after its final
+  ``layernorm``); a choice of captum_vit. A classifier built with ``num_labels=0`` outputs
+  its own ``logits``, ``fc_norm`` of the mean (an ``nn.Identity`` classifier).
+
+Maps are returned per tubelet: ``output="tokens"`` [B, F·gh·gw], ``"grid"`` [B, 1, F, gh,
+gw] and pixels shaped like the video [B, T, C, H, W] (:mod:`captum_vit.adapters.layout`).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import HeadParts
+
+CLASSES = ("VideoMAEForVideoClassification", "VideoMAEModel")
+
+
+class HFVideoMAEAdapter(ViTAdapter):
+    """Canonical view of a Hugging Face ``VideoMAEForVideoClassification`` or
+    ``VideoMAEModel`` (never modified): the ViT on tubelet tokens.
+
+    Inputs are videos [B, T, C, H, W] of the model's ``num_frames`` and ``image_size``.
+    A classifier built with ``num_labels=0`` (an ``nn.Identity`` classifier) and a
+    ``VideoMAEModel`` output their pooled vector and take vector targets
+    (:class:`captum_vit.targets.EmbeddingTarget`).
+
+    Args:
+        model (nn.Module): one of the classes of :data:`CLASSES`.
+
+    Raises:
+        TypeError: a layer layout or head the adapter does not know.
+
+    Examples::
+
+        >>> import transformers
+        >>> from captum_vit.adapters import adapt
+        >>> cfg = transformers.VideoMAEConfig(image_size=32, patch_size=8, num_frames=4,
+        ...     tubelet_size=2, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...     intermediate_size=64, num_labels=5)
+        >>> a = adapt(transformers.VideoMAEForVideoClassification(cfg).eval())
+        >>> a.layout(torch.zeros(1, 4, 3, 32, 32)).grid   # 2 frame slices of 4 x 4
+        (8, 4)
+    """
+
+    video = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        name = type(model).__name__
+        self.backbone = getattr(model, "videomae", model)
+        cfg = model.config
+        self.layers = self.backbone.encoder.layer
+        if len(self.layers) == 0:
+            raise TypeError(f"{name} has no transformer layers")
+        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads),
+                                    f"{name}.encoder.layer[{i}]")
+                       for i, layer in enumerate(self.layers)]
+        self.in_chans = int(cfg.num_channels)
+        self.num_prefix = 0
+        self.tubelet = int(cfg.tubelet_size)
+        self.patch_size = _pair(cfg.patch_size)
+        classifier = getattr(model, "classifier", None)
+        self.embedding = classifier is None or isinstance(classifier, nn.Identity)
+        if classifier is not None and not isinstance(classifier, nn.Linear | nn.Identity):
+            raise TypeError(f"{name}.classifier is {type(classifier).__name__}; captum_vit "
+                            "supports VideoMAE's linear classifier")
+        self.head = self._head()
+
+    def _head(self) -> HeadParts:
+        """Final ``layernorm`` or ``fc_norm`` on the token mean, and the classifier; sets
+        :attr:`readout`."""
+        model, name = self.model, type(self.model).__name__
+        classifier = getattr(model, "classifier", None)
+        w, b = ((classifier.weight, classifier.bias) if isinstance(classifier, nn.Linear)
+                else (None, None))
+        final = self.backbone.layernorm
+        fc_norm = getattr(model, "fc_norm", None)
+        if final is None:  # use_mean_pooling: the mean of all tokens (no class token)
+            self.readout = "avg"
+            fc = None if fc_norm is None else _norm(fc_norm, f"{name}.fc_norm")
+            return HeadParts(None, fc, (("avg", w, b),))
+        self.readout = "token"  # row 0: the first tubelet
+        return HeadParts(_norm(final, f"{name}.videomae.layernorm"), None, ((0, w, b),))
+
+    @property
+    def config(self):  # noqa: ANN201 (a transformers configuration)
+        """The model's ``VideoMAEConfig``."""
+        return self.model.config
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        """``(channels, (H, W))`` of one frame (the frame count is
+        :attr:`num_frames`)."""
+        return self.in_chans, _pair(self.config.image_size)
+
+    @property
+    def num_frames(self) -> int:
+        """``T``: the frames of a video the model takes (its position table's)."""
+        return int(self.config.num_frames)
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        t, (h, w) = inputs.shape[1], tuple(inputs.shape[-2:])
+        size = self.input_shape[1]
+        if (h, w) != size:
+            raise ValueError(f"inputs frame size {(h, w)} does not match the model's fixed "
+                             f"image_size {size}; resize the frames")
+        if t != self.num_frames:
+            raise ValueError(f"inputs have {t} frames but the model takes num_frames="
+                             f"{self.num_frames} (its fixed position table); sample "
+                             f"{self.num_frames} frames from the video")
+
+    def is_random(self) -> bool:
+        cfg = self.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+            "hidden_dropout_prob", "attention_probs_dropout_prob"))
+
+    def layout(self, inputs: Tensor) -> Layout:
+        t, h, w = (int(s) for s in inputs.shape[-4:-3] + inputs.shape[-2:])
+        ph, pw = self.patch_size
+        frames = t // self.tubelet
+        return Layout(num_prefix=0, grid=(frames * (h // ph), w // pw), patch_size=(ph, pw),
+                      readout=self.readout, num_blocks=self.num_blocks,
+                      num_heads=self.blocks[0].num_heads, image_size=(h, w),
+                      frames=frames, tubelet=self.tubelet)
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's own ``embeddings(pixel_values, None)`` (tubelet projection plus the
+        sinusoid table).
+
+        With ``ops`` (:meth:`ViTAdapter.embed`) the model's embedding of the detached
+        video is the value and the tubelet projection ``p``, the ``Conv3d`` as
+        ``ops.linear`` of the unfolded tubelets (:func:`tubelet_projection`), is added as
+        ``p - p.detach()`` (exactly 0): every pixel gradient runs through ``ops.linear``.
+        """
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs, None)
+        x = emb(inputs.detach(), None)
+        conv = emb.patch_embeddings.projection
+        p = tubelet_projection(inputs, conv, ops,
+                               f"{type(self.model).__name__} tubelet projection")
+        return x + (p - p.detach())
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        """The logits; for an embedding model the pooled vector (module docstring)."""
+        if hasattr(self.model, "classifier"):  # an Identity classifier: fc_norm's output
+            return self.model(pixel_values=inputs).logits
+        hidden = self.backbone(pixel_values=inputs).last_hidden_state
+        return hidden.mean(1) if self.readout == "avg" else hidden[:, 0]
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        m = self.model
+        head = [self.backbone.layernorm, getattr(m, "fc_norm", None),
+                getattr(m, "classifier", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
+        return stages
+
+
+def tubelet_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+    """A tubelet-embedding ``Conv3d`` (stride = kernel ``(t, ph, pw)``, no padding) as the
+    linear map of the unfolded tubelets through ``ops.linear`` (the video form of
+    :func:`~captum_vit.adapters.ops.patch_projection`).
+
+    Args:
+        inputs (Tensor): videos [B, T, C, H, W].
+        conv (nn.Module): the model's ``Conv3d`` (its own parameters, reshaped).
+        ops (Ops): supplies ``linear``.
+        what (str): the convolution's name in the model, for the error message.
+
+    Returns:
+        Tensor: tubelet embeddings [B, F·gh·gw, D] in the order (slice, row, column).
+
+    Raises:
+        TypeError: ``conv`` is not such a convolution.
+    """
+    if not isinstance(conv, nn.Conv3d) or tuple(conv.stride) != tuple(conv.kernel_size) \
+            or conv.padding not in ("valid", (0, 0, 0)) or conv.groups != 1 \
+            or tuple(conv.dilation) != (1, 1, 1):
+        raise TypeError(f"{what} is not a tubelet projection (a Conv3d with stride == "
+                        "kernel_size, no padding, one group); explain at='tokens'")
+    b, frames, c, h, w = inputs.shape
+    t, ph, pw = conv.kernel_size
+    f, gh, gw = frames // t, h // ph, w // pw
+    x = inputs[:, :f * t, :, :gh * ph, :gw * pw].reshape(b, f, t, c, gh, ph, gw, pw)
+    x = x.permute(0, 1, 4, 6, 3, 2, 5, 7).reshape(b, f * gh * gw, c * t * ph * pw)
+    return ops.linear(x, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
+
+def is_hf_videomae(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face VideoMAE models in :data:`CLASSES` (transformers is
+    never imported for other models).
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`HFVideoMAEAdapter` applies.
+    """
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    import transformers
+
+    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
+                                   if hasattr(transformers, n)))
