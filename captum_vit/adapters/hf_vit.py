@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts
+from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
            "DeiTForImageClassificationWithTeacher", "Dinov2ForImageClassification",
@@ -52,10 +53,6 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
 
 
-def _norm(m: nn.Module, where: str) -> NormParts:
-    if not isinstance(m, nn.LayerNorm):
-        raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
-    return NormParts(m.weight, m.bias, m.eps)
 
 
 def _first(m: nn.Module, *names: str) -> nn.Module:

@@ -60,23 +60,17 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, PoolParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.parts import linear_module as _linear
 
 CUSTOM_BLOCK_OPTIONS = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
                         "scale_attn", "scale_fc")
 """OpenCLIP options that build ``CustomResidualAttentionBlock`` towers (refused)."""
 
 
-def _norm(m: nn.Module, where: str) -> NormParts:
-    if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
-        raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
-    return NormParts(m.weight, m.bias, m.eps)
 
 
-def _linear(m: nn.Module, where: str) -> nn.Linear:
-    if not isinstance(m, nn.Linear):
-        raise TypeError(f"{where} is {type(m).__name__}; captum_vit needs nn.Linear here")
-    return m
 
 
 def _layer_scale(m: nn.Module, where: str) -> Tensor | None:

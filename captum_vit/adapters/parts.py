@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from captum_vit.adapters.scoring import TargetHead
 
@@ -622,6 +622,29 @@ class PreLogitsHeadParts(HeadParts):
 
     pre_logits: tuple[Tensor, Tensor | None, Callable[[Tensor], Tensor]] | None = None
 
+
+
+def layer_norm_parts(m: nn.Module, where: str) -> NormParts:
+    """The :class:`NormParts` of a model's ``nn.LayerNorm`` over the last dimension (views of
+    its parameters); ``where`` names it in the error.
+
+    Raises:
+        TypeError: another normalisation.
+    """
+    if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
+        raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
+    return NormParts(m.weight, m.bias, m.eps)
+
+
+def linear_module(m: nn.Module, where: str) -> nn.Linear:
+    """``m`` if it is an ``nn.Linear``; ``where`` names it in the error.
+
+    Raises:
+        TypeError: another module.
+    """
+    if not isinstance(m, nn.Linear):
+        raise TypeError(f"{where} is {type(m).__name__}; captum_vit needs nn.Linear here")
+    return m
 
 
 def _detached(parts: Any) -> Any:

@@ -15,12 +15,7 @@ from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
-
-
-def _norm_parts(m: nn.Module, what: str) -> NormParts:
-    if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
-        raise TypeError(f"{what} is {type(m).__name__}; captum_vit supports LayerNorm here")
-    return NormParts(m.weight, m.bias, m.eps)
+from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 
 
 def _optional_norm(m: nn.Module, what: str) -> NormParts | None:

@@ -27,19 +27,9 @@ from torch import Tensor, nn
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PreLogitsHeadParts
-
-
-def _norm(m: nn.Module, where: str) -> NormParts:
-    if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
-        raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
-    return NormParts(m.weight, m.bias, m.eps)
-
-
-def _linear(m: nn.Module, where: str) -> nn.Linear:
-    if not isinstance(m, nn.Linear):
-        raise TypeError(f"{where} is {type(m).__name__}; captum_vit needs nn.Linear here")
-    return m
+from captum_vit.adapters.parts import BlockParts, HeadParts, PreLogitsHeadParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.parts import linear_module as _linear
 
 
 def _block_parts(blk: nn.Module, where: str) -> BlockParts:
