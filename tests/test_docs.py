@@ -93,16 +93,31 @@ def test_a_name_without_a_page_is_reported():
                                                          ".aopc")]) == []
 
 
-def test_guide_markers_exist_in_the_readme():
-    """Every README section a page includes is delimited by its pair of markers."""
+def test_readme_markers_are_included_once_each():
+    """The README is the landing page: the few sections a page includes (the introduction,
+    the set-up commands, the documentation build) are delimited by their pair of markers,
+    and every pair of markers in the README is included by some page."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     included = set()
     for page in SOURCE.rglob("*.md"):
         included |= set(re.findall(r":(?:start-after|end-before): (<!-- \S+ -->)",
                                    page.read_text(encoding="utf-8")))
-    assert len(included) >= 20
+    assert {"<!-- start:intro -->", "<!-- start:setup -->"} <= included
     for marker in included:
         assert readme.count(marker) == 1, marker
+    assert set(re.findall(r"<!-- (?:start|end):\S+ -->", readme)) == included
+
+
+def test_readme_is_a_landing_page_whose_links_resolve():
+    """At most ~200 lines; every relative link of the README names a file that exists
+    (the documentation pages are the home of everything else)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/source/") for link in local)
+    for link in local:
+        assert (ROOT / link).exists(), link
 
 
 def test_every_tutorial_is_on_the_site():
