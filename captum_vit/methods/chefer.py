@@ -123,8 +123,8 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     ViT-S/16).
 
     Robustness: the maps are far more sensitive to small input changes than GAE's
-    (Max-Sensitivity 1.15 against GAE's 0.033 on the bundled model, README "The baselines
-    of today's papers"). This is the rule, not rounding: float64 gives the same values as
+    (Max-Sensitivity 1.15 against GAE's 0.033 on the bundled model, the documentation's
+    Results page, "The baselines of today's papers"). This is the rule, not rounding: float64 gives the same values as
     float32 (0.845 against 0.845 on the first sample image), and a uniform perturbation of
     :math:`10^{-4}` changes that image's map by 17 % (L2, relative). The residual rule's
     LRP-0 split :math:`R_a = a/(a+b)\,R` meets coordinates of the residual stream where

@@ -470,8 +470,8 @@ class TIS(ViTPerturbationAttribution):
     masks each image used is in :attr:`last_masks_used` after the call.
     ``tolerance=1.0`` never stops early and equals the exact algorithm;
     ``tolerance=None`` (default) is the exact algorithm in one pass. Measured with
-    ``tolerance=0.95`` (``benchmarks/bench_tis_anytime.py``, README "TIS anytime"): see
-    the README for masks used and Spearman against the exact map.
+    ``tolerance=0.95`` (``benchmarks/bench_tis_anytime.py``): see the documentation's
+    Benchmarks page ("TIS anytime mode") for masks used and Spearman against the exact map.
 
     Clustering: ``kmeans="torch"`` (default) clusters all images of the batch at once
     with scikit-learn's algorithm written in torch (greedy k-means++ seeding with
