@@ -123,13 +123,13 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     ViT-S/16).
 
     Robustness: the maps are far more sensitive to small input changes than GAE's
-    (Max-Sensitivity 1.15 against GAE's 0.033 on the bundled model, the documentation's
-    Results page, "The baselines of today's papers"). This is the rule, not rounding: float64 gives the same values as
-    float32 (0.845 against 0.845 on the first sample image), and a uniform perturbation of
-    :math:`10^{-4}` changes that image's map by 17 % (L2, relative). The residual rule's
-    LRP-0 split :math:`R_a = a/(a+b)\,R` meets coordinates of the residual stream where
-    :math:`a + b \approx 0`; there :math:`|a/(a+b)|` reached 12,000 on that image, so
-    per-coordinate relevances, and what the per-image rescaling and the ReLU keep of them,
+    (Max-Sensitivity 1.15 against GAE's 0.033 on the bundled model, the documentation's Results
+    page, "The baselines of today's papers"). This is the rule, not rounding: float64 gives the
+    same values as float32 (0.845 against 0.845 on the first sample image), and a uniform
+    perturbation of :math:`10^{-4}` changes that image's map by 17 % (L2, relative). The
+    residual rule's LRP-0 split :math:`R_a = a/(a+b)\,R` meets coordinates of the residual
+    stream where :math:`a + b \approx 0`; there :math:`|a/(a+b)|` reached 12,000 on that image,
+    so per-coordinate relevances, and what the per-image rescaling and the ReLU keep of them,
     move steeply with the input. The reference ``Add.relprop`` has the same division.
 
     ``start_layer`` :math:`s` defaults to 0 (the paper); Chefer's evaluation scripts use

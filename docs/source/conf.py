@@ -4,7 +4,8 @@ Build (from the repository root)::
 
     sphinx-build -W --keep-going -b html docs/source docs/_build/html
 
-The user guide's pages include sections of the top-level ``README.md`` (between
+The pages hold the documentation's text (the top-level ``README.md`` is a landing page; the
+front page and Getting started include its intro, set-up and build sections, between
 ``<!-- start:NAME -->`` / ``<!-- end:NAME -->`` markers), the tutorials are the notebooks of
 ``tutorials/`` (linked into ``tutorials/`` here), executed at build time and cached under
 ``docs/_build/``; ``-D nb_execution_mode=off`` renders them without running them.
