@@ -375,7 +375,7 @@ class DecompX(PLUSFastPath, PlainAttribution):
 
         Examples::
 
-            >>> from captum_vit import SkipPLUS
+            >>> from captum_vit import DecompX, SkipPLUS
             >>> attr = SkipPLUS(model, DecompX).attribute(images, target=labels)
         """
         if aggregate != "subnetwork":

@@ -391,6 +391,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
 
         Examples::
 
+            >>> from captum_vit.methods.globenc_alti import GlobEnc
             >>> T = GlobEnc(model).block_matrices(images)  # [L, B, N, N]
             >>> torch.allclose(T.sum(-1), torch.ones(()))
             True

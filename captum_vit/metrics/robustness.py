@@ -80,6 +80,7 @@ def max_sensitivity(model: nn.Module, inputs: Tensor, attribution: AttributionLi
 
     Examples::
 
+        >>> from captum.attr import NoiseTunnel, Saliency
         >>> max_sensitivity(model, x, NoiseTunnel(Saliency(model))).value
     """
     if isinstance(attribution, Tensor):
