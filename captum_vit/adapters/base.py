@@ -297,6 +297,26 @@ class ViTAdapter(abc.ABC):
         """Whether the model's forward is random now (training mode with active dropout)."""
         return False
 
+    @staticmethod
+    def check_patch_multiple(inputs: Tensor, patch: tuple[int, int]) -> None:
+        """Refuse images whose size is not a multiple of the patch size (for
+        :meth:`check_inputs` of families that interpolate their position embedding)."""
+        h, w = inputs.shape[-2:]
+        if h % patch[0] or w % patch[1]:
+            raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
+                             f"{tuple(patch)}; resize, crop or pad the images to a multiple "
+                             "of it")
+
+    @staticmethod
+    def check_fixed_size(inputs: Tensor, size: tuple[int, int], why: str) -> None:
+        """Refuse images of another size than ``size`` (families whose position embedding
+        is not interpolated; ``why`` names the model)."""
+        got = tuple(inputs.shape[-2:])
+        if got != tuple(size):
+            raise ValueError(f"inputs size {got} does not match {why}'s fixed image_size "
+                             f"{tuple(size)} (its position embedding is not interpolated); "
+                             "resize the images")
+
     video: bool = False
     """Whether the model takes videos ``[B, T, C, H, W]`` rather than images ``[B, C, H,
     W]`` (its :meth:`layout` then sets ``frames``, :mod:`captum_vit.adapters.layout`)."""

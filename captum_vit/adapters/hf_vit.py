@@ -178,11 +178,7 @@ class HFViTAdapter(ViTAdapter):
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        h, w = inputs.shape[-2:]
-        ph, pw = _pair(self.config.patch_size)
-        if h % ph or w % pw:
-            raise ValueError(f"inputs size {(h, w)} is not divisible by the patch size "
-                             f"{(ph, pw)}; resize or crop the images to a multiple of it")
+        self.check_patch_multiple(inputs, _pair(self.config.patch_size))
 
     def is_random(self) -> bool:
         cfg = self.config

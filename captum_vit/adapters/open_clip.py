@@ -286,11 +286,7 @@ class OpenCLIPAdapter(ViTAdapter):
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        size = self.input_shape[1]
-        if tuple(inputs.shape[-2:]) != size:
-            raise ValueError(f"inputs size {tuple(inputs.shape[-2:])} does not match the "
-                             f"OpenCLIP tower's fixed image_size {size} (its position "
-                             "embedding is not interpolated); resize the images")
+        self.check_fixed_size(inputs, self.input_shape[1], "the OpenCLIP tower")
 
     def is_random(self) -> bool:
         v = self.visual

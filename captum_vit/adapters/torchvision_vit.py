@@ -145,11 +145,7 @@ class TorchvisionViTAdapter(ViTAdapter):
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        size = self.input_shape[1]
-        if tuple(inputs.shape[-2:]) != size:
-            raise ValueError(f"inputs size {tuple(inputs.shape[-2:])} does not match the "
-                             f"model's fixed image_size {size}; resize the images "
-                             "(torchvision's VisionTransformer takes one size only)")
+        self.check_fixed_size(inputs, self.input_shape[1], "torchvision's VisionTransformer")
 
     def is_random(self) -> bool:
         return any(m.training and m.p > 0 for m in self.model.modules()
