@@ -72,10 +72,19 @@ class Meter:
         self.images += images
         return out
 
-    def row(self, name: str) -> str:
+    def row(self, name: str, reference: Meter | None = None) -> str:
         rate = self.images / self.seconds if self.seconds else float("nan")
         peak = f"{self.peak / 2**30:.2f}" if self.device.type == "cuda" else "–"
-        return f"| {name} | {rate:.1f} | {1e3 / rate:.2f} | {peak} |"
+        ratio = (f"{self.seconds / reference.seconds * reference.images / self.images:.2f}"
+                 if reference is not None and reference.seconds else "–")
+        return f"| {name} | {rate:.1f} | {1e3 / rate:.2f} | {ratio} | {peak} |"
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The reference cost: one forward and one backward to the input of the target logits."""
+    x = x.detach().requires_grad_(True)
+    score = model(x).gather(1, t[:, None]).sum()
+    return torch.autograd.grad(score, x)[0]
 
 
 def main() -> int:
@@ -88,6 +97,8 @@ def main() -> int:
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--metrics", nargs="+", default=list(METRICS))
     ap.add_argument("--steps", type=int, default=20, help="deletion/insertion steps")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="batches run first and not timed (CUDA context, kernel choice)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -109,16 +120,25 @@ def main() -> int:
     attrs = {m: f(model) for m, f in factories.items()}
     methods = {m: Meter(device) for m in factories}
     metrics = {m: Meter(device) for m in args.metrics}
+    reference = Meter(device)
     first = time.perf_counter()
-    for start in range(0, args.n, args.batch_size):
+    starts = list(range(0, args.n, args.batch_size))
+    for i, start in enumerate([0] * args.warmup + starts):
         ids = list(range(start, min(start + args.batch_size, args.n)))
         x, _, masks = model_batch(data, ids, input_shape=(channels, size), device=device)
+        if i < args.warmup:  # untimed: the same calls, meters thrown away
+            warm = {m: Meter(device) for m in list(methods) + list(metrics) + ["ref"]}
+            meters = (warm, warm, warm["ref"])
+        else:
+            meters = (methods, metrics, reference)
+        timed_methods, timed_metrics, ref = meters
         with autocasting(model, x, args.autocast):
             with torch.no_grad():
                 t = adapter.model_logits(x).argmax(-1)
             layout = adapter.layout(x)
+            ref(lambda x=x, t=t: forward_backward(model, x, t), len(ids))
             for m, attr in attrs.items():
-                methods[m](lambda a=attr, x=x, t=t, lay=layout: patch_maps(a, x, t, lay),
+                timed_methods[m](lambda a=attr, x=x, t=t, lay=layout: patch_maps(a, x, t, lay),
                            len(ids))
             maps = patch_maps(gae(model), x, t, layout)
             batch = MetricBatch(model=model, inputs=x, maps=maps,
@@ -126,21 +146,22 @@ def main() -> int:
                                 masks=masks, example_ids=ids,
                                 settings=EvalSettings(batch_size=args.batch_size,
                                                       n_steps=args.steps))
-            for m, meter in metrics.items():
-                meter(lambda m=m, b=batch: METRICS[m].compute(b), len(ids))
+            for m in metrics:
+                timed_metrics[m](lambda m=m, b=batch: METRICS[m].compute(b), len(ids))
         print(f"{ids[-1] + 1}/{args.n} images, {time.perf_counter() - first:.0f} s",
               file=sys.stderr)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{name}, torch {torch.__version__}, {args.arch} float32, autocast "
           f"{args.autocast}, {args.n} images, batch {args.batch_size}\n")
-    print("| method | images/s | ms/image | peak GiB |")
-    print("|---|---:|---:|---:|")
+    print("| method | images/s | ms/image | × fwd+bwd | peak GiB |")
+    print("|---|---:|---:|---:|---:|")
+    print(reference.row("forward+backward (reference)", reference))
     for m, meter in methods.items():
-        print(meter.row(m))
-    print("\n| metric (GAE maps) | images/s | ms/image | peak GiB |")
-    print("|---|---:|---:|---:|")
+        print(meter.row(m, reference))
+    print("\n| metric (GAE maps) | images/s | ms/image | × fwd+bwd | peak GiB |")
+    print("|---|---:|---:|---:|---:|")
     for m, meter in metrics.items():
-        print(meter.row(m))
+        print(meter.row(m, reference))
     return 0
 
 
