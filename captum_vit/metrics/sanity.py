@@ -107,7 +107,10 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
         for tensors in radapter.parameter_stages():
             with torch.no_grad():
                 for p in tensors:
-                    mean, std = p.double().mean(), p.double().std() if p.numel() > 1 else 0.0
+                    # statistics as Python floats: the noise is drawn on the CPU (the same
+                    # weights on every device) while the parameter may live on a GPU
+                    mean = p.double().mean().item()
+                    std = p.double().std().item() if p.numel() > 1 else 0.0
                     noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * std + mean
                     p.copy_(noise.to(device=p.device, dtype=p.dtype))
             if factory is not None:
