@@ -9,8 +9,10 @@ Convention (for whoever writes these pages):
   photo-sized JPEG made from a bundled sample image), matplotlib on its ``Agg`` backend.
   A block that raises fails the page's test.
 - A block whose first line is ``# needs a download`` (followed by what it downloads) is
-  NOT run: it needs the internet or a model hub (pretrained weights of a Hugging Face
-  processor, say). Say in the text what the block needs.
+  NOT run by the page's test: it needs the internet or a model hub (pretrained weights of
+  a Hugging Face processor, say). Say in the text what the block needs. The recipes' Hugging
+  Face block is run by a test of its own, against a tiny random model saved under the hub
+  name it loads.
 - A block whose first line is ``# downloads: pretrained=True`` runs with every
   ``pretrained=True`` replaced by ``pretrained=False``: the same architecture and
   preprocessing with random weights, so the code path is checked offline.
@@ -98,3 +100,29 @@ def test_page_code_runs(page, workdir):
         plt.close("all")
     assert ran, f"{page.name}: every block is marked as needing a download"
     assert os.getcwd() == str(workdir)
+
+
+def test_hugging_face_recipe_runs_on_a_local_model(workdir, monkeypatch):
+    """The recipe's Hugging Face block (marked as needing the hub) runs unchanged against a
+    tiny random ViT saved under the hub name it loads: ``from_pretrained`` reads a local
+    folder of that name first."""
+    transformers = pytest.importorskip("transformers")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    blocks = python_blocks((SOURCE / "guide" / "recipes.md").read_text(encoding="utf-8"))
+    hf = [b for b in blocks if "AutoImageProcessor" in b]
+    assert len(hf) == 1 and runnable(hf[0]) is None
+    name = re.search(r'from_pretrained\("([^"]+)"\)', hf[0]).group(1)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64, num_labels=5)
+    transformers.ViTForImageClassification(config).save_pretrained(workdir / name)
+    transformers.ViTImageProcessor().save_pretrained(workdir / name)
+    namespace: dict = {"__name__": "__docs__"}
+    try:
+        exec(compile(blocks[0], "recipes.md[block 0]", "exec"), namespace)  # noqa: S102
+        exec(compile(hf[0], "recipes.md[hugging face]", "exec"), namespace)  # noqa: S102
+    finally:
+        plt.close("all")
+    assert namespace["attr"].shape == (1, 1, 14, 14)
+    assert namespace["names"] == [config.id2label[k] for k in range(5)]
