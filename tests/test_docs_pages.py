@@ -1,0 +1,128 @@
+"""The Python code of the user guide's method pages, "Which method should I use" and the
+recipes runs, so that it cannot rot.
+
+Convention (for whoever writes these pages):
+
+- Every fenced ```` ```python ```` block of a page is executed, in page order, in ONE
+  namespace per page (like a notebook: a later block may use what an earlier one defined),
+  with the working directory a fresh temporary folder that holds ``photo.jpg`` (an RGB
+  photo-sized JPEG made from a bundled sample image), matplotlib on its ``Agg`` backend.
+  A block that raises fails the page's test.
+- A block whose first line is ``# needs a download`` (followed by what it downloads) is
+  NOT run by the page's test: it needs the internet or a model hub (pretrained weights of
+  a Hugging Face processor, say). Say in the text what the block needs. The recipes' Hugging
+  Face block is run by a test of its own, against a tiny random model saved under the hub
+  name it loads.
+- A block whose first line is ``# downloads: pretrained=True`` runs with every
+  ``pretrained=True`` replaced by ``pretrained=False``: the same architecture and
+  preprocessing with random weights, so the code path is checked offline.
+- Other fence languages (``bash``, ``text``, ...) are not run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[1] / "docs" / "source"
+PAGES = sorted([*(SOURCE / "guide" / "methods").glob("*.md"),
+                SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md"])
+SKIP_MARK = "# needs a download"
+OFFLINE_MARK = "# downloads: pretrained=True"
+_FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```\s*$", re.M | re.S)
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```` ```python ```` blocks of a Markdown page, in order."""
+    return [m.group(1) for m in _FENCE.finditer(text)]
+
+
+def runnable(block: str) -> str | None:
+    """The code to run for ``block``: ``None`` for a block marked as needing a download,
+    the offline variant of a ``pretrained=True`` block, otherwise the block itself."""
+    first = block.lstrip().split("\n", 1)[0].strip()
+    if first.startswith(SKIP_MARK):
+        return None
+    if first.startswith(OFFLINE_MARK):
+        return block.replace("pretrained=True", "pretrained=False")
+    return block
+
+
+def test_blocks_are_found_and_marks_read():
+    text = ("a\n```python\nx = 1\n```\ntext\n```bash\nls\n```\n"
+            "```python\n# needs a download: weights\ny = 2\n```\n"
+            "```python\n# downloads: pretrained=True\nm(pretrained=True)\n```\n")
+    blocks = python_blocks(text)
+    assert blocks == ["x = 1\n", "# needs a download: weights\ny = 2\n",
+                      "# downloads: pretrained=True\nm(pretrained=True)\n"]
+    assert [runnable(b) for b in blocks] == [
+        "x = 1\n", None, "# downloads: pretrained=False\nm(pretrained=False)\n"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A temporary working folder holding ``photo.jpg``, with matplotlib on Agg."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from PIL import Image
+
+    from captum_vit.data import load_sample
+
+    gray = (load_sample()["images"][3, 0] * 255).round().byte().numpy()
+    Image.fromarray(gray).convert("RGB").resize((320, 240)).save(tmp_path / "photo.jpg")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(SOURCE)))
+def test_page_code_runs(page, workdir):
+    import matplotlib.pyplot as plt
+    import torch
+
+    assert page.is_file(), f"{page} is missing"
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    assert blocks, f"{page.name} has no python block"
+    namespace: dict = {"__name__": "__docs__"}
+    torch.manual_seed(0)
+    ran = 0
+    try:
+        for i, block in enumerate(blocks):
+            code = runnable(block)
+            if code is None:
+                continue
+            exec(compile(code, f"{page.name}[block {i}]", "exec"), namespace)  # noqa: S102
+            ran += 1
+    finally:
+        plt.close("all")
+    assert ran, f"{page.name}: every block is marked as needing a download"
+    assert os.getcwd() == str(workdir)
+
+
+def test_hugging_face_recipe_runs_on_a_local_model(workdir, monkeypatch):
+    """The recipe's Hugging Face block (marked as needing the hub) runs unchanged against a
+    tiny random ViT saved under the hub name it loads: ``from_pretrained`` reads a local
+    folder of that name first."""
+    transformers = pytest.importorskip("transformers")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    blocks = python_blocks((SOURCE / "guide" / "recipes.md").read_text(encoding="utf-8"))
+    hf = [b for b in blocks if "AutoImageProcessor" in b]
+    assert len(hf) == 1 and runnable(hf[0]) is None
+    name = re.search(r'from_pretrained\("([^"]+)"\)', hf[0]).group(1)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64, num_labels=5)
+    transformers.ViTForImageClassification(config).save_pretrained(workdir / name)
+    transformers.ViTImageProcessor().save_pretrained(workdir / name)
+    namespace: dict = {"__name__": "__docs__"}
+    try:
+        exec(compile(blocks[0], "recipes.md[block 0]", "exec"), namespace)  # noqa: S102
+        exec(compile(hf[0], "recipes.md[hugging face]", "exec"), namespace)  # noqa: S102
+    finally:
+        plt.close("all")
+    assert namespace["attr"].shape == (1, 1, 14, 14)
+    assert namespace["names"] == [config.id2label[k] for k in range(5)]
