@@ -50,6 +50,9 @@ _PROBE = """JSON.stringify({
   images: Array.from(document.images).map(i => ({
     src: (i.getAttribute('src') || '').slice(0, 80),
     decoded: i.complete && i.naturalWidth > 0})),
+  typeset: document.querySelectorAll('mjx-container').length,
+  untypeset: document.querySelectorAll('div.math, span.math').length
+    - document.querySelectorAll('div.math mjx-container, span.math mjx-container').length,
 })"""
 
 
@@ -64,6 +67,8 @@ class PageReport:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     screenshot: str = ""
+    typeset: int = 0
+    untypeset: int = 0
 
 
 def _pipe_fds(commands: int, answers: int) -> None:
@@ -226,6 +231,8 @@ def check_page(browser: _Browser, url: str, name: str, screenshot: Path | None,
     report.title = found.get("title", "")
     report.h1 = [h for h in found.get("h1", []) if h]
     report.images = found.get("images", [])
+    report.typeset = int(found.get("typeset", 0))
+    report.untypeset = int(found.get("untypeset", 0))
     errors, warnings = _errors_of([e for e in browser.events if e.get("sessionId") == session])
     report.errors += errors
     report.warnings += warnings
@@ -258,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          "tutorials/01_quickstart.html"])
     parser.add_argument("--figures", nargs="*", default=["tutorials/01_quickstart.html"],
                         help="pages that must show rendered figures")
+    parser.add_argument("--math", nargs="*", default=[],
+                        help="pages whose equations must be typeset by MathJax (shipped with "
+                             "the site: no network needed)")
     parser.add_argument("--screenshots", type=Path, default=Path("docs/_build/screenshots"))
     parser.add_argument("--browser", default=None, help="the Chromium executable")
     parser.add_argument("--timeout", type=float, default=60.0)
@@ -287,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
             figures = _figures(report)
             if name in args.figures and not figures:
                 problems.append(f"no rendered figure among {len(report.images)} <img>")
+            if name in args.math and (not report.typeset or report.untypeset):
+                problems.append(f"equations not typeset: {report.typeset} typeset, "
+                                f"{report.untypeset} left as TeX")
             status = "FAIL" if problems else "ok"
             print(f"{status:4} {name}: h1={report.h1!r} images={len(report.images)} "
-                  f"figures={len(figures)} console_errors={len(report.errors)} "
+                  f"figures={len(figures)} equations={report.typeset} "
+                  f"console_errors={len(report.errors)} "
                   f"screenshot={report.screenshot}")
             for problem in problems:
                 print(f"     {problem}")

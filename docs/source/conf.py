@@ -36,6 +36,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # MathJax shipped with the site: equations render offline
     "myst_nb",  # Markdown pages (it loads myst_parser) and notebooks
 ]
 
