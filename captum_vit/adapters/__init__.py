@@ -244,10 +244,10 @@ def _memoised(model: nn.Module, adapter_class: type[ViTAdapter], refresh: bool) 
     with _ADAPTED_LOCK:
         entry = _ADAPTED.get(model)
         old = entry[0]() if entry is not None else None
-        if old is not None and not refresh and entry[1] == fingerprint \
+        if entry is not None and old is not None and not refresh and entry[1] == fingerprint \
                 and type(old) is adapter_class:
             return old
-        adapter = adapter_class(model)
+        adapter = adapter_class(model)  # type: ignore[call-arg]  # a family adapter takes its model
         if old is not None:  # the settings in force stay in force
             adapter.__dict__["_state"] = old.state.renewed()
         _ADAPTED[model] = (weakref.ref(adapter), fingerprint)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -133,7 +133,7 @@ class VLMParts:
     def _merged(self, features: Tensor, input_ids: Tensor) -> Tensor:
         """Input embeddings with the image features at the image positions (the forward's
         own ``masked_scatter``; transformers 4)."""
-        embed = self.model.get_input_embeddings()
+        embed = cast(Any, self.model).get_input_embeddings()  # a transformers model's
         image = input_ids == self.image_token_id
         ids = input_ids.masked_fill(image, 0) if self.image_token_id >= embed.num_embeddings \
             else input_ids
