@@ -180,7 +180,7 @@ def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
                  for name, p in model.named_parameters())
 
 
-def adapt(model: nn.Module, *, refresh: bool = False) -> ViTAdapter:
+def adapt(model: nn.Module | ViTAdapter, *, refresh: bool = False) -> ViTAdapter:
     """The adapter of ``model``, picked from the :data:`ADAPTERS` table; one per model.
 
     The adapter is memoised per model object (weakly: neither the model nor the adapter is
