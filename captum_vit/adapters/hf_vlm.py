@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from captum_vit.adapters._typing import ModelTree
 
 SUPPORTED = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
 TILED = ("LlavaNext", "LlavaOnevision", "VideoLlava", "LlavaNextVideo")
@@ -65,8 +67,8 @@ class VLMParts:
             ``"embeds"`` (merged here into ``inputs_embeds``).
     """
 
-    model: nn.Module
-    tower: nn.Module
+    model: ModelTree  # transformers models, read by attribute names
+    tower: ModelTree
     family: str
     layers: tuple[int, ...] | None
     keep_cls: bool
@@ -133,7 +135,7 @@ class VLMParts:
     def _merged(self, features: Tensor, input_ids: Tensor) -> Tensor:
         """Input embeddings with the image features at the image positions (the forward's
         own ``masked_scatter``; transformers 4)."""
-        embed = cast(Any, self.model).get_input_embeddings()  # a transformers model's
+        embed = self.model.get_input_embeddings()
         image = input_ids == self.image_token_id
         ids = input_ids.masked_fill(image, 0) if self.image_token_id >= embed.num_embeddings \
             else input_ids

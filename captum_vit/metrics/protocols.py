@@ -51,6 +51,7 @@ from typing import Any
 from torch import nn
 
 from captum_vit._base import check_choice
+from captum_vit.data.specs import IndexedData
 from captum_vit.metrics import faithfulness as fa
 from captum_vit.metrics import suite
 from captum_vit.metrics.localization import segmentation
@@ -542,7 +543,7 @@ def check_fixed_options(protocol: Protocol, given: Mapping[str, Any],
                          "settings are printed when it starts) or run without --protocol")
 
 
-def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
+def run_protocol(protocol: Protocol, model: nn.Module, data: IndexedData,
                  methods: Mapping[str, MethodFactory], *, preprocess: Any,
                  batch_size: int = 16,
                  seed: int = 0, progress: bool = False, has_masks: bool = False,

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from captum_vit._base import check_choice
 from captum_vit.adapters import adapt, scores_are_classes
+from captum_vit.data.specs import IndexedData
 from captum_vit.metrics.maps import patch_maps
 from captum_vit.metrics.parallel import distributed, gather, rank_world, shard
 from captum_vit.metrics.results import MetricResult
@@ -161,7 +162,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
     return cols
 
 
-def evaluate(model: nn.Module, data: Sequence[Any],
+def evaluate(model: nn.Module, data: IndexedData,
              methods: Mapping[str, MethodFactory], metrics: Sequence[str], *,
              settings: EvalSettings | None = None,
              preprocess: Callable[[Tensor], Tensor] | None = None,
