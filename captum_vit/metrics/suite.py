@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.attr import Attribution
@@ -143,7 +143,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
     with torch.no_grad():
         pred = adapter.model_logits(inputs).argmax(-1)
     by_label = settings.explain == "label"
-    t = labels.to(pred.device) if by_label else pred
+    t = cast(Tensor, labels).to(pred.device) if by_label else pred  # checked above
     maps = None
     if not all(table[m].needs_callable for m in metrics):  # computed once, reused
         maps = patch_maps(bound.attribution, inputs, t, adapter.layout(inputs))
