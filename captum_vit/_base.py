@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -92,10 +92,11 @@ def check_scalar(x: Any, name: str, target_type: type | tuple[type, ...], *,
         wanted = " or ".join(("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__
                              for t in named)
         raise TypeError(f"{name} must be {wanted}, got {type(x).__name__} ({x!r})")
-    low_ok = min_val is None or (x >= min_val if include_boundaries in ("both", "left")
-                                 else x > min_val)
-    high_ok = max_val is None or (x <= max_val if include_boundaries in ("both", "right")
-                                  else x < max_val)
+    v = cast(float, x)  # a number when bounds are given
+    low_ok = min_val is None or (v >= min_val if include_boundaries in ("both", "left")
+                                 else v > min_val)
+    high_ok = max_val is None or (v <= max_val if include_boundaries in ("both", "right")
+                                  else v < max_val)
     if not (low_ok and high_ok):
         closed_lo, closed_hi = (include_boundaries in ("both", "left"),
                                 include_boundaries in ("both", "right"))
@@ -315,7 +316,7 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
     """
     images, was_tuple = check_images(inputs, video=adapter.video)
     adapter.check_inputs(images)
-    emb = None
+    emb: TargetHead | None = None
     obj = as_target(target)
     if obj is not None:
         if adapter.head.target is not None and adapter.score_target is None:
@@ -346,10 +347,11 @@ def prepare(adapter: ViTAdapter, inputs: Any, target: TargetLike, *,
                         "integer dtype)")
     num = adapter.num_classes if emb is None else emb.vectors.shape[0]
     t = check_target(target, images.shape[0], num)
+    embedding: TargetHead | Target | None = emb
     if adapter.score_target is not None:  # a Target in force (the metrics): its index
-        emb = adapter.score_target
+        embedding = adapter.score_target
     adapter.self_check(images)
-    prep = Prepared(images, t, adapter.layout(images), was_tuple, embedding=emb)
+    prep = Prepared(images, t, adapter.layout(images), was_tuple, embedding=embedding)
     if predict:
         with torch.no_grad():
             prep.logits = adapter.model_logits(images)
@@ -403,6 +405,11 @@ def gradients(scores: Tensor, tensors: Sequence[Tensor], *, trace: Trace | None 
     return grads[:len(tensors)]
 
 
+def _size(images: Tensor) -> tuple[int, int]:
+    """``(H, W)`` of images [..., H, W]."""
+    return int(images.shape[-2]), int(images.shape[-1])
+
+
 def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -> Tensor:
     """Patch scores [B, P] -> tokens, a grid [B, 1, gh, gw] or pixels shaped like the images.
 
@@ -420,7 +427,7 @@ def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -
         grid = tokens.reshape(*lead, layout.frames, *layout.frame_grid)
         if output == "grid":
             return grid
-        pix = grid_to_video(grid, images.shape[-2:], patch_size=layout.patch_size,
+        pix = grid_to_video(grid, _size(images), patch_size=layout.patch_size,
                             tubelet=layout.tubelet).movedim(1, 2)  # [B, T, c, H, W]
         if tokens.dim() == 3:
             return pix
@@ -431,11 +438,11 @@ def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -
         grid = grid.reshape(b, h, *grid.shape[-2:])
         if output == "grid":
             return grid
-        return grid_to_pixels(grid, images.shape[-2:], patch_size=layout.patch_size)
+        return grid_to_pixels(grid, _size(images), patch_size=layout.patch_size)
     grid = tokens_to_grid(tokens, layout)
     if output == "grid":
         return grid
-    pix = grid_to_pixels(grid, images.shape[-2:], patch_size=layout.patch_size)
+    pix = grid_to_pixels(grid, _size(images), patch_size=layout.patch_size)
     return pix.expand(-1, images.shape[1], -1, -1).contiguous()
 
 
@@ -485,16 +492,26 @@ class ViTFront:
         if cls.__dict__.get("per_head"):
             _PER_HEAD[cls.__name__] = None
         elif "attribute" in cls.__dict__ and not cls.per_head:
-            cls.attribute = _refusing_heads(cls.__dict__["attribute"])
+            # a Captum Attribution subclass's attribute (this class is its mixin)
+            cls.attribute = _refusing_heads(  # type: ignore[attr-defined]
+                cls.__dict__["attribute"])
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
-        super().__init__(model)  # the Captum base that follows in the MRO
+        super().__init__(model)  # type: ignore[call-arg]  # the Captum base next in the MRO
 
     @property
     def multiplies_by_inputs(self) -> bool:
         return False
+
+    @overload
+    def _attribute(self, inputs: Tensor, target: TargetLike, output: str,
+                   **kwargs: Any) -> Tensor: ...
+
+    @overload
+    def _attribute(self, inputs: tuple[Tensor], target: TargetLike, output: str,
+                   **kwargs: Any) -> tuple[Tensor]: ...
 
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
@@ -514,7 +531,7 @@ class ViTFront:
                              f"at the model's output; {type(obj).__name__} reads block "
                              f"outputs {list(layers)}: explain it with the base method "
                              "alone")
-        if layers is not None and len(layers) > 1 and not isinstance(
+        if obj is not None and layers is not None and len(layers) > 1 and not isinstance(
                 self, PerturbationAttribution):
             patches = self._block_sum(p, obj, layers, {**kwargs, "heads": heads})
         else:
@@ -543,7 +560,9 @@ class ViTFront:
         ad, images = self.adapter, p.images
         with torch.no_grad(), ad.targeting(target, grid=p.layout.grid):
             ad.run(ad.embed(images))
-            states = {l: ad.state.settings.hidden[l] for l in layers}
+            # the forward under a block-reading target stashes its block outputs
+            hidden = cast(dict[int, Any], ad.state.settings.hidden)
+            states = {l: hidden[l] for l in layers}
         with torch.enable_grad():
             leaves = {l: v.detach().requires_grad_() for l, v in states.items()}
             out = Outputs(hidden=leaves, num_prefix=ad.num_prefix, grid=p.layout.grid,
@@ -598,6 +617,7 @@ class _BlockGradient(Target):
     its gradient (:meth:`ViTFront._block_sum`); one column per image."""
 
     reads_tokens = True
+    blocks: tuple[int]
 
     def __init__(self, layer: int, grad: Tensor, rows: tuple[int, ...] | None) -> None:
         self.blocks = (layer,)
@@ -694,8 +714,8 @@ def _read_rows(tr: Trace, dt: torch.dtype) -> Tensor:
     uniform = tr.layout.readout_weights(n, dtype=dt, device=x0.device).expand(x0.shape[0], -1)
     if tr.read is None or tr.read_grad is None:
         return uniform
-    r = sum((z.detach().to(dt) * g.to(dt)).sum(-1) for z, g in
-            zip(tr.read, tr.read_grad, strict=True))
+    r = cast(Tensor, sum((z.detach().to(dt) * g.to(dt)).sum(-1) for z, g in
+                         zip(tr.read, tr.read_grad, strict=True)))  # read is never empty
     if r.shape[1] != n:  # the target read fewer rows than the trace has
         r = torch.nn.functional.pad(r, (0, n - r.shape[1]))
     w = r.clamp(min=0)

@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -208,7 +208,8 @@ def loaded_model(model: nn.Module, mean: Sequence[float] | float | None,
     def values(v: Sequence[float] | float | None) -> tuple[float, ...] | None:
         if v is None:
             return None
-        return tuple(float(f) for f in v) if isinstance(v, (list, tuple)) else (float(v),)
+        return tuple(float(f) for f in v) if isinstance(v, (list, tuple)) else (
+            float(cast(float, v)),)
 
     names = None
     if class_names is not None:

@@ -68,7 +68,8 @@ class CommandParser(argparse.ArgumentParser):
             self.loaded = True
             importlib.import_module(self.module).add_arguments(self)
 
-    def parse_known_args(self, args: Sequence[str] | None = None,
+    # argparse's overloads type the namespace; this override loads the options, then defers
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> Any:
         self.load()
         return super().parse_known_args(args, namespace)

@@ -49,7 +49,7 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.attr import Attribution, PerturbationAttribution
@@ -340,7 +340,8 @@ class PLUS(ViTGradientAttribution):
         """
         kwargs = dict(base_kwargs or {})
         if self.route == "kind":
-            return per_layer_fast(self.kind, self.adapter, inputs, target, score or "logit")[
+            kind = cast(str, self.kind)  # the "kind" route has one
+            return per_layer_fast(kind, self.adapter, inputs, target, score or "logit")[
                 list(self.layers)]
         if self.route == "captum":
             return self._captum_maps(inputs, target, score or "logit", kwargs)
@@ -382,7 +383,7 @@ class PLUS(ViTGradientAttribution):
                      kwargs: dict[str, Any]) -> Tensor:
         with torch.no_grad():
             tr = self.adapter.trace(inputs)
-        t = resolve_target(target, tr.logits)
+        t = resolve_target(target, tr.require_logits())
         maps = []
         for l in self.layers:
             x_l = tr.states[l].detach().requires_grad_()

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ QUANTUS_KEYWORDS = ("device", "method")
 ``device`` (every metric, from its ``device=`` argument; the model's own device is used)
 and ``method`` (``quantus.evaluate``: the key of ``xai_methods``)."""
 
-MethodLike = str | type | Attribution | Callable[[nn.Module], Attribution]
+MethodLike: TypeAlias = str | type | Attribution | Callable[[nn.Module], Attribution]
 
 
 def _builder(method: MethodLike, seed: int) -> Callable[[nn.Module], Attribution]:
@@ -304,12 +304,13 @@ def export_quantus(model: nn.Module, inputs: Any, method: MethodLike | Tensor, *
     for i in range(0, n, batch_size):
         chunk = slice(i, i + batch_size)
         _, p = prepare_metric(model, x[chunk], None if t is None else t[chunk])
-        ys.append(p.target.cpu())
+        ys.append(cast(Tensor, p.target).cpu())  # prepare_metric resolves the target
         maps.append(explain(model, p.images, ys[-1]) if explain is not None else
-                    quantus_maps(method[chunk], p.images, p.layout, mode))
+                    quantus_maps(cast(Tensor, method)[chunk], p.images, p.layout, mode))
     y, a = torch.cat(ys), np.concatenate(maps)
-    out = {"x_batch": x.detach().cpu().numpy(), "y_batch": y.cpu().numpy().astype(np.int64),
-           "a_batch": a, "s_batch": s}
+    out: dict[str, Any] = {"x_batch": x.detach().cpu().numpy(),
+                           "y_batch": y.cpu().numpy().astype(np.int64), "a_batch": a,
+                           "s_batch": s}
     if path is not None:
         np.savez_compressed(path, **{k: v for k, v in out.items() if v is not None})
     return out

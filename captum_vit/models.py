@@ -47,7 +47,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -195,7 +195,7 @@ def _timm(name: str, seed: int, pretrained: bool) -> LoadedModel:
         path = cached_timm_weights(model.pretrained_cfg)
         model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(
             file=path, custom_load=path.endswith(".npz")))
-    cfg = model.pretrained_cfg
+    cfg = cast(dict, model.pretrained_cfg)  # timm's models carry this dict
     return loaded_model(model.eval(), cfg.get("mean", (0.5, 0.5, 0.5)),
                         cfg.get("std", (0.5, 0.5, 0.5)), timm_class_names(model),
                         random_weights=not pretrained)
@@ -351,17 +351,18 @@ def _open_clip(name: str, seed: int, pretrained: bool) -> LoadedModel:
         raise ValueError(f"--model open_clip:{name}: unknown architecture {arch!r}; use one "
                          "of open_clip.list_models() (e.g. ViT-B-32), optionally "
                          "open_clip:ARCH:PATH with a local state dict")
-    path, tag_cfg = None, {}
+    path: str | Path | None = None
+    tag_cfg: dict = {}
     if pretrained:
         path, tag_cfg = cached_open_clip_weights(arch, rest or None)
     elif rest:
-        path = Path(rest)
-        if path.suffix not in (".pt", ".pth", ".bin", ".safetensors"):
+        path = file = Path(rest)
+        if file.suffix not in (".pt", ".pth", ".bin", ".safetensors"):
             raise ValueError(f"--model open_clip:{name}: PATH must be a state dict file (.pt, "
                              f".pth, .bin or .safetensors), got {rest!r}; for a pretrained "
                              "tag use open_clip:ARCH:TAG --pretrained")
-        if not path.is_file():
-            raise FileNotFoundError(f"--model open_clip:{name}: no such file {path}")
+        if not file.is_file():
+            raise FileNotFoundError(f"--model open_clip:{name}: no such file {file}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = open_clip.create_model(arch, pretrained=None, pretrained_text=False)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from captum.attr import Attribution
 from torch import nn
@@ -230,7 +230,7 @@ def build_method(name: str, model: nn.Module, *, seed: int = 0) -> Attribution:
     if composed is not None:
         prefix, inner = composed
         return COMBINATORS[prefix](model, composition_base(inner, seed=seed))
-    return lookup(canon).build(model, seed)
+    return cast(MethodEntry, lookup(canon)).build(model, seed)  # canonical_name checked it
 
 
 def quick_options(name: str) -> dict:
@@ -281,7 +281,7 @@ def method_family(name: str) -> str:
         return "captum"
     if split_composition(canon) is not None:
         return "composition"
-    return lookup(canon).family
+    return cast(MethodEntry, lookup(canon)).family  # canonical_name checked it
 
 
 def takes_option(name: str, option: str) -> bool:

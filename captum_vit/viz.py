@@ -527,7 +527,7 @@ def plot_video(video: Tensor, maps: Tensor, *, path: str | None = None, fps: flo
     if suffix == "mp4" and not animation.writers.is_available("ffmpeg"):
         raise RuntimeError("writing an .mp4 needs ffmpeg, which matplotlib cannot find: "
                            "install it (e.g. apt-get install ffmpeg) or write a .gif")
-    t, size = v.shape[0], tuple(v.shape[-2:])
+    t, size = v.shape[0], (int(v.shape[-2]), int(v.shape[-1]))
     m = _frame_maps(maps, t)
     per = t // m.shape[0]
     heats = np.stack([upsample_map(m[k // per], size, display=display).numpy()
@@ -559,8 +559,9 @@ def plot_video(video: Tensor, maps: Tensor, *, path: str | None = None, fps: flo
 
     anim = animation.FuncAnimation(fig, draw, frames=t, interval=1000 / check, blit=False)
     if path is not None:
-        writer = (animation.PillowWriter(fps=check) if suffix == "gif"
-                  else animation.FFMpegWriter(fps=check))
+        # matplotlib annotates fps as int; its writers take any positive frame rate
+        writer = (animation.PillowWriter(fps=check) if suffix == "gif"  # type: ignore[arg-type]
+                  else animation.FFMpegWriter(fps=check))  # type: ignore[arg-type]
         anim.save(str(path), writer=writer)
         plt.close(fig)
     return anim

@@ -180,7 +180,7 @@ def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
                  for name, p in model.named_parameters())
 
 
-def adapt(model: nn.Module, *, refresh: bool = False) -> ViTAdapter:
+def adapt(model: nn.Module | ViTAdapter, *, refresh: bool = False) -> ViTAdapter:
     """The adapter of ``model``, picked from the :data:`ADAPTERS` table; one per model.
 
     The adapter is memoised per model object (weakly: neither the model nor the adapter is
@@ -244,10 +244,10 @@ def _memoised(model: nn.Module, adapter_class: type[ViTAdapter], refresh: bool) 
     with _ADAPTED_LOCK:
         entry = _ADAPTED.get(model)
         old = entry[0]() if entry is not None else None
-        if old is not None and not refresh and entry[1] == fingerprint \
+        if entry is not None and old is not None and not refresh and entry[1] == fingerprint \
                 and type(old) is adapter_class:
             return old
-        adapter = adapter_class(model)
+        adapter = adapter_class(model)  # type: ignore[call-arg]  # a family adapter takes its model
         if old is not None:  # the settings in force stay in force
             adapter.__dict__["_state"] = old.state.renewed()
         _ADAPTED[model] = (weakref.ref(adapter), fingerprint)

@@ -53,8 +53,8 @@ import copy
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -347,6 +347,11 @@ class ViTAdapter(abc.ABC):
         target = self.state.settings.target
         return base if target is None else dataclasses.replace(base, target=target)
 
+    @head.setter
+    def head(self, value: HeadParts) -> None:
+        self._head_parts = dataclasses.replace(value, target=None) if value.target is not None \
+            else value
+
     @property
     def score_target(self) -> Target | None:
         """The :class:`~captum_vit.adapters.scoring.Target` in force for this model
@@ -359,11 +364,6 @@ class ViTAdapter(abc.ABC):
         when it reads the model's output."""
         target = self.score_target
         return None if target is None else target.readout_layers(len(self.blocks))
-
-    @head.setter
-    def head(self, value: HeadParts) -> None:
-        self._head_parts = dataclasses.replace(value, target=None) if value.target is not None \
-            else value
 
     @property
     def cls_alpha(self) -> float | str:
@@ -424,9 +424,10 @@ class ViTAdapter(abc.ABC):
         target = self.score_target
         if target is not None and (target.reads_tokens or target.blocks is not None):
             return None
-        if h.attn_pool is not None or not all(isinstance(row, int) for row, _, _ in h.heads):
+        rows = [row for row, _, _ in h.heads if isinstance(row, int)]
+        if h.attn_pool is not None or len(rows) != len(h.heads):
             return None
-        return max(row for row, _, _ in h.heads) + 1
+        return max(rows) + 1
 
     @property
     def fixed_readout(self) -> bool:
@@ -454,7 +455,7 @@ class ViTAdapter(abc.ABC):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the model's parameters (inputs must have it)."""
-        return self.blocks[0].q_weight.dtype
+        return self.blocks[0].k_weight.dtype
 
     # -- canonical forward ----------------------------------------------------------------
     @property
@@ -484,9 +485,10 @@ class ViTAdapter(abc.ABC):
         heads = attn if isinstance(attn, Heads) else None
         if attention_only:
             if record is not None:
-                record.append(BlockRecord(  # type: ignore[arg-type]
+                # an attention-only record has None after attn (BlockRecord's docstring)
+                record.append(BlockRecord(
                     ops.value(x), ops.value(u), None if heads is not None else attn,
-                    None, None, None, None, heads))
+                    None, None, None, None, heads))  # type: ignore[arg-type]
             return None
         if rows is not None:  # only these rows reach the readout
             a, x = a[:, :rows], x[:, :rows]
@@ -587,7 +589,7 @@ class ViTAdapter(abc.ABC):
             if any(v is None for v in hidden.values()):
                 raise RuntimeError(f"the forward did not pass block outputs {list(layers)} "
                                    "this target reads (start the forward at x_0)")
-            read = [hidden[l] for l in layers]
+            read: list[Any] = [hidden[l] for l in layers]
             out = Outputs(hidden={l: ops.value(v) for l, v in hidden.items()}, **lay)
         else:
             # a token-reading target's readout is its rows, not the attention pool's
@@ -665,7 +667,8 @@ class ViTAdapter(abc.ABC):
             outs.append(z if weight is None else ops.linear(z, weight, bias))
         if record is not None and self.readout == "cls_mean" and self.cls_alpha == "logit":
             with torch.no_grad():  # |W¹_c·h_0| / (|W¹_c·h_0| + |W²_c·mean h|)
-                cls, mean = (F.linear(ops.value(z).detach(), w).abs()
+                # a "cls_mean" readout has two classifier rows (never None)
+                cls, mean = (F.linear(ops.value(z).detach(), cast(Tensor, w)).abs()
                              for z, (_, w, _) in zip(zs, h.heads, strict=True))
                 record.readout_alpha = cls / (cls + mean).clamp_min(torch.finfo(cls.dtype).tiny)
         out = functools.reduce(ops.add, outs) if h.combine == "sum" else ops.mean(outs)
@@ -684,8 +687,10 @@ class ViTAdapter(abc.ABC):
         o = ops.linear(mix, p.proj_weight, p.proj_bias)
         if p.fc1_weight is not None:
             u = o if p.norm is None else ops.norm(o, p.norm)
-            hid = ops.act(ops.linear(u, p.fc1_weight, p.fc1_bias), p.act)
-            o = ops.add(o, ops.linear(hid, p.fc2_weight, p.fc2_bias))
+            # PoolParts sets fc1, act and fc2 together (or none of them)
+            act = cast(Callable[[Tensor], Tensor], p.act)
+            hid = ops.act(ops.linear(u, p.fc1_weight, p.fc1_bias), act)
+            o = ops.add(o, ops.linear(hid, cast(Tensor, p.fc2_weight), p.fc2_bias))
         return ops.pool(o, 0, 0), probs
 
     def run(self, x: Tensor, start: int = 0, stop: int | None = None,

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.hf_vit import HFViTAdapter, _norm, _pair, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts
@@ -42,7 +43,7 @@ from captum_vit.adapters.parts import HeadParts
 CLASSES = ("BeitForImageClassification", "Data2VecVisionForImageClassification")
 
 
-def _own_bias(layer: nn.Module) -> nn.Module | None:
+def _own_bias(layer: ModelTree) -> nn.Module | None:
     """The layer's own relative position bias module (BEiT or data2vec naming)."""
     own = getattr(layer, "relative_position_bias", None)
     if own is None:
@@ -75,7 +76,7 @@ class HFBeitAdapter(HFViTAdapter):
     """Canonical view of a Hugging Face BEiT / data2vec-vision classifier (never
     modified)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         if not isinstance(model.classifier, nn.Linear):
             raise TypeError(f"{type(model).__name__}.classifier is "
                             f"{type(model.classifier).__name__}; captum_vit needs a linear "

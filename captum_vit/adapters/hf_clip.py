@@ -33,10 +33,11 @@ is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm, is_transformers_model
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PoolParts
@@ -45,14 +46,14 @@ CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionMode
            "CLIPModel", "SiglipModel")
 
 
-def _tower(model: nn.Module) -> nn.Module:
+def _tower(model: ModelTree) -> nn.Module:
     """The module holding ``embeddings``, ``encoder`` and ``post_layernorm``."""
     while not hasattr(model, "embeddings") and hasattr(model, "vision_model"):
         model = model.vision_model
     return model
 
 
-def _siglip_pool(head: nn.Module, where: str) -> PoolParts:
+def _siglip_pool(head: ModelTree, where: str) -> PoolParts:
     """The canonical parts of ``SiglipMultiheadAttentionPoolingHead``."""
     mha = head.attention
     if not (isinstance(mha, nn.MultiheadAttention) and mha._qkv_same_embed_dim
@@ -85,7 +86,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
 
     embedding = True
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
         self.backbone = _tower(model)
@@ -121,7 +122,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
         """Nothing is sliced but the pool's ``in_proj_weight``: re-read it after
         ``model.to(...)``."""
         pool = self.head.attn_pool
-        if pool is not None and pool.q_weight.data_ptr() != \
+        if pool is not None and cast(Tensor, pool.q_weight).data_ptr() != \
                 self.backbone.head.attention.in_proj_weight.data_ptr():
             self.head = dataclasses.replace(self.head, attn_pool=_siglip_pool(
                 self.backbone.head, f"{type(self.model).__name__}.head"))
@@ -193,7 +194,7 @@ class HFCLIPClassifierAdapter(HFEmbeddingAdapter):
     embedding and is explained with vector targets.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         super().__init__(model)
         name = type(model).__name__
         clf = model.classifier

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.scoring import Outputs
 
 CLASSES = ("DPTForDepthEstimation", "DepthAnythingForDepthEstimation")
@@ -66,7 +67,7 @@ class HFDepthHead:
         (3, 6, 9, 12)
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         name = type(model).__name__
         if name not in CLASSES or not type(model).__module__.startswith("transformers."):
             raise TypeError(f"model is {name}; captum_vit reads the depth heads of Hugging "

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair
 from captum_vit.adapters.layout import Layout
@@ -77,9 +78,12 @@ class HFVideoMAEAdapter(ViTAdapter):
         (8, 4)
     """
 
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+    backbone: ModelTree
+
     video = True
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
         self.backbone = getattr(model, "videomae", model)
@@ -193,7 +197,7 @@ class HFVideoMAEAdapter(ViTAdapter):
         return stages
 
 
-def tubelet_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+def tubelet_projection(inputs: Tensor, conv: ModelTree, ops: Ops, what: str) -> Tensor:
     """A tubelet-embedding ``Conv3d`` (stride = kernel ``(t, ph, pw)``, no padding) as the
     linear map of the unfolded tubelets through ``ops.linear`` (the video form of
     :func:`~captum_vit.adapters.ops.patch_projection`).

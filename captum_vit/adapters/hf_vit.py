@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -55,7 +56,7 @@ def _pair(v: Any) -> tuple[int, int]:
 
 
 
-def _first(m: nn.Module, *names: str) -> nn.Module:
+def _first(m: ModelTree, *names: str) -> ModelTree:
     """The first of the dotted attribute paths ``names`` that ``m`` has."""
     for name in names:
         obj: object = m
@@ -67,7 +68,7 @@ def _first(m: nn.Module, *names: str) -> nn.Module:
                     "not supported")
 
 
-def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
+def _layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
     """The canonical parts of one ViT / DeiT / DINOv2 layer (either naming)."""
     att = _first(layer, "attention", "self_attn")
     if hasattr(att, "q_proj"):  # transformers >= 5; CLIP and SigLIP name it out_proj
@@ -107,7 +108,10 @@ def _layer_parts(layer: nn.Module, num_heads: int, where: str) -> BlockParts:
 class HFViTAdapter(ViTAdapter):
     """Canonical view of a Hugging Face ViT / DeiT image classifier (never modified)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+    backbone: ModelTree
+
+    def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
         # a classifier holds its backbone under base_model_prefix; a backbone is its own
@@ -140,6 +144,7 @@ class HFViTAdapter(ViTAdapter):
         model, cfg = self.model, self.model.config
         norm = _norm(self.backbone.layernorm, f"{type(model).__name__}.layernorm")
         combine = "mean"
+        rows: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
         if hasattr(model, "cls_classifier"):  # DeiT with teacher: mean of the two heads
             self.readout = "distilled"
             rows = ((0, model.cls_classifier.weight, model.cls_classifier.bias),
@@ -157,7 +162,7 @@ class HFViTAdapter(ViTAdapter):
     def refresh(self) -> None:
         """DINOv2's two head halves are slices of ``classifier.weight``: re-slice them when
         ``model.to(...)`` replaced its storage."""
-        if self.readout == "cls_mean" and (self.head.heads[0][1].data_ptr()
+        if self.readout == "cls_mean" and (cast(Tensor, self.head.heads[0][1]).data_ptr()
                                            != self.model.classifier.weight.data_ptr()):
             self.head = self._head()
 

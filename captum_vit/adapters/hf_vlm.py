@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
+
 SUPPORTED = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
 TILED = ("LlavaNext", "LlavaOnevision", "VideoLlava", "LlavaNextVideo")
 """Class-name prefixes of VLMs that tile an image into crops (``anyres``): refused."""
@@ -65,8 +67,8 @@ class VLMParts:
             ``"embeds"`` (merged here into ``inputs_embeds``).
     """
 
-    model: nn.Module
-    tower: nn.Module
+    model: ModelTree  # transformers models, read by attribute names
+    tower: ModelTree
     family: str
     layers: tuple[int, ...] | None
     keep_cls: bool

@@ -45,17 +45,18 @@ refused by name with a ``TypeError``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair, is_transformers_model
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import HeadParts
+from captum_vit.adapters.parts import HeadParts, NormParts
 
 CLASSES = ("YolosForObjectDetection",)
 
@@ -68,10 +69,11 @@ _NO_LOGITS = (
 
 def _mlp(layers: nn.ModuleList, where: str) -> tuple[tuple[Tensor, Tensor | None], ...]:
     """The (weight, bias) of each linear layer of a ``YolosMLPPredictionHead``."""
-    if not all(isinstance(m, nn.Linear) for m in layers):
+    linears = [m for m in layers if isinstance(m, nn.Linear)]
+    if len(linears) != len(layers):
         raise TypeError(f"{where} is not a stack of nn.Linear layers; captum_vit reads "
                         "YOLOS's MLP prediction heads")
-    return tuple((m.weight, m.bias) for m in layers)
+    return tuple((m.weight, m.bias) for m in linears)
 
 
 def _run_mlp(x: Tensor, layers: tuple[tuple[Tensor, Tensor | None], ...]) -> Tensor:
@@ -100,7 +102,9 @@ class HFYolosAdapter(ViTAdapter):
         True
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
         cfg = model.config
@@ -259,7 +263,8 @@ class HFYolosAdapter(ViTAdapter):
             x = self.embed(inputs)
             for l in range(len(self.blocks)):
                 x = self.block(x, l, ops)
-            return self.output_extras(ops.norm(x, self.head.norm))
+            # YOLOS always ends with its layernorm (the head's norm is never None)
+            return self.output_extras(ops.norm(x, cast(NormParts, self.head.norm)))
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
         m = self.model

@@ -53,10 +53,12 @@ norms compute in the input's dtype (the same in float32).
 from __future__ import annotations
 
 import sys
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -73,7 +75,7 @@ CUSTOM_BLOCK_OPTIONS = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_a
 
 
 
-def _layer_scale(m: nn.Module, where: str) -> Tensor | None:
+def _layer_scale(m: ModelTree, where: str) -> Tensor | None:
     if isinstance(m, nn.Identity):
         return None
     gamma = getattr(m, "gamma", None)
@@ -83,7 +85,7 @@ def _layer_scale(m: nn.Module, where: str) -> Tensor | None:
     return gamma
 
 
-def _activation(m: nn.Module, where: str) -> nn.Module:
+def _activation(m: ModelTree, where: str) -> nn.Module:
     """GELU (exact or tanh) or QuickGELU (OpenCLIP's or timm's), the module itself."""
     quick = type(m).__name__ == "QuickGELU" and type(m).__module__.startswith(
         ("open_clip.", "timm."))
@@ -93,7 +95,7 @@ def _activation(m: nn.Module, where: str) -> nn.Module:
     return m
 
 
-def _block_parts(blk: nn.Module, where: str) -> BlockParts:
+def _block_parts(blk: ModelTree, where: str) -> BlockParts:
     """The canonical parts of one ``ResidualAttentionBlock``; q/k/v are row views
     (through ``detach()``) of the packed ``in_proj_weight`` / ``in_proj_bias``."""
     if type(blk).__name__ != "ResidualAttentionBlock" or hasattr(blk, "ln_1_kv"):
@@ -132,7 +134,7 @@ def _block_parts(blk: nn.Module, where: str) -> BlockParts:
     )
 
 
-def _attention_pool(pool: nn.Module, where: str) -> PoolParts:
+def _attention_pool(pool: ModelTree, where: str) -> PoolParts:
     """The canonical parts of CoCa's ``AttentionalPooler``: the latent is ``ln_q(query)``
     (a tensor computed now, without gradient), ``k``/``v`` read the tokens (normed by
     ``ln_k``, the head's norm), no MLP."""
@@ -162,7 +164,7 @@ def _attention_pool(pool: nn.Module, where: str) -> PoolParts:
     )
 
 
-def _vision_transformer_class() -> type | None:
+def _vision_transformer_class() -> Any:  # open_clip.transformer.VisionTransformer, or None
     module = sys.modules.get("open_clip.transformer")
     return None if module is None else module.VisionTransformer
 
@@ -195,9 +197,11 @@ class OpenCLIPAdapter(ViTAdapter):
         >>> maps = GAE(model).attribute(images, target=target)
     """
 
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
     embedding = True
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
         vt = _vision_transformer_class()
@@ -263,7 +267,7 @@ class OpenCLIPAdapter(ViTAdapter):
         (``model.to``); recompute CoCa's pool latent ``ln_q(query)`` every time (it is no
         view, and in-place updates must reach it)."""
         blocks = self.visual.transformer.resblocks
-        if any(p.q_weight.data_ptr() != blk.attn.in_proj_weight.data_ptr()
+        if any(cast(Tensor, p.q_weight).data_ptr() != blk.attn.in_proj_weight.data_ptr()
                for p, blk in zip(self.blocks, blocks, strict=True)):
             self._read_parts()
             return

@@ -31,7 +31,7 @@ class _LayerNormFrozenVariance(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, eps):
         # one fused kernel gives the output and 1/sqrt(var + eps) (no second pass)
         y, _, inv_std = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
         inv_std = inv_std.to(x.dtype)
@@ -39,7 +39,7 @@ class _LayerNormFrozenVariance(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         inv_std, weight = ctx.saved_tensors
         gw = g * weight if weight is not None else g
         gx = (gw - gw.mean(-1, keepdim=True)) * inv_std
@@ -53,13 +53,13 @@ class _GateDetachedActivation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z, act):  # type: ignore[override]
+    def forward(ctx, z, act):
         y = act(z)
         ctx.save_for_backward(activation_gate(z, y))
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         (gate,) = ctx.saved_tensors
         return g * gate, None
 

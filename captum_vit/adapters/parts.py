@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.scoring import TargetHead
+from captum_vit.adapters.scoring import Target, TargetHead
 
 
 @dataclass(frozen=True)
@@ -287,8 +287,9 @@ class BlockParts(AttentionParts):
         b, _, n, _ = q.shape
         bias = self.logit_bias(n, key_mask, positions)
         if materialize:
-            attn: Tensor | None = self._probs(q, k, bias, rules)
-            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
+            probs = self._probs(q, k, bias, rules)
+            attn: Tensor | None = probs
+            mixing = probs if rules is None or rules.mix is None else rules.mix(probs)
             mix = mixing @ v
         else:
             attn = None
@@ -475,6 +476,9 @@ class ValuePath:
         y = F.linear(v, self.weight)
         if self.centre is None:
             return y
+        if inv_std is None:
+            raise ValueError("inv_std is None but this value path has an inner norm; pass "
+                             "inv_std(mix) of the real attention output")
         return (y - v.mean(-1, keepdim=True) * self.centre) * inv_std[..., None]
 
 
@@ -574,8 +578,9 @@ class PoolParts(AttentionParts):
             scores = (q * self.scale) @ k.transpose(-2, -1)
             scores = scores if bias is None else scores + bias
             softmax = None if rules is None else rules.softmax
-            attn: Tensor | None = scores.softmax(-1) if softmax is None else softmax(scores)
-            mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
+            probs = scores.softmax(-1) if softmax is None else softmax(scores)
+            attn: Tensor | None = probs
+            mixing = probs if rules is None or rules.mix is None else rules.mix(probs)
             mix = mixing @ v
         else:
             attn = None
@@ -602,7 +607,7 @@ class HeadParts:
     (one classifier split over concatenated pooled parts, DINOv2's ``[CLS ; mean]``)."""
     attn_pool: PoolParts | None = None
     """The attention-pool head read by ``"map"`` rows (:class:`PoolParts`)."""
-    target: TargetHead | None = None
+    target: TargetHead | Target | None = None
     """Scores against target embeddings, applied to the model's output (embedding
     models inside :meth:`ViTAdapter.targeting`)."""
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -90,12 +90,12 @@ class _ScaleGradient(torch.autograd.Function):
     product's relevance, AttnLRP Eq. 7; Chefer's halving)."""
 
     @staticmethod
-    def forward(ctx, x, factor, mode):  # type: ignore[override]
+    def forward(ctx, x, factor, mode):
         ctx.factor, ctx.mode = factor, mode
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         return (g if _plain(ctx) else g * ctx.factor), None, None
 
 
@@ -111,14 +111,14 @@ class _EpsilonLinear(torch.autograd.Function):
     (relevance :math:`R_x = x \odot W^\top (R_y / (y + \varepsilon\,\mathrm{sign}\,y))`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, eps):
         y = F.linear(x, weight, bias)
         ctx.save_for_backward(weight, y)
         ctx.eps = eps
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         weight, y = ctx.saved_tensors
         s = stabilized_divide(y * g, y, ctx.eps)
         return s @ weight.to(s.dtype), None, None, None
@@ -136,14 +136,14 @@ class _GammaLinear(torch.autograd.Function):
     :math:`\varepsilon`-rule."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gamma, eps):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, gamma, eps):
         y = F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight, bias, y)
         ctx.gamma, ctx.eps = gamma, eps
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         x, weight, bias, y = ctx.saved_tensors
         gamma, eps = ctx.gamma, ctx.eps
         dt = g.dtype
@@ -185,14 +185,14 @@ class _IdentityRule(torch.autograd.Function):
     :math:`x = 0`)."""
 
     @staticmethod
-    def forward(ctx, x, fn, mode):  # type: ignore[override]
+    def forward(ctx, x, fn, mode):
         y = fn(x)
         ctx.save_for_backward(x, y)
         ctx.fn, ctx.mode = fn, mode
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         x, y = ctx.saved_tensors
         if _plain(ctx):  # the true vector-Jacobian product of fn
             with torch.enable_grad():
@@ -224,14 +224,14 @@ class _AlphaBetaLinear(torch.autograd.Function):
     exact zero."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mode):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, mode):
         y = F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight, bias, y)
         ctx.mode = mode
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         x, weight, bias, y = ctx.saved_tensors
         w = weight.to(g.dtype)
         if _plain(ctx):
@@ -256,14 +256,14 @@ class _RescaledAdd(torch.autograd.Function):
     of one)."""
 
     @staticmethod
-    def forward(ctx, a, b, mode):  # type: ignore[override]
+    def forward(ctx, a, b, mode):
         y = a + b
         ctx.save_for_backward(a, b, y)
         ctx.mode = mode
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         a, b, y = ctx.saved_tensors
         if _plain(ctx):
             return g.sum_to_size(a.shape), g.sum_to_size(b.shape), None
@@ -297,8 +297,11 @@ def _norm_module_rule(module: Callable[[Tensor], Tensor], rule: str, what: str,
                     "use attention='cp', which detaches q and k")
 
 
-def _with_qk_norm_rule(p: AttentionParts, rule: str, what: str,
-                       mode: BackwardMode | None = None) -> AttentionParts:
+_Parts = TypeVar("_Parts", bound=AttentionParts)
+
+
+def _with_qk_norm_rule(p: _Parts, rule: str, what: str,
+                       mode: BackwardMode | None = None) -> _Parts:
     if isinstance(p.q_norm, nn.Identity) and isinstance(p.k_norm, nn.Identity):
         return p
     return dataclasses.replace(p, q_norm=_norm_module_rule(p.q_norm, rule, what, mode),

@@ -83,6 +83,10 @@ class SubnetworkAdapter(ViTAdapter):
         >>> grad_2 = Saliency(f_2).attribute(x_2.requires_grad_(), target=labels)
     """
 
+    base: ViTAdapter
+    start: int
+    stop: int
+
     def __init__(self, adapter: ViTAdapter, start: int, stop: int | None = None, *,
                  score: str = "logit") -> None:
         if not isinstance(adapter, ViTAdapter):
@@ -191,8 +195,8 @@ class SubnetworkAdapter(ViTAdapter):
         return probabilities(out) if self.score == "probability" else out
 
     # -- everything else is the model's ------------------------------------------------------
-    @property
-    def head(self) -> HeadParts:  # type: ignore[override]
+    @property  # type: ignore[misc]  # a view: its head is the base's, never set
+    def head(self) -> HeadParts:
         return self.base.head
 
     @property

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -313,7 +314,8 @@ def subset_logits(adapter: ViTAdapter, x0: Tensor, keep: Tensor, *,
                                      pools_patches(adapter))
     with torch.no_grad(), tqdm(total=b * s, desc=desc, unit="seq", delay=progress_delay,
                                disable=not show_progress) as bar:
-        for done, logits_of in ((reused, lambda i: full_logits[i]),
+        # rows are reused only when full_logits is given
+        for done, logits_of in ((reused, lambda i: cast(Tensor, full_logits)[i]),
                                 (empty, lambda i: x0.new_zeros(len(i), adapter.num_classes))):
             ii, jj = done.nonzero(as_tuple=True)
             if len(ii):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.timm_vit import (
@@ -37,7 +38,7 @@ from captum_vit.adapters.timm_vit import (
 )
 
 
-def _bias_of(model: nn.Module, blk: nn.Module) -> Callable[[], Tensor] | None:
+def _bias_of(model: ModelTree, blk: ModelTree) -> Callable[[], Tensor] | None:
     """The block's relative position bias ``() -> [1, H, N, N]`` (own plus shared)."""
     own = blk.attn._get_rel_pos_bias if blk.attn.relative_position_bias_table is not None \
         else None
@@ -53,7 +54,7 @@ def _bias_of(model: nn.Module, blk: nn.Module) -> Callable[[], Tensor] | None:
     return bias
 
 
-def _mlp_fields(mlp: nn.Module, where: str) -> dict:
+def _mlp_fields(mlp: ModelTree, where: str) -> dict:
     """BlockParts fields of timm's ``Mlp`` or ``SwiGLU`` (gate ``fc1_g``, value ``fc1_x``,
     hidden norm when ``scale_mlp``)."""
     if hasattr(mlp, "fc1_g"):
@@ -68,7 +69,7 @@ def _mlp_fields(mlp: nn.Module, where: str) -> dict:
 class TimmBeitAdapter(TimmViTAdapter):
     """Canonical view of a timm ``Beit`` classifier (never modified)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         from timm.layers import Mlp, SwiGLU
 
         self.model = model
@@ -96,7 +97,7 @@ class TimmBeitAdapter(TimmViTAdapter):
                               _optional_norm(model.fc_norm, f"{name}.fc_norm"),
                               ((row, *head),))
 
-    def _parts(self, blk: nn.Module, where: str) -> BlockParts:
+    def _parts(self, blk: ModelTree, where: str) -> BlockParts:
         return BlockParts(
             **timm_attention_fields(blk, where), ls1=blk.gamma_1,
             **_mlp_fields(blk.mlp, where), ls2=blk.gamma_2,

@@ -61,6 +61,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.timm_beit import _mlp_fields
@@ -79,7 +80,7 @@ def _gated_acts() -> tuple[type, ...]:
     return (nn.SiLU, nn.Sigmoid, nn.GELU, *_timm_gelus())
 
 
-def _eva_mlp_fields(mlp: nn.Module, where: str) -> dict:
+def _eva_mlp_fields(mlp: ModelTree, where: str) -> dict:
     """BlockParts fields of an Eva MLP: ``Mlp`` (with its hidden norm), ``SwiGLU`` or the
     packed ``GluMlp`` (gate and value as row views of ``fc1``)."""
     from timm.layers import GluMlp, Mlp, SwiGLU
@@ -106,7 +107,7 @@ def _eva_mlp_fields(mlp: nn.Module, where: str) -> dict:
                     "captum_vit supports Eva's GELU `Mlp`, `SwiGLU` and `GluMlp`")
 
 
-def _views_of(blk: nn.Module) -> tuple[Tensor, ...]:
+def _views_of(blk: ModelTree) -> tuple[Tensor, ...]:
     """The model parameters whose row views a block's parts hold (re-read on change)."""
     out = []
     if blk.attn.qkv is not None:
@@ -136,7 +137,7 @@ class TimmEvaAdapter(TimmViTAdapter):
         TypeError: for the configurations listed in the module docstring.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         from timm.layers import AttentionRope
         from timm.layers.pos_embed_sincos import RotaryEmbeddingCat, RotaryEmbeddingDinoV3
         from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
@@ -192,7 +193,7 @@ class TimmEvaAdapter(TimmViTAdapter):
                             "'avg' (mean of the patch tokens), 'token' (class token) or "
                             "'map' (attention pool)")
         self.readout = "map" if pool is not None else model.global_pool
-        row = {"avg": "avg", "token": 0, "map": "map"}[self.readout]
+        row: int | str = 0 if self.readout == "token" else self.readout  # or "avg", "map"
         # Eva's attention pool attends over every token, prefix included (Eva.pool)
         self.head = HeadParts(_optional_norm(model.norm, f"{name}.norm"),
                               _optional_norm(model.fc_norm, f"{name}.fc_norm"),
@@ -201,7 +202,7 @@ class TimmEvaAdapter(TimmViTAdapter):
                               else pool_parts(pool, f"{name}.attn_pool"))
 
     # -- parts ------------------------------------------------------------------------------
-    def _parts(self, blk: nn.Module, where: str) -> BlockParts:
+    def _parts(self, blk: ModelTree, where: str) -> BlockParts:
         attn = blk.attn
         rotary = None
         if self.model.rope is not None:

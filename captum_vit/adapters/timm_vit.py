@@ -8,9 +8,12 @@ modules and parameters and runs the embedding through the model's own code (with
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -18,11 +21,11 @@ from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolPart
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 
 
-def _optional_norm(m: nn.Module, what: str) -> NormParts | None:
+def _optional_norm(m: ModelTree, what: str) -> NormParts | None:
     return None if isinstance(m, nn.Identity) else _norm_parts(m, what)
 
 
-def _layer_scale(m: nn.Module) -> Tensor | None:
+def _layer_scale(m: ModelTree) -> Tensor | None:
     return None if isinstance(m, nn.Identity) else m.gamma
 
 
@@ -39,7 +42,7 @@ def timm_head(head: nn.Module, where: str) -> tuple[Tensor | None, Tensor | None
     return head.weight, head.bias
 
 
-def _has_active_dropout(model: nn.Module) -> bool:
+def _has_active_dropout(model: ModelTree) -> bool:
     from timm.layers import DropPath, PatchDropout
 
     for m in model.modules():
@@ -57,7 +60,9 @@ class TimmViTAdapter(ViTAdapter):
     parameter; they are re-read when the model's parameters are replaced (``model.to``).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    def __init__(self, model: ModelTree) -> None:
         super().__init__()
         from timm.layers import Attention, Mlp
         from timm.models.vision_transformer import Block
@@ -90,6 +95,7 @@ class TimmViTAdapter(ViTAdapter):
         self.embedding = head[0] is None
         head_norm = _optional_norm(model.norm, f"{name}.norm")
         fc_norm = _optional_norm(model.fc_norm, f"{name}.fc_norm")
+        heads: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
         if hasattr(model, "head_dist"):  # timm.models.deit.VisionTransformerDistilled
             self.readout = "distilled"
             heads = ((0, *head), (1, *timm_head(model.head_dist, f"{name}.head_dist")))
@@ -113,10 +119,11 @@ class TimmViTAdapter(ViTAdapter):
     def refresh(self) -> None:
         name = type(self.model).__name__
         for i, (p, blk) in enumerate(zip(self.blocks, self.model.blocks, strict=True)):
-            if p.q_weight.data_ptr() != blk.attn.qkv.weight.data_ptr():  # storage replaced
+            # storage replaced (a block's q_weight is never None)
+            if cast(Tensor, p.q_weight).data_ptr() != blk.attn.qkv.weight.data_ptr():
                 self.blocks[i] = self._parts(blk, f"{name}.blocks[{i}]")
 
-    def _parts(self, blk: nn.Module, where: str) -> BlockParts:
+    def _parts(self, blk: ModelTree, where: str) -> BlockParts:
         """The canonical parts of one block (families with other blocks override this)."""
         return _block_parts(blk, where)
 
@@ -232,7 +239,7 @@ class TimmViTAdapter(ViTAdapter):
                      if mod is not None and not isinstance(mod, nn.Identity))
 
 
-def _refuse_cnn_stem(pe: nn.Module, name: str) -> None:
+def _refuse_cnn_stem(pe: ModelTree, name: str) -> None:
     """Refuse a hybrid ViT (``timm.models.vision_transformer_hybrid``, ViTamin): its
     ``HybridEmbed`` runs a CNN (ResNet) stem and puts tokens on the CNN's feature grid,
     not on pixel patches; the adapter explains a ViT whose tokens are linear projections
@@ -249,7 +256,7 @@ def _refuse_cnn_stem(pe: nn.Module, name: str) -> None:
             "hybrid's CNN stem (LayerGradCam(model, model.patch_embed.backbone))")
 
 
-def timm_attention_fields(blk: nn.Module, where: str) -> dict:
+def timm_attention_fields(blk: ModelTree, where: str) -> dict:
     """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,
     BEiT and Eva blocks).
 
@@ -288,7 +295,7 @@ def timm_attention_fields(blk: nn.Module, where: str) -> dict:
     )
 
 
-def _block_parts(blk: nn.Module, where: str) -> BlockParts:
+def _block_parts(blk: ModelTree, where: str) -> BlockParts:
     """The canonical parts of a (validated) timm ``Block``."""
     mlp = blk.mlp
     return BlockParts(
@@ -299,7 +306,7 @@ def _block_parts(blk: nn.Module, where: str) -> BlockParts:
     )
 
 
-def pool_parts(pool: nn.Module, where: str, skip_prefix: int = 0) -> PoolParts:
+def pool_parts(pool: ModelTree, where: str, skip_prefix: int = 0) -> PoolParts:
     """The canonical parts of timm's ``AttentionPoolLatent`` (``global_pool='map'``)
     whose keys are the tokens after the first ``skip_prefix``.
 

@@ -20,10 +20,12 @@ A convolutional stem (``conv_stem_configs``) is refused by name.
 from __future__ import annotations
 
 import sys
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -32,7 +34,7 @@ from captum_vit.adapters.parts import layer_norm_parts as _norm
 from captum_vit.adapters.parts import linear_module as _linear
 
 
-def _block_parts(blk: nn.Module, where: str) -> BlockParts:
+def _block_parts(blk: ModelTree, where: str) -> BlockParts:
     """The canonical parts of one ``EncoderBlock``; q/k/v are row views (through
     ``detach()``) of the packed ``in_proj_weight`` / ``in_proj_bias``."""
     attn, mlp = blk.self_attention, blk.mlp
@@ -88,7 +90,9 @@ class TorchvisionViTAdapter(ViTAdapter):
         ('TorchvisionViTAdapter', 12)
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
         if not isinstance(model.conv_proj, nn.Conv2d):
@@ -129,7 +133,7 @@ class TorchvisionViTAdapter(ViTAdapter):
         name = type(self.model).__name__
         for i, (p, blk) in enumerate(zip(self.blocks, self.model.encoder.layers,
                                          strict=True)):
-            if p.q_weight.data_ptr() != blk.self_attention.in_proj_weight.data_ptr():
+            if cast(Tensor, p.q_weight).data_ptr() != blk.self_attention.in_proj_weight.data_ptr():
                 self.blocks[i] = _block_parts(blk, f"{name}.encoder.layers[{i}]")
 
     @property

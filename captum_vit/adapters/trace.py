@@ -36,6 +36,18 @@ class BlockRecord:
     out: Tensor  # x_{l+1}
     heads: Heads | None = None  # a fused trace's per-head q, k, v, o (attn is None)
 
+    def require_attn(self) -> Tensor:
+        """:attr:`attn`, for a method that reads the probabilities.
+
+        Raises:
+            RuntimeError: the record of a fused trace (``attention="fused"``), which
+                carries :attr:`heads` instead.
+        """
+        if self.attn is None:
+            raise RuntimeError("this block record has no attention probabilities (a fused "
+                               "trace): trace with attention='explicit'")
+        return self.attn
+
 
 @dataclass
 class Trace:
@@ -57,6 +69,16 @@ class Trace:
     readout weights of :func:`captum_vit._base.readout_rows`."""
     read_grad: list[Tensor] | None = None
     """``∂s/∂z`` of :attr:`read` (set by :func:`captum_vit._base.gradients_with_pool`)."""
+
+    def require_logits(self) -> Tensor:
+        """:attr:`logits`, for a method that reads the scores.
+
+        Raises:
+            RuntimeError: a trace run with ``logits=False``.
+        """
+        if self.logits is None:
+            raise RuntimeError("this trace has no logits (it was run with logits=False)")
+        return self.logits
 
     @property
     def states(self) -> list[Tensor]:

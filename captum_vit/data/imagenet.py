@@ -129,13 +129,13 @@ def read_voc_boxes(path: str | os.PathLike) -> list[tuple[str, int, int, int, in
         root = ET.parse(path).getroot()
     except ET.ParseError as e:
         raise ValueError(f"{path}: not a PASCAL VOC XML annotation ({e})") from e
-    out = []
+    out: list[tuple[str, int, int, int, int]] = []
     for obj in root.iter("object"):
         box = obj.find("bndbox")
         if box is None:
             continue
         v = [int(float(box.findtext(k, "0"))) for k in ("xmin", "ymin", "xmax", "ymax")]
-        out.append((obj.findtext("name", "").strip(), *v))
+        out.append((obj.findtext("name", "").strip(), v[0], v[1], v[2], v[3]))
     return out
 
 
@@ -256,7 +256,7 @@ class ImageNetVal(Dataset):
         xml = (self.boxes or path.parent) / f"{path.stem}.xml"
         mask = None
         if xml.is_file():
-            mask = boxes_mask(read_voc_boxes(xml), tuple(image.shape[-2:]),
+            mask = boxes_mask(read_voc_boxes(xml), (int(image.shape[-2]), int(image.shape[-1])),
                               self.classes[self.labels[i]])
         return image, self.labels[i], mask
 

@@ -16,7 +16,7 @@ crop, ``Normalize(0.5, 0.5)``, masks nearest).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class ImageNetSegmentation(Dataset):
                     f"--data imagenet-seg:{self.path}: wrong layout ({where}"
                     " missing or not an [n, 1] array of object references of equal length); "
                     f"give {WHAT}")
-            self.n = int(shapes["/value/img"][0])
+            self.n = int(cast(tuple[int, ...], shapes["/value/img"])[0])  # checked above
         self._file: Any = None
 
     def __len__(self) -> int:

@@ -87,10 +87,10 @@ def as_image(image: Any) -> Tensor:
             grey = tuple(image.getbands()) in _GREY_BANDS
             image = np.asarray(image.convert("L" if grey else "RGB"), dtype=np.float32) / 255.0
     if isinstance(image, np.ndarray):
-        arr = torch.from_numpy(np.ascontiguousarray(image)).float()
-        if arr.dim() == 3:  # H, W, C
-            arr = arr.permute(2, 0, 1)
-        image = arr / 255.0 if arr.numel() and arr.max() > 1.0 else arr
+        pixels = torch.from_numpy(np.ascontiguousarray(image)).float()
+        if pixels.dim() == 3:  # H, W, C
+            pixels = pixels.permute(2, 0, 1)
+        image = pixels / 255.0 if pixels.numel() and pixels.max() > 1.0 else pixels
     if not isinstance(image, Tensor):
         raise TypeError("image must be a PIL image, a numpy array or a torch.Tensor, "
                         f"got {type(image).__name__}")

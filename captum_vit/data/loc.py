@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -197,7 +198,7 @@ def build_arrays(
     masks = np.zeros((b, c, c), dtype=bool)
     span = c - _GARMENT + 1
     for k, i in enumerate(idx):
-        rng = _example_rng(seed, split_id, i, epoch)
+        rng = _example_rng(seed, split_id, int(i), epoch)
         y0, x0 = rng.integers(0, span, size=2)
         canvas = out[k]
         label = lab[i]
@@ -345,7 +346,7 @@ class FashionMNISTLoc(Dataset):
         if n is not None and (not isinstance(n, int) or not 0 < n <= total):
             raise ValueError(f"n must be an int in [1, {total}] or None, got {n!r}.")
         self.n = total if n is None else n
-        self.kwargs = dict(
+        self.kwargs: dict[str, Any] = dict(
             split=split, seed=self.seed, epoch=epoch, canvas_size=canvas_size,
             n_clutter=n_clutter, clutter_size=tuple(clutter_size),
             clutter_intensity=clutter_intensity,

@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -61,6 +61,15 @@ SPEC_HELP = ("fmnist-loc | sample | folder:PATH | synthetic | imagenet-seg:gtseg
 """One-line summary of the data specs (command-line help)."""
 
 log = logging.getLogger(__name__)
+
+
+class IndexedData(Protocol):
+    """What the loaders and the metrics read of a data set: its length and its items by
+    index (a list, a ``torch.utils.data.Dataset`` with ``__len__``, :class:`Examples`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
 
 
 class Example(NamedTuple):
@@ -227,7 +236,7 @@ class Examples:
         (0, True)
     """
 
-    def __init__(self, source: Sequence[Any], n: int | None = None,
+    def __init__(self, source: IndexedData, n: int | None = None,
                  label_map: Sequence[int] | None = None, *,
                  indices: Sequence[int] | None = None,
                  transform: Callable[[Any], Any] | None = None,
@@ -372,7 +381,8 @@ def load_data(spec: str, *, n: int | None = None, input_shape: tuple[int, tuple[
     names: Sequence[str] | None
     if spec == "synthetic":
         total = n if n is not None else (subset if subset is not None else 100)
-        source: Sequence[Any] = SyntheticLoc(total, channels, tuple(size), num_classes, seed)
+        source: IndexedData = SyntheticLoc(total, channels, (size[0], size[1]), num_classes,
+                                                seed)
         names = None
     elif spec == "fmnist-loc":
         from captum_vit.data.fashion_mnist import CLASS_NAMES
@@ -384,8 +394,8 @@ def load_data(spec: str, *, n: int | None = None, input_shape: tuple[int, tuple[
 
         source, names = _Sample(), CLASS_NAMES
     elif kind == "folder" and arg:
-        source = FolderImages(arg)
-        names = source.classes
+        folder = FolderImages(arg)
+        source, names = folder, folder.classes
     elif kind in DATASETS and arg:
         import importlib
 
@@ -463,7 +473,7 @@ def _label_map(spec: str, source: Any, names: Sequence[str] | None,
     return out
 
 
-def model_batch(data: Sequence[Any], indices: Sequence[int], *,
+def model_batch(data: IndexedData, indices: Sequence[int], *,
                 input_shape: tuple[int, tuple[int, int]],
                 preprocess: Callable[[Tensor], Tensor] | None = None,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -506,7 +516,8 @@ def model_batch(data: Sequence[Any], indices: Sequence[int], *,
         labels.append(label)
         masks.append(None if mask is None else conform_mask(mask, size))
     x = torch.stack(imgs).to(device=device, dtype=dtype)
-    m = None if any(k is None for k in masks) else torch.stack(masks).to(device)
+    m = None if any(k is None for k in masks) else torch.stack(
+        cast(list[Tensor], masks)).to(device)  # none is None
     return x, torch.tensor(labels, dtype=torch.long, device=device), m
 
 

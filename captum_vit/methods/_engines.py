@@ -80,7 +80,7 @@ class LayerGradients:
         """``alpha_l[j] = mean_h mean_i A_l^h[i, j]`` for every block, shape [L, B, N]."""
         dt = accumulation_dtype(self.trace.x0)
         with torch.no_grad():
-            return torch.stack([rec.attn.detach().to(dt).mean(dim=(1, 2))
+            return torch.stack([rec.require_attn().detach().to(dt).mean(dim=(1, 2))
                                 for rec in self.trace.blocks])
 
     def att_ixg(self) -> Tensor:
@@ -112,8 +112,8 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     """
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
         tr = adapter.trace(inputs, linearize=linearize, grad=True)
-        t = resolve_target(target, tr.logits)
-        grads = gradients(target_scores(tr.logits, t, score), tr.states)
+        t = resolve_target(target, tr.require_logits())
+        grads = gradients(target_scores(tr.require_logits(), t, score), tr.states)
     return LayerGradients(tr, t, grads)
 
 
@@ -165,12 +165,12 @@ def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
                          f"{adapter.num_blocks}; got {list(layers)}")
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
         tr = adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
+        t = resolve_target(target, tr.require_logits())
         if at == "norm1":  # BlockRecord.u = LN1(x_l), in the graph of the score
             xs = [tr.blocks[l - tr.start].u for l in layers]
         else:
             xs = [tr.states[l] for l in layers]
-        gs = gradients(target_scores(tr.logits, t, score), xs)
+        gs = gradients(target_scores(tr.require_logits(), t, score), xs)
     return [x.detach() for x in xs], [g.detach() for g in gs], t
 
 

@@ -153,7 +153,7 @@ def _hanging(text: str, indent: str) -> str:
     return first.strip() + ("\n" + rest if rest else "")
 
 
-def _attribute_doc(cls: type) -> str:
+def _attribute_doc(cls: type[_DocumentedFront]) -> str:
     examples = textwrap.indent(textwrap.dedent(cls.examples_doc).strip("\n"), "    ")
     return _filled("\n".join([
         "", "Args:", "    {inputs}", "    " + _hanging(cls.target_doc, "        "),

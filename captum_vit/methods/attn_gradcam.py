@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.log import log_usage
@@ -81,15 +81,16 @@ class AttnGradCAM(ScoredAttribution):
                    **_: Any) -> Tensor:
         """The per-head terms :math:`w_h A^h[r, :]` [B, H, N] (before mean and ReLU)."""
         tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attn = tr.blocks[-1].attn
-        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+        t = resolve_target(target, tr.require_logits())
+        attn = tr.blocks[-1].require_attn()
+        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
                                                  [attn])
         dt = accumulation_dtype(attn)
         k = tr.layout.num_prefix
         with torch.no_grad():
             if pool_grad is not None:  # an attention-pool head: run on A_p
-                g_r, a_r = pool_grad[:, :, 0].to(dt), tr.pool_attn.detach()[:, :, 0].to(dt)
+                pool_attn = cast(Tensor, tr.pool_attn)  # a pool head's trace has them
+                g_r, a_r = pool_grad[:, :, 0].to(dt), pool_attn.detach()[:, :, 0].to(dt)
             else:
                 w = readout_rows(tr, dtype=dt, target=t)
                 g_r = readout(w, grad.to(dt))  # [B, H, N]

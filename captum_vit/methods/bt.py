@@ -145,7 +145,8 @@ def integrated_attention_gradient(adapter: ViTAdapter, inputs: Tensor, target: T
             if L > 1:
                 x = adapter.run(x, 0, L - 1, ops=FusedOps())
         tr = adapter.trace(scaled, x=x, start=L - 1, grad=True)
-        (g,) = gradients(target_scores(tr.logits, target[img], score), [tr.blocks[-1].attn])
+        (g,) = gradients(target_scores(tr.require_logits(), target[img], score),
+                         [tr.blocks[-1].require_attn()])
         g = g.detach().to(dt)
         if total is None:
             total = g.new_zeros((b, *g.shape[1:]))
@@ -240,7 +241,8 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
                                score=score)
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, internal_batch_size: int | None = None,
                   score: str = "logit") -> Tensor:
@@ -275,10 +277,10 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         L = ad.num_blocks
         starts = start_blocks(s, START_LAYER, L, layers)  # l -> l + s
         tr = ad.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attns = [rec.attn for rec in tr.blocks]
+        t = resolve_target(target, tr.require_logits())
+        attns = [rec.require_attn() for rec in tr.blocks]
         first = min(starts.values())
-        scores = target_scores(tr.logits, t, score)
+        scores = target_scores(tr.require_logits(), t, score)
         if self.variant == "head":  # ∇A_l for l ≥ first, ∇A_{L-1} and ∇A_p: one backward
             need = sorted(set(range(first, L)) | {L - 1})
             grads, pool_grad = gradients_with_pool(tr, scores, [attns[k] for k in need])
@@ -375,7 +377,7 @@ class BTH(_BeyondIntuition):
                       dt: torch.dtype) -> Tensor:
         """:math:`\\hat A_k = \\sum_h I_h A_k^h` [B, N, N]."""
         assert grad is not None
-        a, g = tr.blocks[k].attn.detach().to(dt), grad.detach().to(dt)
+        a, g = tr.blocks[k].require_attn().detach().to(dt), grad.detach().to(dt)
         ih = (a.transpose(-1, -2) @ g).abs().mean((-2, -1))  # [B, H]
         ih = ih / ih.sum(1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
         return torch.einsum("bh,bhij->bij", ih, a)
@@ -437,7 +439,7 @@ class BTT(_BeyondIntuition):
                       dt: torch.dtype) -> Tensor:
         """:math:`\\hat A_k = \\bar A_k \\mathrm{diag}(o)` [B, N, N]."""
         rec, p = tr.blocks[k], self.adapter.blocks[k]
-        a = rec.attn.detach().to(dt)
+        a = rec.require_attn().detach().to(dt)
         vo = p.value_outputs(rec.u.detach().to(dt), a)
         o = vo.norm(dim=-1) / rec.x.detach().to(dt).norm(dim=-1).clamp_min(
             torch.finfo(dt).tiny)

@@ -130,7 +130,8 @@ class _TokenCAM(PLUSFastPath, ScoredAttribution):
 
     plus_aggregates = ("subnetwork", "layer")
 
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): this CAM at every
         block of ``layers`` (layer-local: both aggregates coincide) from one forward and one

@@ -68,11 +68,11 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
     ops = CheferOps()
     with torch.enable_grad():
         tr = adapter.trace(inputs, grad=True, ops=ops)
-        t = resolve_target(target, tr.logits)
-        logits = tr.logits
-        wrt = [rec.attn for rec in tr.blocks[start:]]
+        t = resolve_target(target, tr.require_logits())
+        logits = tr.require_logits()
+        wrt = [rec.require_attn() for rec in tr.blocks[start:]]
         pool = tr.pool_attn is not None
-        if pool:
+        if tr.pool_attn is not None:
             wrt.append(tr.pool_attn)
         ops.mode.lrp = False  # the true gradient through the same graph
         grads = gradients(target_scores(logits, t, score), wrt, trace=tr, retain_graph=True)
@@ -170,7 +170,8 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     """
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every
         sub-network :math:`f_l`, ``l`` in ``layers``, [len(layers), B, N], from one gradient
@@ -206,7 +207,8 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
             self.adapter, inputs, target, score=score, start=first)
         dt = accumulation_dtype(rel[0])
         with torch.no_grad():
-            if pool_rel is not None:  # the pool's row: mean_h ReLU(∇A_p ⊙ R^{A_p})[0]
+            if pool_grad is not None and pool_rel is not None:  # the pool's row:
+                # mean_h ReLU(∇A_p ⊙ R^{A_p})[0]
                 w = (pool_grad.to(dt) * pool_rel.to(dt)).clamp(min=0).mean(1)[:, 0]
             else:
                 w = readout_rows(tr, dtype=dt, target=t)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -149,17 +149,20 @@ class DecompositionOps(Ops):
         return Decomposed(real, mixed.reshape(b, s, -1, p.inner_dim), u.has_bias)
 
     def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3
-        real, attn = super().attention(u.real, p)
+        real, probs = super().attention(u.real, p)
+        attn = cast(Tensor, probs)  # the plain Ops materialise the probabilities
         return self._mix(u, real, attn, p), attn
 
     def pool_attention(self, x: Decomposed, p: PoolParts) -> tuple[Decomposed, Tensor]:
         # attention-pool head (global_pool="map"): its probabilities are constants (D3), its
         # value path linear
-        real, attn = super().pool_attention(x.real, p)
+        real, probs = super().pool_attention(x.real, p)
+        attn = cast(Tensor, probs)  # the plain Ops materialise the probabilities
         return self._mix(x, real, attn, p), attn
 
     def pool(self, x: Decomposed, row: int | str, num_prefix: int) -> Decomposed:  # D6
-        parts = x.parts[:, :, num_prefix:].mean(2) if row == "avg" else x.parts[:, :, row]
+        parts = (x.parts[:, :, num_prefix:].mean(2) if row == "avg"
+                 else x.parts[:, :, cast(int, row)])
         return Decomposed(super().pool(x.real, row, num_prefix), parts, x.has_bias)
 
     def mean(self, xs: Sequence[Decomposed]) -> Decomposed:
@@ -356,8 +359,8 @@ class DecompX(PLUSFastPath, PlainAttribution):
         with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, ...)
             tr = self.adapter.trace(images, linearize=True, grad=True, attention="fused",
                                     on_block=keep)
-            t = resolve_target(target, tr.logits)
-            scores = target_scores(tr.logits, t)
+            t = resolve_target(target, tr.require_logits())
+            scores = target_scores(tr.require_logits(), t)
             (g,) = gradients(scores, kept)
         dt = accumulation_dtype(kept[0])
         tokens = (kept[0].detach().to(dt) * g.to(dt)).sum(-1)
@@ -367,7 +370,8 @@ class DecompX(PLUSFastPath, PlainAttribution):
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         return self._decompose(inputs, target).tokens
 
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): DecompX
         of every sub-network :math:`f_l` (started at block ``l + start_layer``) from one

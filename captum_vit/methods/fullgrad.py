@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -133,8 +133,8 @@ class FullGradPlus(ScoredAttribution):
             grads = gradients(target_scores(logits, t, score), xs + probes)
         dt = accumulation_dtype(inputs)
         with torch.no_grad():
-            m = sum((x.detach().to(dt) * g.to(dt)).sum(-1)
-                    for x, g in zip(xs, grads[:len(xs)], strict=True))
-            for (bias, _), g in zip(ops.probes, grads[len(xs):], strict=True):
+            m = cast(Tensor, sum((x.detach().to(dt) * g.to(dt)).sum(-1)  # layers: not empty
+                                 for x, g in zip(xs, grads[:len(xs)], strict=True)))
+            for (bias, _probe), g in zip(ops.probes, grads[len(xs):], strict=True):
                 m = m + (g.to(dt) * bias.detach().to(dt)).sum(-1)
         return m

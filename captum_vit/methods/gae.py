@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.log import log_usage
@@ -94,7 +94,8 @@ class GAE(PLUSFastPath, ScoredAttribution):
         return self._attribute(inputs, target, output, score=score, heads=heads)
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): GAE of every sub-network
         :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,
@@ -153,15 +154,15 @@ class GAE(PLUSFastPath, ScoredAttribution):
 
         def keep(l: int, rec: BlockRecord) -> None:  # q, k, v, o of the blocks needed
             if l in need:
-                heads[l] = rec.heads
+                heads[l] = cast(Heads, rec.heads)  # a fused trace's records carry heads
 
         # fused attention: no [B, H, N, N] is kept for the backward; A_k and dA_k are
         # recomputed block by block below (Heads.probs / probs_grad). Under a class-token
         # readout the last block's FFN runs on the rows the head reads only.
         tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep,
                                 last_rows=self.adapter.readout_row_count)
-        t = resolve_target(target, tr.logits)
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+        t = resolve_target(target, tr.require_logits())
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
                                                [heads[k].o for k in need])
         grad_o = dict(zip(need, grads, strict=True))
         dt = accumulation_dtype(tr.x0)

@@ -50,7 +50,7 @@ mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by defau
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +257,7 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
     p = adapter.blocks[layer]
     dt = accumulation_dtype(rec.x)
     x = rec.x.detach().to(dt)
-    attn = rec.attn.detach().to(dt)
+    attn = rec.require_attn().detach().to(dt)
     b, n, d = x.shape
     heads, hd = p.num_heads, p.head_dim
     v = F.linear(_centred_scaled(x, p.norm1), p.v_weight.to(dt)).reshape(b, n, heads, hd)
@@ -308,11 +308,11 @@ def _globenc_norms(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor) -> Tensor:
     e = torch.einsum("bhjd,bgjd->bjhg", zk, zc)
     grams = (torch.einsum("bhjd,bgjd->bjhg", z, z), e + e.transpose(-1, -2),
              torch.einsum("bhjd,bgjd->bjhg", zc * k2, zc * k2))
-    sq = 0
+    sq: Tensor | int = 0
     for q, g in enumerate(grams):  # Σ_{h,g} A^h_ij A^g_ij G_q[j, h, g], per q
         y = (attn * torch.einsum("bgij,bjhg->bhij", attn, g)).sum(1)
         sq = sq + y * s2[:, :, None] ** q
-    return sq.clamp_min(0).sqrt()
+    return cast(Tensor, sq).clamp_min(0).sqrt()  # three grams: a tensor
 
 
 def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
@@ -420,7 +420,8 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
             out.append(t / t.sum(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny))
         return torch.stack(out)
 
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every sub-network
         :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].
@@ -450,7 +451,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         tr = self.adapter.trace(inputs)
         first = min(layers)
         mats = self._matrices(tr, first)
-        w = readout_rows(tr, dtype=mats.dtype, target=resolve_target(target, tr.logits))
+        w = readout_rows(tr, dtype=mats.dtype, target=resolve_target(target, tr.require_logits()))
         if aggregate == "layer":
             return torch.stack([torch.einsum("bn,bnm->bm", w, mats[l - first])
                                 for l in layers])

@@ -50,7 +50,8 @@ class _LayerTerm(PLUSFastPath, ScoredAttribution):
         grads = layer_gradients(self.adapter, inputs, target, score=score)
         return getattr(grads, self.term)()[self.layer]
 
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): the
         term at block ``l + layer`` of the model for every start block ``l`` (as the

@@ -24,7 +24,7 @@ the later blocks' scores).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.log import log_usage
@@ -186,7 +186,8 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                                null_threshold=null_threshold)
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit", null_target: Any = None,
                   null_threshold: float = 0.8) -> Tensor:
         r"""LeGrad of every sub-network :math:`f_l`, ``l`` in ``layers``, from one
@@ -231,9 +232,9 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         with torch.no_grad():
             maps = []
             for s in sums:
-                m = sum(per[i] for i in s)
+                m = cast(Tensor, sum(per[i] for i in s))  # s is never empty
                 if per_null is not None:
-                    m = m.masked_fill(min_max(sum(per_null[i] for i in s), k)
+                    m = m.masked_fill(min_max(cast(Tensor, sum(per_null[i] for i in s)), k)
                                       > null_threshold, 0.0)
                 maps.append(min_max(m, k) if self.normalize else m)
             return torch.stack(maps)
@@ -249,6 +250,9 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                              "output an image embedding, explained against target vectors; "
                              f"this {type(self.adapter.model).__name__} is a classifier: "
                              "leave null_target=None")
+        if not isinstance(head, TargetHead):
+            raise TypeError(f"null_target cannot be combined with the {type(head).__name__} "
+                            "in force; leave null_target=None")
         b = inputs.shape[0]
         null, index = embedding_target(null_target, b, head.vectors.shape[-1], inputs)
         if index is None:
@@ -277,10 +281,11 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         adapter = self.adapter
         with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel)
             tr = adapter.trace(inputs, grad=True, cut_blocks=True)
-            t = resolve_target(target, tr.logits)
+            t = resolve_target(target, tr.require_logits())
             # G w.r.t. the pool's attention when the readout runs through an attention pool
             pooled = self.readout == "model" and adapter.head.attn_pool is not None
-            options = {"final_norm": not self.skip_final_norm, "pool": self.readout}
+            options: dict[str, Any] = {"final_norm": not self.skip_final_norm,
+                                       "pool": self.readout}
             ops = Ops()
 
             def layer(z: Tensor, head: tuple[TargetHead, Tensor] | None
@@ -294,13 +299,16 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                                       head[1], "logit")
                 return s, rec.pool_attn
 
-            terms = [(None, {}), *([(null, {})] if null is not None else [])]
+            terms: list[tuple[tuple[TargetHead, Tensor] | None, dict[int, Tensor]]] = [
+                (None, {}), *([(null, {})] if null is not None else [])]
             for i, (head, out) in enumerate(terms):
-                scores, attns = [], []
+                scores: list[Tensor] = []
+                attns: list[Tensor] = []
                 for l in blocks:
                     s, pool_attn = layer(tr.blocks[l].out, head)
                     scores.append(s)
-                    attns.append(pool_attn if pooled else tr.blocks[l].attn)
+                    attns.append(cast(Tensor, pool_attn) if pooled  # a pool head's
+                                 else tr.blocks[l].require_attn())
                 grads = torch.autograd.grad(torch.stack(scores).sum(), attns,
                                             retain_graph=i + 1 < len(terms))
                 dt = accumulation_dtype(attns[0])

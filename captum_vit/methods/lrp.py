@@ -91,8 +91,8 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
             tr = adapter.trace(inputs, grad=True, ops=ops)
             states = tr.states
             wrt = [states[l] for l in layers]
-        t = resolve_target(target, tr.logits)
-        grads = gradients(target_scores(tr.logits, t, score), wrt)
+        t = resolve_target(target, tr.require_logits())
+        grads = gradients(target_scores(tr.require_logits(), t, score), wrt)
     dt = accumulation_dtype(inputs)
     with torch.no_grad():
         if at == "pixels":
@@ -127,12 +127,13 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        maps, _, _ = lrp_relevance(self.adapter, inputs, target, self.ops, score=score,
-                                   at=self.at, embed_ops=self.embed_ops)
+        maps = lrp_relevance(self.adapter, inputs, target, self.ops, score=score,
+                             at=self.at, embed_ops=self.embed_ops)[0]
         return maps[0]
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`, gradient route): the
         map of every sub-network :math:`f_l`, :math:`m_l = \sum_c x_l \odot \tilde

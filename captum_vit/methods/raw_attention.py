@@ -96,7 +96,7 @@ class RawAttention(PlainAttribution):
 
         def keep(l: int, rec: BlockRecord) -> None:  # stream: only the last block's mean
             if l == last:
-                kept.append(rec.attn.mean(1))
+                kept.append(rec.require_attn().mean(1))
 
         tr = self.adapter.trace(inputs, on_block=keep, logits=not self.adapter.fixed_readout)
         w = readout_rows(tr, target=None if tr.logits is None
@@ -111,7 +111,7 @@ class RawAttention(PlainAttribution):
 
         def keep(l: int, rec: BlockRecord) -> None:  # stream: only the last block's heads
             if l == last:
-                kept.append(rec.attn)
+                kept.append(rec.require_attn())
 
         tr = self.adapter.trace(inputs, on_block=keep, logits=not self.adapter.fixed_readout)
         if tr.pool_attn is not None and self.source == "pool":

@@ -16,7 +16,7 @@ random integer offset in :math:`[0, C_h) \times [0, C_w)`.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.log import log_usage
@@ -272,22 +272,25 @@ class RISE(ViTPerturbationAttribution):
         with torch.no_grad():
             x0 = adapter.embed(inputs) if removal == "tokens" or target is None else None
             if target is None:  # the predicted class
-                logits = adapter.run(x0, ops=FusedOps())
+                logits = adapter.run(cast(Tensor, x0), ops=FusedOps())  # embedded above
                 forwards = b
-        t = resolve_target(target, logits) if logits is not None else target.to(inputs.device)
+        t = resolve_target(target, logits) if logits is not None else cast(
+            Tensor, target).to(inputs.device)  # no logits: a target was given
         reduce = score_reduce(t, score, dt)
 
         if removal == "tokens":
             masks = rise_masks(n_masks, layout.grid, p, generator=gen)
             keep = masks.grids.reshape(1, n_masks, layout.num_patches)
-            w = subset_logits(adapter, x0, keep, batch_size=batch_size, full_logits=logits,
+            w = subset_logits(adapter, cast(Tensor, x0), keep, batch_size=batch_size,
+                              full_logits=logits,
                               reduce=reduce, show_progress=show_progress, desc="RISE")
             sal = w @ keep[0].to(device=w.device, dtype=dt) / (n_masks * p)
             self.num_forwards = forwards + subset_forwards(
                 keep.expand(b, -1, -1), k, reuse_full=logits is not None,
                 pools_patches=pools_patches(adapter))
         else:
-            masks = rise_masks(n_masks, grid_size or 7, p, tuple(inputs.shape[-2:]),
+            masks = rise_masks(n_masks, grid_size or 7, p,
+                               (int(inputs.shape[-2]), int(inputs.shape[-1])),
                                generator=gen)
 
             def make(jobs: Tensor) -> tuple[Tensor, Tensor]:

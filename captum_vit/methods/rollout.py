@@ -91,7 +91,8 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         check_layer("start_layer", s, self.adapter.num_blocks)
         return self._attribute(inputs, target, output, start_layer=s, heads=heads)
 
-    def _head_maps(self, inputs: Tensor, target: Tensor | None, *, start_layer: int,
+    # takes this method's own options, not any keyword (ViTFront._head_maps)
+    def _head_maps(self, inputs: Tensor, target: Tensor | None, *, start_layer: int,  # type: ignore[override]
                    **_: Any) -> Tensor:
         """Per-head maps [B, H, N]: the last block's factor per head, then the blocks
         below with their head means."""
@@ -118,16 +119,17 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
 
         def keep(l: int, rec: BlockRecord) -> None:
             if l == per_head:
-                means[l] = rec.attn.to(accumulation_dtype(rec.attn))
+                means[l] = rec.require_attn().to(accumulation_dtype(rec.require_attn()))
             elif l in want:
-                means[l] = rec.attn.to(accumulation_dtype(rec.attn)).mean(1)
+                means[l] = rec.require_attn().to(accumulation_dtype(rec.require_attn())).mean(1)
 
         # class-agnostic with fixed readout weights: the last block stops at its
         # attention and no logits are computed
         return self.adapter.trace(inputs, on_block=keep,
                                   logits=not self.adapter.fixed_readout), means
 
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", start_layer: int | None = None) -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the rollout of every
         sub-network :math:`f_l`, ``l`` in ``layers``, from one trace, [len(layers), B, N].

@@ -272,7 +272,7 @@ class ScoreCAM(ViTPerturbationAttribution):
         if max_channels is not None and max_channels < x.shape[-1]:
             x = top_variance_channels(x, k, max_channels)
         masks = channel_masks(x, k)  # [B, D, P]
-        b, d, _ = masks.shape
+        b, d = masks.shape[:2]
 
         scores = score_reduce(t, score, dt)
         if self.removal == "pixels":

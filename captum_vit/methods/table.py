@@ -78,7 +78,7 @@ class MethodEntry:
     """
 
     name: str
-    cls: type
+    cls: type[Attribution]
     build: Callable[[nn.Module, int], Attribution]
     class_alias: bool = True
     baseline: bool = False

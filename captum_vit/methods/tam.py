@@ -165,7 +165,8 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
                                internal_batch_size=internal_batch_size, score=score)
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", start_layer: int | None = None,
                   n_steps: int | None = None, integrated: bool | None = None,
                   internal_batch_size: int | None = None, score: str = "logit") -> Tensor:
@@ -199,9 +200,10 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         L = ad.num_blocks
         starts = start_blocks(s, START_LAYER, L, layers)  # l -> l + s
         tr = ad.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        last = tr.blocks[-1].attn
-        (g,) = gradients(target_scores(tr.logits, t, score), [last], trace=tr)  # last block
+        t = resolve_target(target, tr.require_logits())
+        last = tr.blocks[-1].require_attn()
+        (g,) = gradients(target_scores(tr.require_logits(), t, score), [last],
+                         trace=tr)  # last block
         if integ:
             feedback = reasoning_feedback(ad, inputs, t, n_steps=n, score=score,
                                           internal_batch_size=ibs, grad_at_input=g)
@@ -214,7 +216,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
             sigma = readout(w, last.detach().to(dt).mean(1))  # w Ā_{L-1}
             got: dict[int, Tensor] = {}
             for k in reversed(range(min(starts.values()), L - 1)):
-                a = tr.blocks[k].attn.detach().to(dt).mean(1)
+                a = tr.blocks[k].require_attn().detach().to(dt).mean(1)
                 sigma = sigma + torch.einsum("bn,bnm->bm", sigma, a)
                 got[k] = sigma
             top = readout(w, last.detach().to(dt).mean(1))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.log import log_usage
@@ -83,7 +83,7 @@ thread count."""
 # -- argument checks ---------------------------------------------------------------------
 def check_ratios(ratio: float | Sequence[float], num_patches: int) -> list[float]:
     """``ratio`` as a non-empty list of floats in (0, 1) that each keep >= 1 patch."""
-    ratios = list(ratio) if isinstance(ratio, list | tuple) else [ratio]
+    ratios = list(ratio) if isinstance(ratio, list | tuple) else [cast(float, ratio)]
     if not ratios:
         raise ValueError("ratio must be a float in (0, 1) or a non-empty list of them")
     for r in ratios:
@@ -586,14 +586,17 @@ class TIS(ViTPerturbationAttribution):
             masks = check_masks(masks, b, p)
         with torch.no_grad():
             x0 = self.adapter.embed(inputs)  # tokens after the positional embedding
+            logits: Tensor | None
             if masks is None:
                 features, logits = layer_features(self.adapter, x0)
                 masks = kmeans_masks(features, n_masks, ratios, random_state, method=kmeans)
             else:  # the full forward is only needed for target=None
                 masks = masks.to(inputs.device)
                 logits = self.adapter.run(x0, ops=FusedOps()) if target is None else None
-        t = target.to(inputs.device) if logits is None else resolve_target(target, logits)
-        progress = {"show_progress": show_progress is not False,
+        # no logits: a target was given
+        t = cast(Tensor, target).to(inputs.device) if logits is None else resolve_target(
+            target, logits)
+        progress: dict[str, Any] = {"show_progress": show_progress is not False,
                     "progress_delay": PROGRESS_DELAY if show_progress is None else 0.0}
         if tolerance is None:
             w = mask_scores(self.adapter, x0, t, masks, score=score,

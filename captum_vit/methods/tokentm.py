@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.log import log_usage
@@ -35,7 +35,7 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, Trace, ValuePath
+from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, PoolParts, Trace, ValuePath
 from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._front import fill_doc
 from captum_vit.methods.table import register_method
@@ -145,8 +145,9 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
     o = attn @ real.reshape(b, n, num_heads, d).transpose(1, 2)  # A^h v^h, [B, H, N, d]
     o = o.transpose(1, 2).reshape(b, n, a)
     path = ValuePath.of(proj_weight, norm)  # the inner norm's rule, adapters.parts
-    inv = path.inv_std(o)[..., None]  # 1/σ_i, [B, N, 1]
-    wo, c = path.weight, path.centre  # W'_O = W_O diag(γ) [D, H*d], W_O γ [D]
+    # with an inner norm ValuePath has its centre and scale
+    inv = cast(Tensor, path.inv_std(o))[..., None]  # 1/σ_i, [B, N, 1]
+    wo, c = path.weight, cast(Tensor, path.centre)  # W'_O = W_O diag(γ) [D, H*d], W_O γ [D]
     vh = v.reshape(b, n, num_heads, d)
     m = vh.sum(-1) / a  # mean of the zero-padded head values, [B, N, H]
     xw = (x @ wo).reshape(b, n, num_heads, d)  # x_i W'^h_O
@@ -253,7 +254,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         dt = accumulation_dtype(rec.x)
         x, mid = rec.x.detach().to(dt), rec.mid.detach().to(dt)
         if self.variant == "residual":
-            return _Terms(rec.heads, transformation_weights(mid, rec.out.detach().to(dt)),
+            return _Terms(cast(Heads, rec.heads),  # a fused trace (the records carry heads)
+                          transformation_weights(mid, rec.out.detach().to(dt)),
                           transformation_weights(x, mid), x.norm(dim=-1))
         w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
         u = rec.u.detach().to(dt)
@@ -262,10 +264,10 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
                              p.num_heads)  # [B, H, N]
         else:  # N_in before W_O (EVA-02), see head_weights_inner_norm
             w = head_weights_inner_norm(
-                x, u, rec.heads.probs().detach().to(dt), p.v_weight.detach().to(dt),
+                x, u, cast(Heads, rec.heads).probs().detach().to(dt), p.v_weight.detach().to(dt),
                 None if p.v_bias is None else p.v_bias.detach().to(dt),
                 p.proj_weight.detach().to(dt), p.inner_norm, p.num_heads)
-        return _Terms(rec.heads, w_ffn, w, x.norm(dim=-1))
+        return _Terms(cast(Heads, rec.heads), w_ffn, w, x.norm(dim=-1))
 
     def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype, target: Tensor,
                  last_out: Tensor | None = None) -> Tensor:
@@ -278,13 +280,13 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         if pool_grad is None or self.variant == "residual":
             return readout_rows(tr, pool_grad, dtype=dt, target=target)
         head = self.adapter.head
-        pool = head.attn_pool
+        pool = cast(PoolParts, head.attn_pool)  # pool_grad comes from an attention pool
         xh = (tr.blocks[-1].out if last_out is None else last_out).detach().to(dt)
         if head.norm is not None:
             xh = Ops().norm(xh, head.norm)
         w = head_weights(xh, xh, pool.v_weight.detach().to(dt),
                          pool.proj_weight.detach().to(dt), pool.num_heads)  # [B, H, N]
-        rh = (pool_grad.to(dt).relu() * tr.pool_attn.detach().to(dt))[:, :, 0]
+        rh = (pool_grad.to(dt).relu() * cast(Tensor, tr.pool_attn).detach().to(dt))[:, :, 0]
         return (rh * w).mean(1)
 
     def _maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int],
@@ -308,9 +310,9 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
                     terms[l] = self._block_terms(rec, l)
 
         tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep)
-        t = resolve_target(target, tr.logits)
+        t = resolve_target(target, tr.require_logits())
         # ∇o_l of every needed block (and ∇A_p of an attention-pool head), one backward
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
                                                [terms[l].heads.o for l in range(first, L)])
         with torch.no_grad():
             dt = accumulation_dtype(tr.x0)
@@ -337,7 +339,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         return r + (r[:, None, :] @ m).squeeze(1) * terms.w_attn
 
     @fill_doc
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str | None = None) -> Tensor:
         r"""PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): TokenTM of every
         sub-network :math:`f_l`, ``l`` in ``layers``, from one forward and one backward,

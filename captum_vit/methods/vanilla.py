@@ -107,7 +107,8 @@ class VanillaGrad(PLUSFastPath, ScoredAttribution):
         >>> attr = VanillaGrad(model).attribute(images, target=3, output="tokens")
     """
 
-    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
+    # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
+    def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
         """PLUS / SkipPLUS fast path (:mod:`captum_vit.combinators`): the map of every sub-network
         :math:`f_l`, ``l`` in ``layers`` — its block ``layer`` is the model's block
@@ -187,9 +188,9 @@ class AttnGrad(ScoredAttribution):
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
         tr = self.adapter.trace(inputs, grad=True)
-        t = resolve_target(target, tr.logits)
-        attn = tr.blocks[self.layer].attn
-        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.logits, t, score),
+        t = resolve_target(target, tr.require_logits())
+        attn = tr.blocks[self.layer].require_attn()
+        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
                                                  [attn])
         dt = accumulation_dtype(attn)
         with torch.no_grad():

@@ -16,7 +16,7 @@ ViT-CX turns the model's own patch embeddings into masks and scores them causall
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -128,12 +128,12 @@ def vitcx_masks(features: Tensor, grid: tuple[int, int], size: tuple[int, int] |
     """
     gh, gw = grid
     f = features.T.reshape(-1, gh, gw).to(torch.float64)
-    up = None
+    up: tuple[Tensor, Tensor] | None = None
     if size is not None:
-        up = tuple(interpolation_matrix(n, s, "clamp", device=f.device)
-                   for n, s in zip(grid, size, strict=True))
+        up = (interpolation_matrix(grid[0], size[0], "clamp", device=f.device),
+              interpolation_matrix(grid[1], size[1], "clamp", device=f.device))
     channels = GridMasks(f, size or grid, up, minmax=True)
-    lo, hi = channels.range
+    lo, hi = cast(tuple[Tensor, Tensor], channels.range)  # set with minmax=True
     span = (hi - lo)[:, None, None]
     g = torch.where(span > 0, (f - lo[:, None, None]) / torch.where(span > 0, span, 1), 0)
     labels = cluster_labels(cosine_distances(g, up), distance_threshold)
@@ -277,7 +277,7 @@ class ViTCX(ViTPerturbationAttribution):
         t = resolve_target(target, logits)
         reduce = score_reduce(t, score, dt)
         clean = target_scores(logits.to(dt), t, score)  # p_c(X) [B]
-        size = None if removal == "tokens" else tuple(inputs.shape[-2:])
+        size = None if removal == "tokens" else (int(inputs.shape[-2]), int(inputs.shape[-1]))
         masks = [vitcx_masks(f, layout.grid, size, distance_threshold)[0] for f in features]
         self.num_masks = [len(m) for m in masks]
         if removal == "tokens":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -71,10 +71,11 @@ class _Setup:
                  unit: str = "patch", rounding: str = "round") -> None:
         check_choice("rounding", rounding, ROUNDINGS)
         adapter, prep = prepare_metric(model, inputs, target)
-        self.inputs, self.layout, self.logits = prep.images, prep.layout, prep.logits
+        self.inputs, self.layout = prep.images, prep.layout
+        # prepare_metric runs the model and resolves the target: neither is None
+        self.logits, self.target = cast(Tensor, prep.logits), cast(Tensor, prep.target)
         self.engine = RemovalEngine(model, removal, forward_batch, adapter=adapter, unit=unit)
         self.rounding = rounding
-        self.target = prep.target
         # the "prediction" of AOPC/LOdds: the arg-max class, or, for independent scores
         # against single target vectors (captum_vit.targets), the explained vector itself
         self.pred = self.logits.argmax(-1) if scores_are_classes() else self.target
@@ -82,8 +83,9 @@ class _Setup:
                                  pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
         ranked = self.scores
         if unit == "pixel":  # the bilinearly upsampled map, one score per pixel
+            size = (int(self.inputs.shape[-2]), int(self.inputs.shape[-1]))
             ranked = upsample(self.scores, self.layout.grid, self.layout.patch_size,
-                              self.inputs.shape[-2:]).reshape(len(self.scores), -1)
+                              size).reshape(len(self.scores), -1)
         self.order = ranking(ranked)
         # LeRF ranks the negated map (Chefer's ``vis = -vis``): ties keep the lower index
         # first, as in MoRF, rather than the reverse the flipped order would give
@@ -168,8 +170,8 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
                          "deletion or insertion")
     st = _Setup(model, inputs, attribution, target, **_common(kwargs, "perturbation_test"))
     _no_extra(kwargs)
-    ref = st.pred if labels is None else check_target(
-        labels, len(st.pred), st.engine.adapter.num_classes).to(st.pred.device)
+    ref = st.pred if labels is None else cast(Tensor, check_target(  # labels: not None
+        labels, len(st.pred), st.engine.adapter.num_classes)).to(st.pred.device)
     logits = st.run(x, lerf=order == "negative")
     correct = (logits.argmax(-1) == ref[:, None]).double()
     return MetricResult(f"perturbation_{'pos' if order == 'positive' else 'neg'}",
@@ -346,8 +348,8 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
     st = _Setup(model, inputs, attribution, kwargs.pop("target", None),
                 **_common(kwargs, "token_ratio"))
     _no_extra(kwargs)
-    ref = st.pred if labels is None else check_target(
-        labels, len(st.pred), st.engine.adapter.num_classes).to(st.pred.device)
+    ref = st.pred if labels is None else cast(Tensor, check_target(  # labels: not None
+        labels, len(st.pred), st.engine.adapter.num_classes)).to(st.pred.device)
     out = {}
     for proto, mode in (("keep", "insert"), ("remove", "delete")):
         logits = st.run(x, mode=mode)

@@ -8,7 +8,7 @@ map bilinearly to the image size before comparing it with the masks, as TokenTM 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -54,7 +54,8 @@ def upsampled_maps(model: nn.Module, inputs: Tensor, attribution: AttributionLik
     _images_only(p.layout)
     scores = patch_maps(attribution, p.images, p.target, p.layout, pixel_reduce=pixel_reduce,
                         attribute_kwargs=attribute_kwargs)
-    return upsample(scores, p.layout.grid, p.layout.patch_size, p.images.shape[-2:], mode)
+    size = (p.images.shape[-2], p.images.shape[-1])
+    return upsample(scores, p.layout.grid, p.layout.patch_size, size, mode)
 
 
 @vector_targets
@@ -214,7 +215,7 @@ def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
     inputs, layout = p.images, p.layout
     m = check_masks(masks, inputs)
     scores = patch_maps(attribution, inputs, p.target, layout, **kwargs)
-    size = inputs.shape[-2:]
+    size = (inputs.shape[-2], inputs.shape[-1])
     up = upsample(scores, layout.grid, layout.patch_size, size)
     raw = upsample(scores, layout.grid, layout.patch_size, size, raw_upsample)
     b = up.shape[0]
@@ -224,10 +225,11 @@ def segmentation(model: nn.Module, inputs: Tensor, attribution: AttributionLike,
     pred = norm > norm.mean((1, 2), keepdim=True)
     acc = (pred == m).double().mean((1, 2))
     stats = {}
-    for name, p, g in (("fg", pred, m), ("bg", ~pred, ~m)):
-        stats[f"inter_{name}"] = (p & g).double().sum((1, 2))
-        stats[f"union_{name}"] = (p | g).double().sum((1, 2))
-    per_iou = sum(stats[f"inter_{c}"] / stats[f"union_{c}"].clamp_min(1) for c in ("bg", "fg")) / 2
+    for name, pm, gm in (("fg", pred, m), ("bg", ~pred, ~m)):
+        stats[f"inter_{name}"] = (pm & gm).double().sum((1, 2))
+        stats[f"union_{name}"] = (pm | gm).double().sum((1, 2))
+    per_iou = cast(Tensor, sum(stats[f"inter_{c}"] / stats[f"union_{c}"].clamp_min(1)
+                               for c in ("bg", "fg"))) / 2
     ap_of = _chefer_average_precision if ap_mode == "chefer" else _average_precision
     ap = torch.tensor([ap_of(m[i], norm[i]) for i in range(b)], dtype=torch.float64)
     raw_ap = torch.tensor([_average_precision(m[i], raw[i]) for i in range(b)],

@@ -10,6 +10,7 @@ the evaluation loop all start here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +23,12 @@ from captum_vit.adapters import Layout
 
 PIXEL_REDUCES = ("abs", "sum")
 """Poolings of a pixel map over each patch (``pixel_reduce=``)."""
-AttributionLike = Tensor | Attribution | Callable[..., Tensor]
+AttributionLike: TypeAlias = Tensor | Attribution | Callable[..., Tensor]
 """What a metric takes as the attribution: maps, an attribution or a callable."""
 
 
-def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, layout: Layout, *,
+def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor | None,
+               layout: Layout, *,
                pixel_reduce: str = "abs", attribute_kwargs: dict | None = None) -> Tensor:
     """The attribution as patch scores [B, P] on the model's grid (raster order).
 
@@ -44,7 +46,8 @@ def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, lay
         inputs (Tensor): images [B, C, H, W] (or videos [B, T, C, H, W]: maps [B, P],
             grids [B, 1, F, gh, gw] or frame maps shaped like the video, pooled per
             tubelet).
-        target (Tensor): class per image [B].
+        target (Tensor or None): class per image [B] (``None``: as the attribution
+            treats it, the predicted class for the methods of this package).
         layout (Layout): the model's token layout for ``inputs``.
         pixel_reduce (str): ``"abs"`` (default: sum of ``|a|`` over channels and patch
             pixels, the usual pooling of gradient maps) or ``"sum"`` (signed sum).
@@ -60,7 +63,8 @@ def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor, lay
     if isinstance(attribution, Tensor):
         maps = attribution
     elif isinstance(attribution, ViTFront):
-        maps = attribution.attribute(inputs, target=target, output="tokens", **kw)
+        front = cast(Attribution, attribution)  # ViTFront mixes into a Captum Attribution
+        maps = front.attribute(inputs, target=target, output="tokens", **kw)
     elif isinstance(attribution, Attribution):
         maps = attribution.attribute(inputs, target=target, **kw)
     elif callable(attribution):
@@ -109,7 +113,7 @@ def _video_to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce
     gw], or frame maps [B, T, H, W] / [B, T, C, H, W] pooled over each tubelet's frames,
     channels and pixels (``pixel_reduce``)."""
     b, t = inputs.shape[0], inputs.shape[1]
-    f, (gh, gw), p = layout.frames, layout.frame_grid, layout.num_patches
+    f, (gh, gw), p = cast(int, layout.frames), layout.frame_grid, layout.num_patches  # a video
     h, w = inputs.shape[-2:]
     shape = tuple(maps.shape)
     if shape[:1] != (b,):

@@ -46,11 +46,12 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from captum_vit._base import check_choice
+from captum_vit.data.specs import IndexedData
 from captum_vit.metrics import faithfulness as fa
 from captum_vit.metrics import suite
 from captum_vit.metrics.localization import segmentation
@@ -346,8 +347,8 @@ def _aopc_lodds(mean: Any, std: Any) -> dict[str, MetricSpec]:
 
 def _chefer_segmentation(mean: Any, std: Any) -> dict[str, MetricSpec]:
     def compute(b: MetricBatch) -> dict[str, MetricResult]:
-        seg = segmentation(b.model, b.inputs, b.maps, b.masks, target=b.target,
-                           ap_mode="chefer")
+        seg = segmentation(b.model, b.inputs, b.maps, cast(Tensor, b.masks), target=b.target,
+                           ap_mode="chefer")  # needs_masks: the batch has them
         return {k: seg[k] for k in ("pixel_accuracy", "miou", "map", "mf1")}
     return {"segmentation": MetricSpec(compute, needs_masks=True)}
 
@@ -380,8 +381,8 @@ def _token_ratio(mean: Any, std: Any) -> dict[str, MetricSpec]:
 
 def _seg_ap(mean: Any, std: Any) -> dict[str, MetricSpec]:
     return {"raw_ap": MetricSpec(lambda b: {"raw_ap": segmentation(
-        b.model, b.inputs, b.maps, b.masks, target=b.target,
-        raw_upsample="bicubic")["raw_ap"]}, needs_masks=True)}
+        b.model, b.inputs, b.maps, cast(Tensor, b.masks), target=b.target,
+        raw_upsample="bicubic")["raw_ap"]}, needs_masks=True)}  # needs_masks: has them
 
 
 def _perturbation_columns() -> tuple[Column, ...]:
@@ -542,7 +543,7 @@ def check_fixed_options(protocol: Protocol, given: Mapping[str, Any],
                          "settings are printed when it starts) or run without --protocol")
 
 
-def run_protocol(protocol: Protocol, model: nn.Module, data: Sequence[Any],
+def run_protocol(protocol: Protocol, model: nn.Module, data: IndexedData,
                  methods: Mapping[str, MethodFactory], *, preprocess: Any,
                  batch_size: int = 16,
                  seed: int = 0, progress: bool = False, has_masks: bool = False,

@@ -458,7 +458,7 @@ def patch_pixels(removed: Tensor, layout: Layout, size: tuple[int, int]) -> Tens
 def remove_pixels(inputs: Tensor, fill: Tensor, removed: Tensor, layout: Layout) -> Tensor:
     """Images [B, C, H, W] (videos [B, T, C, H, W]) whose removed patches ([B, P] bool)
     take the ``fill`` pixels."""
-    mask = patch_pixels(removed, layout, inputs.shape[-2:]).unsqueeze(-3)
+    mask = patch_pixels(removed, layout, (inputs.shape[-2], inputs.shape[-1])).unsqueeze(-3)
     return torch.where(mask, fill, inputs)
 
 

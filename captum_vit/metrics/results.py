@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -69,7 +69,9 @@ class MetricResult:
         if not parts:
             raise ValueError("MetricResult.cat needs at least one result")
         first = parts[0]
-        curves = None if first.curves is None else torch.cat([p.curves for p in parts])
+        # the shards of one metric all have curves, or none has
+        curves = None if first.curves is None else torch.cat(
+            [cast(Tensor, p.curves) for p in parts])
         stats = {k: torch.cat([p.stats[k] for p in parts]) for k in first.stats}
         return MetricResult(first.name, torch.cat([p.per_example for p in parts]),
                             first.higher_is_better, first.x, curves, stats, first.reduction)
@@ -79,8 +81,9 @@ class MetricResult:
         def mv(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach().to(device)
 
-        return MetricResult(self.name, mv(self.per_example), self.higher_is_better, mv(self.x),
-                            mv(self.curves), {k: mv(v) for k, v in self.stats.items()},
+        return MetricResult(self.name, self.per_example.detach().to(device),
+                            self.higher_is_better, mv(self.x), mv(self.curves),
+                            {k: v.detach().to(device) for k, v in self.stats.items()},
                             self.reduction)
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,12 +139,15 @@ def plot_curves(results: Mapping[str, MetricResult], path: str | Path | None = N
     fig, ax = plt.subplots(figsize=(5 + 2.0 * ncol if many else 5, 3.5))
     name = None
     # 20 distinct colours, solid then dashed, so that up to 40 methods stay apart
-    colours = plt.get_cmap("tab20").colors if len(results) > 10 else [None] * 10
+    # tab20 is a ListedColormap (matplotlib types get_cmap as the Colormap base)
+    colours = plt.get_cmap("tab20").colors if len(  # type: ignore[attr-defined]
+        results) > 10 else [None] * 10
     for i, (label, res) in enumerate(results.items()):
         if res.curves is None or res.x is None:
             raise ValueError(f"result {label!r} ({res.name}) has no curve to plot")
         name = res.name
-        ax.plot(res.x.double().cpu().numpy(), res.mean_curve.cpu().numpy(), marker=".",
+        curve = cast(Tensor, res.mean_curve)  # res.curves is not None (checked above)
+        ax.plot(res.x.double().cpu().numpy(), curve.cpu().numpy(), marker=".",
                 color=colours[i % len(colours)], linestyle="-" if i < 20 else "--",
                 label=f"{label} ({res.value:.3g})")
     ax.set_title(title or name or "")

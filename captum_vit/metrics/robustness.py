@@ -3,7 +3,7 @@ sparseness (Gini index)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.metrics import sensitivity_max
@@ -87,7 +87,7 @@ def max_sensitivity(model: nn.Module, inputs: Tensor, attribution: AttributionLi
         raise TypeError("max_sensitivity needs an attribution to re-run on perturbed inputs, "
                         "not precomputed maps")
     _, p = prepare_metric(model, inputs, target)
-    inputs, layout, t = p.images, p.layout, p.target
+    inputs, layout, t = p.images, p.layout, cast(Tensor, p.target)  # resolved: not None
     seeds = example_seeds(example_ids, inputs.shape[0], seed)
 
     def explain(x: Tensor | tuple[Tensor], target: Tensor) -> tuple[Tensor]:

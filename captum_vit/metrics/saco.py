@@ -21,7 +21,7 @@ jobs per image, batched over images and groups.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -140,8 +140,9 @@ def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
     salience.scatter_add_(1, group.to(scores.device), scores)
     logits = engine.masked_logits(images, removed, full_logits=prep.logits,
                                   seeds=example_seeds(example_ids, b, seed))
-    y = prep.target.to(logits.device)
-    p0 = probabilities(prep.logits.double()).gather(1, y[:, None])
+    # prepare_metric resolves the target and runs the model
+    y = cast(Tensor, prep.target).to(logits.device)
+    p0 = probabilities(cast(Tensor, prep.logits).double()).gather(1, y[:, None])
     pk = probabilities(logits.double()).gather(2, y[:, None, None].expand(-1, n_groups, 1))
     delta = p0 - pk.squeeze(2)
     x = torch.arange(1, n_groups + 1, dtype=torch.float64) / n_groups

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from captum.attr import Attribution
@@ -24,7 +24,7 @@ from captum_vit.metrics.maps import patch_maps
 from captum_vit.metrics.removal import prepare_metric, vector_targets
 from captum_vit.metrics.results import MetricResult
 
-MethodLike = Attribution | Callable[[nn.Module], Attribution]
+MethodLike: TypeAlias = Attribution | Callable[[nn.Module], Attribution]
 
 
 def spearman(a: Tensor, b: Tensor) -> Tensor:
@@ -92,7 +92,7 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     """
     adapter, p = prepare_metric(model, inputs, target)
     inputs, layout, t = p.images, p.layout, p.target
-    kw = dict(pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
+    kw: dict[str, Any] = dict(pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
     if isinstance(method, Attribution):
         base = method
         attr, rmodel, factory = _build(method, model)  # deep copy of method and model
@@ -106,13 +106,13 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     with radapter.targeting(adapter.head.target):  # the copy scores like the model
         for tensors in radapter.parameter_stages():
             with torch.no_grad():
-                for p in tensors:
+                for w in tensors:
                     # statistics as Python floats: the noise is drawn on the CPU (the same
                     # weights on every device) while the parameter may live on a GPU
-                    mean = p.double().mean().item()
-                    std = p.double().std().item() if p.numel() > 1 else 0.0
-                    noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * std + mean
-                    p.copy_(noise.to(device=p.device, dtype=p.dtype))
+                    mean = w.double().mean().item()
+                    std = w.double().std().item() if w.numel() > 1 else 0.0
+                    noise = torch.randn(w.shape, generator=g, dtype=torch.float64) * std + mean
+                    w.copy_(noise.to(device=w.device, dtype=w.dtype))
             if factory is not None:
                 attr = factory(rmodel)  # fresh adapter state for the new weights
             curves.append(spearman(ref, patch_maps(attr, inputs, t, layout, **kw)))

@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from captum.attr import Attribution
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from captum_vit._base import check_choice
 from captum_vit.adapters import adapt, scores_are_classes
+from captum_vit.data.specs import IndexedData
 from captum_vit.metrics.maps import patch_maps
 from captum_vit.metrics.parallel import distributed, gather, rank_world, shard
 from captum_vit.metrics.results import MetricResult
@@ -142,7 +143,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
     with torch.no_grad():
         pred = adapter.model_logits(inputs).argmax(-1)
     by_label = settings.explain == "label"
-    t = labels.to(pred.device) if by_label else pred
+    t = cast(Tensor, labels).to(pred.device) if by_label else pred  # checked above
     maps = None
     if not all(table[m].needs_callable for m in metrics):  # computed once, reused
         maps = patch_maps(bound.attribution, inputs, t, adapter.layout(inputs))
@@ -161,7 +162,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
     return cols
 
 
-def evaluate(model: nn.Module, data: Sequence[Any],
+def evaluate(model: nn.Module, data: IndexedData,
              methods: Mapping[str, MethodFactory], metrics: Sequence[str], *,
              settings: EvalSettings | None = None,
              preprocess: Callable[[Tensor], Tensor] | None = None,

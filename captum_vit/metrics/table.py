@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from captum.attr import Attribution
 from torch import Tensor, nn
@@ -55,6 +55,10 @@ class BoundMethod:
         >>> gae(model) is gae.attribution          # a call always builds a new one
         False
     """
+
+    factory: MethodFactory
+    model: nn.Module
+    attribution: Attribution
 
     def __init__(self, factory: MethodFactory, model: nn.Module,
                  attribution: Attribution | None = None) -> None:
@@ -154,6 +158,11 @@ class MetricSpec:
     needs_classes: bool = False
 
 
+def _masks(b: MetricBatch) -> Tensor:
+    """The batch's masks, for a metric with ``needs_masks`` (the batch then has them)."""
+    return cast(Tensor, b.masks)
+
+
 def _named(*results: MetricResult) -> dict[str, MetricResult]:
     return {r.name: r for r in results}
 
@@ -184,8 +193,8 @@ METRICS: dict[str, MetricSpec] = {
                                                        **b.removal_kwargs)),
     "saco": MetricSpec(lambda b: _named(saco(b.model, b.inputs, b.maps, **b.removal_kwargs))),
     "pointing_game": MetricSpec(lambda b: _named(pointing_game(
-        b.model, b.inputs, b.maps, b.masks, target=b.target)), needs_masks=True),
-    "segmentation": MetricSpec(lambda b: segmentation(b.model, b.inputs, b.maps, b.masks,
+        b.model, b.inputs, b.maps, _masks(b), target=b.target)), needs_masks=True),
+    "segmentation": MetricSpec(lambda b: segmentation(b.model, b.inputs, b.maps, _masks(b),
                                                       target=b.target), needs_masks=True),
     "max_sensitivity": MetricSpec(lambda b: _named(max_sensitivity(
         b.model, b.inputs, b.attribution, target=b.target, seed=b.settings.seed,

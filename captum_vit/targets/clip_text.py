@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.targets.embedding import EmbeddingTarget
 
 _HF_TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -28,7 +29,7 @@ def _scalar(value: Any) -> float:
     return float(value.detach().reshape(-1)[0]) if isinstance(value, Tensor) else float(value)
 
 
-def _open_clip_features(model: nn.Module, tokenizer: Callable[..., Any], texts: list[str]
+def _open_clip_features(model: ModelTree, tokenizer: Callable[..., Any], texts: list[str]
                         ) -> tuple[Tensor, float, float]:
     tokens = tokenizer(texts)
     if not isinstance(tokens, Tensor):
@@ -40,7 +41,7 @@ def _open_clip_features(model: nn.Module, tokenizer: Callable[..., Any], texts: 
     return features, _scalar(model.logit_scale.exp()), 0.0 if bias is None else _scalar(bias)
 
 
-def _hf_features(model: nn.Module, tokenizer: Callable[..., Any], texts: list[str]
+def _hf_features(model: ModelTree, tokenizer: Callable[..., Any], texts: list[str]
                  ) -> tuple[Tensor, float, float]:
     siglip = "Siglip" in type(model).__name__
     # SigLIP was trained on text padded to the full length (its model card's usage)

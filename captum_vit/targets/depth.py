@@ -60,6 +60,7 @@ class DepthTarget(Target):
     """
 
     reads_tokens = True
+    blocks: tuple[int, ...]  # always the head's (never None)
 
     def __init__(self, model: nn.Module, select: Tensor) -> None:
         self.head = HFDepthHead(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -220,7 +220,7 @@ class DetectionTarget(Target):
             query = per_image(query, b, "query")
             if label is None and self.box is None:
                 label = probs[torch.arange(b), query, :-1].argmax(-1)
-        query = per_image(query, m, "query")
+        query = per_image(cast(Tensor, query), m, "query")  # given or chosen above
         label = None if label is None else per_image(label, m, "label")
         box = None if self.box is None else per_image(self.box, m, "box")
         out = DetectionTarget.__new__(DetectionTarget)
@@ -255,14 +255,15 @@ class DetectionTarget(Target):
             boxes = extra["boxes"][:, q]  # [n, m, 4]
             return -(boxes - r.box.to(boxes)).abs().sum(-1)
         z = extra["detection_logits"]
+        label = cast(Tensor, r.label)  # None only when a box is scored (above)
         if self.kind == "probability":
             z = z.softmax(-1)
         elif self.kind == "log_probability":
             z = z.log_softmax(-1)
-        if (r.label >= z.shape[-1]).any():
+        if (label >= z.shape[-1]).any():
             raise ValueError(f"label must be in [0, {z.shape[-1]}) (the model's classes and "
-                             f"'no object' = {z.shape[-1] - 1}), got {r.label.tolist()}")
-        return z[:, q, r.label.to(z.device)]  # [n, m]
+                             f"'no object' = {z.shape[-1] - 1}), got {label.tolist()}")
+        return z[:, q, label.to(z.device)]  # [n, m]
 
 
 class _Detections(Target):

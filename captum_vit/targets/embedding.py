@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +62,7 @@ class EmbeddingTarget:
     bias: float = 0.0
 
 
-def is_embedding_target(target: object) -> bool:
+def is_embedding_target(target: object) -> TypeGuard[EmbeddingTarget | Tensor]:
     """Whether ``target`` is a vector target (a float tensor or an EmbeddingTarget)."""
     return isinstance(target, EmbeddingTarget) or (
         isinstance(target, Tensor) and torch.is_floating_point(target))

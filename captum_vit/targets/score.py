@@ -152,9 +152,11 @@ class Contrastive(Target):
 
     def __init__(self, a: int | Sequence[int] | Tensor, b: int | Sequence[int] | Tensor
                  ) -> None:
-        self.a, self.b = _classes(a, "a"), _classes(b, "b")
-        if self.a is None or self.b is None:
+        ca, cb = _classes(a, "a"), _classes(b, "b")
+        if ca is None or cb is None:
             raise ValueError("Contrastive needs both classes a and b")
+        self.a: Tensor = ca
+        self.b: Tensor = cb
         n = max(self.a.numel(), self.b.numel())
         if n > 1:
             self.a = per_image(self.a, n, "a")
@@ -309,7 +311,7 @@ class HeadTarget(Target):
 
     reads_tokens = True
 
-    def __init__(self, head: Callable[[Tensor], Tensor] | nn.Module, select: Tensor,
+    def __init__(self, head: Callable[..., Tensor] | nn.Module, select: Tensor,
                  blocks: int | Sequence[int] | None = None) -> None:
         if not callable(head):
             raise TypeError(f"HeadTarget's head must be callable, got {type(head).__name__}")
@@ -334,6 +336,7 @@ class HeadTarget(Target):
         return per_image(torch.arange(k), batch, "HeadTarget's select")
 
     def columns(self, out: Outputs) -> Tensor:
+        grid: Tensor | list[Tensor]
         if self.blocks is None:
             grid = out.patches()
         else:

@@ -9,16 +9,15 @@ zoo model copied elsewhere loads as ``file:PATH.safetensors``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import cast
 
-import torch
 from torch import nn
 
 from captum_vit.cards import from_card, read_card
 from captum_vit.data.fashion_mnist import CLASS_NAMES
+from captum_vit.data.transforms import Preprocess
 
 ZOO_DIR = Path(__file__).parent
 
@@ -36,7 +35,7 @@ class ZooModel:
     """
 
     model: nn.Module
-    preprocess: Callable[[Any], torch.Tensor]
+    preprocess: Preprocess
     class_names: tuple[str, ...]
     card: dict
 
@@ -84,7 +83,9 @@ def load(name: str = "vit_fmnist_loc") -> ZooModel:
     # the bundled cards predate the card's class_names: they are Fashion-MNIST's classes
     lm = from_card(card, ZOO_DIR / f"{name}.safetensors",
                    class_names=card.get("class_names", CLASS_NAMES))
-    return ZooModel(lm.model, lm.preprocess, lm.class_names, lm.card)
+    # from_card with class_names gives both (never None here)
+    return ZooModel(lm.model, lm.preprocess, cast(tuple[str, ...], lm.class_names),
+                    cast(dict, lm.card))
 
 
 __all__ = ["ZooModel", "available", "load", "ZOO_DIR"]
