@@ -282,10 +282,14 @@ def export_quantus(model: nn.Module, inputs: Any, method: MethodLike | Tensor, *
         >>> import quantus
         >>> from captum_vit.data.specs import load_data, model_batch
         >>> from captum_vit.interop import export_quantus
+        >>> from captum_vit.models import load_model
+        >>> lm = load_model("zoo:vit_fmnist_loc")                  # the bundled model
+        >>> data = load_data("synthetic", n=16, input_shape=lm.input_shape,
+        ...                  num_classes=len(lm.class_names))
         >>> x, _, masks = model_batch(data, range(16), input_shape=lm.input_shape,
         ...                           preprocess=lm.preprocess)
         >>> batch = export_quantus(lm.model, x, "gae", masks=masks, path="gae.npz")
-        >>> quantus.PointingGame()(lm.model, **batch)
+        >>> scores = quantus.PointingGame(disable_warnings=True)(lm.model, **batch)
     """
     from captum_vit.metrics.removal import prepare_metric
 

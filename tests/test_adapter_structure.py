@@ -35,6 +35,8 @@ from captum_vit.metrics.removal import patch_pixels, upsample
 from captum_vit.viz import upsample_map
 from tests.helpers import assert_close_scaled, make_inputs, make_model
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 
 # -- one adapter per model -------------------------------------------------------------------
 def test_adapt_memoises_one_adapter_per_model():

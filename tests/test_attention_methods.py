@@ -15,6 +15,8 @@ from tests.helpers import (
     make_model,
 )
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 METHODS = {
     "raw_attention": lambda m: RawAttention(m),
     "rollout": lambda m: Rollout(m),

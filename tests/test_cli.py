@@ -12,6 +12,8 @@ from PIL import Image
 from captum_vit import zoo
 from captum_vit.cli import main
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 

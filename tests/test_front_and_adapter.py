@@ -26,6 +26,8 @@ from tests.helpers import (
     snapshot,
 )
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 matplotlib.use("Agg")
 
 ALL_METHODS = [RawAttention, Rollout, GAE, AttnGradCAM, TokenIxG, AttIxG]

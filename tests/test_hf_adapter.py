@@ -21,7 +21,7 @@ from tests.helpers import (
     snapshot,
 )
 
-pytestmark = needs_transformers
+pytestmark = [needs_transformers, pytest.mark.lower_bounds]
 KW = dict(img_size=32, patch_size=8, in_chans=3, embed_dim=32, depth=3, num_heads=4,
           mlp_ratio=2.0, num_classes=5, qkv_bias=True)
 

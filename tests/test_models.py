@@ -21,6 +21,8 @@ from captum_vit.models import (
 )
 from tests.helpers import assert_unchanged, snapshot
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 KWARGS = dict(img_size=(16, 24), patch_size=8, in_chans=3, embed_dim=16, depth=1, num_heads=2,
               num_classes=3)
 

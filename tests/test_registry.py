@@ -20,6 +20,8 @@ from captum_vit.registry import (
 )
 from tests.helpers import make_inputs, make_model
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 
 @pytest.mark.parametrize(("spelling", "canonical"), [
     ("GAE", "gae"), ("gae", "gae"), ("G-A-E", "gae"), ("TokenTM", "tokentm"),

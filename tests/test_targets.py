@@ -36,6 +36,8 @@ from tests.helpers import (
     snapshot,
 )
 
+pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
+
 FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16},
         "bt_h": {"n_steps": 3, "start_layer": 1}, "bt_t": {"n_steps": 3, "start_layer": 1},
         "tam": {"n_steps": 3, "start_layer": 0}}

@@ -23,7 +23,7 @@ from tests.helpers import (
 )
 from tests.test_contract import FAST
 
-pytestmark = needs_torchvision
+pytestmark = [needs_torchvision, pytest.mark.lower_bounds]
 METHODS = available_methods(compositions=True)
 _MODELS: dict[object, nn.Module] = {}
 
@@ -85,7 +85,8 @@ def test_adapter_forward_equals_the_models_own(representation_size, monkeypatch)
     ours = ad.run(ad.embed(x))
     with torch.no_grad():  # eval + no grad: nn.MultiheadAttention may take its fused path
         fast = model(x)
-    if torch.backends.mha.get_fastpath_enabled():
+    mha = getattr(torch.backends, "mha", None)  # torch >= 2.3 can switch the fast path off
+    if mha is None or mha.get_fastpath_enabled():
         assert len(fused) == 3  # one fused call per block: the path really differs
     slow = model(x)  # with grad: the plain path
     assert len(fused) in (0, 3)

@@ -124,9 +124,11 @@ def plot_curves(results: Mapping[str, MetricResult], path: str | Path | None = N
 
     Examples::
 
+        >>> from captum_vit import GAE, RandomMap
         >>> from captum_vit.metrics import deletion, plot_curves
-        >>> res = {"gae": deletion(model, x, GAE(model)), "random": deletion(model, x, rnd)}
-        >>> plot_curves(res, "deletion.png")
+        >>> res = {"gae": deletion(model, x, GAE(model)),
+        ...        "random": deletion(model, x, RandomMap(model))}
+        >>> fig = plot_curves(res, "deletion.png")
     """
     import matplotlib
 
