@@ -42,23 +42,3 @@ def _deterministic():
     yield
 
 
-# FullGrad+ (fullgrad_plus, skip_fullgrad_plus) hands F.linear a per-token bias [B, N, D];
-# torch before 2.10 sends a contiguous 3-D input through a fused addmm that expands the bias
-# to 2-D and refuses it (torch 2.1-2.5 checked). Until the method adds such a bias after the
-# product, its tests are expected failures on those versions (the lower-bounds run, torch
-# 2.5), listed as such, not hidden; the CLI's default run and a comparison over every
-# method use it too.
-OLD_TORCH_LINEAR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10)
-USES_FULLGRAD = {"tests/test_cli.py::test_explain_with_no_arguments_writes_a_png",
-                 "tests/test_hf_adapter.py::test_hf_twin_of_a_timm_model_gets_identical_maps_"
-                 "from_every_method"}
-
-
-def pytest_collection_modifyitems(config, items):
-    if not OLD_TORCH_LINEAR:
-        return
-    mark = pytest.mark.xfail(reason=f"FullGrad+ needs torch >= 2.10 (F.linear with a per-token "
-                                    f"bias); this is torch {torch.__version__}", strict=False)
-    for item in items:
-        if "fullgrad" in item.nodeid or item.nodeid.split("[")[0] in USES_FULLGRAD:
-            item.add_marker(mark)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.parts import BlockParts, Heads, NormParts, PoolParts
+from captum_vit.adapters.parts import BlockParts, Heads, NormParts, PoolParts, affine
 
 
 class _LayerNormFrozenVariance(torch.autograd.Function):
@@ -142,7 +142,7 @@ class Ops:
         return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, p.eps)
 
     def linear(self, x: Any, weight: Tensor, bias: Tensor | None) -> Any:
-        return F.linear(x, weight, bias)
+        return affine(x, weight, bias)
 
     def act(self, z: Any, act: Callable[[Tensor], Tensor]) -> Any:
         return activation_gate_detached(z, act) if self.linearize else act(z)

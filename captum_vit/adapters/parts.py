@@ -116,11 +116,11 @@ class AttentionParts:
         return self.num_heads * self.head_dim
 
     def _heads(self, u: Tensor, weight: Tensor | None, bias: Tensor | None,
-               linear: Callable[..., Tensor] = F.linear) -> Tensor:
+               linear: Callable[..., Tensor] | None = None) -> Tensor:
         """``u W^T + b`` (``u`` itself for ``weight = None``) split into heads,
         [B, H, N, d]."""
         b, n, _ = u.shape
-        y = u if weight is None else linear(u, weight, bias)
+        y = u if weight is None else (linear or affine)(u, weight, bias)
         return y.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
 
@@ -167,7 +167,7 @@ class BlockParts(AttentionParts):
         weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
         bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
         no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
-        linear = F.linear if rules is None or rules.linear is None else rules.linear
+        linear = affine if rules is None or rules.linear is None else rules.linear
         if weight is not None and (bias is not None or no_bias):
             # one fused matmul, exactly as the model computes it (same rounding forward
             # and backward); the heads then split as in timm's Attention.forward
@@ -639,6 +639,22 @@ def layer_norm_parts(m: nn.Module, where: str) -> NormParts:
     if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
         raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
     return NormParts(m.weight, m.bias, m.eps)
+
+
+def affine(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` where the bias may carry token axes (``[B, N, D_out]``: FullGrad+'s
+    per-token bias probes). ``F.linear`` takes a 1-D bias only on torch before 2.10 (its
+    fused ``addmm`` refuses a broadcast one), so such a bias is added after the product.
+
+    Examples::
+
+        >>> x, w = torch.randn(2, 5, 4), torch.randn(3, 4)
+        >>> affine(x, w, torch.zeros(2, 5, 3)).shape
+        torch.Size([2, 5, 3])
+    """
+    if bias is None or bias.dim() <= 1:
+        return F.linear(x, weight, bias)
+    return F.linear(x, weight) + bias
 
 
 def linear_module(m: nn.Module, where: str) -> nn.Linear:
