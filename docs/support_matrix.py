@@ -78,9 +78,13 @@ whole algorithm; the integration from the first block, which every model has, wh
 papers start deeper in 12-block models; every other method runs with its defaults, the
 papers'); a composition takes its base's."""
 
-REPEATS = 2
-"""Runs of a working cell; its time is the fastest (the machine's other work only ever
-adds time)."""
+REPEATS = 1
+"""Runs of a working cell; its time is the fastest. Times are the process's CPU time
+(:func:`time.process_time`), which other work on a shared machine does not inflate, so
+one run is enough."""
+
+clock = time.process_time
+"""The timer of the cells and of their unit."""
 
 KINDS: dict[str, str] = {
     "class": "class index",
@@ -105,14 +109,19 @@ KIND_NOTES: dict[str, str] = {
     "embedding": "a random target vector per image on models that output an image "
                  "embedding (cosine similarity).",
     "detection": "`DetectionTarget(\"best\", label=[1, 3])` on a YOLOS detector.",
-    "vlm": "`VLMAnswer(vlm, prompt, answer)` of a LLaVA model (CLIP tower, Llama), "
-           "explained on its vision tower.",
-    "depth": "`DepthTarget(dpt, region)` of a DPT depth estimator, explained on its "
-             "DINOv2 backbone; methods explaining a probability by default get "
-             "`score=\"logit\"`.",
+    "vlm": "`VLMAnswer(vlm, prompt, answer)`: the log-probability of a two-token answer of "
+           "a LLaVA (CLIP tower, Llama) or PaliGemma (SigLIP tower, Gemma) model, explained "
+           "on its vision tower.",
+    "depth": "`DepthTarget(model, region)`: the depth a DPT or Depth Anything model "
+             "predicts in a region, explained on its DINOv2 backbone; methods explaining a "
+             "probability by default get `score=\"logit\"`.",
 }
 
-GROUPS = ("timm", "Hugging Face", "torchvision and OpenCLIP", "video, detection, VLM, depth")
+GROUPS = ("timm ViT", "timm EVA and BEiT", "Hugging Face", "torchvision and OpenCLIP",
+          "video, detection, VLM, depth")
+"""Family groups: a target kind's table splits by group when it has many columns."""
+MAX_COLUMNS = 9
+"""Columns of one table before it splits by group."""
 
 
 # -- tiny random models ------------------------------------------------------------------
@@ -173,25 +182,26 @@ def _hf(cls_name: str, cfg_name: str, dual: str | None = None, **extra: Any) -> 
     return getattr(transformers, cls_name)(cfg)
 
 
-def _videomae() -> nn.Module:
+def _videomae(cls_name: str = "VideoMAEForVideoClassification", pooling: bool = True
+              ) -> nn.Module:
     import transformers
 
     cfg = transformers.VideoMAEConfig(
         image_size=16, patch_size=8, num_channels=3, num_frames=4, tubelet_size=2,
         hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=4,
         intermediate_size=2 * WIDTH, num_labels=CLASSES, qv_bias=True, layer_norm_eps=1e-6,
-        use_mean_pooling=True)
+        use_mean_pooling=pooling)
     torch.manual_seed(0)
-    return transformers.VideoMAEForVideoClassification(cfg)
+    return getattr(transformers, cls_name)(cfg)
 
 
-def _yolos() -> nn.Module:
+def _yolos(mid: bool = False) -> nn.Module:
     import transformers
 
     cfg = transformers.YolosConfig(
         image_size=[32, 48], patch_size=8, num_channels=3, hidden_size=WIDTH,
         num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=2 * WIDTH,
-        num_labels=4, num_detection_tokens=3, use_mid_position_embeddings=False,
+        num_labels=4, num_detection_tokens=3, use_mid_position_embeddings=mid,
         layer_norm_eps=1e-6)
     torch.manual_seed(0)
     return transformers.YolosForObjectDetection(cfg)
@@ -217,31 +227,55 @@ def _llava() -> nn.Module:
     return transformers.LlavaForConditionalGeneration(cfg)
 
 
-def _dpt() -> nn.Module:
+def _paligemma() -> nn.Module:
     import transformers
 
-    backbone = transformers.Dinov2Config(
-        image_size=28, patch_size=7, num_channels=3, hidden_size=WIDTH, num_hidden_layers=5,
-        num_attention_heads=4, intermediate_size=2 * WIDTH, layer_norm_eps=1e-6,
-        layerscale_value=0.5, apply_layernorm=True, reshape_hidden_states=False,
-        out_indices=[1, 2, 3, 4])
-    cfg = transformers.DPTConfig(
-        backbone_config=backbone, is_hybrid=False, hidden_size=WIDTH,
-        neck_hidden_sizes=[8, 16, 16, 32], fusion_hidden_size=16,
-        reassemble_factors=[4, 2, 1, 0.5], readout_type="project")
+    cfg = transformers.PaliGemmaConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": WIDTH,
+                       "intermediate_size": 2 * WIDTH, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                       "vision_use_head": False},
+        text_config={"model_type": "gemma", "vocab_size": 299, "hidden_size": 24,
+                     "intermediate_size": 48, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12},
+        image_token_id=VLM_IMAGE_ID, projection_dim=24, hidden_size=24, vocab_size=299)
     torch.manual_seed(0)
-    return transformers.DPTForDepthEstimation(cfg)
+    return transformers.PaliGemmaForConditionalGeneration(cfg)
 
 
-def _torchvision() -> nn.Module:
+def _depth(cls_name: str) -> nn.Module:
+    """DPT (5 backbone blocks, x_1 .. x_4 read, the CLS projected into the patches) or
+    Depth Anything (4 blocks, all read) on a DINOv2 backbone, 28×28 inputs, patch 7."""
+    import transformers
+
+    dpt = cls_name == "DPTForDepthEstimation"
+    backbone = transformers.Dinov2Config(
+        image_size=28, patch_size=7, num_channels=3, hidden_size=WIDTH,
+        num_hidden_layers=5 if dpt else 4, num_attention_heads=4,
+        intermediate_size=2 * WIDTH, layer_norm_eps=1e-6, layerscale_value=0.5,
+        apply_layernorm=True, reshape_hidden_states=False, out_indices=[1, 2, 3, 4])
+    common = dict(backbone_config=backbone, neck_hidden_sizes=[8, 16, 16, 32],
+                  fusion_hidden_size=16, reassemble_factors=[4, 2, 1, 0.5])
+    if dpt:
+        cfg = transformers.DPTConfig(is_hybrid=False, hidden_size=WIDTH,
+                                     readout_type="project", **common)
+    else:
+        cfg = transformers.DepthAnythingConfig(patch_size=7, head_hidden_size=8,
+                                               reassemble_hidden_size=WIDTH, **common)
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(cfg)
+
+
+def _torchvision(**extra: Any) -> nn.Module:
     from torchvision.models import VisionTransformer
 
     torch.manual_seed(0)
     return VisionTransformer(image_size=32, patch_size=8, num_layers=DEPTH, num_heads=2,
-                             hidden_dim=16, mlp_dim=32, num_classes=CLASSES)
+                             hidden_dim=16, mlp_dim=32, num_classes=CLASSES, **extra)
 
 
-def _open_clip(**vision: Any) -> nn.Module:
+def _open_clip(tower: bool = False, quick_gelu: bool = False, **vision: Any) -> nn.Module:
+    """The dual ``open_clip.CLIP`` (or its ``visual`` tower alone)."""
     import open_clip
 
     cfg = dict(image_size=32, patch_size=8, width=WIDTH, head_width=8, layers=DEPTH,
@@ -249,7 +283,9 @@ def _open_clip(**vision: Any) -> nn.Module:
     embed_dim = vision.pop("embed_dim", 16)
     text = dict(context_length=8, vocab_size=49408, width=WIDTH, heads=4, layers=1)
     torch.manual_seed(0)
-    return open_clip.CLIP(embed_dim=embed_dim, vision_cfg={**cfg, **vision}, text_cfg=text)
+    model = open_clip.CLIP(embed_dim=embed_dim, vision_cfg={**cfg, **vision}, text_cfg=text,
+                           quick_gelu=quick_gelu)
+    return model.visual if tower else model
 
 
 @dataclass
@@ -293,88 +329,163 @@ RICH = ("class", "multilabel", "contrastive", "token")
 _VIT = "timm.models.vision_transformer.VisionTransformer"
 _EVA = "timm.models.eva.Eva"
 
+_TV = "timm ViT"
+_TE = "timm EVA and BEiT"
+_HF = "Hugging Face"
+_TO = "torchvision and OpenCLIP"
+_OT = "video, detection, VLM, depth"
+_BEIT = "timm.models.beit.Beit"
+_NONSQUARE = (24, 40)
+HF_ = ("transformers",)
+
 FAMILY_LIST: tuple[Family, ...] = (
-    Family("timm_vit", "ViT", "timm", (*RICH, "head"), ("timm",), lambda: _timm(_VIT),
+    Family("timm_vit", "ViT", _TV, (*RICH, "head"), ("timm",), lambda: _timm(_VIT),
            model_class="VisionTransformer (CLS token)"),
-    Family("timm_deit", "DeiT", "timm", CLASSIFIER, ("timm",),
+    Family("timm_deit", "DeiT", _TV, CLASSIFIER, ("timm",),
            lambda: _timm("timm.models.deit.VisionTransformerDistilled"),
            model_class="VisionTransformerDistilled (CLS + distillation token)"),
-    Family("timm_registers", "ViT + registers", "timm", CLASSIFIER, ("timm",),
+    Family("timm_registers", "registers", _TV, CLASSIFIER, ("timm",),
            lambda: _timm(_VIT, reg_tokens=2), model_class="VisionTransformer, 2 registers"),
-    Family("timm_avgpool", "ViT avg-pool", "timm", CLASSIFIER, ("timm",),
+    Family("timm_avgpool", "avg-pool", _TV, CLASSIFIER, ("timm",),
            lambda: _timm(_VIT, class_token=False, global_pool="avg"),
            model_class="VisionTransformer, no CLS, mean pooling"),
-    Family("timm_map", "ViT MAP", "timm", CLASSIFIER, ("timm",),
+    Family("timm_layerscale", "LayerScale", _TV, CLASSIFIER, ("timm",),
+           lambda: _timm(_VIT, init_values=0.5, qk_norm=True, no_embed_class=True),
+           model_class="VisionTransformer, LayerScale, q/k norm, no position on CLS"),
+    Family("timm_nonsquare", "24×40", _TV, CLASSIFIER, ("timm",),
+           lambda: _timm(_VIT, _NONSQUARE, dynamic_img_size=True), size=_NONSQUARE,
+           model_class="VisionTransformer, dynamic_img_size"),
+    Family("timm_map", "MAP", _TV, CLASSIFIER, ("timm",),
            lambda: _timm(_VIT, class_token=False, global_pool="map"),
            model_class="VisionTransformer, attention-pool head (SigLIP-style)"),
-    Family("timm_eva02", "EVA-02", "timm", RICH, ("timm",),
+    Family("timm_map_cls_reg", "MAP + CLS, registers", _TV, CLASSIFIER, ("timm",),
+           lambda: _timm(_VIT, global_pool="map", reg_tokens=2),
+           model_class="VisionTransformer, attention pool over CLS, registers, patches"),
+    Family("timm_eva02", "EVA-02", _TE, RICH, ("timm",),
            lambda: _timm(_EVA, use_rot_pos_emb=True, rope_type="cat", swiglu_mlp=True,
                          scale_mlp=True, scale_attn_inner=True, global_pool="avg"),
            model_class="Eva (RoPE, SwiGLU)"),
-    Family("timm_beit", "BEiT", "timm", CLASSIFIER, ("timm",),
-           lambda: _timm("timm.models.beit.Beit", use_rel_pos_bias=True,
-                         use_abs_pos_emb=False, global_pool="avg", init_values=0.5),
+    Family("timm_eva_dinov3", "DINOv3-style Eva", _TE, CLASSIFIER, ("timm",),
+           lambda: _timm(_EVA, _NONSQUARE, use_rot_pos_emb=True, rope_type="dinov3",
+                         rope_rotate_half=True, rope_temperature=100, use_abs_pos_emb=False,
+                         num_reg_tokens=4, init_values=1e-5, global_pool="token",
+                         use_fc_norm=False, dynamic_img_size=True), size=_NONSQUARE,
+           model_class="Eva, DINOv3 RoPE, 4 registers"),
+    Family("timm_eva_map", "Eva MAP", _TE, CLASSIFIER, ("timm",),
+           lambda: _timm(_EVA, use_rot_pos_emb=True, swiglu_mlp=True, scale_attn_inner=True,
+                         global_pool="map"),
+           model_class="Eva, attention-pool head"),
+    Family("timm_beit", "BEiT", _TE, CLASSIFIER, ("timm",),
+           lambda: _timm(_BEIT, use_rel_pos_bias=True, use_abs_pos_emb=False,
+                         global_pool="avg", init_values=0.5),
            model_class="Beit (relative position bias, LayerScale)"),
-    Family("timm_headless", "ViT head-less", "timm", ("embedding",), ("timm",),
+    Family("timm_beit_shared", "BEiT shared bias", _TE, CLASSIFIER, ("timm",),
+           lambda: _timm(_BEIT, use_shared_rel_pos_bias=True, global_pool="token"),
+           model_class="Beit, one shared relative position bias, CLS readout"),
+    Family("timm_beit_swiglu", "BEiT SwiGLU", _TE, CLASSIFIER, ("timm",),
+           lambda: _timm(_BEIT, use_rel_pos_bias=True, swiglu_mlp=True, scale_mlp=True,
+                         global_pool="avg"),
+           model_class="Beit, SwiGLU MLP"),
+    Family("timm_headless", "ViT head-less", _TV, ("embedding",), ("timm",),
            lambda: _timm(_VIT, num_classes=0, reg_tokens=1),
            model_class="VisionTransformer, num_classes=0 (pooled embedding)"),
-    Family("hf_vit", "ViT", "Hugging Face", (*RICH, "head"), ("transformers",),
+    Family("timm_eva_headless_map", "Eva MAP head-less", _TE, ("embedding",), ("timm",),
+           lambda: _timm(_EVA, num_classes=0, use_rot_pos_emb=True, swiglu_mlp=True,
+                         global_pool="map"),
+           model_class="Eva, num_classes=0, attention pool"),
+    Family("hf_vit", "ViT", _HF, (*RICH, "head"), HF_,
            lambda: _hf("ViTForImageClassification", "ViTConfig"),
            model_class="ViTForImageClassification"),
-    Family("hf_deit", "DeiT", "Hugging Face", CLASSIFIER, ("transformers",),
+    Family("hf_deit", "DeiT", _HF, CLASSIFIER, HF_,
            lambda: _hf("DeiTForImageClassificationWithTeacher", "DeiTConfig"),
-           model_class="DeiTForImageClassificationWithTeacher"),
-    Family("hf_dinov2", "DINOv2", "Hugging Face", RICH, ("transformers",),
+           size=_NONSQUARE, model_class="DeiTForImageClassificationWithTeacher (interpolated "
+           "positions)"),
+    Family("hf_dinov2", "DINOv2", _HF, RICH, HF_,
            lambda: _hf("Dinov2ForImageClassification", "Dinov2Config", layerscale_value=0.5),
            model_class="Dinov2ForImageClassification"),
-    Family("hf_clip_cls", "CLIP", "Hugging Face", CLASSIFIER, ("transformers",),
+    Family("hf_dinov2_reg", "DINOv2 registers", _HF, CLASSIFIER, HF_,
+           lambda: _hf("Dinov2WithRegistersForImageClassification",
+                       "Dinov2WithRegistersConfig", num_register_tokens=2),
+           size=_NONSQUARE, model_class="Dinov2WithRegistersForImageClassification"),
+    Family("hf_dinov2_swiglu", "DINOv2 SwiGLU", _HF, CLASSIFIER, HF_,
+           lambda: _hf("Dinov2ForImageClassification", "Dinov2Config", use_swiglu_ffn=True),
+           model_class="Dinov2ForImageClassification, SwiGLU"),
+    Family("hf_clip_cls", "CLIP", _HF, CLASSIFIER, HF_,
            lambda: _hf("CLIPForImageClassification", "CLIPVisionConfig", dual="CLIPConfig"),
-           model_class="CLIPForImageClassification"),
-    Family("hf_siglip_cls", "SigLIP", "Hugging Face", CLASSIFIER, ("transformers",),
+           size=_NONSQUARE, model_class="CLIPForImageClassification"),
+    Family("hf_siglip_cls", "SigLIP", _HF, CLASSIFIER, HF_,
            lambda: _hf("SiglipForImageClassification", "SiglipVisionConfig",
                        dual="SiglipConfig"),
            model_class="SiglipForImageClassification"),
-    Family("hf_beit", "BEiT", "Hugging Face", CLASSIFIER, ("transformers",),
+    Family("hf_beit", "BEiT", _HF, CLASSIFIER, HF_,
            lambda: _hf("BeitForImageClassification", "BeitConfig",
                        use_relative_position_bias=True, use_mean_pooling=True,
                        layer_scale_init_value=0.5),
            model_class="BeitForImageClassification"),
-    Family("hf_data2vec", "data2vec", "Hugging Face", CLASSIFIER, ("transformers",),
+    Family("hf_data2vec", "data2vec", _HF, CLASSIFIER, HF_,
            lambda: _hf("Data2VecVisionForImageClassification", "Data2VecVisionConfig",
                        use_shared_relative_position_bias=True,
                        use_absolute_position_embeddings=True, use_mean_pooling=False,
                        layer_scale_init_value=0.0),
            model_class="Data2VecVisionForImageClassification"),
-    Family("hf_clip", "CLIP tower", "Hugging Face", ("embedding",), ("transformers",),
+    Family("hf_clip", "CLIP tower", _HF, ("embedding",), HF_,
            lambda: _hf("CLIPVisionModelWithProjection", "CLIPVisionConfig",
                        projection_dim=16),
            model_class="CLIPVisionModelWithProjection"),
-    Family("hf_siglip", "SigLIP tower", "Hugging Face", ("embedding",), ("transformers",),
+    Family("hf_clip_noproj", "CLIP tower, no projection", _HF, ("embedding",), HF_,
+           lambda: _hf("CLIPVisionModel", "CLIPVisionConfig"), size=_NONSQUARE,
+           model_class="CLIPVisionModel"),
+    Family("hf_siglip", "SigLIP tower", _HF, ("embedding",), HF_,
            lambda: _hf("SiglipVisionModel", "SiglipVisionConfig"),
            model_class="SiglipVisionModel"),
-    Family("hf_dinov2_model", "DINOv2 backbone", "Hugging Face", ("embedding", "token"),
-           ("transformers",),
+    Family("hf_vit_model", "ViT backbone", _HF, ("embedding",), HF_,
+           lambda: _hf("ViTModel", "ViTConfig"), size=_NONSQUARE,
+           model_class="ViTModel (tanh pooler on CLS)"),
+    Family("hf_deit_model", "DeiT backbone", _HF, ("embedding",), HF_,
+           lambda: _hf("DeiTModel", "DeiTConfig"), model_class="DeiTModel"),
+    Family("hf_dinov2_model", "DINOv2 backbone", _HF, ("embedding", "token"), HF_,
            lambda: _hf("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig",
                        num_register_tokens=2),
            model_class="Dinov2WithRegistersModel (head-less, registers)"),
-    Family("torchvision", "torchvision ViT", "torchvision and OpenCLIP", RICH,
-           ("torchvision",), _torchvision, model_class="torchvision.models.VisionTransformer"),
-    Family("open_clip", "OpenCLIP", "torchvision and OpenCLIP", ("embedding",),
-           ("open_clip",), _open_clip, model_class="open_clip.CLIP (CLS pooling)"),
-    Family("open_clip_coca", "OpenCLIP attention pool", "torchvision and OpenCLIP",
-           ("embedding",), ("open_clip",),
+    Family("torchvision", "torchvision ViT", _TO, RICH, ("torchvision",), _torchvision,
+           model_class="torchvision.models.VisionTransformer"),
+    Family("torchvision_representation", "torchvision pre-logits", _TO, CLASSIFIER,
+           ("torchvision",), lambda: _torchvision(representation_size=7),
+           model_class="torchvision VisionTransformer, representation_size=7 (tanh)"),
+    Family("open_clip", "OpenCLIP", _TO, ("embedding",), ("open_clip",), _open_clip,
+           model_class="open_clip.CLIP (CLS pooling)"),
+    Family("open_clip_avg", "OpenCLIP avg tower", _TO, ("embedding",), ("open_clip",),
+           lambda: _open_clip(tower=True, quick_gelu=True, pool_type="avg",
+                              ls_init_value=0.5, final_ln_after_pool=True),
+           model_class="open_clip.CLIP.visual: mean pooling, LayerScale, QuickGELU"),
+    Family("open_clip_coca", "OpenCLIP attention pool", _TO, ("embedding",), ("open_clip",),
            lambda: _open_clip(attentional_pool=True, attn_pooler_queries=4,
                               attn_pooler_heads=4, embed_dim=WIDTH),
            model_class="open_clip.CLIP, CoCa-style attention pool"),
-    Family("hf_videomae", "VideoMAE", "video, detection, VLM, depth", CLASSIFIER,
-           ("transformers",), _videomae, size=(4, 16, 16),
-           model_class="VideoMAEForVideoClassification (videos [B, T, C, H, W])"),
-    Family("hf_yolos", "YOLOS", "video, detection, VLM, depth", ("detection",),
-           ("transformers",), _yolos, size=(32, 48), model_class="YolosForObjectDetection"),
-    Family("hf_llava", "LLaVA", "video, detection, VLM, depth", ("vlm",), ("transformers",),
-           _llava, model_class="LlavaForConditionalGeneration (its CLIP vision tower)"),
-    Family("hf_dpt", "DPT", "video, detection, VLM, depth", ("depth",), ("transformers",),
-           _dpt, size=(28, 28), model_class="DPTForDepthEstimation (its DINOv2 backbone)"),
+    Family("hf_videomae", "VideoMAE", _OT, CLASSIFIER, HF_, _videomae, size=(4, 16, 16),
+           model_class="VideoMAEForVideoClassification, mean pooling (videos "
+           "[B, T, C, H, W])"),
+    Family("hf_videomae_token", "VideoMAE first token", _OT, CLASSIFIER, HF_,
+           lambda: _videomae(pooling=False), size=(4, 16, 16),
+           model_class="VideoMAEForVideoClassification, first-tubelet readout"),
+    Family("hf_videomae_model", "VideoMAE backbone", _OT, ("embedding",), HF_,
+           lambda: _videomae("VideoMAEModel"), size=(4, 16, 16), model_class="VideoMAEModel"),
+    Family("hf_yolos", "YOLOS", _OT, ("detection",), HF_, _yolos, size=(32, 48),
+           model_class="YolosForObjectDetection"),
+    Family("hf_yolos_mid", "YOLOS mid-positions", _OT, ("detection",), HF_,
+           lambda: _yolos(mid=True), size=(32, 48),
+           model_class="YolosForObjectDetection, use_mid_position_embeddings=True"),
+    Family("hf_llava", "LLaVA", _OT, ("vlm",), HF_, _llava,
+           model_class="LlavaForConditionalGeneration (its CLIP vision tower)"),
+    Family("hf_paligemma", "PaliGemma", _OT, ("vlm",), HF_, _paligemma,
+           model_class="PaliGemmaForConditionalGeneration (its 2-block SigLIP tower)"),
+    Family("hf_dpt", "DPT", _OT, ("depth",), HF_, lambda: _depth("DPTForDepthEstimation"),
+           size=(28, 28), model_class="DPTForDepthEstimation (its 5-block DINOv2 backbone, "
+           "patch 7)"),
+    Family("hf_depth_anything", "Depth Anything", _OT, ("depth",), HF_,
+           lambda: _depth("DepthAnythingForDepthEstimation"), size=(28, 28),
+           model_class="DepthAnythingForDepthEstimation (its 4-block DINOv2 backbone, "
+           "patch 7)"),
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 """Every family of the matrix, by name."""
@@ -482,14 +593,24 @@ def _tensor_of(out: Any) -> Tensor:
 
 
 def forward_backward_seconds(model: nn.Module, x: Tensor, repeats: int = 5) -> float:
-    """Fastest time of one forward of ``model`` on ``x`` and one backward of its output's
-    sum to the inputs (the unit of the matrix's time ratios)."""
+    """Fastest time of one forward of ``model`` on ``x`` (Hugging Face models at another
+    size than their config's: with ``interpolate_pos_encoding=True``, as a user calls
+    them) and one backward of its output's sum to the inputs: the unit of the matrix's time
+    ratios."""
+    def forward(inputs: Tensor) -> Any:
+        try:
+            return model(inputs)
+        except ValueError:
+            if not hasattr(model, "config"):
+                raise
+            return model(inputs, interpolate_pos_encoding=True)
+
     times = []
     for _ in range(repeats + 1):
         inputs = x.detach().clone().requires_grad_(True)
-        start = time.perf_counter()
-        _tensor_of(model(inputs)).float().sum().backward()
-        times.append(time.perf_counter() - start)
+        start = clock()
+        _tensor_of(forward(inputs)).float().sum().backward()
+        times.append(clock() - start)
     model.zero_grad(set_to_none=True)
     return min(times[1:])
 
@@ -534,32 +655,32 @@ def run_cell(name: str, setup_: Setup, kind: str, repeats: int = 1) -> dict[str,
     """
     from captum_vit.registry import build_method
 
-    start = time.perf_counter()
+    start = clock()
     try:
         method = build_method(name, setup_.model)
         kw = _options(name, method, setup_, kind)
         target = setup_.targets[kind]()
-        start = time.perf_counter()
+        start = clock()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             maps = method.attribute(setup_.inputs, target=target, output="tokens", **kw)
     except (ValueError, TypeError, NotImplementedError) as e:
         status = "refused" if _raised_by_package(e) else "failed"
-        return {"status": status, "seconds": time.perf_counter() - start,
+        return {"status": status, "seconds": clock() - start,
                 "message": _first_line(e)}
     except Exception as e:  # noqa: BLE001 (every other exception is a failure to report)
-        return {"status": "failed", "seconds": time.perf_counter() - start,
+        return {"status": "failed", "seconds": clock() - start,
                 "message": _first_line(e)}
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     if not isinstance(maps, Tensor) or not torch.isfinite(maps).all():
         return {"status": "failed", "seconds": seconds,
                 "message": "the map is not finite (NaN or infinity)"}
     for _ in range(repeats - 1):
-        start = time.perf_counter()
+        start = clock()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             method.attribute(setup_.inputs, target=target, output="tokens", **kw)
-        seconds = min(seconds, time.perf_counter() - start)
+        seconds = min(seconds, clock() - start)
     return {"status": "works", "seconds": seconds}
 
 
@@ -593,13 +714,13 @@ def generate(methods: Sequence[str] | None = None, families: Sequence[str] | Non
     methods = [canonical_name(m) for m in (methods or matrix_methods())]
     chosen = [FAMILIES[f] for f in (families or FAMILIES)]
     started = datetime.datetime.now(datetime.timezone.utc)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     torch.manual_seed(0)
     with _quiet():
         cells, info = _measure(methods, chosen, t0, progress)
     return {"cells": cells, "families": info, "methods": methods,
             "settings": settings(), "started": started.isoformat(timespec="seconds"),
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0}
 
 
 @contextlib.contextmanager
@@ -628,7 +749,11 @@ def _measure(methods: Sequence[str], chosen: Sequence[Family], t0: float,
         if not installed(family):
             info[family.name] = {"installed": False}
             continue
-        s = setup(family)
+        try:
+            s = setup(family)
+        except Exception as e:  # noqa: BLE001 (reported on the page)
+            info[family.name] = {"installed": True, "error": _first_line(e)}
+            continue
         run_cell("gae", s, family.kinds[0])  # the adapter's one-time check, untimed
         unit = forward_backward_seconds(s.model, s.inputs)
         info[family.name] = {"installed": True, "forward_backward": unit}
@@ -709,7 +834,8 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
 
     by_key = {(c["method"], c["family"], c["kind"]): c for c in cells}
     families = [FAMILIES[f] for f in result["families"]]
-    present = [f for f in families if result["families"][f.name]["installed"]]
+    present = [f for f in families if result["families"][f.name]["installed"]
+               and "error" not in result["families"][f.name]]
     versions = ", ".join(f"{k} {v}" for k, v in s["versions"].items())
     fast = "; ".join(f"`{m}`: " + ", ".join(f"`{k}={v}`" for k, v in kw.items())
                      for m, kw in s["fast"].items())
@@ -726,7 +852,7 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         "```",
         "",
         f"Generated {result['started'].replace('T', ' ').replace('+00:00', ' UTC')} in "
-        f"{result['seconds']:.0f} s"
+        f"{result['seconds']:.0f} s ({result.get('cpu_seconds', 0):.0f} s of CPU time)"
         + (f" (sources hash `{digest}`)" if digest else "")
         + f" with Python {s['python']}, {versions}; {s['cpus']} CPU cores, "
         f"{s['threads']} torch thread(s).",
@@ -737,11 +863,10 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         "How to read a cell:",
         "",
         "- **✓ r**: the method returns a finite map; *r* is the time of the call "
-        "(`attribute(..., output=\"tokens\")`, the fastest of "
-        f"{s.get('repeats', REPEATS)} calls) over one forward + backward of the same model "
-        "on the same inputs (the fastest of 5), measured in the same run; indicative only: "
-        "tiny models on a shared CPU, where fixed per-call costs weigh more than on real "
-        "models;",
+        "(`attribute(..., output=\"tokens\")`, after a warm-up call of every method) over "
+        "one forward + backward of the same model on the same inputs (the fastest of 5), "
+        "both in CPU time of the process, measured in the same run; indicative only: tiny "
+        "models on a CPU, where fixed per-call costs weigh more than on real models;",
         "- **refused**: captum_vit raised a `ValueError` / `TypeError` that says why and what "
         "to do instead; the footnote gives the exception and the first line of its message;",
         "- **failed**: another exception, or a map that is not finite: a bug (please report "
@@ -766,6 +891,9 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         size = "×".join(map(str, f.size))
         kinds = ", ".join(KINDS[k] for k in f.kinds)
         state = "" if ok else f"; **not installed** (needs `{'`, `'.join(f.requires)}`)"
+        error = result["families"][f.name].get("error")
+        if error:
+            state = f"; **could not be set up**: `{error}`"
         lines.append(f"| {f.group}: {f.label} | `{f.name}`: {f.model_class}, {size}{state} | "
                      f"{kinds} |")
     lines += ["", "Target kinds:", ""]
@@ -776,7 +904,7 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         if not with_kind:
             continue
         groups = [g for g in GROUPS if any(f.group == g for f in with_kind)]
-        split = kind == "class" and len(with_kind) > 8
+        split = len(with_kind) > MAX_COLUMNS
         for group in groups if split else [None]:
             cols = [f for f in with_kind if group is None or f.group == group]
             sub = [c for c in cells if c["kind"] == kind and c["family"] in

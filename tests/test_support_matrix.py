@@ -144,13 +144,13 @@ def test_a_map_that_is_not_finite_is_a_failure(monkeypatch):
 
 
 def test_a_family_whose_library_is_missing_is_listed_not_measured(monkeypatch):
-    missing = sm.Family("missing", "Missing", "timm", ("class",), ("no_such_module_xyz",),
+    missing = sm.Family("missing", "Missing", sm.GROUPS[0], ("class",), ("no_such_module_xyz",),
                         lambda: torch.nn.Identity(), model_class="Nothing")
     monkeypatch.setitem(sm.FAMILIES, "missing", missing)
     result = sm.generate(["random"], ["missing"])
     assert result["families"] == {"missing": {"installed": False}} and result["cells"] == []
     page = sm.render(result)
-    assert "not installed (needs `no_such_module_xyz`)" in page
+    assert "**not installed** (needs `no_such_module_xyz`)" in page
     assert "**0 cells measured" in page
 
 
