@@ -21,6 +21,7 @@ hand with::
     python docs/support_matrix.py              # writes docs/source/support_matrix.md
     python docs/support_matrix.py --force      # measure again even when cached
     python docs/support_matrix.py --methods gae,tis --families timm_vit,hf_vit --out -
+    python docs/support_matrix.py --all-compositions --out /tmp/all.md  # every plus:/skipplus:
 
 Raw ``captum:<Class>`` names are Captum's own code on the model's forward (no adapter), so
 they are not rows; the compositions over Captum bases are.
@@ -120,6 +121,9 @@ KIND_NOTES: dict[str, str] = {
 GROUPS = ("timm ViT", "timm EVA and BEiT", "Hugging Face", "torchvision and OpenCLIP",
           "video, detection, VLM, depth")
 """Family groups: a target kind's table splits by group when it has many columns."""
+LIBRARY = {"timm ViT": "timm", "timm EVA and BEiT": "timm", "Hugging Face": "HF"}
+"""The library a column header names where a table mixes groups (the other families'
+labels name theirs)."""
 MAX_COLUMNS = 9
 """Columns of one table before it splits by group."""
 
@@ -576,6 +580,15 @@ def matrix_methods() -> list[str]:
     return [*rest, *EXTRA_COMPOSITIONS, *baselines]
 
 
+def all_compositions() -> list[str]:
+    """:func:`matrix_methods` with ``plus:<name>`` and ``skipplus:<name>`` of every method
+    that can be a base (``--all-compositions``; the site shows the representative ones)."""
+    from captum_vit.registry import parse_methods
+
+    return list(dict.fromkeys([*matrix_methods(), *parse_methods(
+        matrix_methods(), compose="plus,skipplus")]))
+
+
 def _tensor_of(out: Any) -> Tensor:
     """The first tensor of a model's output (logits, an embedding, feature maps)."""
     if isinstance(out, Tensor):
@@ -812,6 +825,21 @@ def _ratio(r: float) -> str:
     return f"{r:.2g}" if r < 10 else f"{r:.0f}"
 
 
+def _tables(families: Sequence[Family]) -> list[list[Family]]:
+    """The columns of one target kind's tables: whole groups (in :data:`GROUPS` order)
+    packed into tables of at most :data:`MAX_COLUMNS` columns (a larger group alone)."""
+    tables: list[list[Family]] = []
+    for group in GROUPS:
+        cols = [f for f in families if f.group == group]
+        if not cols:
+            continue
+        if tables and len(tables[-1]) + len(cols) <= MAX_COLUMNS:
+            tables[-1] += cols
+        else:
+            tables.append(cols)
+    return tables
+
+
 def render(result: dict[str, Any], digest: str | None = None) -> str:
     """The Markdown page of a :func:`generate` result."""
     cells = result["cells"]
@@ -903,23 +931,22 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         with_kind = [f for f in present if kind in f.kinds]
         if not with_kind:
             continue
-        groups = [g for g in GROUPS if any(f.group == g for f in with_kind)]
-        split = len(with_kind) > MAX_COLUMNS
-        for group in groups if split else [None]:
-            cols = [f for f in with_kind if group is None or f.group == group]
-            sub = [c for c in cells if c["kind"] == kind and c["family"] in
-                   {f.name for f in cols}]
-            n = _counts(sub)
-            title = KINDS[kind] + (f": {group}" if group else "")
+        for chunk in _tables(with_kind):
+            names = {f.name for f in chunk}
+            groups = list(dict.fromkeys(f.group for f in chunk))
+            n = _counts([c for c in cells if c["kind"] == kind and c["family"] in names])
+            title = KINDS[kind] + (f": {', '.join(groups)}" if len(chunk) < len(with_kind)
+                                   else "")
             lines += ["", f"## Target: {title}", "",
                       f"{n['measured']} cells: {n['works']} work, {n['refused']} refused, "
                       f"{n['failed']} failed.", ""]
-            header = [f.label if group else f"{f.label} ({f.group})" for f in cols]
+            header = [f.label if len(groups) == 1 else
+                      f"{LIBRARY.get(f.group, '')} {f.label}".strip() for f in chunk]
             lines.append("| method | " + " | ".join(header) + " |")
-            lines.append("|---|" + "---|" * len(cols))
+            lines.append("|---|" + "---|" * len(chunk))
             for m in result["methods"]:
                 row = [cell_text(by_key[(m, f.name, kind)]) if (m, f.name, kind) in by_key
-                       else "" for f in cols]
+                       else "" for f in chunk]
                 lines.append(f"| `{m}` | " + " | ".join(row) + " |")
     if notes:
         lines += ["", "## Refusals and failures", ""]
@@ -968,7 +995,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", help="comma-separated rows (default: all)")
     parser.add_argument("--families", help="comma-separated families (default: all; one "
                         f"of {', '.join(FAMILIES)})")
+    parser.add_argument("--all-compositions", action="store_true",
+                        help="rows: also PLUS and SkipPLUS of every method that can be a base")
     args = parser.parse_args(argv)
+    if args.all_compositions and not args.methods:
+        args.methods = ",".join(all_compositions())
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
