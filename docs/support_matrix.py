@@ -666,6 +666,12 @@ def run_cell(name: str, setup_: Setup, kind: str, repeats: int = 1) -> dict[str,
         dict: ``status`` (``"works"``, ``"refused"`` or ``"failed"``), ``seconds`` and, for
         a refusal or a failure, ``message`` (the exception's type and first line).
     """
+    with warnings.catch_warnings():  # cost notes (PLUS over a perturbation method) and
+        warnings.simplefilter("ignore")  # the libraries' deprecations: not the matrix's
+        return _run_cell(name, setup_, kind, repeats)
+
+
+def _run_cell(name: str, setup_: Setup, kind: str, repeats: int) -> dict[str, Any]:
     from captum_vit.registry import build_method
 
     start = clock()
@@ -674,9 +680,7 @@ def run_cell(name: str, setup_: Setup, kind: str, repeats: int = 1) -> dict[str,
         kw = _options(name, method, setup_, kind)
         target = setup_.targets[kind]()
         start = clock()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            maps = method.attribute(setup_.inputs, target=target, output="tokens", **kw)
+        maps = method.attribute(setup_.inputs, target=target, output="tokens", **kw)
     except (ValueError, TypeError, NotImplementedError) as e:
         status = "refused" if _raised_by_package(e) else "failed"
         return {"status": status, "seconds": clock() - start,
@@ -690,9 +694,7 @@ def run_cell(name: str, setup_: Setup, kind: str, repeats: int = 1) -> dict[str,
                 "message": "the map is not finite (NaN or infinity)"}
     for _ in range(repeats - 1):
         start = clock()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            method.attribute(setup_.inputs, target=target, output="tokens", **kw)
+        method.attribute(setup_.inputs, target=target, output="tokens", **kw)
         seconds = min(seconds, clock() - start)
     return {"status": "works", "seconds": seconds}
 
