@@ -202,6 +202,11 @@ class SubnetworkAdapter(ViTAdapter):
     def check_inputs(self, inputs: Tensor) -> None:
         self.base.check_inputs(inputs)
 
+    def check_token_removal(self) -> None:
+        """The model adapter's rule: a detector's sub-network keeps every detection row,
+        so a target reading only prefix rows allows token removal there too."""
+        self.base.check_token_removal()
+
     def is_random(self) -> bool:
         return self.base.is_random()
 
