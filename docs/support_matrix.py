@@ -14,8 +14,9 @@ target the family has, and each cell records what happened:
 
 The documentation build runs it (``docs/source/conf.py``) and writes
 ``docs/source/support_matrix.md``; the measurements are cached under
-``docs/_build/support_matrix/`` by a hash of the package's sources, this file and the
-installed versions, so a rebuild without changes renders the cached run. Regenerate by
+``docs/_build/support_matrix/`` by a hash of the package's sources, this file's measuring
+code (above :data:`PAGE_SECTION`) and the installed versions, so a rebuild without changes
+renders the cached run. Regenerate by
 hand with::
 
     python docs/support_matrix.py              # writes docs/source/support_matrix.md
@@ -803,14 +804,19 @@ def _versions() -> dict[str, str]:
     return out
 
 
+PAGE_SECTION = "\n# -- the page --"
+"""Where this file's rendering code starts: the code above it is hashed (editing how the
+page looks re-renders the cached run without measuring again)."""
+
+
 def sources_hash() -> str:
-    """Hash of everything a run depends on: the package's Python sources, this file and the
-    installed versions."""
+    """Hash of everything a run depends on: the package's Python sources, the measuring
+    part of this file and the installed versions."""
     h = hashlib.sha256()
     for path in sorted(PACKAGE.rglob("*.py")):
         h.update(str(path.relative_to(ROOT)).encode())
         h.update(path.read_bytes())
-    h.update(Path(__file__).read_bytes())
+    h.update(Path(__file__).read_text(encoding="utf-8").split(PAGE_SECTION)[0].encode())
     h.update(json.dumps(_versions(), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -878,12 +884,13 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         "random model of every model family with every kind of target the family has, and "
         "records what happened. Regenerate it with "
         f"`{COMMAND}` (`--force` to measure again; the build reuses the last run while the "
-        "package's sources, the script and the installed versions are unchanged).",
+        "package's sources, the script's measuring code and the installed versions are "
+        "unchanged).",
         "```",
         "",
         f"Generated {result['started'].replace('T', ' ').replace('+00:00', ' UTC')} in "
-        f"{result['seconds']:.0f} s ({result.get('cpu_seconds', 0):.0f} s of CPU time)"
-        + (f" (sources hash `{digest}`)" if digest else "")
+        f"{result['seconds']:.0f} s ({result.get('cpu_seconds', 0):.0f} s of CPU time"
+        + (f"; sources hash `{digest}`" if digest else "") + ")"
         + f" with Python {s['python']}, {versions}; {s['cpus']} CPU cores, "
         f"{s['threads']} torch thread(s).",
         "",
@@ -982,6 +989,8 @@ def write_page(page: Path = PAGE, *, force: bool = False, cache: Path = CACHE,
     if result is None:
         result = generate(progress=progress)
         cache.mkdir(parents=True, exist_ok=True)
+        for stale in cache.glob("*.json"):  # runs of other sources
+            stale.unlink()
         (cache / f"{digest}.json").write_text(json.dumps(result, indent=1))
     text = render(result, digest)
     if not page.exists() or page.read_text(encoding="utf-8") != text:

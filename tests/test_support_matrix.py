@@ -158,6 +158,10 @@ def test_a_cached_run_is_rendered_without_measuring(tmp_path, monkeypatch):
     result = subset()
     digest = sm.sources_hash()
     assert digest == sm.sources_hash() and len(digest) == 16
+    text = (ROOT / "docs" / "support_matrix.py").read_text(encoding="utf-8")
+    # the hash covers the measuring code; the page's code is below it
+    assert text.count(sm.PAGE_SECTION) == 1
+    assert text.index("def generate(") < text.index(sm.PAGE_SECTION) < text.index("def render(")
     (tmp_path / f"{digest}.json").write_text(json.dumps(result))
 
     def no_run(*args, **kwargs):
