@@ -918,24 +918,20 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         "and compositions over token IxG, the gradient and Captum classes; raw "
         "`captum:<Class>` names run Captum's own code on the model and are not rows.",
         "",
-        "## Model families",
+        "## Summary by target kind",
         "",
-        "| family (column) | model (`--families` name), input size | target kinds |",
-        "|---|---|---|",
+        "| target kind | what it is | families | cells | work | refused | failed |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for f in families:
-        ok = result["families"][f.name]["installed"]
-        size = "×".join(map(str, f.size))
-        kinds = ", ".join(KINDS[k] for k in f.kinds)
-        state = "" if ok else f"; **not installed** (needs `{'`, `'.join(f.requires)}`)"
-        error = result["families"][f.name].get("error")
-        if error:
-            state = f"; **could not be set up**: `{error}`"
-        lines.append(f"| {f.group}: {f.label} | `{f.name}`: {f.model_class}, {size}{state} | "
-                     f"{kinds} |")
-    lines += ["", "Target kinds:", ""]
-    lines += [f"- **{KINDS[k]}**: {KIND_NOTES[k]}" for k in KINDS
-              if any(k in f.kinds for f in present)]
+    for k in KINDS:
+        sub = [c for c in cells if c["kind"] == k]
+        if not sub:
+            continue
+        n = _counts(sub)
+        lines.append(f"| {KINDS[k]} | {KIND_NOTES[k]} | "
+                     f"{sum(k in f.kinds for f in present)} | {n['measured']} | {n['works']} | "
+                     f"{n['refused']} | {n['failed']} |")
+    lines += ["", "The [model families](#model-families) are listed after the tables."]
     for kind in KINDS:
         with_kind = [f for f in present if kind in f.kinds]
         if not with_kind:
@@ -957,6 +953,19 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
                 row = [cell_text(by_key[(m, f.name, kind)]) if (m, f.name, kind) in by_key
                        else "" for f in chunk]
                 lines.append(f"| `{m}` | " + " | ".join(row) + " |")
+    lines += ["", "## Model families", "",
+              "| family (column) | model (`--families` name), input size | target kinds |",
+              "|---|---|---|"]
+    for f in families:
+        ok = result["families"][f.name]["installed"]
+        size = "×".join(map(str, f.size))
+        kinds = ", ".join(KINDS[k] for k in f.kinds)
+        state = "" if ok else f"; **not installed** (needs `{'`, `'.join(f.requires)}`)"
+        error = result["families"][f.name].get("error")
+        if error:
+            state = f"; **could not be set up**: `{error}`"
+        lines.append(f"| {f.group}: {f.label} | `{f.name}`: {f.model_class}, {size}{state} | "
+                     f"{kinds} |")
     if notes:
         lines += ["", "## Refusals and failures", ""]
         for key, label in notes.items():
