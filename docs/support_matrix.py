@@ -121,12 +121,7 @@ KIND_NOTES: dict[str, str] = {
 
 GROUPS = ("timm ViT", "timm EVA and BEiT", "Hugging Face", "torchvision and OpenCLIP",
           "video, detection, VLM, depth")
-"""Family groups: a target kind's table splits by group when it has many columns."""
-LIBRARY = {"timm ViT": "timm", "timm EVA and BEiT": "timm", "Hugging Face": "HF"}
-"""The library a column header names where a table mixes groups (the other families'
-labels name theirs)."""
-MAX_COLUMNS = 9
-"""Columns of one table before it splits by group."""
+"""Family groups, in the order of the page's tables."""
 
 
 # -- tiny random models ------------------------------------------------------------------
@@ -822,6 +817,13 @@ def sources_hash() -> str:
 
 
 # -- the page ----------------------------------------------------------------------------
+LIBRARY = {"timm ViT": "timm", "timm EVA and BEiT": "timm", "Hugging Face": "HF"}
+"""The library a column header names where a table mixes groups (the other families'
+labels name theirs)."""
+MAX_COLUMNS = 6
+"""Most columns of one table (a target kind's columns split by family group)."""
+
+
 def _counts(cells: Sequence[dict[str, Any]]) -> dict[str, int]:
     out = {"measured": len(cells), "works": 0, "refused": 0, "failed": 0}
     for c in cells:
@@ -835,7 +837,8 @@ def _ratio(r: float) -> str:
 
 def _tables(families: Sequence[Family]) -> list[list[Family]]:
     """The columns of one target kind's tables: whole groups (in :data:`GROUPS` order)
-    packed into tables of at most :data:`MAX_COLUMNS` columns (a larger group alone)."""
+    packed into tables of at most :data:`MAX_COLUMNS` columns; a larger group is cut into
+    tables of about equal width."""
     tables: list[list[Family]] = []
     for group in GROUPS:
         cols = [f for f in families if f.group == group]
@@ -843,8 +846,10 @@ def _tables(families: Sequence[Family]) -> list[list[Family]]:
             continue
         if tables and len(tables[-1]) + len(cols) <= MAX_COLUMNS:
             tables[-1] += cols
-        else:
-            tables.append(cols)
+            continue
+        pieces = math.ceil(len(cols) / MAX_COLUMNS)
+        width = math.ceil(len(cols) / pieces)
+        tables += [cols[i:i + width] for i in range(0, len(cols), width)]
     return tables
 
 
@@ -936,12 +941,16 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         with_kind = [f for f in present if kind in f.kinds]
         if not with_kind:
             continue
+        seen: dict[str, int] = {}
         for chunk in _tables(with_kind):
             names = {f.name for f in chunk}
             groups = list(dict.fromkeys(f.group for f in chunk))
             n = _counts([c for c in cells if c["kind"] == kind and c["family"] in names])
             title = KINDS[kind] + (f": {', '.join(groups)}" if len(chunk) < len(with_kind)
                                    else "")
+            seen[title] = seen.get(title, 0) + 1
+            if seen[title] > 1:  # a group cut into several tables
+                title += f" ({seen[title]})"
             lines += ["", f"## Target: {title}", "",
                       f"{n['measured']} cells: {n['works']} work, {n['refused']} refused, "
                       f"{n['failed']} failed.", ""]
