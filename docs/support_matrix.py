@@ -695,6 +695,20 @@ def _run_cell(name: str, setup_: Setup, kind: str, repeats: int) -> dict[str, An
     return {"status": "works", "seconds": seconds}
 
 
+def fingerprint(model: nn.Module) -> tuple:
+    """What every call must leave as it was: each parameter's values (their sum, exact for
+    the same tensor), ``requires_grad`` and ``.grad``, each buffer, each module's
+    ``training`` flag and hooks."""
+    params = tuple((n, p.detach().double().sum().item(), p.requires_grad, p.grad is None)
+                   for n, p in model.named_parameters())
+    buffers = tuple((n, b.double().sum().item() if b.is_floating_point() else b.sum().item())
+                    for n, b in model.named_buffers())
+    modules = tuple((n, m.training, len(m._forward_hooks), len(m._forward_pre_hooks),
+                     len(m._backward_hooks), len(m._backward_pre_hooks))
+                    for n, m in model.named_modules())
+    return params, buffers, modules
+
+
 def _warm_up(methods: Sequence[str]) -> None:
     """Run every method once on a tiny ViT, untimed: the imports and caches a first call
     pays (clustering, Captum's classes) do not land in one family's cells."""
@@ -767,7 +781,7 @@ def _measure(methods: Sequence[str], chosen: Sequence[Family], t0: float,
             continue
         run_cell("gae", s, family.kinds[0])  # the adapter's one-time check, untimed
         unit = forward_backward_seconds(s.model, s.inputs)
-        info[family.name] = {"installed": True, "forward_backward": unit}
+        before = fingerprint(s.model)
         for kind in family.kinds:
             for name in methods:
                 cell = {"method": name, "family": family.name, "kind": kind,
@@ -775,6 +789,8 @@ def _measure(methods: Sequence[str], chosen: Sequence[Family], t0: float,
                 if cell["status"] == "works":
                     cell["ratio"] = cell["seconds"] / unit
                 cells.append(cell)
+        info[family.name] = {"installed": True, "forward_backward": unit,
+                             "unchanged": fingerprint(s.model) == before}
         if progress is not None:
             progress(f"{family.name}: {time.perf_counter() - t0:.0f} s")
     return cells, info
@@ -877,6 +893,8 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
     families = [FAMILIES[f] for f in result["families"]]
     present = [f for f in families if result["families"][f.name]["installed"]
                and "error" not in result["families"][f.name]]
+    checked = [f for f in result["families"].values() if "unchanged" in f]
+    unchanged = [f for f in checked if f["unchanged"]]
     versions = ", ".join(f"{k} {v}" for k, v in s["versions"].items())
     fast = "; ".join(f"`{m}`: " + ", ".join(f"`{k}={v}`" for k, v in kw.items())
                      for m, kw in s["fast"].items())
@@ -901,6 +919,11 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         "",
         f"**{counts['measured']} cells measured: {counts['works']} work, "
         f"{counts['refused']} refused, {counts['failed']} failed.**",
+        "",
+        f"Every model was left as it was after all its cells (parameters, gradients, "
+        f"buffers, training flags, hooks): {len(unchanged)} of {len(checked)} families"
+        + ("." if len(unchanged) == len(checked) else
+           " (the others are marked in the family table: a bug)."),
         "",
         "How to read a cell:",
         "",
@@ -973,6 +996,8 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
         error = result["families"][f.name].get("error")
         if error:
             state = f"; **could not be set up**: `{error}`"
+        if result["families"][f.name].get("unchanged") is False:
+            state += "; **a call changed the model** (a bug: please report it)"
         lines.append(f"| {f.group}: {f.label} | `{f.name}`: {f.model_class}, {size}{state} | "
                      f"{kinds} |")
     if notes:

@@ -57,6 +57,7 @@ def test_every_cell_of_the_subset_is_measured_and_classified():
     assert len(result["cells"]) == expected
     for f in families:
         assert result["families"][f]["forward_backward"] > 0
+        assert result["families"][f]["unchanged"] is True
     for c in result["cells"]:
         assert c["status"] in ("works", "refused"), c  # a failure here is a bug
         assert c["seconds"] >= 0
@@ -128,6 +129,18 @@ def test_failures_are_told_from_refusals():
     got = sm.run_cell("gae", nan, "class")  # NaN inputs: refused by the input check
     assert got == {"status": "refused", "seconds": got["seconds"],
                    "message": "ValueError: inputs contain NaN or infinite values"}
+
+
+def test_the_fingerprint_sees_a_changed_model():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2)).eval()
+    before = sm.fingerprint(model)
+    assert sm.fingerprint(model) == before
+    for change in (lambda: model[0].weight.data.add_(1e-3), lambda: model.train(),
+                   lambda: model[1].register_forward_hook(lambda *a: None),
+                   lambda: model[0].bias.requires_grad_(False)):
+        change()
+        assert sm.fingerprint(model) != before
+        before = sm.fingerprint(model)
 
 
 def test_a_map_that_is_not_finite_is_a_failure(monkeypatch):
