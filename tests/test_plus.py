@@ -161,6 +161,28 @@ def test_model_unchanged_also_on_error():
     assert_unchanged(model, snap)
 
 
+@pytest.mark.filterwarnings("ignore:PLUS/SkipPLUS run the perturbation method")
+@pytest.mark.parametrize("base", ["tis", "rise", "vit_cx"])
+def test_a_token_reading_target_refuses_token_removal_inside_a_sub_network(base):
+    """Over a perturbation base, PLUS removes tokens of each block's input (RISE and
+    ViT-CX too, which mask pixels on their own): a target reading token rows is refused,
+    naming the sub-network and the method alone as the fix; the method alone runs."""
+    from captum_vit.registry import build_method
+    from captum_vit.targets import TokenTarget
+
+    model, x = make_model("vit"), make_inputs("vit", batch=2)
+    target = TokenTarget(lambda z: z[:, 1:].pow(2).mean((1, 2)))
+    with pytest.raises(ValueError, match=r"TokenTarget reads token rows, and a perturbation "
+                                         r"method on a sub-network \(PLUS, SkipPLUS\) "
+                                         r"removes tokens of its block input x_2"):
+        SkipPLUS(model, base).attribute(x, target, n_masks=8) if base != "vit_cx" else \
+            SkipPLUS(model, base).attribute(x, target)
+    if base != "tis":
+        kw = {"n_masks": 8} if base == "rise" else {}
+        maps = build_method(base, model).attribute(x, target=target, output="tokens", **kw)
+        assert torch.isfinite(maps).all()
+
+
 def test_bad_arguments():
     model, x = make_model("vit"), make_inputs("vit")
     with pytest.raises(ValueError, match="unknown base"):

@@ -248,6 +248,46 @@ def test_token_removal_keeps_every_detection_row():
     assert_close_scaled(cols, expected)
 
 
+@pytest.mark.filterwarnings("ignore:PLUS/SkipPLUS run the perturbation method")
+def test_a_sub_network_keeps_every_detection_row_under_token_removal():
+    """PLUS and SkipPLUS run their base on the sub-network of blocks l..L-1: true token
+    removal there keeps CLS and every detection token as the model's adapter does, and
+    gives the model's own layers 1.. run on [CLS, kept patches of x_1, det]; so PLUS and
+    SkipPLUS over TIS and RISE (token masks at x_l) explain a detection."""
+    from captum_vit import PLUS, SkipPLUS
+    from captum_vit.adapters.subnetwork import SubnetworkAdapter
+
+    model = make_yolos()
+    ad = adapt(model)
+    x = images()
+    target = DetectionTarget([0, 2], label=[1, 3])
+    resolved = target.resolve(ad, x)
+    keep = torch.tensor([[0, 3, 5, 8, 20, 23], [1, 2, 4, 9, 10, 17]])
+    k = model.config.num_detection_tokens
+    view = SubnetworkAdapter(ad, 1)
+    with torch.no_grad(), ad.targeting(resolved):
+        cols = view.run(view.embed(x), keep=keep)
+    with torch.no_grad():
+        layers = model.vit.encoder.layer
+        h = layers[0](model.vit.embeddings(x))  # x_1: [CLS, patches, det]
+        patches = torch.gather(h[:, 1:-k], 1, keep[..., None].expand(-1, -1, h.shape[-1]))
+        seq = torch.cat([h[:, :1], patches, h[:, -k:]], 1)
+        for layer in layers[1:]:
+            seq = layer(seq)
+        logits = model.class_labels_classifier(model.vit.layernorm(seq)[:, -k:])
+    expected = logits[torch.arange(2)[:, None], torch.tensor([0, 2]), torch.tensor([1, 3])]
+    assert_close_scaled(cols, expected)
+
+    for combinator, base in ((PLUS, "tis"), (SkipPLUS, "rise")):
+        maps = combinator(model, base).attribute(x, target=target, output="tokens",
+                                                 n_masks=16)
+        assert torch.isfinite(maps).all() and (maps.std(1) > 0).all()
+    one = SkipPLUS(model, "tis").attribute(x[1:], target=DetectionTarget(2, label=3),
+                                           output="tokens", n_masks=16)
+    both = SkipPLUS(model, "tis").attribute(x, target=target, output="tokens", n_masks=16)
+    assert_close_scaled(both[1:], one)  # the second image's map does not depend on the first
+
+
 def test_removal_metric_scores_the_chosen_detection():
     """A removal metric (true token removal by default) under a DetectionTarget: the
     unperturbed point of the deletion curve is the probability (sigmoid) of the model's

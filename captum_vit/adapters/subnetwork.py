@@ -206,6 +206,19 @@ class SubnetworkAdapter(ViTAdapter):
     def check_inputs(self, inputs: Tensor) -> None:
         self.base.check_inputs(inputs)
 
+    def check_token_removal(self) -> None:
+        """The model adapter's rule (a detector's sub-network keeps every detection row, so
+        a target reading only prefix rows allows token removal there too); a refusal names
+        what removes tokens here: a perturbation method on the block input's tokens."""
+        try:
+            self.base.check_token_removal()
+        except ValueError:
+            raise ValueError(
+                f"{type(self.score_target).__name__} reads token rows, and a perturbation "
+                f"method on a sub-network (PLUS, SkipPLUS) removes tokens of its block "
+                f"input x_{self.start}, which changes the rows it reads: explain it with "
+                "the method alone (RISE and ViT-CX mask pixels)") from None
+
     def is_random(self) -> bool:
         return self.base.is_random()
 

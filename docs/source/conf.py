@@ -9,6 +9,11 @@ front page and Getting started include its intro, set-up and build sections, bet
 ``<!-- start:NAME -->`` / ``<!-- end:NAME -->`` markers), the tutorials are the notebooks of
 ``tutorials/`` (linked into ``tutorials/`` here), executed at build time and cached under
 ``docs/_build/``; ``-D nb_execution_mode=off`` renders them without running them.
+
+``support_matrix.md`` is generated when the build starts (``builder-inited``) by
+``docs/support_matrix.py``, which runs every method on every model family and target kind
+(a few minutes on two cores); the run is cached under ``docs/_build/support_matrix/`` by a
+hash of the package's sources, so a rebuild without changes renders the cached run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import captum_vit  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "docs"))
+import support_matrix  # noqa: E402
 
 project = "captum_vit"
 author = "captum_vit developers"
@@ -74,5 +82,17 @@ def _drop_type_docstrings(app, what, name, obj, options, lines):
         lines.clear()
 
 
+def _write_support_matrix(app):
+    """Generate ``support_matrix.md`` before the sources are read (cached between builds
+    while the package's sources are unchanged)."""
+    from sphinx.util import logging
+
+    log = logging.getLogger(__name__)
+    log.info("support matrix: measuring, or reusing the cached run of these sources")
+    support_matrix.write_page(Path(app.srcdir) / "support_matrix.md",
+                              progress=lambda line: log.info(f"support matrix: {line}"))
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _drop_type_docstrings)
+    app.connect("builder-inited", _write_support_matrix)
