@@ -369,12 +369,40 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
     if family in VIDEO_FAMILIES or family in HF_VIDEO_EXTRA:
         return make_video_model(family, seed=seed, depth=depth, dtype=dtype,
                                 num_classes=num_classes)
+    if family in SWIN_FAMILIES:
+        return make_swin_model(family, seed=seed, dtype=dtype, num_classes=num_classes)
     cls, extra, size = {**FAMILIES, **OTHER_FAMILIES}[family]
     kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
                   num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
     kwargs.update(extra)
     torch.manual_seed(seed)
     model = cls(**kwargs)
+    return randomize_(model, seed).to(dtype).eval()
+
+
+# Swin (windowed attention, merges between stages): name -> (kwargs, input size); the
+# 40-pixel one has a 10x10 grid (padded to whole windows of 3) and an odd 5x5 second stage
+SWIN_FAMILIES: dict[str, tuple[dict, tuple[int, int]]] = {
+    "timm_swin": ({"window_size": 2}, (32, 32)),
+    "timm_swin_pad": ({"window_size": 3}, (40, 40)),
+}
+
+
+def make_swin_model(family: str = "timm_swin", *, seed: int = 0, depths: tuple = (2, 2),
+                    dtype: torch.dtype = torch.float64, num_classes: int = 5,
+                    **overrides) -> nn.Module:
+    """A small random timm ``SwinTransformer`` of ``family`` (SWIN_FAMILIES; patch 4,
+    width 16, heads (2, 4)), eval mode."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    extra, size = SWIN_FAMILIES[family]
+    kwargs = dict(img_size=size, patch_size=4, in_chans=3, embed_dim=16, depths=depths,
+                  num_heads=(2, 4)[:len(depths)] if len(depths) <= 2 else (2,) * len(depths),
+                  mlp_ratio=2.0, num_classes=num_classes, drop_path_rate=0.0)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = SwinTransformer(**kwargs)
     return randomize_(model, seed).to(dtype).eval()
 
 
@@ -385,7 +413,7 @@ def make_inputs(family: str = "vit", batch: int = 3, *, seed: int = 1,
         t, h, w = {**VIDEO_FAMILIES, **HF_VIDEO_EXTRA}[family][-1]
         return torch.randn(batch, t, 3, h, w, generator=g).to(dtype)
     h, w = {**FAMILIES, **OTHER_FAMILIES, **HF_FAMILIES, **TORCHVISION_FAMILIES,
-            **OPEN_CLIP_FAMILIES}[family][-1]
+            **OPEN_CLIP_FAMILIES, **SWIN_FAMILIES}[family][-1]
     return torch.randn(batch, 3, h, w, generator=g).to(dtype)
 
 

@@ -508,6 +508,9 @@ class ViTAdapter(abc.ABC):
         if p.ls2 is not None:
             f = ops.scale(f, p.ls2)
         out = ops.add(mid, f)
+        if p.merge is not None:  # the last block of a stage: merge onto the next grid
+            m = p.merge
+            out = ops.linear(ops.norm(m.gather(out), m.norm), m.weight, m.bias)
         hidden = self.state.settings.hidden
         if hidden is not None and l + 1 in hidden:  # a target reading several blocks
             hidden[l + 1] = out

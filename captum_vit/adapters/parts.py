@@ -26,13 +26,16 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters.scoring import TargetHead
+
+if TYPE_CHECKING:
+    from captum_vit.adapters.windows import MergeParts, Windows
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,14 @@ class BlockParts(AttentionParts):
     inner_norm: NormParts | None = None
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
     ``scale_attn_inner``, Fang et al. 2023); ``None`` = identity."""
+    window: Windows | None = None
+    """Windowed attention (:class:`~captum_vit.adapters.windows.Windows`): the block
+    attends inside the windows of its stage's grid; ``attn_bias`` then returns one
+    window's bias ``[1, H, M, M]`` and the probabilities are per window. ``None`` =
+    global attention."""
+    merge: MergeParts | None = None
+    """A patch merge after the block (:class:`~captum_vit.adapters.windows.MergeParts`):
+    the last block of a stage hands the next stage its grid; ``None`` = none."""
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
              rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -271,9 +282,33 @@ class BlockParts(AttentionParts):
         """
         if rules is not None and not materialize:
             raise ValueError("attention rules need the explicit path (materialize=True)")
+        if self.window is not None:
+            return self._windowed(u, materialize, key_mask, positions, detach_qk, rules, heads)
         q, k, v = self._qkv(u, detach_qk, positions, rules)
         return self.attend(q, k, v, materialize=materialize, key_mask=key_mask,
                            positions=positions, rules=rules, heads=heads)
+
+    def _windowed(self, u: Tensor, materialize: bool, key_mask: Tensor | None,
+                  positions: Tensor | None, detach_qk: bool, rules: AttentionRules | None,
+                  heads: list[Heads] | None) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` inside the windows of :attr:`window`: the same projections,
+        softmax and rules on the ``B · n_W`` windows, the mix put back on the grid and the
+        probabilities returned per window, [B, n_W, H, M, M]."""
+        win = self.window
+        assert win is not None
+        if key_mask is not None or positions is not None:
+            raise ValueError("windowed attention keeps every token of its grid: true token "
+                             "removal and token subsets do not apply to windowed models; "
+                             "remove pixels instead (the metrics' removal='mean', 'black' "
+                             "or 'blur'; RISE or ViT-CX instead of TIS)")
+        b = u.shape[0]
+        q, k, v = self._qkv(win.partition(u), detach_qk, None, rules)
+        rel = None if self.attn_bias is None else self.attn_bias()
+        bias = win.logit_bias(rel, b, q.dtype, q.device)
+        mix, attn = self._mix(q, k, v, bias, materialize, rules, heads)
+        if attn is not None:
+            attn = attn.reshape(b, win.num_windows, *attn.shape[1:])
+        return win.reverse(mix), attn
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, materialize: bool,
                key_mask: Tensor | None = None, positions: Tensor | None = None,
@@ -284,8 +319,14 @@ class BlockParts(AttentionParts):
         the token-wise projections once and gather them (TIS's shared first block,
         :mod:`~captum_vit.adapters.subsets`). Arguments and returns as in
         :meth:`attention`."""
+        bias = self.logit_bias(q.shape[2], key_mask, positions)
+        return self._mix(q, k, v, bias, materialize, rules, heads)
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, materialize: bool,
+             rules: AttentionRules | None, heads: list[Heads] | None
+             ) -> tuple[Tensor, Tensor | None]:
+        """The probabilities' mix of ``v`` under the logit ``bias`` (:meth:`attend`)."""
         b, _, n, _ = q.shape
-        bias = self.logit_bias(n, key_mask, positions)
         if materialize:
             attn: Tensor | None = self._probs(q, k, bias, rules)
             mixing = attn if rules is None or rules.mix is None else rules.mix(attn)
