@@ -521,6 +521,8 @@ class ViTFront:
             # Captum's NoiseTunnel / sensitivity_max may call under no_grad
             with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
                 maps = maps_of(p.images, p.target, **kwargs).detach()
+            if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
+                maps = self.adapter.carry(maps)
             patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out

@@ -520,6 +520,59 @@ class ViTAdapter(abc.ABC):
                                       v(mid), v(f), v(out), heads))
         return out
 
+    @property
+    def has_stages(self) -> bool:
+        """Whether the blocks form stages joined by patch merges (Swin): token maps of a
+        later stage are carried to the maps' grid by :meth:`carry`."""
+        return any(p.merge is not None for p in self.blocks)
+
+    def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False
+              ) -> Tensor:
+        """Per-token values ``[..., N_l]`` of the state ``x_l`` (the input of block
+        ``l``; ``l = L``: the last state) on the first stage's grid, the grid the maps
+        land on (:mod:`captum_vit.adapters.windows`). Each merge is undone from the top:
+        a merged token's value goes to its children, copied (``split=False``: a score per
+        token, as a map is upsampled to pixels) or shared equally among its real
+        children (``split=True``: a relevance, whose sum is kept; the ¼ weights of
+        the merge's token mixing, a padded child of an odd grid taking no share). A
+        model without merges returns ``values`` unchanged.
+
+        Args:
+            values (Tensor): ``[..., N_l]``.
+            layer (int, optional): ``l``; ``None`` = the stage whose token count is
+                ``N_l`` (the stages' counts differ).
+            split (bool): share rather than copy.
+
+        Returns:
+            Tensor ``[..., N_0]``.
+
+        Raises:
+            ValueError: ``N_l`` is no stage's token count.
+        """
+        if not self.has_stages:
+            return values
+        stop = len(self.blocks) if layer is None else layer
+        merges = [p.merge for p in self.blocks[:stop] if p.merge is not None]
+        if layer is None:
+            while merges and merges[-1].out_grid[0] * merges[-1].out_grid[1] != values.shape[-1]:
+                merges.pop()
+        for m in reversed(merges):
+            child = m.children(values.device)  # [N', 4]
+            if values.shape[-1] != child.shape[0]:
+                raise ValueError(f"values of {values.shape[-1]} tokens are not on the "
+                                 f"{m.out_grid[0]}x{m.out_grid[1]} grid after a merge")
+            real = child >= 0
+            v = values.unsqueeze(-1).expand(*values.shape, 4)
+            if split:
+                v = v / real.sum(-1).to(values.dtype)[:, None]
+            out = values.new_zeros(*values.shape[:-1], m.grid[0] * m.grid[1])
+            out[..., child[real]] = v[..., real]
+            values = out
+        first = self.blocks[0].window
+        if first is not None and values.shape[-1] != first.num_tokens:
+            raise ValueError(f"values of {values.shape[-1]} tokens are on no stage's grid")
+        return values
+
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
         """Final norm, pooling and head(s) on the last residual state (``record``: a
         trace that keeps the attention pool's probabilities)."""
