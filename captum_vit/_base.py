@@ -673,7 +673,8 @@ def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
         w[:, :1] = alpha
         return w
     if tr.pool_attn is None:
-        w = tr.layout.readout_weights(x0.shape[1], dtype=dt, device=x0.device)
+        n = x0.shape[1] if tr.final_tokens is None else tr.final_tokens
+        w = tr.layout.readout_weights(n, dtype=dt, device=x0.device)
         return w.expand(x0.shape[0], -1)
     a = tr.pool_attn.detach().to(dt)
     if pool_grad is not None:

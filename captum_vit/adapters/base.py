@@ -557,21 +557,54 @@ class ViTAdapter(abc.ABC):
             while merges and merges[-1].out_grid[0] * merges[-1].out_grid[1] != values.shape[-1]:
                 merges.pop()
         for m in reversed(merges):
-            child = m.children(values.device)  # [N', 4]
-            if values.shape[-1] != child.shape[0]:
-                raise ValueError(f"values of {values.shape[-1]} tokens are not on the "
-                                 f"{m.out_grid[0]}x{m.out_grid[1]} grid after a merge")
-            real = child >= 0
-            v = values.unsqueeze(-1).expand(*values.shape, 4)
-            if split:
-                v = v / real.sum(-1).to(values.dtype)[:, None]
-            out = values.new_zeros(*values.shape[:-1], m.grid[0] * m.grid[1])
-            out[..., child[real]] = v[..., real]
-            values = out
+            values = _unmerge(values, m, split)
         first = self.blocks[0].window
         if first is not None and values.shape[-1] != first.num_tokens:
             raise ValueError(f"values of {values.shape[-1]} tokens are on no stage's grid")
         return values
+
+    def unmerge(self, v: Tensor, layer: int) -> Tensor:
+        """Row vectors ``v`` ``[..., N_{l+1}]`` on the grid of ``x_{l+1}`` times the
+        token mixing ``P_l`` of block ``l``'s merge (``vᵀ P_l``, ``[..., N_l]``: each
+        merged token's weight shared equally among its real children, the merge weights
+        of the gradient-free and gradient-weighted matrix methods); ``v`` itself for a
+        block without merge. The step of a vector chain through a merge."""
+        m = self.blocks[layer].merge
+        return v if m is None else _unmerge(v, m, True)
+
+    def token_mix(self, v: Tensor, matrix: Tensor, layer: int) -> Tensor:
+        """``vᵀ C`` for row vectors ``v`` ``[..., N]`` and a token-mixing matrix ``C`` of
+        block ``layer`` in the form of its attention probabilities: ``[..., N, N]``, or
+        ``[..., n_W, M, M]`` for a windowed block (block-diagonal in window order, never
+        built densely; :meth:`~captum_vit.adapters.windows.Windows.left_multiply`). The
+        leading dimensions broadcast (``v`` [B, N] against per-head ``C`` [B, H, ...]
+        gives [B, H, N])."""
+        win = self.blocks[layer].window
+        v = v.to(matrix.dtype)
+        lead = matrix.dim() - (2 if win is None else 3)  # matrix dims before [(n_W,) N, N]
+        while v.dim() - 1 < lead:
+            v = v.unsqueeze(1)
+        while lead < v.dim() - 1:
+            matrix, lead = matrix.unsqueeze(1), lead + 1
+        if win is None:
+            return torch.einsum("...n,...nm->...m", v, matrix)
+        return win.left_multiply(v, matrix)
+
+    def token_eye(self, layer: int, n: int, dtype: torch.dtype,
+                  device: torch.device | None = None) -> Tensor:
+        """The identity in the form of block ``layer``'s token-mixing matrices
+        (:meth:`token_mix`): ``[n, n]`` (``n = N``), or ``[M, M]`` (every window's) for a
+        windowed block."""
+        win = self.blocks[layer].window
+        return torch.eye(n if win is None else win.area, dtype=dtype, device=device)
+
+    def carry_down(self, w: Tensor, layer: int) -> Tensor:
+        """Readout weights ``w`` ``[..., N_L]`` of the last state through the merges of
+        blocks ``layer .. L-1`` (:meth:`unmerge`), on the grid of ``x_layer``: the
+        readout of a single block's matrix in a model with stages."""
+        for k in reversed(range(layer, self.num_blocks)):
+            w = self.unmerge(w, k)
+        return w
 
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
         """Final norm, pooling and head(s) on the last residual state (``record``: a
@@ -889,6 +922,9 @@ class ViTAdapter(abc.ABC):
                     o.on_block(l, records.pop())
             if o.logits:
                 tr.logits = self.logits(h, ops, tr)
+            last = self.blocks[self.num_blocks - 1].window
+            if last is not None:  # stages: the readout's grid is the last block's
+                tr.final_tokens = last.num_tokens
         return tr
 
     def target_layout(self, layout: Layout) -> Layout:
@@ -940,6 +976,22 @@ class ViTAdapter(abc.ABC):
                 "head). Supported: standard pre-LN ViT blocks as in timm's VisionTransformer."
             )
         checked.add(key)
+
+
+def _unmerge(values: Tensor, merge: Any, split: bool) -> Tensor:
+    """Values ``[..., N']`` of a merged grid on the grid before the merge: each merged
+    token's value copied to its real children (``split``: shared equally among them)."""
+    child = merge.children(values.device)  # [N', 4]
+    if values.shape[-1] != child.shape[0]:
+        raise ValueError(f"values of {values.shape[-1]} tokens are not on the "
+                         f"{merge.out_grid[0]}x{merge.out_grid[1]} grid after a merge")
+    real = child >= 0
+    v = values.unsqueeze(-1).expand(*values.shape, 4)
+    if split:
+        v = v / real.sum(-1).to(values.dtype)[:, None]
+    out = values.new_zeros(*values.shape[:-1], merge.grid[0] * merge.grid[1])
+    out[..., child[real]] = v[..., real]
+    return out
 
 
 def _value_shape(x: Any) -> torch.Size:

@@ -167,8 +167,8 @@ class BlockParts(AttentionParts):
     window: Windows | None = None
     """Windowed attention (:class:`~captum_vit.adapters.windows.Windows`): the block
     attends inside the windows of its stage's grid; ``attn_bias`` then returns one
-    window's bias ``[1, H, M, M]`` and the probabilities are per window. ``None`` =
-    global attention."""
+    window's bias ``[1, H, M, M]`` and the probabilities are per window,
+    ``[B, H, n_W, M, M]``. ``None`` = global attention."""
     merge: MergeParts | None = None
     """A patch merge after the block (:class:`~captum_vit.adapters.windows.MergeParts`):
     the last block of a stage hands the next stage its grid; ``None`` = none."""
@@ -293,7 +293,7 @@ class BlockParts(AttentionParts):
                   heads: list[Heads] | None) -> tuple[Tensor, Tensor | None]:
         """:meth:`attention` inside the windows of :attr:`window`: the same projections,
         softmax and rules on the ``B · n_W`` windows, the mix put back on the grid and the
-        probabilities returned per window, [B, n_W, H, M, M]."""
+        probabilities returned per window, [B, H, n_W, M, M]."""
         win = self.window
         assert win is not None
         if key_mask is not None or positions is not None:
@@ -305,10 +305,26 @@ class BlockParts(AttentionParts):
         q, k, v = self._qkv(win.partition(u), detach_qk, None, rules)
         rel = None if self.attn_bias is None else self.attn_bias()
         bias = win.logit_bias(rel, b, q.dtype, q.device)
-        mix, attn = self._mix(q, k, v, bias, materialize, rules, heads)
-        if attn is not None:
-            attn = attn.reshape(b, win.num_windows, *attn.shape[1:])
+        if not materialize:
+            mix, _ = self._mix(q, k, v, bias, False, rules, heads)
+            return win.reverse(mix), None
+        # the probabilities returned are the tensor the mix reads (gradients reach them)
+        attn = self.by_window(self._probs(q, k, bias, rules))  # [B, H, n_W, M, M]
+        probs = attn.transpose(1, 2).reshape(q.shape[0], *attn.shape[1:2], *attn.shape[3:])
+        mixing = probs if rules is None or rules.mix is None else rules.mix(probs)
+        o = mixing @ v
+        if heads is not None:
+            heads.append(Heads(q, k, v, o, bias, self))
+        mix = o.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.inner_dim)
         return win.reverse(mix), attn
+
+    def by_window(self, probs: Tensor) -> Tensor:
+        """Windowed per-head matrices ``[B · n_W, H, M, M]`` as ``[B, H, n_W, M, M]`` (the
+        form a windowed block's probabilities are returned in)."""
+        win = self.window
+        assert win is not None
+        b = probs.shape[0] // win.num_windows
+        return probs.reshape(b, win.num_windows, *probs.shape[1:]).transpose(1, 2)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, materialize: bool,
                key_mask: Tensor | None = None, positions: Tensor | None = None,
@@ -540,12 +556,17 @@ class Heads:
     parts: BlockParts
 
     def probs(self) -> Tensor:
-        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation)."""
-        return self.parts._probs(self.q, self.k, self.bias)
+        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation;
+        a windowed block's [B, H, n_W, M, M])."""
+        return self._form(self.parts._probs(self.q, self.k, self.bias))
 
     def probs_grad(self, grad_o: Tensor) -> Tensor:
-        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``)."""
-        return grad_o @ self.v.detach().transpose(-2, -1)
+        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``; a windowed
+        block's [B, H, n_W, M, M])."""
+        return self._form(grad_o @ self.v.detach().transpose(-2, -1))
+
+    def _form(self, m: Tensor) -> Tensor:
+        return m if self.parts.window is None else self.parts.by_window(m)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ parameters, so they live here once, beside the one attention
   between tokens that the shift brought together across a seam of the image). The
   attention runs on the ``B · n_W`` windows as on short sequences, with the block's
   relative position bias (one ``[H, M, M]`` table per window) and the seam mask; its
-  probabilities are returned per window, ``[B, n_W, H, M, M]``: the token-to-token matrix
+  probabilities are returned per window, ``[B, H, n_W, M, M]``: the token-to-token matrix
   of the block is block-diagonal in window order and is never built densely.
   :meth:`Windows.index` says which grid token sits at each window slot, so a method can
   carry a vector through the block's mixing (``rᵀ A``) window by window.
@@ -165,36 +165,35 @@ class Windows:
         ids = torch.arange(self.num_tokens, device=device).reshape(1, *self.grid, 1)
         return self._windows(ids, fill=-1)[..., 0]
 
-    def left_multiply(self, r: Tensor, probs: Tensor) -> Tensor:
-        """``rᵀ A`` per head for row vectors ``r`` [B, N] or [B, H, N] and the block's
-        windowed probabilities ``A`` [B, n_W, H, M, M]: [B, H, N]. The block-diagonal
-        ``N × N`` matrix is never built; padded slots (no tokens) carry no weight as
-        queries and their columns are dropped.
+    def left_multiply(self, v: Tensor, matrix: Tensor) -> Tensor:
+        """``vᵀ C`` for a token-mixing matrix ``C`` of this block in window form,
+        ``[..., n_W, M, M]`` (the probabilities ``[B, H, n_W, M, M]``, their head mean
+        ``[B, n_W, M, M]``, or anything built from them slot by slot), and row vectors
+        ``v`` ``[..., N]`` on the grid: ``[..., N]``, the leading dimensions broadcast.
+        The block-diagonal ``N × N`` matrix is never built; padded slots (no tokens)
+        carry no weight as rows and their columns are dropped.
 
         Examples::
 
             >>> win = Windows(grid=(2, 2), size=(2, 2))
-            >>> probs = torch.full((1, 1, 1, 4, 4), 0.25)
+            >>> probs = torch.full((1, 1, 4, 4), 0.25)
             >>> win.left_multiply(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), probs)
-            tensor([[[0.2500, 0.2500, 0.2500, 0.2500]]])
+            tensor([[0.2500, 0.2500, 0.2500, 0.2500]])
         """
-        idx = self.index(r.device)  # [n_W, M]
+        idx = self.index(v.device)  # [n_W, M]
         real = idx >= 0
-        b, _, h = probs.shape[:3]
-        if r.dim() == 2:
-            r = r[:, None].expand(b, h, r.shape[-1])
-        rw = r.new_zeros(b, h, *idx.shape)
-        rw[..., real] = r[..., idx[real]]
-        out_w = torch.einsum("bhwi,bwhij->bhwj", rw, probs.to(r.dtype))
-        out = r.new_zeros(b, h, self.num_tokens)
+        slots = v.new_zeros(*v.shape[:-1], *idx.shape)
+        slots[..., real] = v[..., idx[real]]
+        out_w = torch.einsum("...wi,...wij->...wj", slots, matrix.to(v.dtype))
+        out = out_w.new_zeros(*out_w.shape[:-2], self.num_tokens)
         out[..., idx[real]] = out_w[..., real]
         return out
 
     def received(self, probs: Tensor) -> Tensor:
         """The attention each token receives, averaged over the ``N`` real queries of
-        the grid: ``mean_i A[i, j]`` [B, H, N] for windowed probabilities [B, n_W, H, M,
+        the grid: ``mean_i A[i, j]`` [B, H, N] for windowed probabilities [B, H, n_W, M,
         M] (the global attention's ``A.mean(-2)``)."""
-        ones = probs.new_ones(probs.shape[0], self.num_tokens)
+        ones = probs.new_ones(probs.shape[0], 1, self.num_tokens)
         return self.left_multiply(ones, probs) / self.num_tokens
 
     def seam_mask(self, dtype: torch.dtype, device: torch.device | None = None
