@@ -526,8 +526,8 @@ class ViTAdapter(abc.ABC):
         later stage are carried to the maps' grid by :meth:`carry`."""
         return any(p.merge is not None for p in self.blocks)
 
-    def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False
-              ) -> Tensor:
+    def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False,
+              down_to: int = 0) -> Tensor:
         """Per-token values ``[..., N_l]`` of the state ``x_l`` (the input of block
         ``l``; ``l = L``: the last state) on the first stage's grid, the grid the maps
         land on (:mod:`captum_vit.adapters.windows`). Each merge is undone from the top:
@@ -542,9 +542,11 @@ class ViTAdapter(abc.ABC):
             layer (int, optional): ``l``; ``None`` = the stage whose token count is
                 ``N_l`` (the stages' counts differ).
             split (bool): share rather than copy.
+            down_to (int): stop at the grid of ``x_{down_to}`` (the merges of blocks
+                ``down_to .. l-1`` are undone); default the first stage's.
 
         Returns:
-            Tensor ``[..., N_0]``.
+            Tensor ``[..., N_{down_to}]``.
 
         Raises:
             ValueError: ``N_l`` is no stage's token count.
@@ -552,13 +554,13 @@ class ViTAdapter(abc.ABC):
         if not self.has_stages:
             return values
         stop = len(self.blocks) if layer is None else layer
-        merges = [p.merge for p in self.blocks[:stop] if p.merge is not None]
+        merges = [p.merge for p in self.blocks[down_to:stop] if p.merge is not None]
         if layer is None:
             while merges and merges[-1].out_grid[0] * merges[-1].out_grid[1] != values.shape[-1]:
                 merges.pop()
         for m in reversed(merges):
             values = _unmerge(values, m, split)
-        first = self.blocks[0].window
+        first = self.blocks[down_to].window
         if first is not None and values.shape[-1] != first.num_tokens:
             raise ValueError(f"values of {values.shape[-1]} tokens are on no stage's grid")
         return values
