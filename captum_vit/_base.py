@@ -487,6 +487,12 @@ class ViTFront:
         elif "attribute" in cls.__dict__ and not cls.per_head:
             cls.attribute = _refusing_heads(cls.__dict__["attribute"])
 
+    conserves: bool = False
+    """Whether the maps are relevances whose sum is meaningful (decompositions): a map on
+    a later stage's grid (Swin) is then shared among each merged token's children on its
+    way to the first grid instead of copied to them
+    (:meth:`~captum_vit.adapters.ViTAdapter.carry`)."""
+
     def __init__(self, model: nn.Module) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -522,7 +528,7 @@ class ViTFront:
             with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
                 maps = maps_of(p.images, p.target, **kwargs).detach()
             if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
-                maps = self.adapter.carry(maps)
+                maps = self.adapter.carry(maps, split=self.conserves)
             patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out

@@ -388,7 +388,8 @@ class PLUS(ViTGradientAttribution):
             x_l = tr.states[l].detach().requires_grad_()
             method = self._make(SubnetworkAdapter(self.adapter, l, score=score))
             attr = method.attribute(x_l, target=t, **kwargs)
-            maps.append(attr.detach().to(accumulation_dtype(x_l)).sum(-1))
+            m = attr.detach().to(accumulation_dtype(x_l)).sum(-1)
+            maps.append(self.adapter.carry(m, l, split=True))  # stages: onto the maps' grid
         return torch.stack(maps)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *,

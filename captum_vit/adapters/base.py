@@ -510,7 +510,7 @@ class ViTAdapter(abc.ABC):
         out = ops.add(mid, f)
         if p.merge is not None:  # the last block of a stage: merge onto the next grid
             m = p.merge
-            out = ops.linear(ops.norm(m.gather(out), m.norm), m.weight, m.bias)
+            out = ops.linear(ops.norm(ops.gather(out, m), m.norm), m.weight, m.bias)
         hidden = self.state.settings.hidden
         if hidden is not None and l + 1 in hidden:  # a target reading several blocks
             hidden[l + 1] = out
@@ -526,8 +526,15 @@ class ViTAdapter(abc.ABC):
         later stage are carried to the maps' grid by :meth:`carry`."""
         return any(p.merge is not None for p in self.blocks)
 
+    @property
+    def final_tokens(self) -> int | None:
+        """The token count of the last state for a model with windows (its last block's
+        grid), ``None`` otherwise (the embedding's count, which depends on the images)."""
+        last = self.blocks[self.num_blocks - 1].window
+        return None if last is None else last.num_tokens
+
     def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False,
-              down_to: int = 0) -> Tensor:
+              down_to: int | None = None) -> Tensor:
         """Per-token values ``[..., N_l]`` of the state ``x_l`` (the input of block
         ``l``; ``l = L``: the last state) on the first stage's grid, the grid the maps
         land on (:mod:`captum_vit.adapters.windows`). Each merge is undone from the top:
@@ -542,8 +549,9 @@ class ViTAdapter(abc.ABC):
             layer (int, optional): ``l``; ``None`` = the stage whose token count is
                 ``N_l`` (the stages' counts differ).
             split (bool): share rather than copy.
-            down_to (int): stop at the grid of ``x_{down_to}`` (the merges of blocks
-                ``down_to .. l-1`` are undone); default the first stage's.
+            down_to (int, optional): stop at the grid of ``x_{down_to}`` (the merges of
+                blocks ``down_to .. l-1`` are undone); ``None`` = the maps' grid (the
+                first stage's).
 
         Returns:
             Tensor ``[..., N_{down_to}]``.
@@ -553,6 +561,7 @@ class ViTAdapter(abc.ABC):
         """
         if not self.has_stages:
             return values
+        down_to = down_to or 0
         stop = len(self.blocks) if layer is None else layer
         merges = [p.merge for p in self.blocks[down_to:stop] if p.merge is not None]
         if layer is None:
@@ -591,6 +600,16 @@ class ViTAdapter(abc.ABC):
         if win is None:
             return torch.einsum("...n,...nm->...m", v, matrix)
         return win.left_multiply(v, matrix)
+
+    def real_keys(self, matrix: Tensor, layer: int) -> Tensor:
+        """A token-mixing matrix of block ``layer`` (:meth:`token_mix`) without the
+        columns of padded window slots (no tokens: the dense ``N × N`` matrix has no such
+        columns), for a method that normalises rows; ``matrix`` itself for global
+        attention."""
+        win = self.blocks[layer].window
+        if win is None:
+            return matrix
+        return matrix * (win.index(matrix.device) >= 0).to(matrix.dtype)[..., None, :]
 
     def token_eye(self, layer: int, n: int, dtype: torch.dtype,
                   device: torch.device | None = None) -> Tensor:
@@ -924,9 +943,7 @@ class ViTAdapter(abc.ABC):
                     o.on_block(l, records.pop())
             if o.logits:
                 tr.logits = self.logits(h, ops, tr)
-            last = self.blocks[self.num_blocks - 1].window
-            if last is not None:  # stages: the readout's grid is the last block's
-                tr.final_tokens = last.num_tokens
+            tr.final_tokens = self.final_tokens  # windows: the readout's grid
         return tr
 
     def target_layout(self, layout: Layout) -> Layout:

@@ -100,11 +100,11 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
         ad, n = self.adapter, w.shape[-1]
-        m = means.pop(last) + ad.token_eye(last, n, dt, w.device)
+        m = ad.real_keys(means.pop(last), last) + ad.token_eye(last, n, dt, w.device)
         v = ad.token_mix(w, m / m.sum(-1, keepdim=True), last)  # [B, H, N]
         for k in reversed(range(start_layer, last)):  # stages: through the merges (¼)
             v = ad.unmerge(v, k)
-            m = means.pop(k) + ad.token_eye(k, n, dt, w.device)
+            m = ad.real_keys(means.pop(k), k) + ad.token_eye(k, n, dt, w.device)
             v = ad.token_mix(v, m / m.sum(-1, keepdim=True), k)
         v = ad.carry(v, start_layer, split=True)
         return v
@@ -176,7 +176,7 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         rows, v = {}, w
         for k in reversed(range(min(need), L)):  # r^T M_{L-1} ... M_k, one vector
             v = ad.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-            m = means.pop(k) + ad.token_eye(k, n, dt, w.device)
+            m = ad.real_keys(means.pop(k), k) + ad.token_eye(k, n, dt, w.device)
             v = ad.token_mix(v, m / m.sum(-1, keepdim=True), k)
             if k in need:
                 rows[k] = v
