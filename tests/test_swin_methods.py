@@ -247,3 +247,17 @@ def test_window_reduction_gives_the_plain_vit_maps():
         ours = build_method(name, swin).attribute(x, t, **kw)
         ref = build_method(name, vit).attribute(x, t, **kw)
         assert_close_scaled(ours, ref, rel=1e-9)
+
+
+def test_per_head_maps_average_to_the_map():
+    """``heads="all"`` on Swin: one map per head of the last block (the last stage's
+    heads), whose mean is the map."""
+    model = make_swin_model("timm_swin_pad")
+    x = torch.randn(2, 3, 40, 40, dtype=torch.float64)
+    for cls in (GAE, Rollout, RawAttention, AttnGradCAM):
+        per_head = cls(model).attribute(x, [1, 2], heads="all", output="tokens")
+        assert per_head.shape == (2, 4, 100)
+        mean = per_head.mean(1)
+        if cls is AttnGradCAM:
+            mean = mean.clamp(min=0)
+        assert_close_scaled(mean, cls(model).attribute(x, [1, 2], output="tokens"), rel=1e-12)

@@ -445,7 +445,9 @@ class ViTAdapter(abc.ABC):
         pre = getattr(head, "pre_logits", None)
         if weight is None and pre is not None:  # the representation layer's output
             weight = pre[0]
-        own = int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
+        last = self.blocks[-1]  # a head-less model outputs its last state's width
+        width = (last.proj_weight if last.merge is None else last.merge.weight).shape[0]
+        own = int(weight.shape[0] if weight is not None else width)
         target = self.state.settings.target
         if isinstance(target, Target):
             return target.num_columns(own)
