@@ -90,11 +90,9 @@ def weights_from_norms(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) ->
 def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
     r"""TokenTM's weights of a patch merge's children (Swin; our extension), [B, N', 4]:
     the length of each child's share of the merged token,
-    :math:`\lVert 	ilde x_{c_k} W_k 
-Vert / \sum_k \lVert 	ilde x_{c_k} W_k 
-Vert`, with
-    :math:`	ilde x` the merge's LayerNorm of the concatenated children (frozen
-    statistics, no shift), :math:`	ilde x_{c_k}` child ``k``'s slice and :math:`W_k` its
+    :math:`\lVert \tilde x_{c_k} W_k \rVert / \sum_k \lVert \tilde x_{c_k} W_k \rVert`, with
+    :math:`\tilde x` the merge's LayerNorm of the concatenated children (frozen
+    statistics, no shift), :math:`\tilde x_{c_k}` child ``k``'s slice and :math:`W_k` its
     columns of the merge's linear map (:class:`~captum_vit.adapters.MergeParts`); a
     padded child of an odd grid gets 0.
 
