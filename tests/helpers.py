@@ -304,8 +304,8 @@ EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
 
-WINDOW_REFUSERS = {"tis", "tokentm", "tokentm_residual", "globenc", "alti", "legrad", "bt_h",
-                   "bt_t", "plus:tokentm", "skipplus:tokentm", "plus:globenc",
+WINDOW_REFUSERS = {"tis", "globenc", "alti", "legrad", "bt_h",
+                   "bt_t", "plus:globenc",
                    "skipplus:globenc", "plus:alti", "skipplus:alti"}
 """Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
 ViT-CX), the others have no windowed form yet."""
