@@ -304,7 +304,7 @@ EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
 
-WINDOW_REFUSERS = {"tis", "globenc", "alti", "legrad", "bt_h",
+WINDOW_REFUSERS = {"tis", "globenc", "alti", "bt_h",
                    "bt_t", "plus:globenc",
                    "skipplus:globenc", "plus:alti", "skipplus:alti"}
 """Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or

@@ -17,6 +17,7 @@ from captum_vit import (
     AttnGradCAM,
     DecompX,
     GradSAM,
+    LeGrad,
     RawAttention,
     Rollout,
 )
@@ -161,6 +162,12 @@ def test_vector_chains_equal_dense_references(family, kw):
     a_r = torch.einsum("bn,bhnm->bhm", w, a[-1])
     cam = up((g_r.mean(-1, keepdim=True) * a_r).mean(1).clamp(min=0))
     assert_close_scaled(AttnGradCAM(model).attribute(x, t, output="tokens"), cam, rel=1e-10)
+    # LeGrad of the last block: mean_h mean_i ReLU(∂s/∂A)[i, j] over the N real queries
+    legrad = up(g[-1].clamp(min=0).mean(1).sum(1) / n_last)
+    assert_close_scaled(LeGrad(model, layers=[L - 1]).attribute(x, t, output="tokens"), legrad,
+                        rel=1e-10)
+    with pytest.raises(ValueError, match="last stage"):
+        LeGrad(model, layers=[0]).attribute(x, t)
     assert_unchanged(model, before)
 
 
@@ -222,6 +229,7 @@ def _reduction_pair():
 
 
 REDUCTION_METHODS = ["raw_attention", "rollout", "gae", "attn_gradcam", "attcat", "tokentm",
+                     "legrad",
                      "tokentm_residual", "skipplus:tokentm",
                      "token_ixg", "att_ixg", "decompx", "vanilla_grad", "attn_grad", "gradsam",
                      "gradcam", "gradcam_pp", "xgradcam", "layercam", "hirescam", "cp_lrp",
