@@ -304,11 +304,10 @@ EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
 
-WINDOW_REFUSERS = {"tis", "globenc", "alti", "bt_h",
-                   "bt_t", "plus:globenc",
-                   "skipplus:globenc", "plus:alti", "skipplus:alti"}
+WINDOW_REFUSERS = {"tis", "globenc", "alti", "plus:globenc", "skipplus:globenc",
+                   "plus:alti", "skipplus:alti"}
 """Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
-ViT-CX), the others have no windowed form yet."""
+ViT-CX), GlobEnc and ALTI have no windowed form yet."""
 
 
 def family_marks(family: str, method: str | None = None) -> tuple:

@@ -67,7 +67,8 @@ def test_same_maps_as_the_timm_twin():
     model = hf_swin_twin(timm_model)
     x = make_inputs("timm_swin", batch=2)
     t = torch.tensor([1, 3])
-    fast = {"rise": {"n_masks": 16}, "tam": {"n_steps": 3, "start_layer": 0}}
+    fast = {"rise": {"n_masks": 16}, "tam": {"n_steps": 3, "start_layer": 0},
+            "bt_h": {"n_steps": 3, "start_layer": 0}, "bt_t": {"n_steps": 3, "start_layer": 0}}
     for name in REDUCTION_METHODS:
         kw = {**fast.get(name, {}), "output": "tokens"}
         ours = build_method(name, model).attribute(x, t, **kw)

@@ -229,7 +229,7 @@ def _reduction_pair():
 
 
 REDUCTION_METHODS = ["raw_attention", "rollout", "gae", "attn_gradcam", "attcat", "tokentm",
-                     "legrad",
+                     "legrad", "bt_h", "bt_t",
                      "tokentm_residual", "skipplus:tokentm",
                      "token_ixg", "att_ixg", "decompx", "vanilla_grad", "attn_grad", "gradsam",
                      "gradcam", "gradcam_pp", "xgradcam", "layercam", "hirescam", "cp_lrp",
@@ -250,7 +250,8 @@ def test_window_reduction_gives_the_plain_vit_maps():
     win = adapt(swin).blocks[0].window
     assert win.grid == win.size == (8, 8) and win.shift == (0, 0)
     t = torch.tensor([1, 3])
-    fast = {"rise": {"n_masks": 16}, "tam": {"n_steps": 3, "start_layer": 0}}
+    fast = {"rise": {"n_masks": 16}, "tam": {"n_steps": 3, "start_layer": 0},
+            "bt_h": {"n_steps": 3, "start_layer": 0}, "bt_t": {"n_steps": 3, "start_layer": 0}}
     for name in REDUCTION_METHODS:
         kw = {**fast.get(name, {}), "output": "tokens"}
         ours = build_method(name, swin).attribute(x, t, **kw)
@@ -310,3 +311,32 @@ def test_tokentm_chain_equals_dense_reference(family, kw):
             r = r + (rh * wh).mean(1)
         expected = r * tr.blocks[0].x.detach().norm(dim=-1)
     assert_close_scaled(TokenTM(model).attribute(x, t, output="tokens"), expected, rel=1e-10)
+
+
+@pytest.mark.parametrize(("family", "kw"), CASES)
+def test_bt_h_chain_equals_dense_reference(family, kw):
+    """BT-H on Swin: ``R ← R P_k``, ``R ← R + R Â_k`` (``Â_k = Σ_h I_h A_k^h``) with dense
+    matrices from the model's own forward; the map ``w (W ⊙ R)`` with the reasoning
+    feedback's columns copied to their children (the method's own ``W``)."""
+    from captum_vit import BTH
+    from captum_vit.methods.bt import reasoning_feedback
+
+    model, x, t, ref, a, g = _setup(family, **kw)
+    # BT's score is the logit (the gradients g of _setup are of the logit too)
+    ad = adapt(model)
+    merges = ref.merges()
+    L, n_last = len(a), a[-1].shape[-1]
+    w = torch.full((2, n_last), 1.0 / n_last, dtype=torch.float64)
+    fb = ad.blocks[-1].window.dense(reasoning_feedback(ad, x, t, n_steps=3))
+    with torch.no_grad():
+        r = torch.eye(n_last, dtype=torch.float64).expand(2, -1, -1)
+        for k in reversed(range(L)):
+            if k in merges:
+                r = r @ merges[k]
+                fb = fb @ (merges[k] > 0).to(fb.dtype)  # W's columns copied to children
+            ih = (a[k].transpose(-1, -2) @ g[k]).abs().mean((-2, -1))
+            ih = ih / ih.sum(1, keepdim=True)
+            r = r + r @ torch.einsum("bh,bhij->bij", ih, a[k])
+        expected = torch.einsum("bs,bsn->bn", w, fb * r)
+    got = BTH(model, start_layer=0, n_steps=3).attribute(x, t, output="tokens")
+    assert_close_scaled(got, expected, rel=1e-10)

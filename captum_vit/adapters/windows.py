@@ -189,6 +189,28 @@ class Windows:
         out[..., idx[real]] = out_w[..., real]
         return out
 
+    def to_slots(self, v: Tensor) -> Tensor:
+        """Per-token values ``[..., N]`` at the window slots, ``[..., n_W, M]`` (0 at
+        padded slots): a column scaling ``C diag(v)`` of a window-form matrix is
+        ``C * to_slots(v)[..., None, :]``."""
+        idx = self.index(v.device)
+        real = idx >= 0
+        slots = v.new_zeros(*v.shape[:-1], *idx.shape)
+        slots[..., real] = v[..., idx[real]]
+        return slots
+
+    def dense(self, matrix: Tensor) -> Tensor:
+        """A window-form matrix ``[..., n_W, M, M]`` as the dense ``[..., N, N]`` (padded
+        slots dropped): only for small grids (a Swin's last stage), never a first stage."""
+        idx = self.index(matrix.device)
+        real = idx >= 0
+        both = real[:, :, None] & real[:, None, :]
+        rows = idx[:, :, None].expand_as(both)[both]
+        cols = idx[:, None, :].expand_as(both)[both]
+        out = matrix.new_zeros(*matrix.shape[:-3], self.num_tokens, self.num_tokens)
+        out[..., rows, cols] = matrix[..., both]
+        return out
+
     def received(self, probs: Tensor) -> Tensor:
         """The attention each token receives, averaged over the ``N`` real queries of
         the grid: ``mean_i A[i, j]`` [B, H, N] for windowed probabilities [B, H, n_W, M,
