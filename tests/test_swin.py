@@ -172,3 +172,22 @@ def test_token_removal_metric_refused_names_pixel_removal():
         RemovalEngine(model, removal="token").masked_logits(x, removed)
     out = RemovalEngine(model, removal="black").masked_logits(x, removed)  # pixels work
     assert out.shape == (2, 2, 5) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("family", ["timm_swin", "hf_swin"])
+def test_parameter_stages_cover_every_parameter_once(family):
+    """The model-randomisation stages: the head first, then every block from the top (a
+    merge with the block it follows); every parameter once, the patch embedding in none."""
+    from tests.helpers import family_marks, make_model
+
+    if family_marks(family):
+        pytest.importorskip("transformers")
+    model = make_model(family)
+    stages = adapt(model).parameter_stages()
+    assert len(stages) == 1 + 4
+    seen = [id(p) for st in stages for p in st]
+    assert len(seen) == len(set(seen))
+    embed = {id(p) for n, p in model.named_parameters() if "patch_embed" in n
+             or "embeddings" in n}
+    assert set(seen) | embed == {id(p) for p in model.parameters()}
+    assert not set(seen) & embed
