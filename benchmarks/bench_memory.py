@@ -16,13 +16,12 @@ that of the live tensors. Run from the repository root (package installed, or
 
     python benchmarks/bench_memory.py [--img-size 448] [--batch 8] [--threads 2]
 
+``--model swin`` measures a random Swin-T instead (timm ``SwinTransformer``: width 96, depths
+2-2-6-2, heads 3-6-12-24, window 7; at 224 px, 56 x 56 tokens in the first stage), e.g.
+``--model swin --img-size 224 --batch 16``.
+
 A quick check of the script: ``--img-size 224 --batch 2``. It prints a markdown table:
 method, peak growth in MB, and its ratio to the plain forward+backward (goal ≤ 1.25).
-
-``--arch swin_t`` measures a random Swin-T instead (timm ``SwinTransformer``: width 96,
-depths 2-2-6-2, heads 3-6-12-24, 7×7 windows; 224 px, a 56×56 first-stage grid)::
-
-    python benchmarks/bench_memory.py --arch swin_t --img-size 224 --batch 16 --methods GAE
 """
 
 from __future__ import annotations
@@ -63,10 +62,11 @@ def swin_t(img_size: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     return SwinTransformer(img_size=img_size, patch_size=4, embed_dim=96, depths=(2, 2, 6, 2),
-                           num_heads=(3, 6, 12, 24), window_size=7, num_classes=1000).eval()
+                           num_heads=(3, 6, 12, 24), window_size=7, drop_path_rate=0.0,
+                           num_classes=1000).eval()
 
 
-ARCHS = {"vit_b16": vit_b16, "swin_t": swin_t}
+MODELS = {"vit": vit_b16, "swin": swin_t}
 
 
 def _rss_mb() -> float:
@@ -78,11 +78,11 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def child(name: str, img_size: int, batch: int, threads: int, arch: str = "vit_b16"
-          ) -> dict[str, float]:
+def child(name: str, img_size: int, batch: int, threads: int,
+          model_name: str = "vit") -> dict[str, float]:
     """Peak resident-set growth (MB) of one call of ``name`` in this process."""
     torch.set_num_threads(threads)
-    model = ARCHS[arch](img_size)
+    model = MODELS[model_name](img_size)
     x = torch.randn(batch, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
     t = torch.arange(batch) % 1000
     if name == PLAIN:
@@ -104,7 +104,7 @@ def measure(name: str, args: argparse.Namespace) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, __file__, "--child", name, "--img-size", str(args.img_size),
-         "--batch", str(args.batch), "--threads", str(args.threads), "--arch", args.arch],
+         "--batch", str(args.batch), "--threads", str(args.threads), "--model", args.model],
         env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
 
@@ -115,19 +115,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--arch", default="vit_b16", choices=list(ARCHS))
+    ap.add_argument("--model", default="vit", choices=list(MODELS))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.child, args.img_size, args.batch, args.threads,
-                               args.arch)))
+                               args.model)))
         return
-    if args.arch == "swin_t":
-        shape = f"Swin-T, {args.img_size} px ({(args.img_size // 4) ** 2} first-stage tokens)"
+    if args.model == "swin":
+        what = f"Swin-T, {args.img_size} px ({(args.img_size // 4) ** 2} first-stage tokens)"
     else:
-        shape = f"ViT-B/16, {args.img_size} px ({(args.img_size // 16) ** 2 + 1} tokens)"
+        what = f"ViT-B/16, {args.img_size} px ({(args.img_size // 16) ** 2 + 1} tokens)"
     plain = measure(PLAIN, args)
-    print(f"{shape}, batch {args.batch}, float32, "
+    print(f"{what}, batch {args.batch}, float32, "
           f"{args.threads} threads; peak resident-set growth, one fresh process per row\n")
     print("| method | peak MB | ratio to plain forward+backward |")
     print("|---|---:|---:|")

@@ -496,6 +496,17 @@ class ViTFront:
             cls.attribute = _refusing_heads(  # type: ignore[attr-defined]
                 cls.__dict__["attribute"])
 
+    conserves: bool = False
+    """Whether the maps are relevances whose sum is meaningful (decompositions): a map on
+    a later stage's grid (Swin) is then shared among each merged token's children on its
+    way to the first grid instead of copied to them
+    (:meth:`~captum_vit.adapters.ViTAdapter.carry`)."""
+
+    windowed: bool = True
+    """Whether the method has a form for windowed attention (Swin,
+    :mod:`captum_vit.adapters.windows`); a method without one refuses such a model by
+    name."""
+
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -519,6 +530,13 @@ class ViTFront:
         heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
         maps_of = self._token_maps if heads == "mean" else self._head_maps
         p = prepare(self.adapter, inputs, target)
+        if not self.windowed and any(b.window is not None for b in self.adapter.blocks):
+            raise TypeError(
+                f"{type(self).__name__} has no form for the windowed attention of this "
+                f"{type(self.model).__name__} yet; on windowed models use Rollout, "
+                "RawAttention, GAE, TokenTM, Chefer21, AttnGradCAM, GradSAM, TAM, BT, "
+                "DecompX, TokenIxG, AttCAT, LeGrad, the LRP methods, the CAMs, RISE, "
+                "ScoreCAM or ViT-CX")
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:
@@ -538,6 +556,8 @@ class ViTFront:
             # Captum's NoiseTunnel / sensitivity_max may call under no_grad
             with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
                 maps = maps_of(p.images, p.target, **kwargs).detach()
+            if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
+                maps = self.adapter.carry(maps, split=self.conserves)
             patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out
@@ -691,7 +711,8 @@ def readout_rows(tr: Trace, pool_grad: Tensor | None = None, *,
         w[:, :1] = alpha
         return w
     if tr.pool_attn is None:
-        w = tr.layout.readout_weights(x0.shape[1], dtype=dt, device=x0.device)
+        n = x0.shape[1] if tr.final_tokens is None else tr.final_tokens
+        w = tr.layout.readout_weights(n, dtype=dt, device=x0.device)
         return w.expand(x0.shape[0], -1)
     a = tr.pool_attn.detach().to(dt)
     if pool_grad is not None:

@@ -165,6 +165,11 @@ class PLUS(ViTGradientAttribution):
         ...                                                     n_steps=16)
     """
 
+    @property
+    def windowed(self) -> bool:  # type: ignore[override]
+        """The base method's (:attr:`captum_vit._base.ViTFront.windowed`)."""
+        return bool(getattr(self.__dict__.get("_probe"), "windowed", True))
+
     sums_subnetworks = True
 
     def __init__(self, model: nn.Module, base: BaseLike, *,
@@ -389,7 +394,8 @@ class PLUS(ViTGradientAttribution):
             x_l = tr.states[l].detach().requires_grad_()
             method = self._make(SubnetworkAdapter(self.adapter, l, score=score))
             attr = method.attribute(x_l, target=t, **kwargs)
-            maps.append(attr.detach().to(accumulation_dtype(x_l)).sum(-1))
+            m = attr.detach().to(accumulation_dtype(x_l)).sum(-1)
+            maps.append(self.adapter.carry(m, l, split=True))  # stages: onto the maps' grid
         return torch.stack(maps)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *,

@@ -446,7 +446,9 @@ class ViTAdapter(abc.ABC):
         pre = getattr(head, "pre_logits", None)
         if weight is None and pre is not None:  # the representation layer's output
             weight = pre[0]
-        own = int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
+        last = self.blocks[-1]  # a head-less model outputs its last state's width
+        width = (last.proj_weight if last.merge is None else last.merge.weight).shape[0]
+        own = int(weight.shape[0] if weight is not None else width)
         target = self.state.settings.target
         if isinstance(target, Target):
             return target.num_columns(own)
@@ -510,6 +512,9 @@ class ViTAdapter(abc.ABC):
         if p.ls2 is not None:
             f = ops.scale(f, p.ls2)
         out = ops.add(mid, f)
+        if p.merge is not None:  # the last block of a stage: merge onto the next grid
+            m = p.merge
+            out = ops.linear(ops.norm(ops.gather(out, m), m.norm), m.weight, m.bias)
         hidden = self.state.settings.hidden
         if hidden is not None and l + 1 in hidden:  # a target reading several blocks
             hidden[l + 1] = out
@@ -518,6 +523,114 @@ class ViTAdapter(abc.ABC):
             record.append(BlockRecord(v(x), v(u), None if heads is not None else attn, v(a),
                                       v(mid), v(f), v(out), heads))
         return out
+
+    @property
+    def has_stages(self) -> bool:
+        """Whether the blocks form stages joined by patch merges (Swin): token maps of a
+        later stage are carried to the maps' grid by :meth:`carry`."""
+        return any(p.merge is not None for p in self.blocks)
+
+    @property
+    def final_tokens(self) -> int | None:
+        """The token count of the last state for a model with windows (its last block's
+        grid), ``None`` otherwise (the embedding's count, which depends on the images)."""
+        last = self.blocks[self.num_blocks - 1].window
+        return None if last is None else last.num_tokens
+
+    def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False,
+              down_to: int | None = None) -> Tensor:
+        """Per-token values ``[..., N_l]`` of the state ``x_l`` (the input of block
+        ``l``; ``l = L``: the last state) on the first stage's grid, the grid the maps
+        land on (:mod:`captum_vit.adapters.windows`). Each merge is undone from the top:
+        a merged token's value goes to its children, copied (``split=False``: a score per
+        token, as a map is upsampled to pixels) or shared equally among its real
+        children (``split=True``: a relevance, whose sum is kept; the ¼ weights of
+        the merge's token mixing, a padded child of an odd grid taking no share). A
+        model without merges returns ``values`` unchanged.
+
+        Args:
+            values (Tensor): ``[..., N_l]``.
+            layer (int, optional): ``l``; ``None`` = the stage whose token count is
+                ``N_l`` (the stages' counts differ).
+            split (bool): share rather than copy.
+            down_to (int, optional): stop at the grid of ``x_{down_to}`` (the merges of
+                blocks ``down_to .. l-1`` are undone); ``None`` = the maps' grid (the
+                first stage's).
+
+        Returns:
+            Tensor ``[..., N_{down_to}]``.
+
+        Raises:
+            ValueError: ``N_l`` is no stage's token count.
+        """
+        if not self.has_stages:
+            return values
+        down_to = down_to or 0
+        stop = len(self.blocks) if layer is None else layer
+        merges = [p.merge for p in self.blocks[down_to:stop] if p.merge is not None]
+        if layer is None:
+            while merges and merges[-1].out_grid[0] * merges[-1].out_grid[1] != values.shape[-1]:
+                merges.pop()
+        for m in reversed(merges):
+            values = _unmerge(values, m, split)
+        first = self.blocks[down_to].window
+        if first is not None and values.shape[-1] != first.num_tokens:
+            raise ValueError(f"values of {values.shape[-1]} tokens are on no stage's grid")
+        return values
+
+    def unmerge(self, v: Tensor, layer: int, weights: Tensor | None = None) -> Tensor:
+        """Row vectors ``v`` ``[..., N_{l+1}]`` on the grid of ``x_{l+1}`` times the
+        token mixing ``P_l`` of block ``l``'s merge (``vᵀ P_l``, ``[..., N_l]``: each
+        merged token's weight shared equally among its real children, the merge weights
+        of the gradient-free and gradient-weighted matrix methods, or by ``weights``
+        ``[B, N_{l+1}, 4]`` per child in concatenation order, a method's own); ``v``
+        itself for a block without merge. The step of a vector chain through a merge."""
+        m = self.blocks[layer].merge
+        return v if m is None else _unmerge(v, m, True, weights)
+
+    def token_mix(self, v: Tensor, matrix: Tensor, layer: int) -> Tensor:
+        """``vᵀ C`` for row vectors ``v`` ``[..., N]`` and a token-mixing matrix ``C`` of
+        block ``layer`` in the form of its attention probabilities: ``[..., N, N]``, or
+        ``[..., n_W, M, M]`` for a windowed block (block-diagonal in window order, never
+        built densely; :meth:`~captum_vit.adapters.windows.Windows.left_multiply`). The
+        leading dimensions broadcast (``v`` [B, N] against per-head ``C`` [B, H, ...]
+        gives [B, H, N])."""
+        win = self.blocks[layer].window
+        v = v.to(matrix.dtype)
+        lead = matrix.dim() - (2 if win is None else 3)  # matrix dims before [(n_W,) N, N]
+        while v.dim() - 1 < lead:
+            v = v.unsqueeze(1)
+        while lead < v.dim() - 1:
+            matrix, lead = matrix.unsqueeze(1), lead + 1
+        if win is None:
+            return torch.einsum("...n,...nm->...m", v, matrix)
+        return win.left_multiply(v, matrix)
+
+    def real_keys(self, matrix: Tensor, layer: int) -> Tensor:
+        """A token-mixing matrix of block ``layer`` (:meth:`token_mix`) without the
+        columns of padded window slots (no tokens: the dense ``N × N`` matrix has no such
+        columns), for a method that normalises rows; ``matrix`` itself for global
+        attention."""
+        win = self.blocks[layer].window
+        if win is None:
+            return matrix
+        return matrix * (win.index(matrix.device) >= 0).to(matrix.dtype)[..., None, :]
+
+    def token_eye(self, layer: int, n: int, dtype: torch.dtype,
+                  device: torch.device | None = None) -> Tensor:
+        """The identity in the form of block ``layer``'s token-mixing matrices
+        (:meth:`token_mix`): ``[n, n]`` (``n = N``), or ``[M, M]`` (every window's) for a
+        windowed block."""
+        win = self.blocks[layer].window
+        return torch.eye(n if win is None else win.area, dtype=dtype, device=device)
+
+    def carry_down(self, w: Tensor, layer: int) -> Tensor:
+        """Readout weights ``w`` ``[..., N_L]`` of the last state through the merges of
+        blocks ``layer .. L-1`` (:meth:`unmerge`), on the grid of ``x_layer``: the
+        readout of a single block's matrix in a model with stages."""
+        for k in reversed(range(layer, self.num_blocks)):
+            w = self.unmerge(w, k)
+        return w
 
     def logits(self, x: Any, ops: Ops, record: Trace | None = None) -> Any:
         """Final norm, pooling and head(s) on the last residual state (``record``: a
@@ -731,12 +844,21 @@ class ViTAdapter(abc.ABC):
         return self.logits(x, ops) if stop == L else x
 
     def check_token_removal(self) -> None:
-        """Refuse true token removal under a target that reads token rows: removing
-        tokens changes the rows it reads (:mod:`captum_vit.targets`).
+        """Refuse true token removal on a model with windowed attention (the window
+        partition needs every token of its grid) and under a target that reads token rows:
+        removing tokens changes the rows it reads (:mod:`captum_vit.targets`).
 
         Raises:
-            ValueError: naming the target and the pixel removal that serves it.
+            ValueError: naming the model or the target and the pixel removal that serves
+                it.
         """
+        if any(p.window is not None for p in self.blocks):
+            raise ValueError(
+                f"{type(self.model).__name__} attends within windows of a fixed token grid, "
+                "and true token removal (TIS's token subsets, the metrics' removal='token') "
+                "breaks the window partition: remove pixels instead (the metrics: "
+                "removal='mean', 'black' or 'blur'; instead of TIS: RISE or ViT-CX, which "
+                "mask pixels)")
         target = self.score_target
         if target is not None and (target.reads_tokens or target.blocks is not None):
             raise ValueError(
@@ -838,6 +960,7 @@ class ViTAdapter(abc.ABC):
                     o.on_block(l, records.pop())
             if o.logits:
                 tr.logits = self.logits(h, ops, tr)
+            tr.final_tokens = self.final_tokens  # windows: the readout's grid
         return tr
 
     def target_layout(self, layout: Layout) -> Layout:
@@ -889,6 +1012,26 @@ class ViTAdapter(abc.ABC):
                 "head). Supported: standard pre-LN ViT blocks as in timm's VisionTransformer."
             )
         checked.add(key)
+
+
+def _unmerge(values: Tensor, merge: Any, split: bool, weights: Tensor | None = None
+             ) -> Tensor:
+    """Values ``[..., N']`` of a merged grid on the grid before the merge: each merged
+    token's value copied to its real children (``split``: shared equally among them;
+    ``weights`` [B, N', 4]: shared by them, per child)."""
+    child = merge.children(values.device)  # [N', 4]
+    if values.shape[-1] != child.shape[0]:
+        raise ValueError(f"values of {values.shape[-1]} tokens are not on the "
+                         f"{merge.out_grid[0]}x{merge.out_grid[1]} grid after a merge")
+    real = child >= 0
+    v = values.unsqueeze(-1).expand(*values.shape, 4)
+    if weights is not None:
+        v = v * weights.to(values.dtype)
+    elif split:
+        v = v / real.sum(-1).to(values.dtype)[:, None]
+    out = values.new_zeros(*values.shape[:-1], merge.grid[0] * merge.grid[1])
+    out[..., child[real]] = v[..., real]
+    return out
 
 
 def _value_shape(x: Any) -> torch.Size:

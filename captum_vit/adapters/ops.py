@@ -178,6 +178,11 @@ class Ops:
     def pool(self, x: Any, row: int | str, num_prefix: int) -> Any:
         return x[:, num_prefix:].mean(1) if row == "avg" else x[:, row]
 
+    def gather(self, x: Any, merge: Any) -> Any:
+        """The concatenated children [B, N', 4C] of a patch merge
+        (:class:`~captum_vit.adapters.windows.MergeParts`) on token states [B, N, C]."""
+        return merge.gather(x)
+
     def mean(self, xs: Sequence[Any]) -> Any:
         return xs[0] if len(xs) == 1 else sum(xs[1:], xs[0]) / len(xs)
 

@@ -161,6 +161,16 @@ class BlockParts(AttentionParts):
     inner_norm: NormParts | None = None
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
     ``scale_attn_inner``, Fang et al. 2023); ``None`` = identity."""
+    window: Any = None
+    """Windowed attention (a :class:`~captum_vit.adapters.windows.Windows`, which builds on
+    this module, hence ``Any`` here), or ``None``: the block
+    attends inside the windows of its stage's grid; ``attn_bias`` then returns one
+    window's bias ``[1, H, M, M]`` and the probabilities are per window,
+    ``[B, H, n_W, M, M]``. ``None`` = global attention."""
+    merge: Any = None
+    """A patch merge after the block (a
+    :class:`~captum_vit.adapters.windows.MergeParts`), or ``None``:
+    the last block of a stage hands the next stage its grid; ``None`` = none."""
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
              rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -271,9 +281,49 @@ class BlockParts(AttentionParts):
         """
         if rules is not None and not materialize:
             raise ValueError("attention rules need the explicit path (materialize=True)")
+        if self.window is not None:
+            return self._windowed(u, materialize, key_mask, positions, detach_qk, rules, heads)
         q, k, v = self._qkv(u, detach_qk, positions, rules)
         return self.attend(q, k, v, materialize=materialize, key_mask=key_mask,
                            positions=positions, rules=rules, heads=heads)
+
+    def _windowed(self, u: Tensor, materialize: bool, key_mask: Tensor | None,
+                  positions: Tensor | None, detach_qk: bool, rules: AttentionRules | None,
+                  heads: list[Heads] | None) -> tuple[Tensor, Tensor | None]:
+        """:meth:`attention` inside the windows of :attr:`window`: the same projections,
+        softmax and rules on the ``B · n_W`` windows, the mix put back on the grid and the
+        probabilities returned per window, [B, H, n_W, M, M]."""
+        win = self.window
+        assert win is not None
+        if key_mask is not None or positions is not None:
+            raise ValueError("windowed attention keeps every token of its grid: true token "
+                             "removal and token subsets do not apply to windowed models; "
+                             "remove pixels instead (the metrics' removal='mean', 'black' "
+                             "or 'blur'; RISE or ViT-CX instead of TIS)")
+        b = u.shape[0]
+        q, k, v = self._qkv(win.partition(u), detach_qk, None, rules)
+        rel = None if self.attn_bias is None else self.attn_bias()
+        bias = win.logit_bias(rel, b, q.dtype, q.device)
+        if not materialize:
+            mix, _ = self._mix(q, k, v, bias, False, rules, heads)
+            return win.reverse(mix), None
+        # the probabilities returned are the tensor the mix reads (gradients reach them)
+        attn = self.by_window(self._probs(q, k, bias, rules))  # [B, H, n_W, M, M]
+        probs = attn.transpose(1, 2).reshape(q.shape[0], *attn.shape[1:2], *attn.shape[3:])
+        mixing = probs if rules is None or rules.mix is None else rules.mix(probs)
+        o = mixing @ v
+        if heads is not None:
+            heads.append(Heads(q, k, v, o, bias, self))
+        mix = o.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.inner_dim)
+        return win.reverse(mix), attn
+
+    def by_window(self, probs: Tensor) -> Tensor:
+        """Windowed per-head matrices ``[B · n_W, H, M, M]`` as ``[B, H, n_W, M, M]`` (the
+        form a windowed block's probabilities are returned in)."""
+        win = self.window
+        assert win is not None
+        b = probs.shape[0] // win.num_windows
+        return probs.reshape(b, win.num_windows, *probs.shape[1:]).transpose(1, 2)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, materialize: bool,
                key_mask: Tensor | None = None, positions: Tensor | None = None,
@@ -284,8 +334,14 @@ class BlockParts(AttentionParts):
         the token-wise projections once and gather them (TIS's shared first block,
         :mod:`~captum_vit.adapters.subsets`). Arguments and returns as in
         :meth:`attention`."""
+        bias = self.logit_bias(q.shape[2], key_mask, positions)
+        return self._mix(q, k, v, bias, materialize, rules, heads)
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, materialize: bool,
+             rules: AttentionRules | None, heads: list[Heads] | None
+             ) -> tuple[Tensor, Tensor | None]:
+        """The probabilities' mix of ``v`` under the logit ``bias`` (:meth:`attend`)."""
         b, _, n, _ = q.shape
-        bias = self.logit_bias(n, key_mask, positions)
         if materialize:
             probs = self._probs(q, k, bias, rules)
             attn: Tensor | None = probs
@@ -503,12 +559,17 @@ class Heads:
     parts: BlockParts
 
     def probs(self) -> Tensor:
-        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation)."""
-        return self.parts._probs(self.q, self.k, self.bias)
+        """The probabilities ``A`` [B, H, N, N] (the explicit path's own computation;
+        a windowed block's [B, H, n_W, M, M])."""
+        return self._form(self.parts._probs(self.q, self.k, self.bias))
 
     def probs_grad(self, grad_o: Tensor) -> Tensor:
-        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``)."""
-        return grad_o @ self.v.detach().transpose(-2, -1)
+        """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``; a windowed
+        block's [B, H, n_W, M, M])."""
+        return self._form(grad_o @ self.v.detach().transpose(-2, -1))
+
+    def _form(self, m: Tensor) -> Tensor:
+        return m if self.parts.window is None else self.parts.by_window(m)
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,28 @@ class SubnetworkAdapter(ViTAdapter):
         out = self.run(x)
         return probabilities(out) if self.score == "probability" else out
 
+    # -- stages (Swin): the model's grids, this view's block indices ----------------------------
+    @property
+    def has_stages(self) -> bool:
+        return self.base.has_stages
+
+    @property
+    def final_tokens(self) -> int | None:
+        return self.base.final_tokens
+
+    def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False,
+              down_to: int | None = None) -> Tensor:
+        """:meth:`~captum_vit.adapters.base.ViTAdapter.carry` with the view's block
+        indices, down to the model's first grid (``down_to=None``)."""
+        return self.base.carry(values, None if layer is None else self.start + layer,
+                               split=split,
+                               down_to=None if down_to is None else self.start + down_to)
+
+    def carry_down(self, w: Tensor, layer: int) -> Tensor:
+        """The model's readout weights through the merges of the model's blocks from this
+        view's block ``layer`` on (those after the view included)."""
+        return self.base.carry_down(w, self.start + layer)
+
     # -- everything else is the model's ------------------------------------------------------
     @property  # type: ignore[misc]  # a view: its head is the base's, never set
     def head(self) -> HeadParts:

@@ -33,7 +33,7 @@ class BlockRecord:
     attn_out: Tensor  # ls1(a_l)
     mid: Tensor  # x_mid,l
     ffn_out: Tensor  # ls2(MLP(LN2(x_mid,l)))
-    out: Tensor  # x_{l+1}
+    out: Tensor  # x_{l+1} (after the block's patch merge, if it has one)
     heads: Heads | None = None  # a fused trace's per-head q, k, v, o (attn is None)
 
     def require_attn(self) -> Tensor:
@@ -67,6 +67,10 @@ class Trace:
     """A target reading token rows (:class:`~captum_vit.adapters.scoring.Target`): the
     states ``z`` it read, in the graph (the final-normed tokens, or ``x_l``), for the
     readout weights of :func:`captum_vit._base.readout_rows`."""
+    final_tokens: int | None = None
+    """The token count of the last state when it differs from the embedding's (a model
+    with stages and merges, :mod:`captum_vit.adapters.windows`); ``None`` = that of
+    :attr:`x0`."""
     read_grad: list[Tensor] | None = None
     """``∂s/∂z`` of :attr:`read` (set by :func:`captum_vit._base.gradients_with_pool`)."""
 

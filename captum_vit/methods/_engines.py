@@ -67,21 +67,41 @@ class LayerGradients:
     trace: Trace
     target: Tensor
     grads: list[Tensor]
+    adapter: ViTAdapter | None = None
+    """The model's adapter: per-block maps of a model with stages (Swin) are carried to
+    the first stage's grid (:meth:`~captum_vit.adapters.ViTAdapter.carry`)."""
+
+    def _stack(self, maps: list[Tensor]) -> Tensor:
+        """Per-state relevance maps stacked, each on the maps' grid (shared among a merged
+        token's children: the sums are kept)."""
+        if self.adapter is not None and self.adapter.has_stages:
+            start = self.trace.start
+            maps = [self.adapter.carry(m, start + l, split=True) for l, m in enumerate(maps)]
+        return torch.stack(maps)
 
     def ixg(self) -> Tensor:
         """Token IxG ``sum_d x_l * grad_l`` for ``l = 0 .. L``, shape [L+1, B, N]."""
         states = self.trace.states
         dt = accumulation_dtype(states[0])
         with torch.no_grad():
-            return torch.stack([(x.detach().to(dt) * g.to(dt)).sum(-1)
+            return self._stack([(x.detach().to(dt) * g.to(dt)).sum(-1)
                                 for x, g in zip(states, self.grads, strict=True)])
 
     def attention_received(self) -> Tensor:
-        """``alpha_l[j] = mean_h mean_i A_l^h[i, j]`` for every block, shape [L, B, N]."""
+        """``alpha_l[j] = mean_h mean_i A_l^h[i, j]`` for every block, shape [L, B, N]
+        (windowed blocks: :meth:`~captum_vit.adapters.windows.Windows.received`)."""
         dt = accumulation_dtype(self.trace.x0)
         with torch.no_grad():
-            return torch.stack([rec.require_attn().detach().to(dt).mean(dim=(1, 2))
-                                for rec in self.trace.blocks])
+            out = []
+            for l, rec in enumerate(self.trace.blocks):
+                win = None if self.adapter is None else \
+                    self.adapter.blocks[self.trace.start + l].window
+                attn = rec.require_attn().detach().to(dt)
+                out.append(attn.mean(dim=(1, 2)) if win is None
+                           else win.received(attn).mean(1))
+            if self.adapter is not None and self.adapter.has_stages:
+                out = [self.adapter.carry(a, self.trace.start + l) for l, a in enumerate(out)]
+            return torch.stack(out)
 
     def att_ixg(self) -> Tensor:
         """AttIxG ``alpha_l * cat_l`` for every block input, shape [L, B, N]."""
@@ -114,7 +134,7 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
         tr = adapter.trace(inputs, linearize=linearize, grad=True)
         t = resolve_target(target, tr.require_logits())
         grads = gradients(target_scores(tr.require_logits(), t, score), tr.states)
-    return LayerGradients(tr, t, grads)
+    return LayerGradients(tr, t, grads, adapter)
 
 
 SITES = ("residual", "norm1")
@@ -213,7 +233,8 @@ def per_layer_fast(kind: str, adapter: ViTAdapter, inputs: Tensor, target: Tenso
         return lg.att_ixg()
     if kind == "gradient":
         dt = accumulation_dtype(inputs)
-        return torch.stack([g.to(dt).sum(-1) for g in lg.grads[:-1]])
+        return torch.stack([adapter.carry(g.to(dt).sum(-1), l)
+                            for l, g in enumerate(lg.grads[:-1])])
     return lg.ixg()[:-1]
 
 

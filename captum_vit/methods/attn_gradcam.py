@@ -14,7 +14,6 @@ from captum_vit._base import (
     accumulation_dtype,
     check_choice,
     gradients_with_pool,
-    readout,
     readout_rows,
     resolve_target,
     target_scores,
@@ -93,7 +92,9 @@ class AttnGradCAM(ScoredAttribution):
                 g_r, a_r = pool_grad[:, :, 0].to(dt), pool_attn.detach()[:, :, 0].to(dt)
             else:
                 w = readout_rows(tr, dtype=dt, target=t)
-                g_r = readout(w, grad.to(dt))  # [B, H, N]
-                a_r = readout(w, attn.detach().to(dt))
+                last = self.adapter.num_blocks - 1
+                w = self.adapter.carry_down(w, last)
+                g_r = self.adapter.token_mix(w, grad.to(dt), last)  # [B, H, N]
+                a_r = self.adapter.token_mix(w, attn.detach().to(dt), last)
             w = g_r[..., k:].mean(-1, keepdim=True)
             return w * a_r

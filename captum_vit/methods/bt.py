@@ -298,16 +298,24 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
             v = eye.expand(w.shape[0], -1, -1)  # [B, S, N]
             got: dict[int, Tensor] = {}
             for k in reversed(range(first, L)):
-                v = v + v @ self._block_matrix(tr, k, grad_of.get(k), dt)  # R <- R + Â_k R
-                if k in starts.values():
+                v = ad.unmerge(v, k)  # Swin: through the merge after block k (¼ weights)
+                v = v + ad.token_mix(v, self._block_matrix(tr, k, grad_of.get(k), dt), k)
+                if k in starts.values():  # R <- R + Â_k R, read from its rows
                     got[k] = v
+            last = ad.blocks[L - 1].window
+            if last is not None:  # windowed (Swin): W's rows of the (small) last stage
+                feedback = last.dense(feedback)
             ws, fb = w[:, rows], feedback[:, rows]
             maps = []
             for l in layers:
-                r = got[starts[l]]
+                k = starts[l]
+                r = got[k]
                 if self.variant == "token":
                     r = r.abs()
-                maps.append(torch.einsum("bs,bsn->bn", ws, fb * r))  # w (W ⊙ R)
+                # stages: W's columns (last-stage tokens) copied to their children on x_k's
+                # grid; the map shared onto the first grid
+                fbk = ad.carry(fb, L - 1, down_to=k)
+                maps.append(ad.carry(torch.einsum("bs,bsn->bn", ws, fbk * r), k, split=True))
             return torch.stack(maps)
 
     def _block_matrix(self, tr: Trace, k: int, grad: Tensor | None,
@@ -378,9 +386,14 @@ class BTH(_BeyondIntuition):
         """:math:`\\hat A_k = \\sum_h I_h A_k^h` [B, N, N]."""
         assert grad is not None
         a, g = tr.blocks[k].require_attn().detach().to(dt), grad.detach().to(dt)
-        ih = (a.transpose(-1, -2) @ g).abs().mean((-2, -1))  # [B, H]
+        prod = a.transpose(-1, -2) @ g  # per window for a windowed block (block-diagonal)
+        win = self.adapter.blocks[k].window
+        if win is not None:  # the dense product has no padded slots
+            real = (win.index(a.device) >= 0).to(dt)
+            prod = prod * real[:, :, None] * real[:, None, :]
+        ih = prod.abs().flatten(2).sum(-1)  # [B, H]; the mean's 1/N² cancels below
         ih = ih / ih.sum(1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
-        return torch.einsum("bh,bhij->bij", ih, a)
+        return (ih.reshape(*ih.shape, *[1] * (a.dim() - 2)) * a).sum(1)
 
 
 @register_method("bt_t", family="gradient_attention", quick={"n_steps": 5})
@@ -443,4 +456,6 @@ class BTT(_BeyondIntuition):
         vo = p.value_outputs(rec.u.detach().to(dt), a)
         o = vo.norm(dim=-1) / rec.x.detach().to(dt).norm(dim=-1).clamp_min(
             torch.finfo(dt).tiny)
+        if p.window is not None:  # windowed (Swin): the columns at the window slots
+            return a.mean(1) * p.window.to_slots(o)[..., None, :]
         return a.mean(1) * o[:, None, :]

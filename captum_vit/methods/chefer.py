@@ -31,7 +31,6 @@ from captum_vit._base import (
     check_choice,
     check_layer,
     gradients,
-    readout,
     readout_rows,
     resolve_target,
     target_scores,
@@ -216,10 +215,13 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
             def abar(k: int) -> Tensor:  # block first + k
                 return (grads[k].to(dt) * rel[k].to(dt)).clamp(min=0).mean(1)
 
+            ad = self.adapter
             if aggregate == "layer":
-                return torch.stack([readout(w, abar(l - first)) for l in layers])
+                return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), abar(l - first),
+                                                          l), l, split=True) for l in layers])
             rows, v = {}, w
             for k in reversed(range(len(rel))):
-                v = v + torch.einsum("bn,bnm->bm", v, abar(k))
+                v = ad.unmerge(v, first + k)  # stages: through the merge (¼ weights)
+                v = v + ad.token_mix(v, abar(k), first + k)
                 rows[first + k] = v
-            return torch.stack([rows[l + s] for l in layers])
+            return torch.stack([ad.carry(rows[l + s], l + s, split=True) for l in layers])

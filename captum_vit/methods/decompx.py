@@ -142,11 +142,26 @@ class DecompositionOps(Ops):
     def _mix(u: Decomposed, real: Tensor, attn: Tensor, p: AttentionParts) -> Decomposed:
         """``concat_h A^h v^h`` of every source with the probabilities ``attn`` [B, H, Q, N]
         held constant; ``v`` is linear in ``u`` (its bias to the bias source)."""
-        b, s, n, _ = u.parts.shape
+        b, s, n, d = u.parts.shape
+        win = getattr(p, "window", None)
+        if win is not None:  # per window (Swin): padded slots hold the value bias only
+            parts = win.partition(u.parts.reshape(b * s, n, d))  # [b*s*n_W, M, D]
+            v = F.linear(parts, p.v_weight.to(parts.dtype))
+            v = u.with_bias(v.reshape(b, s, win.num_windows, win.area, -1), p.v_bias)
+            v = v.reshape(b, s, win.num_windows, win.area, p.num_heads, p.head_dim)
+            mixed = torch.einsum("bhwij,bswjhe->bswihe", attn.to(v.dtype), v)
+            mixed = win.reverse(mixed.reshape(b * s * win.num_windows, win.area, -1))
+            return Decomposed(real, mixed.reshape(b, s, n, p.inner_dim), u.has_bias)
         v = F.linear(u.parts, p.v_weight.to(u.parts.dtype))
         v = u.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
         mixed = torch.einsum("bhij,bsjhe->bsihe", attn.to(v.dtype), v)
         return Decomposed(real, mixed.reshape(b, s, -1, p.inner_dim), u.has_bias)
+
+    def gather(self, x: Decomposed, merge: Any) -> Decomposed:
+        """A patch merge's concatenated children, every source's part alike (Swin)."""
+        b, s, n, d = x.parts.shape
+        parts = merge.gather(x.parts.reshape(b * s, n, d)).reshape(b, s, -1, 4 * d)
+        return Decomposed(merge.gather(x.real), parts, x.has_bias)
 
     def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3
         real, probs = super().attention(u.real, p)
@@ -295,6 +310,8 @@ class DecompX(PLUSFastPath, PlainAttribution):
         max_memory (int or None, optional): explicit route only: bytes of decomposed
             activations per pass (default 1 GiB); ``None`` = all sources in one pass.
     """
+
+    conserves = True
 
     def __init__(self, model: nn.Module, start_layer: int = 0, route: str = "gradient",
                  max_memory: int | None = DEFAULT_MAX_MEMORY) -> None:

@@ -90,7 +90,9 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
       ``layer_index=-2``, also in their demo ``app.py``) uses only the last two blocks;
       pass ``layers=range(L - 2, L)`` for it. Which of the two the paper's tables use
       was **not verified** (only the abstract and introduction of the paper could be
-      read here).
+      read here). On a model made of stages (Swin) the readout reads the last stage's
+      grid and width only, so ``layers=None`` is that stage's blocks and earlier blocks
+      are refused; a windowed block's mean over the query rows is taken window by window.
     - **Sum, not mean.** The raw sum :math:`E` (the paper averages over layers: same
       ranking); ``normalize=True`` min–max normalises each image's map as the paper.
     - **Readout.** ``readout="model"`` (default) is the model's own readout of
@@ -215,10 +217,17 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         check_choice("score", score, SCORES)
         check_scalar(null_threshold, "null_threshold", float, min_val=0.0, max_val=1.0)
         L = self.adapter.num_blocks
+        # stages (Swin): the readout reads the last stage's tokens only
+        top = self._last_stage()
+        if self.layers is not None and self.layers[0] + min(layers) < top:
+            raise ValueError(f"layers={list(self.layers)}: LeGrad applies the model's readout "
+                             f"to each block's output, which on this model has the readout's "
+                             f"grid and width only from block {top} on (its last stage); "
+                             f"use layers in [{top}, {L - 1}]")
         sums: list[list[int]] = []
         for l in layers:
             if self.layers is None:
-                sums.append(list(range(l, L)))
+                sums.append(list(range(max(l, top), L)))
                 continue
             if l + self.layers[-1] >= L:  # what LeGrad built on the sub-network says
                 raise ValueError(f"layers={list(self.layers)} from start block {l} pass the "
@@ -238,6 +247,12 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                                       > null_threshold, 0.0)
                 maps.append(min_max(m, k) if self.normalize else m)
             return torch.stack(maps)
+
+    def _last_stage(self) -> int:
+        """The first block whose output the readout can read: 0, or for a model with
+        stages (Swin) the first block after the last patch merge."""
+        merges = [l for l, b in enumerate(self.adapter.blocks) if b.merge is not None]
+        return merges[-1] + 1 if merges else 0
 
     def _null_head(self, null_target: Any, inputs: Tensor
                    ) -> tuple[TargetHead, Tensor] | None:
@@ -315,7 +330,13 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                 with torch.no_grad():
                     for l, g in zip(blocks, grads, strict=True):
                         e = g.to(dt).clamp(min=0).mean(1)  # heads
-                        e = e[:, 0] if pooled else e.mean(1)  # pool's latent / query rows
+                        win = adapter.blocks[l].window
+                        if pooled:  # the pool's latent row
+                            e = e[:, 0]
+                        elif win is None:  # the mean over the query rows
+                            e = e.mean(1)
+                        else:  # windowed (Swin): the same mean, window by window
+                            e = win.received(e[:, None])[:, 0]
                         e[:, :adapter.num_prefix] = 0.0
                         out[l] = e
         return terms[0][1], (terms[1][1] if null is not None else None)

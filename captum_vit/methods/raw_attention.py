@@ -10,7 +10,6 @@ from torch import Tensor, nn
 from captum_vit._base import (
     TargetLike,
     check_choice,
-    readout,
     readout_rows,
     resolve_target,
 )
@@ -103,7 +102,7 @@ class RawAttention(PlainAttribution):
                          else resolve_target(target, tr.logits))
         if tr.pool_attn is not None and self.source == "pool":
             return w
-        return readout(w, kept[0])
+        return self.adapter.token_mix(self.adapter.carry_down(w, last), kept[0], last)
 
     def _head_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         last = self.adapter.num_blocks - 1
@@ -118,4 +117,4 @@ class RawAttention(PlainAttribution):
             return tr.pool_attn.detach()[:, :, 0]  # [B, H_pool, N]
         w = readout_rows(tr, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
-        return readout(w, kept[0])  # [B, H, N]
+        return self.adapter.token_mix(self.adapter.carry_down(w, last), kept[0], last)

@@ -16,7 +16,6 @@ from captum_vit._base import (
     accumulation_dtype,
     check_choice,
     check_layer,
-    readout,
     readout_rows,
     resolve_target,
 )
@@ -101,12 +100,14 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         dt = accumulation_dtype(tr.x0)
         w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
-        eye = torch.eye(w.shape[-1], dtype=dt, device=w.device)
-        m = means.pop(last) + eye
-        v = torch.einsum("bn,bhnm->bhm", w, m / m.sum(-1, keepdim=True))
-        for k in reversed(range(start_layer, last)):
-            m = means.pop(k) + eye
-            v = torch.einsum("bhn,bnm->bhm", v, m / m.sum(-1, keepdim=True))
+        ad, n = self.adapter, w.shape[-1]
+        m = ad.real_keys(means.pop(last), last) + ad.token_eye(last, n, dt, w.device)
+        v = ad.token_mix(w, m / m.sum(-1, keepdim=True), last)  # [B, H, N]
+        for k in reversed(range(start_layer, last)):  # stages: through the merges (¼)
+            v = ad.unmerge(v, k)
+            m = ad.real_keys(means.pop(k), k) + ad.token_eye(k, n, dt, w.device)
+            v = ad.token_mix(v, m / m.sum(-1, keepdim=True), k)
+        v = ad.carry(v, start_layer, split=True)
         return v
 
     def _head_means(self, inputs: Tensor, blocks: Sequence[int] | range,
@@ -170,12 +171,15 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
         if aggregate == "layer":
-            return torch.stack([readout(w, means[l]) for l in layers])
-        eye = torch.eye(w.shape[-1], dtype=dt, device=w.device)
+            ad = self.adapter
+            return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), means[l], l), l,
+                                         split=True) for l in layers])
+        ad, n = self.adapter, w.shape[-1]
         rows, v = {}, w
         for k in reversed(range(min(need), L)):  # r^T M_{L-1} ... M_k, one vector
-            m = means.pop(k) + eye
-            v = torch.einsum("bn,bnm->bm", v, m / m.sum(-1, keepdim=True))
+            v = ad.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
+            m = ad.real_keys(means.pop(k), k) + ad.token_eye(k, n, dt, w.device)
+            v = ad.token_mix(v, m / m.sum(-1, keepdim=True), k)
             if k in need:
                 rows[k] = v
-        return torch.stack([rows[l + s] for l in layers])
+        return torch.stack([ad.carry(rows[l + s], l + s, split=True) for l in layers])

@@ -32,7 +32,6 @@ from captum_vit._base import (
     check_layer,
     check_scalar,
     gradients,
-    readout,
     readout_rows,
     resolve_target,
     target_scores,
@@ -212,12 +211,16 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         dt = feedback.dtype
         with torch.no_grad():
             w = readout_rows(tr, dtype=dt, target=t)
-            omega = readout(w, feedback)
-            sigma = readout(w, last.detach().to(dt).mean(1))  # w Ā_{L-1}
-            got: dict[int, Tensor] = {}
+            omega = ad.token_mix(w, feedback, L - 1)
+            top = ad.token_mix(w, last.detach().to(dt).mean(1), L - 1)  # w Ā_{L-1}
+            got: dict[int, Tensor] = {L - 1: top}
+            sigma = top
             for k in reversed(range(min(starts.values()), L - 1)):
                 a = tr.blocks[k].require_attn().detach().to(dt).mean(1)
-                sigma = sigma + torch.einsum("bn,bnm->bm", sigma, a)
+                sigma = ad.unmerge(sigma, k)  # stages: through the merge (¼ weights)
+                sigma = sigma + ad.token_mix(sigma, a, k)
                 got[k] = sigma
-            top = readout(w, last.detach().to(dt).mean(1))
-            return torch.stack([got.get(starts[l], top) * omega for l in layers])
+            # stages: ω (a weight per last-stage token) copied onto the chain's grid
+            return torch.stack([ad.carry(got.get(starts[l], top) * ad.carry(
+                omega, L - 1, down_to=starts[l] if starts[l] in got else L - 1),
+                starts[l] if starts[l] in got else L - 1, split=True) for l in layers])

@@ -23,7 +23,6 @@ from captum_vit._base import (
     check_choice,
     check_layer,
     gradients_with_pool,
-    readout,
     readout_rows,
     resolve_target,
     target_scores,
@@ -200,4 +199,5 @@ class AttnGrad(ScoredAttribution):
             elif self.variant == "relu":
                 g = g.clamp(min=0)
             w = readout_rows(tr, pool_grad, dtype=dt, target=t)
-            return readout(w, g.mean(1))
+            ad = self.adapter
+            return ad.token_mix(ad.carry_down(w, self.layer), g.mean(1), self.layer)

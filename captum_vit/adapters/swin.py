@@ -1,0 +1,360 @@
+"""Adapters for Swin Transformers (Liu et al., ICCV 2021): timm's ``SwinTransformer``.
+
+Only this file knows Swin's attribute names. A Swin is a list of stages; its canonical
+form (:mod:`captum_vit.adapters.windows`) is one :class:`BlockParts` per block whose
+``window`` is the block's window partition (cyclic shift in every other block, padding of
+the grid to whole windows, the seam mask of ``-100``, all as the model computes them) and
+whose ``attn_bias`` is the model's own relative position bias of one window; the last
+block of a stage carries the next stage's patch merge (LayerNorm + linear). The tokens
+have no prefix rows, the maps land on the first stage's grid, and the logits read the mean
+of the final stage's tokens after the final norm (``readout="avg"``).
+
+``SwinTransformerV2`` (cosine attention with a learned logit scale, a continuous position
+bias from an MLP over log-spaced coordinates, post-norm residual blocks) does not fit the
+pre-LN canonical block and is refused by name.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.ops import Ops, patch_projection
+from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
+from captum_vit.adapters.windows import MergeParts, Windows
+
+
+def _timm_swin_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(timm's Swin v1 class, the Swin v2 classes it refuses)."""
+    from timm.models import swin_transformer, swin_transformer_v2, swin_transformer_v2_cr
+
+    return ((swin_transformer.SwinTransformer,),
+            (swin_transformer_v2.SwinTransformerV2, swin_transformer_v2_cr.SwinTransformerV2Cr))
+
+
+def is_timm_swin(model: nn.Module) -> bool:
+    """``True`` for timm's ``SwinTransformer`` (and, to refuse them by name, its V2
+    classes)."""
+    try:
+        v1, v2 = _timm_swin_classes()
+    except ImportError:  # pragma: no cover - timm is a dependency
+        return False
+    return isinstance(model, v1 + v2)
+
+
+class TimmSwinAdapter(ViTAdapter):
+    """Canonical view of a timm ``SwinTransformer`` (v1): windowed blocks, merges between
+    stages, mean readout (:mod:`captum_vit.adapters.swin`).
+
+    The q/k/v parts are row views of each block's fused ``qkv`` parameter and the relative
+    position bias is the model's own ``WindowAttention._get_rel_pos_bias``; the model is
+    never changed.
+
+    Raises:
+        TypeError: ``SwinTransformerV2`` / ``SwinTransformerV2Cr``, a head without global
+            average pooling, or blocks of another kind.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        from timm.models.swin_transformer import SwinTransformerBlock
+
+        v1, v2 = _timm_swin_classes()
+        name = type(model).__name__
+        if isinstance(model, v2) or not isinstance(model, v1):
+            raise TypeError(
+                f"captum_vit cannot explain timm's {name}: Swin V2's cosine attention with "
+                "a learned logit scale, continuous position bias (an MLP over log-spaced "
+                "coordinates) and post-norm blocks do not fit the pre-LN canonical block; "
+                "use a Swin v1 (timm SwinTransformer, e.g. swin_tiny_patch4_window7_224)")
+        self.model = model
+        blocks = [blk for stage in model.layers for blk in stage.blocks]
+        if not blocks or any(len(stage.blocks) == 0 for stage in model.layers):
+            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
+                            "stage to have at least one block")
+        for i, blk in enumerate(blocks):
+            if type(blk) is not SwinTransformerBlock:
+                raise TypeError(f"{name} block {i} is {type(blk).__name__}; captum_vit "
+                                "supports timm's SwinTransformerBlock")
+        head = model.head
+        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
+        if pool != "avg" or getattr(head, "use_conv", False):
+            raise TypeError(f"{name}.head pools with {pool!r}; captum_vit supports Swin's "
+                            "global average pooling (global_pool='avg')")
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(model.patch_embed.proj.in_channels)
+        self._read_parts()
+
+    def _read_parts(self) -> None:
+        """The canonical parts of every block and of the head (views of the model)."""
+        from captum_vit.adapters.timm_vit import _timm_gelus, timm_attention_fields, timm_head
+
+        m = self.model
+        name = type(m).__name__
+        parts: list[BlockParts] = []
+        for s, stage in enumerate(m.layers):
+            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
+            for j, blk in enumerate(stage.blocks):
+                where = f"{name}.layers[{s}].blocks[{j}]"
+                mlp = blk.mlp
+                if not isinstance(mlp.norm, nn.Identity) \
+                        or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
+                    raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
+                merge = None
+                if nxt is not None and j == len(stage.blocks) - 1:
+                    merge = _timm_merge(nxt.downsample, tuple(blk.input_resolution),
+                                        f"{name}.layers[{s + 1}].downsample")
+                parts.append(BlockParts(
+                    **timm_attention_fields(blk, where), ls1=None,
+                    fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
+                    attn_bias=blk.attn._get_rel_pos_bias,
+                    window=Windows(grid=_pair(blk.input_resolution), size=_pair(blk.window_size),
+                                   shift=_pair(blk.shift_size)),
+                    merge=merge))
+        self.blocks = parts
+        weight, bias = timm_head(m.head.fc, f"{name}.head.fc")
+        self.embedding = weight is None
+        self.head = HeadParts(_norm_parts(m.norm, f"{name}.norm"), None,
+                              (("avg", weight, bias),))
+
+    def refresh(self) -> None:
+        first = self.model.layers[0].blocks[0].attn.qkv.weight
+        if self.blocks[0].q_weight.data_ptr() != first.data_ptr():  # storage replaced
+            self._read_parts()
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        size = self.model.patch_embed.img_size
+        return self.in_chans, (int(size[0]), int(size[1]))
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The head (final norm, classifier), then the blocks from the top; a merge's
+        parameters go with the block it follows (the block that carries it)."""
+        m = self.model
+        stages: list[list[nn.Parameter]] = [list(m.norm.parameters()) + list(m.head.parameters())]
+        blocks: list[list[nn.Parameter]] = []
+        for s, stage in enumerate(m.layers):
+            if s > 0:
+                blocks[-1] += list(stage.downsample.parameters())
+            blocks += [list(blk.parameters()) for blk in stage.blocks]
+        return stages + blocks[::-1]
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        self.check_fixed_size(inputs, tuple(self.model.patch_embed.img_size),
+                              type(self.model).__name__)
+
+    def is_random(self) -> bool:
+        from captum_vit.adapters.timm_vit import _has_active_dropout
+
+        return _has_active_dropout(self.model)
+
+    def layout(self, inputs: Tensor) -> Layout:
+        self.refresh()
+        h, w = inputs.shape[-2:]
+        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,  # type: ignore[union-attr]
+                      patch_size=tuple(self.model.patch_embed.patch_size), readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)))
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``patch_embed`` (projection and norm) as tokens [B, N, C] of the
+        first stage's grid; with ``ops`` the projection through ``ops.linear`` and the norm
+        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
+        self.refresh()
+        pe = self.model.patch_embed
+        name = type(self.model).__name__
+        if ops is None:
+            x = pe(inputs)  # [B, gh, gw, C]
+            return x.reshape(x.shape[0], -1, x.shape[-1])
+        x = patch_projection(inputs, pe.proj, ops, f"{name}.patch_embed.proj")
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        if isinstance(pe.norm, nn.Identity):
+            return x
+        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
+
+    def embedding_norms(self) -> tuple[str, ...]:
+        """The patch embedding's norm (Swin's ``patch_norm``)."""
+        return () if isinstance(self.model.patch_embed.norm, nn.Identity) \
+            else ("patch_embed.norm",)
+
+
+def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _timm_merge(down: nn.Module, grid: tuple[int, int], where: str) -> MergeParts:
+    """The :class:`MergeParts` of timm's ``PatchMerging`` on the ``grid`` before it."""
+    from timm.models.swin_transformer import PatchMerging
+
+    if type(down) is not PatchMerging:
+        raise TypeError(f"{where} is {type(down).__name__}; captum_vit supports timm's "
+                        "PatchMerging between Swin stages")
+    return MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where}.norm"),
+                      weight=down.reduction.weight, bias=down.reduction.bias)
+
+
+HF_SWIN_CLASSES = ("SwinForImageClassification", "SwinModel")
+"""The Hugging Face Swin classes :class:`HFSwinAdapter` reads."""
+HF_SWIN_V2_CLASSES = ("Swinv2ForImageClassification", "Swinv2Model")
+"""Hugging Face Swin V2 classes, refused by name (see the module docstring)."""
+
+
+def is_hf_swin(model: nn.Module) -> bool:
+    """``True`` for Hugging Face ``SwinForImageClassification`` / ``SwinModel`` (and, to
+    refuse them by name, the Swin V2 classes); transformers is never imported for other
+    models."""
+    from captum_vit.adapters.hf_vit import is_transformers_model
+
+    return is_transformers_model(model, HF_SWIN_CLASSES + HF_SWIN_V2_CLASSES)
+
+
+class HFSwinAdapter(TimmSwinAdapter):
+    """Canonical view of a Hugging Face ``SwinForImageClassification`` or ``SwinModel``
+    (an image embedding: its ``pooler_output``), the second reader of the same canonical
+    form as :class:`TimmSwinAdapter`: separate ``q_proj``/``k_proj``/``v_proj``, the
+    grid padded before the cyclic shift (Hugging Face's order), the patch merge at the end
+    of a stage, absolute position embeddings when configured. Inputs must have the
+    configured ``image_size``.
+
+    Raises:
+        TypeError: a Swin V2 class, a ``SwinModel`` without pooling layer, or a layer of
+            another kind.
+    """
+
+    def __init__(self, model: nn.Module) -> None:  # noqa: D107 - documented on the class
+        ViTAdapter.__init__(self)
+        name = type(model).__name__
+        if name in HF_SWIN_V2_CLASSES:
+            raise TypeError(
+                f"captum_vit cannot explain {name}: Swin V2's cosine attention with a learned "
+                "logit scale, continuous position bias and post-norm blocks do not fit the "
+                "pre-LN canonical block; use a Swin v1 (SwinForImageClassification)")
+        self.model = model
+        self.backbone = getattr(model, "swin", model)
+        if getattr(self.backbone, "pooler", None) is None:
+            raise TypeError(f"{name} has no pooling layer (add_pooling_layer=False): "
+                            "captum_vit explains its pooled embedding; build it with "
+                            "add_pooling_layer=True")
+        cfg = model.config
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(cfg.num_channels)
+        self._read_parts()
+
+    def _read_parts(self) -> None:
+        m, cfg = self.model, self.model.config
+        name = type(m).__name__
+        ph, pw = _pair(cfg.patch_size)
+        h, w = _pair(cfg.image_size)
+        grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
+        parts: list[BlockParts] = []
+        stages = self.backbone.encoder.layers
+        for s, stage in enumerate(stages):
+            for j, layer in enumerate(stage.blocks):
+                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
+                attn = layer.attention
+                ws, shift = int(cfg.window_size), int(layer.shift_size)
+                if min(grid) <= ws:  # the model's clamp (set_shift_and_window_size)
+                    ws, shift = min(grid), 0
+                merge = None
+                if j == len(stage.blocks) - 1 and stage.downsample is not None:
+                    down = stage.downsample
+                    merge = MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where} merge"),
+                                       weight=down.reduction.weight, bias=down.reduction.bias)
+                heads = int(attn.num_attention_heads)
+                parts.append(BlockParts(
+                    norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
+                    q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight,
+                    v_weight=attn.v_proj.weight, q_bias=attn.q_proj.bias,
+                    k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, num_heads=heads,
+                    head_dim=int(attn.head_dim), scale=float(attn.scaling),
+                    q_norm=nn.Identity(), k_norm=nn.Identity(),
+                    proj_weight=attn.o_proj.weight, proj_bias=attn.o_proj.bias,
+                    norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after"),
+                    ls1=None, fc1_weight=layer.mlp.fc1.weight, fc1_bias=layer.mlp.fc1.bias,
+                    act=layer.mlp.activation_fn, fc2_weight=layer.mlp.fc2.weight,
+                    fc2_bias=layer.mlp.fc2.bias, ls2=None,
+                    attn_bias=attn.relative_position_bias,
+                    window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
+                                   pad_first=True),
+                    merge=merge))
+                if merge is not None:
+                    grid = merge.out_grid
+        if not parts:
+            raise TypeError(f"{name} has no Swin layers")
+        self.blocks = parts
+        classifier = getattr(m, "classifier", None)
+        self.embedding = classifier is None
+        if classifier is not None and not isinstance(classifier, nn.Linear):
+            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
+                            "backbone model.swin (an embedding model) with vector targets")
+        weight = None if classifier is None else classifier.weight
+        bias = None if classifier is None else classifier.bias
+        self.head = HeadParts(_norm_parts(self.backbone.layernorm, f"{name}.layernorm"), None,
+                              (("avg", weight, bias),))
+
+    def refresh(self) -> None:
+        first = self.backbone.encoder.layers[0].blocks[0].attention.q_proj.weight
+        if self.blocks[0].q_weight is not first:  # a parameter was replaced
+            self._read_parts()
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, _pair(self.model.config.image_size)
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The head (final norm, classifier), then the layers from the top; a merge's
+        parameters go with the layer it follows."""
+        m, bb = self.model, self.backbone
+        head = [bb.layernorm, getattr(m, "classifier", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        blocks: list[list[nn.Parameter]] = []
+        for stage in bb.encoder.layers:
+            blocks += [list(layer.parameters()) for layer in stage.blocks]
+            if stage.downsample is not None:
+                blocks[-1] += list(stage.downsample.parameters())
+        return stages + blocks[::-1]
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        ViTAdapter.check_inputs(self, inputs)
+        self.check_fixed_size(inputs, _pair(self.model.config.image_size),
+                              type(self.model).__name__)
+
+    def is_random(self) -> bool:
+        cfg = self.model.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
+
+    def layout(self, inputs: Tensor) -> Layout:
+        h, w = inputs.shape[-2:]
+        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,  # type: ignore[union-attr]
+                      patch_size=_pair(self.model.config.patch_size), readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)))
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``embeddings`` (patch projection, norm, absolute positions if
+        configured); with ``ops`` the projection through ``ops.linear`` and the norm
+        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs)[0]
+        name = f"{type(self.model).__name__}.embeddings"
+        pe = emb.patch_embeddings
+        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
+                             f"{name}.patch_embeddings.projection")
+        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm_parts(emb.norm, f"{name}.norm"))
+        pos = emb.position_embeddings
+        return x if pos is None else x + pos.to(x.dtype)
+
+    def embedding_norms(self) -> tuple[str, ...]:
+        return ("embeddings.norm",)
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        out = self.model(pixel_values=inputs)
+        return out.pooler_output if self.embedding else out.logits
