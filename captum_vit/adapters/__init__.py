@@ -105,6 +105,7 @@ from captum_vit.adapters.rules import (
     scale_gradient,
     stabilized_divide,
 )
+from captum_vit.adapters.sam import HFSamAdapter, TimmSamAdapter, is_hf_sam, is_timm_sam
 from captum_vit.adapters.scoring import (
     TargetHead,
     log_probabilities,
@@ -140,6 +141,8 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_open_clip, OpenCLIPAdapter),
     (is_hf_videomae, HFVideoMAEAdapter),
     (is_timm_swin, TimmSwinAdapter),
+    (is_hf_sam, HFSamAdapter),
+    (is_timm_sam, TimmSamAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 

@@ -445,6 +445,9 @@ class ViTAdapter(abc.ABC):
         pre = getattr(head, "pre_logits", None)
         if weight is None and pre is not None:  # the representation layer's output
             weight = pre[0]
+        neck = getattr(head, "neck", None)
+        if weight is None and neck is not None:  # the neck's output (NeckHeadParts)
+            weight = neck.weight
         own = int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
         target = self.state.settings.target
         if isinstance(target, Target):
@@ -758,6 +761,9 @@ class ViTAdapter(abc.ABC):
             h = _detached(h)
         if h.norm is not None:
             x = ops.norm(x, h.norm)
+        neck = getattr(h, "neck", None)
+        if neck is not None:  # a token-mixing neck before the pooling (NeckHeadParts)
+            x = neck(x, ops)
         tokens = x
         pooled, pre = None, getattr(h, "pre_logits", None)
         if h.attn_pool is not None:
