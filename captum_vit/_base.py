@@ -493,6 +493,11 @@ class ViTFront:
     way to the first grid instead of copied to them
     (:meth:`~captum_vit.adapters.ViTAdapter.carry`)."""
 
+    windowed: bool = True
+    """Whether the method has a form for windowed attention (Swin,
+    :mod:`captum_vit.adapters.windows`); a method without one refuses such a model by
+    name."""
+
     def __init__(self, model: nn.Module) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -505,6 +510,12 @@ class ViTFront:
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
         check_choice("output", output, OUTPUTS)
+        if not self.windowed and any(b.window is not None for b in self.adapter.blocks):
+            raise TypeError(
+                f"{type(self).__name__} has no form for the windowed attention of this "
+                f"{type(self.model).__name__} yet; on windowed models use Rollout, "
+                "RawAttention, GAE, Chefer21, AttnGradCAM, GradSAM, TAM, DecompX, TokenIxG, "
+                "AttCAT, the LRP methods, the CAMs, RISE, ScoreCAM or ViT-CX")
         heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
         maps_of = self._token_maps if heads == "mean" else self._head_maps
         p = prepare(self.adapter, inputs, target)

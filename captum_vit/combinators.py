@@ -165,6 +165,11 @@ class PLUS(ViTGradientAttribution):
         ...                                                     n_steps=16)
     """
 
+    @property
+    def windowed(self) -> bool:  # type: ignore[override]
+        """The base method's (:attr:`captum_vit._base.ViTFront.windowed`)."""
+        return bool(getattr(self.__dict__.get("_probe"), "windowed", True))
+
     sums_subnetworks = True
 
     def __init__(self, model: nn.Module, base: BaseLike, *,

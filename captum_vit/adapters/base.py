@@ -842,12 +842,21 @@ class ViTAdapter(abc.ABC):
         return self.logits(x, ops) if stop == L else x
 
     def check_token_removal(self) -> None:
-        """Refuse true token removal under a target that reads token rows: removing
-        tokens changes the rows it reads (:mod:`captum_vit.targets`).
+        """Refuse true token removal on a model with windowed attention (the window
+        partition needs every token of its grid) and under a target that reads token rows:
+        removing tokens changes the rows it reads (:mod:`captum_vit.targets`).
 
         Raises:
-            ValueError: naming the target and the pixel removal that serves it.
+            ValueError: naming the model or the target and the pixel removal that serves
+                it.
         """
+        if any(p.window is not None for p in self.blocks):
+            raise ValueError(
+                f"{type(self.model).__name__} attends within windows of a fixed token grid, "
+                "and true token removal (TIS's token subsets, the metrics' removal='token') "
+                "breaks the window partition: remove pixels instead (the metrics: "
+                "removal='mean', 'black' or 'blur'; instead of TIS: RISE or ViT-CX, which "
+                "mask pixels)")
         target = self.score_target
         if target is not None and (target.reads_tokens or target.blocks is not None):
             raise ValueError(

@@ -188,6 +188,8 @@ def _support(w: Tensor) -> Tensor:
 class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
     """Shared machinery of :class:`BTH` and :class:`BTT` (``variant`` set by each)."""
 
+    windowed = False  # no windowed form yet (Swin): refused by name
+
     variant = "head"
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, internal_batch_size: int | None = None) -> None:

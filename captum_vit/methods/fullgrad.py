@@ -59,7 +59,8 @@ class _BiasProbeOps(Ops):
                 probe = torch.zeros((b, n, bias.shape[0]), dtype=u.dtype, device=u.device,
                                     requires_grad=True)
                 self.probes.append((bias, probe))
-                probed[name] = bias + probe
+                # windowed blocks (Swin): the per-token probe in the windows' layout
+                probed[name] = bias + (probe if p.window is None else p.window.partition(probe))
         return super().attention(u, replace(p, **probed))
 
 
@@ -132,9 +133,10 @@ class FullGradPlus(ScoredAttribution):
             probes = [p for _, p in ops.probes]
             grads = gradients(target_scores(logits, t, score), xs + probes)
         dt = accumulation_dtype(inputs)
+        ad = self.adapter  # stages (Swin): every term shared onto the first grid
         with torch.no_grad():
-            m = sum((x.detach().to(dt) * g.to(dt)).sum(-1)
-                    for x, g in zip(xs, grads[:len(xs)], strict=True))
+            m = sum(ad.carry((x.detach().to(dt) * g.to(dt)).sum(-1), l, split=True)
+                    for l, x, g in zip(self.layers, xs, grads[:len(xs)], strict=True))
             for (bias, _), g in zip(ops.probes, grads[len(xs):], strict=True):
-                m = m + (g.to(dt) * bias.detach().to(dt)).sum(-1)
+                m = m + ad.carry((g.to(dt) * bias.detach().to(dt)).sum(-1), split=True)
         return m

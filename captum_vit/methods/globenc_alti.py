@@ -345,6 +345,8 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
 class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
+    windowed = False  # no windowed form yet (Swin): refused by name
+
     class_agnostic = True
 
     measure: str = ""

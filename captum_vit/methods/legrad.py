@@ -140,6 +140,8 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         ...     pixel_values, target=text_embedding, null_target=null_embedding)
     """
 
+    windowed = False  # no windowed form yet (Swin): refused by name
+
     def __init__(self, model: nn.Module, layers: Iterable[int] | None = None, *,
                  readout: str = "model", skip_final_norm: bool = False,
                  normalize: bool = False) -> None:

@@ -579,6 +579,7 @@ class TIS(ViTPerturbationAttribution):
                     internal_batch_size: int | None = 128, show_progress: bool | None = None,
                     tolerance: float | None = None, round_size: int = DEFAULT_ROUND,
                     surrogate: bool = True, kmeans: str = "torch", **_: Any) -> Tensor:
+        self.adapter.check_token_removal()  # windowed models and token-row targets refuse
         layout = self.adapter.layout(inputs)
         p, b = layout.num_patches, inputs.shape[0]
         ratios = check_ratios(ratio, p)

@@ -204,6 +204,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             (``"Paper"``), like method names.
     """
 
+    windowed = False  # no windowed form yet (Swin): refused by name
+
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
         if isinstance(variant, str):
             variant = variant.strip().lower().replace("-", "_")
