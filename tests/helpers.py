@@ -18,6 +18,7 @@ from timm.models.beit import Beit
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer_sam import VisionTransformerSAM
 from torch import nn
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -75,6 +76,15 @@ OTHER_FAMILIES.update({
                       "global_pool": "map"}, (32, 32)),
 })
 
+# SAM's image encoder (timm VisionTransformerSAM: windowed blocks padded on a 5x5 grid,
+# one global block, decomposed relative positions, the conv neck, a linear head)
+OTHER_FAMILIES["timm_sam"] = (VisionTransformerSAM, {
+    "window_size": 2, "global_attn_indexes": (1,), "use_rel_pos": True, "neck_chans": 16},
+    (40, 40))
+
+SAM_FAMILIES = ("timm_sam", "hf_sam")
+"""SAM's image encoder (windowed attention): timm's classifier, Hugging Face's embedding."""
+
 # timm models built with num_classes=0: they output the pooled embedding and take vector
 # targets (SPEC_NEXT §7.5); not classifiers, so not in ALL_FAMILIES.
 TIMM_EMBED_FAMILIES: dict[str, tuple[type, dict, tuple[int, int]]] = {
@@ -127,6 +137,11 @@ EMBED_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
     "hf_deit_model": ("DeiTModel", "DeiTConfig", {}, (32, 32)),  # CLS + DIST, pooler on CLS
     "hf_dinov2_reg_model": ("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig",
                             {"num_register_tokens": 2}, (32, 32)),
+    # SAM's image encoder: windows of 3 padded on the 4x4 grid, a global block, decomposed
+    # relative positions; the embedding is the grid mean of the neck's output
+    "hf_sam": ("SamVisionModel", "SamVisionConfig",
+               {"window_size": 3, "global_attn_indexes": [1], "output_channels": 16,
+                "mlp_dim": 64}, (32, 32)),
 }
 HF_FAMILIES.update(EMBED_FAMILIES)
 
@@ -139,6 +154,8 @@ def embedding_dim(model: nn.Module) -> int:
     if not hasattr(model, "config"):  # timm, num_classes=0
         return int(model.num_features)
     cfg = model.config
+    if hasattr(cfg, "output_channels"):  # SAM: the neck's channels
+        return int(cfg.output_channels)
     return int(getattr(cfg, "projection_dim", 0) if hasattr(model, "visual_projection")
                else cfg.hidden_size)
 
@@ -228,18 +245,46 @@ def make_video_model(family: str = "hf_videomae", *, seed: int = 0, depth: int =
     return randomize_(model, seed).to(dtype).eval()
 
 
+# Swin (windowed attention, merges between stages): name -> (kwargs, input size); the
+# 40-pixel one has a 10x10 grid (padded to whole windows of 3) and an odd 5x5 second stage
+SWIN_FAMILIES: dict[str, tuple[dict, tuple[int, int]]] = {
+    "timm_swin": ({"window_size": 2}, (32, 32)),
+    "timm_swin_pad": ({"window_size": 3}, (40, 40)),
+}
+HF_SWIN_FAMILIES: dict[str, tuple[dict, tuple[int, int]]] = {}
+"""Hugging Face Swin classifiers (the same shapes as SWIN_FAMILIES)."""
+
+
 ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FAMILIES),
                 *(f for f in HF_FAMILIES if f not in EMBED_FAMILIES), *TORCHVISION_FAMILIES,
-                *VIDEO_FAMILIES]
+                *VIDEO_FAMILIES, *SWIN_FAMILIES]
 """Every classifier family (timm ViT, other timm families, Hugging Face, torchvision,
 Hugging Face VideoMAE on videos)."""
 EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES]
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
 
-def family_marks(family: str) -> tuple:
+WINDOW_REFUSERS = {"tis", "tokentm", "tokentm_residual", "globenc", "alti", "legrad", "bt_h",
+                   "bt_t", "plus:tokentm", "skipplus:tokentm", "plus:globenc",
+                   "skipplus:globenc", "plus:alti", "skipplus:alti"}
+"""Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
+ViT-CX), the others have no windowed form yet."""
+
+
+def family_marks(family: str, method: str | None = None) -> tuple:
     """pytest marks of a family: Hugging Face ones skip without transformers, torchvision
-    ones without torchvision."""
+    ones without torchvision; a method that refuses the family by name (``method`` in
+    :data:`WINDOW_REFUSERS` on a Swin) is expected to raise."""
+    if family in SAM_FAMILIES and method in WINDOW_REFUSERS:  # windowed too
+        return ((needs_transformers,) if family in HF_FAMILIES else ()) + (
+            pytest.mark.xfail(raises=(TypeError, ValueError), strict=True,
+                              reason=f"{method} refuses windowed models by name"),)
+    if family in SWIN_FAMILIES or family in HF_SWIN_FAMILIES:
+        marks: tuple = (needs_transformers,) if family in HF_SWIN_FAMILIES else ()
+        if method in WINDOW_REFUSERS:
+            marks += (pytest.mark.xfail(raises=(TypeError, ValueError), strict=True,
+                                        reason=f"{method} refuses windowed models by name"),)
+        return marks
     if family in TORCHVISION_FAMILIES:
         return (needs_torchvision,)
     if family in OPEN_CLIP_FAMILIES:
@@ -380,12 +425,6 @@ def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,
     return randomize_(model, seed).to(dtype).eval()
 
 
-# Swin (windowed attention, merges between stages): name -> (kwargs, input size); the
-# 40-pixel one has a 10x10 grid (padded to whole windows of 3) and an odd 5x5 second stage
-SWIN_FAMILIES: dict[str, tuple[dict, tuple[int, int]]] = {
-    "timm_swin": ({"window_size": 2}, (32, 32)),
-    "timm_swin_pad": ({"window_size": 3}, (40, 40)),
-}
 
 
 def make_swin_model(family: str = "timm_swin", *, seed: int = 0, depths: tuple = (2, 2),

@@ -36,7 +36,7 @@ def contract_methods() -> list[str]:
 def contract_cases() -> list:
     """The ``(name, family)`` parameters of the contract tests: every name of
     :func:`contract_methods` on every family of ``tests.helpers.ALL_FAMILIES``."""
-    return [pytest.param(m, f, marks=family_marks(f)) for m in contract_methods()
+    return [pytest.param(m, f, marks=family_marks(f, m)) for m in contract_methods()
             for f in ALL_FAMILIES]
 
 

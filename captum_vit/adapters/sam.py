@@ -480,3 +480,48 @@ def is_timm_sam(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - timm is a dependency
         return False
     return isinstance(model, VisionTransformerSAM)
+
+
+def sam_model(model: object) -> nn.Module:
+    """``model`` if it is a Hugging Face ``SamModel`` (with its prompt encoder and mask
+    decoder).
+
+    Raises:
+        TypeError: another model (a ``SamVisionModel`` or timm's ``VisionTransformerSAM``
+            has no mask decoder).
+    """
+    from captum_vit.adapters.hf_vit import is_transformers_model
+
+    if not isinstance(model, nn.Module) or not is_transformers_model(model, ("SamModel",)):
+        raise TypeError(f"model must be a Hugging Face SamModel (image encoder, prompt "
+                        f"encoder and mask decoder), got {type(model).__name__}; an image "
+                        "encoder alone (SamVisionModel, timm VisionTransformerSAM) has no "
+                        "masks: explain its embedding with an EmbeddingTarget")
+    return model
+
+
+def sam_mask_logits(model: nn.Module, embeddings: Tensor, points: Tensor | None,
+                    labels: Tensor | None, boxes: Tensor | None,
+                    multimask_output: bool) -> Tensor:
+    """The low-resolution mask logits of SAM's own prompt encoder and mask decoder
+    (``SamModel.forward`` with ``image_embeddings``) for ``u`` prompts on each of ``n``
+    images: ``[n, u, masks, h_m, w_m]``.
+
+    Args:
+        model (nn.Module): a ``SamModel``.
+        embeddings (Tensor): the neck's output ``[n, C', gh, gw]``.
+        points (Tensor, optional): ``[u, P, 2]`` pixel coordinates ``(x, y)`` of the
+            model's input images.
+        labels (Tensor, optional): ``[u, P]`` (1 foreground, 0 background).
+        boxes (Tensor, optional): ``[u, 4]`` ``(x0, y0, x1, y1)`` in pixels.
+        multimask_output (bool): the decoder's three masks, or its single one.
+    """
+    n = embeddings.shape[0]
+    kw: dict = {}
+    if points is not None:
+        kw["input_points"] = points.to(embeddings)[None].expand(n, *points.shape)
+        kw["input_labels"] = labels.to(embeddings.device)[None].expand(n, *labels.shape)
+    if boxes is not None:
+        kw["input_boxes"] = boxes.to(embeddings)[None].expand(n, *boxes.shape)
+    out = model(image_embeddings=embeddings, multimask_output=multimask_output, **kw)
+    return out.pred_masks
