@@ -139,9 +139,6 @@ EMBED_FAMILIES: dict[str, tuple[str, str, dict, tuple[int, int]]] = {
                             {"num_register_tokens": 2}, (32, 32)),
     # SAM's image encoder: windows of 3 padded on the 4x4 grid, a global block, decomposed
     # relative positions; the embedding is the grid mean of the neck's output
-    "hf_sam": ("SamVisionModel", "SamVisionConfig",
-               {"window_size": 3, "global_attn_indexes": [1], "output_channels": 16,
-                "mlp_dim": 64}, (32, 32)),
 }
 HF_FAMILIES.update(EMBED_FAMILIES)
 
@@ -263,12 +260,26 @@ Hugging Face VideoMAE on videos)."""
 EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES]
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 
+# SAM's image encoder in Hugging Face (windows of 3 padded on the 4x4 grid, a global block,
+# decomposed relative positions; the embedding is the grid mean of the neck's output):
+# not in the lists above: tests/test_sam.py runs the embedding contract over it
+HF_FAMILIES["hf_sam"] = ("SamVisionModel", "SamVisionConfig",
+                         {"window_size": 3, "global_attn_indexes": [1], "output_channels": 16,
+                          "mlp_dim": 64}, (32, 32))
+
 
 WINDOW_REFUSERS = {"tis", "tokentm", "tokentm_residual", "globenc", "alti", "legrad", "bt_h",
                    "bt_t", "plus:tokentm", "skipplus:tokentm", "plus:globenc",
                    "skipplus:globenc", "plus:alti", "skipplus:alti"}
 """Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
 ViT-CX), the others have no windowed form yet."""
+
+
+def windowed(model: nn.Module) -> bool:
+    """Whether ``model`` attends within windows (Swin, SAM): no true token removal."""
+    from captum_vit.adapters import adapt
+
+    return any(b.window is not None for b in adapt(model).blocks)
 
 
 def family_marks(family: str, method: str | None = None) -> tuple:
