@@ -510,15 +510,15 @@ class ViTFront:
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
         check_choice("output", output, OUTPUTS)
+        heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
+        maps_of = self._token_maps if heads == "mean" else self._head_maps
+        p = prepare(self.adapter, inputs, target)
         if not self.windowed and any(b.window is not None for b in self.adapter.blocks):
             raise TypeError(
                 f"{type(self).__name__} has no form for the windowed attention of this "
                 f"{type(self.model).__name__} yet; on windowed models use Rollout, "
                 "RawAttention, GAE, Chefer21, AttnGradCAM, GradSAM, TAM, DecompX, TokenIxG, "
                 "AttCAT, the LRP methods, the CAMs, RISE, ScoreCAM or ViT-CX")
-        heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
-        maps_of = self._token_maps if heads == "mean" else self._head_maps
-        p = prepare(self.adapter, inputs, target)
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:

@@ -9,7 +9,7 @@ import torch
 
 from captum_vit.adapters import adapt
 from captum_vit.adapters.windows import MERGE_ORDER, Windows
-from tests.helpers import assert_unchanged, make_swin_model, snapshot
+from tests.helpers import WINDOW_REFUSERS, assert_unchanged, make_swin_model, snapshot
 
 
 def _parity(model: torch.nn.Module, size: int, batch: int = 2) -> float:
@@ -143,3 +143,32 @@ def test_wrong_size_and_token_removal_refused():
     keep = torch.arange(10)[None]
     with pytest.raises(ValueError, match="remove pixels"):
         adapter.run(x0, keep=keep)
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_REFUSERS))
+def test_methods_without_a_windowed_form_refuse_by_name(name):
+    """TIS (token subsets) names pixel removal and RISE / ViT-CX; the methods without a
+    windowed form name the ones that have one; the model is unchanged."""
+    from captum_vit.registry import build_method
+
+    model = make_swin_model("timm_swin")
+    before = snapshot(model)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    kw = {"n_masks": 16} if name == "tis" else {}
+    match = "RISE or ViT-CX" if name == "tis" else "no form for the windowed attention.*Rollout"
+    with pytest.raises((TypeError, ValueError), match=match):
+        build_method(name, model).attribute(x, target=[0, 1], **kw)
+    assert_unchanged(model, before)
+
+
+def test_token_removal_metric_refused_names_pixel_removal():
+    from captum_vit.metrics import RemovalEngine
+
+    model = make_swin_model("timm_swin")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    removed = torch.zeros(2, 2, 64, dtype=torch.bool)
+    removed[:, 0, :8] = True
+    with pytest.raises(ValueError, match="removal='mean', 'black' or 'blur'"):
+        RemovalEngine(model, removal="token").masked_logits(x, removed)
+    out = RemovalEngine(model, removal="black").masked_logits(x, removed)  # pixels work
+    assert out.shape == (2, 2, 5) and torch.isfinite(out).all()

@@ -187,3 +187,63 @@ def test_decompx_complete_through_merges(family, kw):
     m = dx.attribute(x, t, output="tokens")
     torch.testing.assert_close(m.sum(-1), dx.decompose(x, t).tokens.sum(-1), rtol=0,
                                atol=1e-12)
+
+
+def _reduction_pair():
+    """A one-stage Swin whose window covers its 8x8 grid (no shift, no merge; position
+    bias zeroed) and the plain timm ViT with the same weights: no class token, no position
+    embedding, the patch norm, mean readout after the final norm."""
+    from timm.models.vision_transformer import VisionTransformer
+    from torch import nn
+
+    swin = make_swin_model("timm_swin", depths=(2,), num_heads=(2,), window_size=8)
+    with torch.no_grad():
+        for st in swin.layers:
+            for blk in st.blocks:
+                blk.attn.relative_position_bias_table.zero_()
+    vit = VisionTransformer(img_size=32, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                            mlp_ratio=2.0, num_classes=5, class_token=False,
+                            global_pool="avg", fc_norm=False, pos_embed="none",
+                            embed_norm_layer=nn.LayerNorm, norm_layer=nn.LayerNorm
+                            ).double().eval()
+    sd = {"patch_embed.proj.weight": "patch_embed.proj.weight",
+          "patch_embed.proj.bias": "patch_embed.proj.bias",
+          "patch_embed.norm.weight": "patch_embed.norm.weight",
+          "patch_embed.norm.bias": "patch_embed.norm.bias",
+          "norm.weight": "norm.weight", "norm.bias": "norm.bias",
+          "head.weight": "head.fc.weight", "head.bias": "head.fc.bias"}
+    for i in range(2):
+        for part in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
+            for kind in ("weight", "bias"):
+                sd[f"blocks.{i}.{part}.{kind}"] = f"layers.0.blocks.{i}.{part}.{kind}"
+    src = swin.state_dict()
+    vit.load_state_dict({k: src[v] for k, v in sd.items()}, strict=True)
+    return swin, vit
+
+
+REDUCTION_METHODS = ["raw_attention", "rollout", "gae", "attn_gradcam", "attcat",
+                     "token_ixg", "att_ixg", "decompx", "vanilla_grad", "attn_grad", "gradsam",
+                     "gradcam", "gradcam_pp", "xgradcam", "layercam", "hirescam", "cp_lrp",
+                     "attnlrp", "chefer21", "tam", "fullgrad_plus", "skip_fullgrad_plus",
+                     "rise", "vit_cx", "scorecam", "plus:decompx", "skipplus:gae",
+                     "plus:attn_gradcam", "skipplus:attcat"]
+
+
+def test_window_reduction_gives_the_plain_vit_maps():
+    """Window = the whole grid, one stage, no shift: every method that runs on Swin gives
+    the maps of the equivalent plain ViT (no class token, mean readout)."""
+    from captum_vit.registry import build_method
+
+    swin, vit = _reduction_pair()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4),
+                    dtype=torch.float64)
+    torch.testing.assert_close(swin(x), vit(x), rtol=0, atol=1e-12)
+    win = adapt(swin).blocks[0].window
+    assert win.grid == win.size == (8, 8) and win.shift == (0, 0)
+    t = torch.tensor([1, 3])
+    fast = {"rise": {"n_masks": 16}, "tam": {"n_steps": 3, "start_layer": 0}}
+    for name in REDUCTION_METHODS:
+        kw = {**fast.get(name, {}), "output": "tokens"}
+        ours = build_method(name, swin).attribute(x, t, **kw)
+        ref = build_method(name, vit).attribute(x, t, **kw)
+        assert_close_scaled(ours, ref, rel=1e-9)

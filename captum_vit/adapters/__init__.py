@@ -120,7 +120,7 @@ from captum_vit.adapters.subsets import (
     subset_forwards,
     subset_logits,
 )
-from captum_vit.adapters.swin import TimmSwinAdapter, is_timm_swin
+from captum_vit.adapters.swin import HFSwinAdapter, TimmSwinAdapter, is_hf_swin, is_timm_swin
 from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
 from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
@@ -141,6 +141,7 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_open_clip, OpenCLIPAdapter),
     (is_hf_videomae, HFVideoMAEAdapter),
     (is_timm_swin, TimmSwinAdapter),
+    (is_hf_swin, HFSwinAdapter),
     (is_hf_sam, HFSamAdapter),
     (is_timm_sam, TimmSamAdapter),
 )

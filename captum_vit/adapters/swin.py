@@ -196,3 +196,165 @@ def _timm_merge(down: nn.Module, grid: tuple[int, int], where: str) -> MergePart
                         "PatchMerging between Swin stages")
     return MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where}.norm"),
                       weight=down.reduction.weight, bias=down.reduction.bias)
+
+
+HF_SWIN_CLASSES = ("SwinForImageClassification", "SwinModel")
+"""The Hugging Face Swin classes :class:`HFSwinAdapter` reads."""
+HF_SWIN_V2_CLASSES = ("Swinv2ForImageClassification", "Swinv2Model")
+"""Hugging Face Swin V2 classes, refused by name (see the module docstring)."""
+
+
+def is_hf_swin(model: nn.Module) -> bool:
+    """``True`` for Hugging Face ``SwinForImageClassification`` / ``SwinModel`` (and, to
+    refuse them by name, the Swin V2 classes); transformers is never imported for other
+    models."""
+    from captum_vit.adapters.hf_vit import is_transformers_model
+
+    return is_transformers_model(model, HF_SWIN_CLASSES + HF_SWIN_V2_CLASSES)
+
+
+class HFSwinAdapter(TimmSwinAdapter):
+    """Canonical view of a Hugging Face ``SwinForImageClassification`` or ``SwinModel``
+    (an image embedding: its ``pooler_output``), the second reader of the same canonical
+    form as :class:`TimmSwinAdapter`: separate ``q_proj``/``k_proj``/``v_proj``, the
+    grid padded before the cyclic shift (Hugging Face's order), the patch merge at the end
+    of a stage, absolute position embeddings when configured. Inputs must have the
+    configured ``image_size``.
+
+    Raises:
+        TypeError: a Swin V2 class, a ``SwinModel`` without pooling layer, or a layer of
+            another kind.
+    """
+
+    def __init__(self, model: nn.Module) -> None:  # noqa: D107 - documented on the class
+        ViTAdapter.__init__(self)
+        name = type(model).__name__
+        if name in HF_SWIN_V2_CLASSES:
+            raise TypeError(
+                f"captum_vit cannot explain {name}: Swin V2's cosine attention with a learned "
+                "logit scale, continuous position bias and post-norm blocks do not fit the "
+                "pre-LN canonical block; use a Swin v1 (SwinForImageClassification)")
+        self.model = model
+        self.backbone = getattr(model, "swin", model)
+        if getattr(self.backbone, "pooler", None) is None:
+            raise TypeError(f"{name} has no pooling layer (add_pooling_layer=False): "
+                            "captum_vit explains its pooled embedding; build it with "
+                            "add_pooling_layer=True")
+        cfg = model.config
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(cfg.num_channels)
+        self._read_parts()
+
+    def _read_parts(self) -> None:
+        m, cfg = self.model, self.model.config
+        name = type(m).__name__
+        ph, pw = _pair(cfg.patch_size)
+        h, w = _pair(cfg.image_size)
+        grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
+        parts: list[BlockParts] = []
+        stages = self.backbone.encoder.layers
+        for s, stage in enumerate(stages):
+            for j, layer in enumerate(stage.blocks):
+                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
+                attn = layer.attention
+                ws, shift = int(cfg.window_size), int(layer.shift_size)
+                if min(grid) <= ws:  # the model's clamp (set_shift_and_window_size)
+                    ws, shift = min(grid), 0
+                merge = None
+                if j == len(stage.blocks) - 1 and stage.downsample is not None:
+                    down = stage.downsample
+                    merge = MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where} merge"),
+                                       weight=down.reduction.weight, bias=down.reduction.bias)
+                heads = int(attn.num_attention_heads)
+                parts.append(BlockParts(
+                    norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
+                    q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight,
+                    v_weight=attn.v_proj.weight, q_bias=attn.q_proj.bias,
+                    k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, num_heads=heads,
+                    head_dim=int(attn.head_dim), scale=float(attn.scaling),
+                    q_norm=nn.Identity(), k_norm=nn.Identity(),
+                    proj_weight=attn.o_proj.weight, proj_bias=attn.o_proj.bias,
+                    norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after"),
+                    ls1=None, fc1_weight=layer.mlp.fc1.weight, fc1_bias=layer.mlp.fc1.bias,
+                    act=layer.mlp.activation_fn, fc2_weight=layer.mlp.fc2.weight,
+                    fc2_bias=layer.mlp.fc2.bias, ls2=None,
+                    attn_bias=attn.relative_position_bias,
+                    window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
+                                   pad_first=True),
+                    merge=merge))
+                if merge is not None:
+                    grid = merge.out_grid
+        if not parts:
+            raise TypeError(f"{name} has no Swin layers")
+        self.blocks = parts
+        classifier = getattr(m, "classifier", None)
+        self.embedding = classifier is None
+        if classifier is not None and not isinstance(classifier, nn.Linear):
+            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
+                            "backbone model.swin (an embedding model) with vector targets")
+        weight = None if classifier is None else classifier.weight
+        bias = None if classifier is None else classifier.bias
+        self.head = HeadParts(_norm_parts(self.backbone.layernorm, f"{name}.layernorm"), None,
+                              (("avg", weight, bias),))
+
+    def refresh(self) -> None:
+        first = self.backbone.encoder.layers[0].blocks[0].attention.q_proj.weight
+        if self.blocks[0].q_weight is not first:  # a parameter was replaced
+            self._read_parts()
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, _pair(self.model.config.image_size)
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The head (final norm, classifier), then the layers from the top; a merge's
+        parameters go with the layer it follows."""
+        m, bb = self.model, self.backbone
+        head = [bb.layernorm, getattr(m, "classifier", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        blocks: list[list[nn.Parameter]] = []
+        for stage in bb.encoder.layers:
+            blocks += [list(layer.parameters()) for layer in stage.blocks]
+            if stage.downsample is not None:
+                blocks[-1] += list(stage.downsample.parameters())
+        return stages + blocks[::-1]
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        ViTAdapter.check_inputs(self, inputs)
+        self.check_fixed_size(inputs, _pair(self.model.config.image_size),
+                              type(self.model).__name__)
+
+    def is_random(self) -> bool:
+        cfg = self.model.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
+
+    def layout(self, inputs: Tensor) -> Layout:
+        h, w = inputs.shape[-2:]
+        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,  # type: ignore[union-attr]
+                      patch_size=_pair(self.model.config.patch_size), readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)))
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``embeddings`` (patch projection, norm, absolute positions if
+        configured); with ``ops`` the projection through ``ops.linear`` and the norm
+        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs)[0]
+        name = f"{type(self.model).__name__}.embeddings"
+        pe = emb.patch_embeddings
+        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
+                             f"{name}.patch_embeddings.projection")
+        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm_parts(emb.norm, f"{name}.norm"))
+        pos = emb.position_embeddings
+        return x if pos is None else x + pos.to(x.dtype)
+
+    def embedding_norms(self) -> tuple[str, ...]:
+        return ("embeddings.norm",)
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        out = self.model(pixel_values=inputs)
+        return out.pooler_output if self.embedding else out.logits
