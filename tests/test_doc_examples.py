@@ -45,6 +45,7 @@ SKIP = {
     "targets:DetectionTarget": "needs a YOLOS detector",
     "targets:HeadTarget": "needs a DINOv2 backbone with a head",
     "targets:TokenTarget": "needs a DINOv2 backbone",
+    "targets:SamMaskTarget": "needs a SamModel and its processor",
     "targets:VLMAnswer": "needs a LLaVA model and its processor",
     "targets:clip_text_target": "needs an OpenCLIP model at 224 pixels and its tokenizer",
     "targets:read_target_embeddings": "needs text embeddings written to a file",
