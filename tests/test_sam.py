@@ -341,3 +341,21 @@ def test_mask_target_refusals():
     with pytest.raises((TypeError, ValueError), match="remove pixels|RISE or ViT-CX"):
         build_method("tis", model).attribute(x, target=SamMaskTarget(model, points=POINTS),
                                              n_masks=8)
+
+
+@needs_transformers
+def test_sam_model_is_explained_on_its_image_encoder(monkeypatch):
+    """``adapt(SamModel)`` explains its ``vision_encoder``: the embedding is the grid mean
+    of ``get_image_embeddings``; an empty mask region is refused by name."""
+    import captum_vit.targets.sam as sam_targets
+
+    model = hf_sam()
+    x = images()
+    a = adapt(model)
+    assert type(a).__name__ == "HFSamAdapter"
+    assert_close_scaled(a.run(a.embed(x)), model.get_image_embeddings(x).mean((-2, -1)),
+                        rel=1e-12)
+    monkeypatch.setattr(sam_targets, "sam_mask_logits",
+                        lambda *args: -torch.ones(2, 1, 3, 32, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no positive pixel on image"):
+        SamMaskTarget(model, points=[[3.0, 4.0]]).resolve(a, x)

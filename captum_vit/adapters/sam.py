@@ -247,7 +247,10 @@ class HFSamAdapter(_SamAdapter):
     Its output is the image embedding ``[B, output_channels]``, the grid mean of the
     neck's output (``vision_encoder(pixel_values).last_hidden_state.mean((-2, -1))``):
     explain it with an :class:`~captum_vit.targets.EmbeddingTarget`, or a mask with
-    :class:`~captum_vit.targets.SamMaskTarget`. Any ``attn_implementation``.
+    :class:`~captum_vit.targets.SamMaskTarget`. Any ``attn_implementation`` in float32
+    and half precision; a float64 model needs ``"sdpa"`` (the default): the eager path
+    computes its softmax in float32 (``softmax(..., dtype=torch.float32)``), about 1e-8
+    from float64, which the float64 self-check against the model's own output refuses.
 
     Args:
         model (nn.Module): a ``SamModel`` or ``SamVisionModel``.
@@ -342,7 +345,8 @@ class HFSamAdapter(_SamAdapter):
         return self.encoder(pixel_values=inputs).last_hidden_state.mean((-2, -1))
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The neck, then the layers from the top."""
+        """The neck, then the layers from the top (a ``SamModel``'s prompt encoder and
+        mask decoder are not part of the explained encoder: in none)."""
         enc = self.encoder
         return [list(enc.neck.parameters())] + [list(layer.parameters())
                                                  for layer in reversed(enc.layers)]
