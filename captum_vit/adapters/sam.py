@@ -26,10 +26,12 @@ merge), verified in the installed sources (transformers ``modeling_sam.py``, tim
   attention through :attr:`BlockParts.query_bias <captum_vit.adapters.parts.BlockParts>`
   (:class:`DecomposedRelPos`). How the methods treat it (our choice, as BEiT's bias): it is
   part of the logits, inside the softmax. The attention-based methods read the
-  probabilities it produced; gradients flow through it into ``q`` like through
-  ``q kᵀ`` (gradient methods, Chefer'21, GAE, AttnLRP's plain backward of the term);
-  DecompX's linearised routes detach ``q`` and ``k`` and so hold it constant, as they hold
-  the probabilities constant; CP-LRP holds the probabilities constant.
+  probabilities it produced; gradients flow through it into ``q`` as through ``q kᵀ``
+  (gradient methods, Chefer'21's and GAE's attention gradients); the LRP rule sets compute
+  it from ``q`` after their rule on ``q`` (AttnLRP's uniform rule scales what reaches
+  ``q`` through it alike); DecompX's linearised routes detach ``q`` and ``k`` and so hold
+  it constant, as they hold the probabilities constant; CP-LRP holds the probabilities
+  constant.
 - **neck**: ``conv 1×1 (no bias) → LayerNorm2d → conv 3×3 (padding 1, no bias) →
   LayerNorm2d`` to ``output_channels`` (256): :class:`SamNeck`, written with the ops
   (the 3×3 convolution as a linear map of each token's zero-padded 3×3 neighbourhood,
