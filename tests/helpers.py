@@ -310,6 +310,10 @@ ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FA
                 *VIDEO_FAMILIES, *SWIN_FAMILIES, *HF_SWIN_FAMILIES]
 """Every classifier family (timm ViT, other timm families, Hugging Face, torchvision,
 Hugging Face VideoMAE on videos)."""
+WINDOWED_FAMILIES = [*SWIN_FAMILIES, *HF_SWIN_FAMILIES]
+"""The families with windowed attention (no true token removal, see WINDOW_REFUSERS)."""
+TOKEN_FAMILIES = [f for f in ALL_FAMILIES if f not in WINDOWED_FAMILIES]
+"""Every classifier family whose tokens can be removed (global attention)."""
 EMBEDDING_FAMILIES = [*TIMM_EMBED_FAMILIES, *EMBED_FAMILIES, *OPEN_CLIP_FAMILIES]
 """Every family that outputs an image embedding (timm head-less, Hugging Face, OpenCLIP)."""
 

@@ -16,8 +16,8 @@ from captum_vit import GAE, DecompX, RawAttention, Rollout, TokenTM
 from captum_vit._base import gradients, readout_rows, target_scores
 from captum_vit.adapters import adapt
 from tests.helpers import (
-    ALL_FAMILIES,
     FAMILIES,
+    TOKEN_FAMILIES,
     assert_close_scaled,
     assert_close_to_reference,
     assert_unchanged,
@@ -180,7 +180,7 @@ def test_last_rows_trace_gives_the_full_logits_and_gradients(family):
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=family_marks(f))
-                                    for f in ALL_FAMILIES])
+                                    for f in TOKEN_FAMILIES])  # removes tokens
 def test_run_computes_the_last_block_on_the_readout_rows_only(family):
     """``adapter.run`` restricts the last block to the rows the head reads (class-token
     readouts): the logits equal every block run on every row (1e-12), with and without

@@ -26,16 +26,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters.scoring import TargetHead
-
-if TYPE_CHECKING:
-    from captum_vit.adapters.windows import MergeParts, Windows
 
 
 @dataclass(frozen=True)
@@ -164,13 +161,15 @@ class BlockParts(AttentionParts):
     inner_norm: NormParts | None = None
     """LayerNorm ``N_in`` over the concatenated head outputs before ``W_O`` (EVA-02's
     ``scale_attn_inner``, Fang et al. 2023); ``None`` = identity."""
-    window: Windows | None = None
-    """Windowed attention (:class:`~captum_vit.adapters.windows.Windows`): the block
+    window: Any = None
+    """Windowed attention (a :class:`~captum_vit.adapters.windows.Windows`, which builds on
+    this module, hence ``Any`` here), or ``None``: the block
     attends inside the windows of its stage's grid; ``attn_bias`` then returns one
     window's bias ``[1, H, M, M]`` and the probabilities are per window,
     ``[B, H, n_W, M, M]``. ``None`` = global attention."""
-    merge: MergeParts | None = None
-    """A patch merge after the block (:class:`~captum_vit.adapters.windows.MergeParts`):
+    merge: Any = None
+    """A patch merge after the block (a
+    :class:`~captum_vit.adapters.windows.MergeParts`), or ``None``:
     the last block of a stage hands the next stage its grid; ``None`` = none."""
     query_bias: Callable[[Tensor], Tensor] | None = None
     """A logit term computed from the queries, ``q [B', H, n, d] -> [B', H, n, n]``
