@@ -310,7 +310,7 @@ ALL_FAMILIES = [*FAMILIES, *(f for f in OTHER_FAMILIES if f not in TIMM_EMBED_FA
                 *VIDEO_FAMILIES, *SWIN_FAMILIES, *HF_SWIN_FAMILIES]
 """Every classifier family (timm ViT, other timm families, Hugging Face, torchvision,
 Hugging Face VideoMAE on videos)."""
-WINDOWED_FAMILIES = [*SWIN_FAMILIES, *HF_SWIN_FAMILIES]
+WINDOWED_FAMILIES = [*SWIN_FAMILIES, *HF_SWIN_FAMILIES, *SAM_FAMILIES]
 """The families with windowed attention (no true token removal, see WINDOW_REFUSERS)."""
 TOKEN_FAMILIES = [f for f in ALL_FAMILIES if f not in WINDOWED_FAMILIES]
 """Every classifier family whose tokens can be removed (global attention)."""
@@ -330,13 +330,6 @@ WINDOW_REFUSERS = {"tis", "tokentm", "tokentm_residual", "globenc", "alti", "leg
                    "skipplus:globenc", "plus:alti", "skipplus:alti"}
 """Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
 ViT-CX), the others have no windowed form yet."""
-
-
-def windowed(model: nn.Module) -> bool:
-    """Whether ``model`` attends within windows (Swin, SAM): no true token removal."""
-    from captum_vit.adapters import adapt
-
-    return any(b.window is not None for b in adapt(model).blocks)
 
 
 def family_marks(family: str, method: str | None = None) -> tuple:
