@@ -355,6 +355,9 @@ def test_sam_model_is_explained_on_its_image_encoder(monkeypatch):
     assert type(a).__name__ == "HFSamAdapter"
     assert_close_scaled(a.run(a.embed(x)), model.get_image_embeddings(x).mean((-2, -1)),
                         rel=1e-12)
+    enc = adapt(model.vision_encoder)  # the encoder module alone
+    assert type(enc).__name__ == "HFSamAdapter"
+    assert_close_scaled(enc.run(enc.embed(x)), a.run(a.embed(x)), rel=1e-12)
     monkeypatch.setattr(sam_targets, "sam_mask_logits",
                         lambda *args: -torch.ones(2, 1, 3, 32, 32, dtype=torch.float64))
     with pytest.raises(ValueError, match="no positive pixel on image"):

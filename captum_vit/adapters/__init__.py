@@ -167,6 +167,9 @@ SUPPORTED = (
     "pool_type 'tok' or 'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or "
     "CoCa), and Hugging Face VideoMAEForVideoClassification and VideoMAEModel (videos "
     "[B, T, C, H, W])"
+    "; SAM's image encoder: Hugging Face SamModel, SamVisionModel and "
+    "SamVisionEncoder, timm "
+    "VisionTransformerSAM"
 )
 
 

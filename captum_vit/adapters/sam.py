@@ -72,8 +72,9 @@ from captum_vit.adapters.parts import BlockParts, HeadParts, NeckHeadParts, Norm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 from captum_vit.adapters.windows import Windows
 
-HF_CLASSES = ("SamModel", "SamVisionModel")
-"""The Hugging Face classes whose ``vision_encoder`` :class:`HFSamAdapter` explains."""
+HF_CLASSES = ("SamModel", "SamVisionModel", "SamVisionEncoder")
+"""The Hugging Face classes :class:`HFSamAdapter` explains: their ``vision_encoder`` (the
+encoder itself for a ``SamVisionEncoder``)."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,8 @@ class _SamAdapter(ViTAdapter):
 
 class HFSamAdapter(_SamAdapter):
     """Canonical view of the image encoder of a Hugging Face ``SamModel`` or
-    ``SamVisionModel`` (:mod:`captum_vit.adapters.sam`); never modified.
+    ``SamVisionModel`` (or a ``SamVisionEncoder`` itself; :mod:`captum_vit.adapters.sam`);
+    never modified.
 
     Its output is the image embedding ``[B, output_channels]``, the grid mean of the
     neck's output (``vision_encoder(pixel_values).last_hidden_state.mean((-2, -1))``):
@@ -255,7 +257,7 @@ class HFSamAdapter(_SamAdapter):
     from float64, which the float64 self-check against the model's own output refuses.
 
     Args:
-        model (nn.Module): a ``SamModel`` or ``SamVisionModel``.
+        model (nn.Module): a ``SamModel``, ``SamVisionModel`` or ``SamVisionEncoder``.
 
     Raises:
         TypeError: another model, or a layer layout this adapter does not know.
@@ -280,7 +282,7 @@ class HFSamAdapter(_SamAdapter):
         if name not in HF_CLASSES:
             raise TypeError(f"HFSamAdapter explains {' or '.join(HF_CLASSES)}, got {name}")
         self.model = model
-        enc = model.vision_encoder
+        enc = getattr(model, "vision_encoder", model)
         cfg = enc.config
         self.encoder = enc
         self.in_chans = int(cfg.num_channels)
@@ -291,7 +293,8 @@ class HFSamAdapter(_SamAdapter):
 
     def _read_parts(self) -> None:
         enc = self.encoder
-        name = f"{type(self.model).__name__}.vision_encoder"
+        name = type(self.model).__name__
+        name = name if enc is self.model else f"{name}.vision_encoder"
         parts = []
         for i, layer in enumerate(enc.layers):
             where = f"{name}.layers[{i}]"
@@ -337,7 +340,7 @@ class HFSamAdapter(_SamAdapter):
             x = enc.patch_embed(inputs)  # [B, h, w, D]
         else:
             x = patch_projection(inputs, enc.patch_embed.projection, ops,
-                                 f"{type(self.model).__name__}.vision_encoder.patch_embed")
+                                 "vision_encoder.patch_embed")
         if enc.pos_embed is not None:
             x = x + enc.pos_embed
         return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -473,10 +476,17 @@ class TimmSamAdapter(_SamAdapter):
 
 
 def is_hf_sam(model: nn.Module) -> bool:
-    """``True`` for Hugging Face's ``SamModel`` and ``SamVisionModel``."""
+    """``True`` for Hugging Face's ``SamModel``, ``SamVisionModel`` and
+    ``SamVisionEncoder``."""
     from captum_vit.adapters.hf_vit import is_transformers_model
 
-    return is_transformers_model(model, HF_CLASSES)
+    if is_transformers_model(model, HF_CLASSES[:2]):
+        return True
+    if not type(model).__module__.startswith("transformers.models.sam."):
+        return False
+    from transformers.models.sam.modeling_sam import SamVisionEncoder
+
+    return isinstance(model, SamVisionEncoder)  # not exported at transformers' top level
 
 
 def is_timm_sam(model: nn.Module) -> bool:
