@@ -5,7 +5,7 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
-                                    hf-videomae] \
+                                    hf-videomae|timm-swin|hf-swin] \
         [--batches 1 8] [--target class|token|vlm]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -23,7 +23,10 @@ against one random target vector per image, the reference differentiating the co
 layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTransformer``,
 ``nn.MultiheadAttention``, ``ln_pre``, projection), explained like ``hf-clip``;
 ``hf-videomae``: ``VideoMAEForVideoClassification`` on 4-frame videos with tubelets of 2
-frames, 2 x 196 tokens, mean pooling), measured in the same run as the methods.
+frames, 2 x 196 tokens, mean pooling; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
+``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
+the first stage, window 7), measured in the same run as the methods. Methods that refuse a
+family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
 (``TokenTarget``: a fixed random probe on the final-normed patch tokens of the timm ViT, the
@@ -220,6 +223,27 @@ def hf_videomae_s16(img_size: int = 224) -> torch.nn.Module:
     return VideoMAEForVideoClassification(cfg).eval()
 
 
+def swin_t(img_size: int = 224) -> torch.nn.Module:
+    """A Swin-T-shaped timm ``SwinTransformer`` (patch 4, width 96, depths 2-2-6-2, heads
+    3-6-12-24, window 7; 56 x 56 tokens in the first stage)."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    return SwinTransformer(img_size=img_size, patch_size=4, embed_dim=96, depths=(2, 2, 6, 2),
+                           num_heads=(3, 6, 12, 24), window_size=7, drop_path_rate=0.0).eval()
+
+
+def hf_swin_t(img_size: int = 224) -> torch.nn.Module:
+    """The Swin-T shape of :func:`swin_t` as a Hugging Face ``SwinForImageClassification``
+    (SDPA attention)."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    torch.manual_seed(0)
+    cfg = SwinConfig(image_size=img_size, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2],
+                     num_heads=[3, 6, 12, 24], window_size=7, num_labels=1000)
+    return SwinForImageClassification(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
@@ -233,7 +257,8 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-vit": vit_s16, "timm-beit": beit_s16, "timm-eva": eva02_s16,
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
-    "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16}
+    "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
+    "hf-swin": hf_swin_t}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -374,8 +399,12 @@ def main() -> None:
         rows.append((b, "forward+backward", timeit(ref_fn, args.repeats), 1.0, None))
         for name, factory in selected.items():
             fn, goal = factory(model), GOALS.get(name)
-            _, sec, ratio = paired(ref_fn, lambda fn=fn, x=x, t=t: fn(x, target=t),
-                                   args.repeats)
+            try:
+                _, sec, ratio = paired(ref_fn, lambda fn=fn, x=x, t=t: fn(x, target=t),
+                                       args.repeats)
+            except (TypeError, ValueError) as e:  # refused by name (e.g. TIS on Swin)
+                print(f"  batch {b} {name}: refused ({str(e).split(';')[0][:80]})")
+                continue
             rows.append((b, name, sec, ratio, goal))
             print(f"  batch {b} {name}: {ratio:.2f}x", flush=True)
             if name in PER_FORWARD_GOALS:
@@ -387,7 +416,8 @@ def main() -> None:
                 print(f"  batch {b} {name}: {n} forwards, {per_forward[-1][3]:.2f}x that "
                       "many plain forwards", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.family} ViT-S/16 float32, median of {args.repeats} alternating pairs")
+          f"{args.family} {'Swin-T' if 'swin' in args.family else 'ViT-S/16'} float32, "
+          f"median of {args.repeats} alternating pairs")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")
     for b, name, sec, ratio, goal in rows:

@@ -325,8 +325,8 @@ HF_FAMILIES["hf_sam"] = ("SamVisionModel", "SamVisionConfig",
                           "mlp_dim": 64}, (32, 32))
 
 
-WINDOW_REFUSERS = {"tis", "tokentm", "tokentm_residual", "globenc", "alti", "legrad", "bt_h",
-                   "bt_t", "plus:tokentm", "skipplus:tokentm", "plus:globenc",
+WINDOW_REFUSERS = {"tis", "globenc", "alti", "legrad", "bt_h",
+                   "bt_t", "plus:globenc",
                    "skipplus:globenc", "plus:alti", "skipplus:alti"}
 """Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
 ViT-CX), the others have no windowed form yet."""

@@ -33,7 +33,7 @@ VISION = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, image_
 FAST = {"rise": {"n_masks": 8}, "bt_h": {"n_steps": 3}, "bt_t": {"n_steps": 3},
         "tam": {"n_steps": 3, "start_layer": 0}, "tis": {"n_masks": 8}}
 # methods that refuse windowed attention by name (their message names the ones that run)
-REFUSERS = WINDOW_REFUSERS | {"plus:tokentm", "skipplus:tokentm"}
+REFUSERS = set(WINDOW_REFUSERS)
 METHODS = [m for m in available_methods(compositions=True) if m not in REFUSERS]
 
 

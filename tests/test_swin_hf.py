@@ -93,3 +93,20 @@ def test_swin_v2_refused_by_name():
                                     num_heads=[2], window_size=4, num_labels=3)
     with pytest.raises(TypeError, match="Swinv2ForImageClassification.*cosine attention"):
         adapt(transformers.Swinv2ForImageClassification(cfg).eval())
+
+
+def test_swin_model_with_vector_targets():
+    """``SwinModel`` outputs its pooled embedding (the last stage's width): explained with
+    vector targets; DecompX is complete against the dot product."""
+    from captum_vit import GAE, DecompX, EmbeddingTarget
+
+    model = hf_swin_twin(make_swin_model("timm_swin"), pooled=True)
+    assert adapt(model).num_classes == 32
+    x = make_inputs("timm_swin", batch=2)
+    vec = torch.randn(2, 32, dtype=torch.float64)
+    target = EmbeddingTarget(vec, similarity="dot")
+    assert GAE(model).attribute(x, target=target, output="grid").shape == (2, 1, 8, 8)
+    dec = DecompX(model, route="explicit").decompose(x, target)
+    with torch.no_grad():
+        score = (model(pixel_values=x).pooler_output * vec).sum(-1)
+    torch.testing.assert_close(dec.tokens.sum(-1) + dec.bias, score, rtol=0, atol=1e-10)

@@ -221,7 +221,8 @@ def _reduction_pair():
     return swin, vit
 
 
-REDUCTION_METHODS = ["raw_attention", "rollout", "gae", "attn_gradcam", "attcat",
+REDUCTION_METHODS = ["raw_attention", "rollout", "gae", "attn_gradcam", "attcat", "tokentm",
+                     "tokentm_residual", "skipplus:tokentm",
                      "token_ixg", "att_ixg", "decompx", "vanilla_grad", "attn_grad", "gradsam",
                      "gradcam", "gradcam_pp", "xgradcam", "layercam", "hirescam", "cp_lrp",
                      "attnlrp", "chefer21", "tam", "fullgrad_plus", "skip_fullgrad_plus",
@@ -247,3 +248,57 @@ def test_window_reduction_gives_the_plain_vit_maps():
         ours = build_method(name, swin).attribute(x, t, **kw)
         ref = build_method(name, vit).attribute(x, t, **kw)
         assert_close_scaled(ours, ref, rel=1e-9)
+
+
+def test_per_head_maps_average_to_the_map():
+    """``heads="all"`` on Swin: one map per head of the last block (the last stage's
+    heads), whose mean is the map."""
+    model = make_swin_model("timm_swin_pad")
+    x = torch.randn(2, 3, 40, 40, dtype=torch.float64)
+    for cls in (GAE, Rollout, RawAttention, AttnGradCAM):
+        per_head = cls(model).attribute(x, [1, 2], heads="all", output="tokens")
+        assert per_head.shape == (2, 4, 100)
+        mean = per_head.mean(1)
+        if cls is AttnGradCAM:
+            mean = mean.clamp(min=0)
+        assert_close_scaled(mean, cls(model).attribute(x, [1, 2], output="tokens"), rel=1e-12)
+
+
+@pytest.mark.parametrize(("family", "kw"), CASES)
+def test_tokentm_chain_equals_dense_reference(family, kw):
+    """TokenTM on Swin: ``r ← r P_k`` with the merge's length weights, then
+    ``r ← r U_ffn U_attn`` with the dense ``N × N`` matrices; the map ``r diag(L(x_0))``."""
+    from captum_vit import TokenTM
+    from captum_vit.methods.tokentm import head_weights, merge_weights, transformation_weights
+
+    model, x, t, ref, a, _ = _setup(family, **kw)
+    ad = adapt(model)
+    tr = ad.trace(x, grad=True)
+    probs = [rec.attn for rec in tr.blocks]
+    logits = tr.logits
+    score = logits.softmax(-1).gather(1, t[:, None]).sum()  # TokenTM's default score
+    grads = torch.autograd.grad(score, probs)
+    g = [ref.dense(l, p.transpose(1, 2).reshape(-1, *p.shape[1:2], *p.shape[3:]))
+         for l, p in enumerate(grads)]
+    merges = {l: b.merge for l, b in enumerate(ad.blocks) if b.merge is not None}
+    n_last = a[-1].shape[-1]
+    r = torch.full((2, n_last), 1.0 / n_last, dtype=torch.float64)
+    with torch.no_grad():
+        for l in reversed(range(len(a))):
+            rec, p = tr.blocks[l], ad.blocks[l]
+            xl, mid, u = rec.x.detach(), rec.mid.detach(), rec.u.detach()
+            pre = mid + rec.ffn_out.detach()
+            if l in merges:  # dense P with TokenTM's weights, rows = merged tokens
+                w = merge_weights(merges[l], pre)
+                kids = merges[l].children()
+                dense = torch.zeros(2, kids.shape[0], pre.shape[1], dtype=torch.float64)
+                for k in range(4):
+                    real = kids[:, k] >= 0
+                    dense[:, real.nonzero()[:, 0], kids[real, k]] = w[:, real, k]
+                r = torch.einsum("bn,bnm->bm", r, dense)
+            r = r * (1 + transformation_weights(mid, rec.ffn_out.detach()))  # Eq. 16
+            wh = head_weights(xl, u, p.v_weight.detach(), p.proj_weight.detach(), p.num_heads)
+            rh = torch.einsum("bn,bhnm->bhm", r, g[l].relu() * a[l])
+            r = r + (rh * wh).mean(1)
+        expected = r * tr.blocks[0].x.detach().norm(dim=-1)
+    assert_close_scaled(TokenTM(model).attribute(x, t, output="tokens"), expected, rel=1e-10)

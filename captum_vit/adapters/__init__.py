@@ -26,6 +26,10 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
   (:mod:`~captum_vit.adapters.rules`);
 - trace records and options: :class:`Trace`, :class:`BlockRecord`, :class:`TraceOptions`
   (:mod:`~captum_vit.adapters.trace`);
+- windows and merges of models made of stages (Swin): :class:`Windows`,
+  :class:`MergeParts`, :data:`MERGE_ORDER` (:mod:`~captum_vit.adapters.windows`), the Swin
+  adapters :class:`TimmSwinAdapter` and :class:`HFSwinAdapter` with :func:`is_timm_swin`
+  and :func:`is_hf_swin` (:mod:`~captum_vit.adapters.swin`);
 - the subset engine: :func:`subset_logits`, :func:`subset_forwards`, :func:`image_logits`,
   :func:`pools_patches` (:mod:`~captum_vit.adapters.subsets`).
 
@@ -126,6 +130,7 @@ from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
 from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
 from captum_vit.adapters.torchvision_vit import TorchvisionViTAdapter, is_torchvision_vit
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
+from captum_vit.adapters.windows import MERGE_ORDER, MergeParts, Windows
 
 ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_timm_vit, TimmViTAdapter),
@@ -156,6 +161,8 @@ SUPPORTED = (
     "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
     "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, "
     "CLIPForImageClassification, SiglipForImageClassification, "
+    "timm SwinTransformer (v1; not SwinTransformerV2) and Hugging Face "
+    "SwinForImageClassification and SwinModel (at the configured size), "
     "BeitForImageClassification, Data2VecVisionForImageClassification (at the configured "
     "image_size), the "
     "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, Dinov2Backbone (DPT and "
@@ -362,7 +369,8 @@ __all__ = [
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
     "HFBeitAdapter", "HFCLIPClassifierAdapter", "HFEmbeddingAdapter", "HFVideoMAEAdapter",
-    "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
+    "HFSwinAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
+    "MERGE_ORDER", "MergeParts", "TimmSwinAdapter", "Windows", "is_hf_swin", "is_timm_swin",
     "LRPOps", "Layout", "NormParts", "OpenCLIPAdapter", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",

@@ -448,7 +448,9 @@ class ViTAdapter(abc.ABC):
         neck = getattr(head, "neck", None)
         if weight is None and neck is not None:  # the neck's output (NeckHeadParts)
             weight = neck.weight
-        own = int(weight.shape[0] if weight is not None else self.blocks[0].proj_weight.shape[0])
+        last = self.blocks[-1]  # a head-less model outputs its last state's width
+        width = (last.proj_weight if last.merge is None else last.merge.weight).shape[0]
+        own = int(weight.shape[0] if weight is not None else width)
         target = self.state.settings.target
         if isinstance(target, Target):
             return target.num_columns(own)
@@ -577,14 +579,15 @@ class ViTAdapter(abc.ABC):
             raise ValueError(f"values of {values.shape[-1]} tokens are on no stage's grid")
         return values
 
-    def unmerge(self, v: Tensor, layer: int) -> Tensor:
+    def unmerge(self, v: Tensor, layer: int, weights: Tensor | None = None) -> Tensor:
         """Row vectors ``v`` ``[..., N_{l+1}]`` on the grid of ``x_{l+1}`` times the
         token mixing ``P_l`` of block ``l``'s merge (``vᵀ P_l``, ``[..., N_l]``: each
         merged token's weight shared equally among its real children, the merge weights
-        of the gradient-free and gradient-weighted matrix methods); ``v`` itself for a
-        block without merge. The step of a vector chain through a merge."""
+        of the gradient-free and gradient-weighted matrix methods, or by ``weights``
+        ``[B, N_{l+1}, 4]`` per child in concatenation order, a method's own); ``v``
+        itself for a block without merge. The step of a vector chain through a merge."""
         m = self.blocks[layer].merge
-        return v if m is None else _unmerge(v, m, True)
+        return v if m is None else _unmerge(v, m, True, weights)
 
     def token_mix(self, v: Tensor, matrix: Tensor, layer: int) -> Tensor:
         """``vᵀ C`` for row vectors ``v`` ``[..., N]`` and a token-mixing matrix ``C`` of
@@ -1012,16 +1015,20 @@ class ViTAdapter(abc.ABC):
         checked.add(key)
 
 
-def _unmerge(values: Tensor, merge: Any, split: bool) -> Tensor:
+def _unmerge(values: Tensor, merge: Any, split: bool, weights: Tensor | None = None
+             ) -> Tensor:
     """Values ``[..., N']`` of a merged grid on the grid before the merge: each merged
-    token's value copied to its real children (``split``: shared equally among them)."""
+    token's value copied to its real children (``split``: shared equally among them;
+    ``weights`` [B, N', 4]: shared by them, per child)."""
     child = merge.children(values.device)  # [N', 4]
     if values.shape[-1] != child.shape[0]:
         raise ValueError(f"values of {values.shape[-1]} tokens are not on the "
                          f"{merge.out_grid[0]}x{merge.out_grid[1]} grid after a merge")
     real = child >= 0
     v = values.unsqueeze(-1).expand(*values.shape, 4)
-    if split:
+    if weights is not None:
+        v = v * weights.to(values.dtype)
+    elif split:
         v = v / real.sum(-1).to(values.dtype)[:, None]
     out = values.new_zeros(*values.shape[:-1], merge.grid[0] * merge.grid[1])
     out[..., child[real]] = v[..., real]

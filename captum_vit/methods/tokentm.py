@@ -51,6 +51,7 @@ class _Terms:
     w_ffn: Tensor  # W_ffn [B, N] (Eq. 16)
     w_attn: Tensor  # W^h [B, H, N] ("paper") or W_attn [B, N] ("residual")
     x_norm: Tensor  # L(x_l,i) [B, N] (Eq. 18 at block l)
+    merge: Tensor | None = None  # a patch merge after the block: its children's weights
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
 
@@ -84,6 +85,38 @@ def necc(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) -> Tensor:
 def weights_from_norms(le: Tensor, lt: Tensor, dot: Tensor, eps: float = EPS) -> Tensor:
     """Eq. 13 from the lengths ``L(E_i)``, ``L(Ẽ_i)`` and the dot products ``E_i·Ẽ_i``."""
     return lt / (le + eps) * necc(le, lt, dot, eps)
+
+
+def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
+    r"""TokenTM's weights of a patch merge's children (Swin; our extension), [B, N', 4]:
+    the length of each child's share of the merged token,
+    :math:`\lVert \tilde x_{c_k} W_k \rVert / \sum_k \lVert \tilde x_{c_k} W_k \rVert`, with
+    :math:`\tilde x` the merge's LayerNorm of the concatenated children (frozen
+    statistics, no shift), :math:`\tilde x_{c_k}` child ``k``'s slice and :math:`W_k` its
+    columns of the merge's linear map (:class:`~captum_vit.adapters.MergeParts`); a
+    padded child of an odd grid gets 0.
+
+    Args:
+        merge (MergeParts): the merge.
+        x (Tensor): the token states it merges [B, N, C].
+        eps (float): floor of the sum.
+
+    Returns:
+        Tensor: [B, N', 4], rows summing to 1.
+    """
+    g = merge.gather(x)  # [B, N', 4C]
+    n = merge.norm
+    xt = (g - g.mean(-1, keepdim=True)) * torch.rsqrt(g.var(-1, unbiased=False, keepdim=True)
+                                                      + n.eps)
+    if n.weight is not None:
+        xt = xt * n.weight.to(xt.dtype)
+    c = x.shape[-1]
+    w = merge.weight.to(xt.dtype)
+    lengths = torch.stack([torch.nn.functional.linear(xt[..., k * c:(k + 1) * c],
+                                                      w[:, k * c:(k + 1) * c]).norm(dim=-1)
+                           for k in range(4)], -1)
+    lengths = lengths * (merge.children(x.device) >= 0).to(xt.dtype)
+    return lengths / lengths.sum(-1, keepdim=True).clamp(min=eps)
 
 
 def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
@@ -204,7 +237,6 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             (``"Paper"``), like method names.
     """
 
-    windowed = False  # no windowed form yet (Swin): refused by name
 
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
         if isinstance(variant, str):
@@ -254,9 +286,14 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         p = self.adapter.blocks[l]
         dt = accumulation_dtype(rec.x)
         x, mid = rec.x.detach().to(dt), rec.mid.detach().to(dt)
+        out = rec.out.detach().to(dt)
+        merge = None
+        if p.merge is not None:  # Swin: out is merged; the FFN's output is mid + ffn_out
+            out = mid + rec.ffn_out.detach().to(dt)
+            merge = merge_weights(p.merge, out)
         if self.variant == "residual":
-            return _Terms(rec.heads, transformation_weights(mid, rec.out.detach().to(dt)),
-                          transformation_weights(x, mid), x.norm(dim=-1))
+            return _Terms(rec.heads, transformation_weights(mid, out),
+                          transformation_weights(x, mid), x.norm(dim=-1), merge)
         w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
         u = rec.u.detach().to(dt)
         if p.inner_norm is None:
@@ -267,7 +304,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
                 x, u, rec.heads.probs().detach().to(dt), p.v_weight.detach().to(dt),
                 None if p.v_bias is None else p.v_bias.detach().to(dt),
                 p.proj_weight.detach().to(dt), p.inner_norm, p.num_heads)
-        return _Terms(rec.heads, w_ffn, w, x.norm(dim=-1))
+        return _Terms(rec.heads, w_ffn, w, x.norm(dim=-1), merge)
 
     def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype, target: Tensor,
                  last_out: Tensor | None = None) -> Tensor:
@@ -318,25 +355,29 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             dt = accumulation_dtype(tr.x0)
             r = self._readout(tr, pool_grad, dt, t, last[0])
             rows = {}
+            ad = self.adapter
             for l in reversed(range(first, L)):
                 tm = terms.pop(l)
-                r = self._block_row(r, tm, grads.pop(), dt)
+                r = ad.unmerge(r, l, tm.merge)  # Swin: a merge's children by their lengths
+                r = self._block_row(r, tm, grads.pop(), dt, l)
                 rows[l] = r * tm.x_norm  # C_0 = diag(L(x_l,i)) at the start block, Eq. 18
-            return torch.stack([rows[l] for l in layers])
+            return torch.stack([ad.carry(rows[l], l, split=True) for l in layers])
 
-    def _block_row(self, r: Tensor, terms: _Terms, grad_o: Tensor, dt: torch.dtype) -> Tensor:
+    def _block_row(self, r: Tensor, terms: _Terms, grad_o: Tensor, dt: torch.dtype,
+                   l: int = 0) -> Tensor:
         """The running row times block ``l``'s factor, ``r^T U_ffn,l U_attn,l`` [B, N]
-        (Eq. 14-17 read from the row)."""
+        (Eq. 14-17 read from the row; ``l`` names the block for a windowed block's
+        form, whose matrices are per window)."""
         h = terms.heads
         a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)  # A_l, ∇A_l [B, H, N, N]
         r = r * (1 + terms.w_ffn)  # r^T U_ffn, Eq. 17
         if self.variant == "paper":
             # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
-            rh = (r[:, None, None, :] @ g.relu_().mul_(a)).squeeze(2)  # [B, H, N]
+            rh = self.adapter.token_mix(r, g.relu_().mul_(a), l)  # [B, H, N]
             return r + (rh * terms.w_attn).mean(1)
         # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
         m = a.mean(1) * g.relu_().mean(1)
-        return r + (r[:, None, :] @ m).squeeze(1) * terms.w_attn
+        return r + self.adapter.token_mix(r, m, l) * terms.w_attn
 
     @fill_doc
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,
