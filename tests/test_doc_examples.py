@@ -157,6 +157,30 @@ def _llava_scope() -> dict[str, Any]:
             "path": "llava", "processor": processor, "image": Image.fromarray(pixels)}
 
 
+def _sam_scope() -> dict[str, Any]:
+    """A tiny random SAM saved in the current folder (``path``; 32-pixel images, an 8 x 8
+    token grid), its processor at that size and an 800 x 1000 PIL image."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    cfg = transformers.SamConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
+                           output_channels=16, mlp_dim=64, num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=32, patch_size=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 mlp_dim=32, iou_head_hidden_dim=16))
+    torch.manual_seed(0)
+    transformers.SamModel(cfg).save_pretrained("sam")
+    processor = transformers.SamProcessor(image_processor=transformers.SamImageProcessor(
+        size={"longest_edge": 32}, pad_size={"height": 32, "width": 32},
+        mask_size={"longest_edge": 8}, mask_pad_size={"height": 8, "width": 8}))
+    pixels = np.random.default_rng(0).integers(0, 256, (800, 1000, 3), dtype=np.uint8)
+    return {"SamModel": transformers.SamModel, "path": "sam", "processor": processor,
+            "image": Image.fromarray(pixels)}
+
+
 # block id -> what its example names beyond the common fixture (a function: the models are
 # built only for the blocks that use them)
 EXTRA: dict[str, Any] = {
@@ -172,6 +196,7 @@ EXTRA: dict[str, Any] = {
     "targets:DetectionTarget": _yolos_scope,
     "targets:clip_text_target": _open_clip_scope,
     "targets:VLMAnswer": _llava_scope,
+    "targets:SamMaskTarget": _sam_scope,
 }
 
 # block id -> names to remove from the method table after the block (its example

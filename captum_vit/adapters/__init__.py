@@ -109,6 +109,7 @@ from captum_vit.adapters.rules import (
     scale_gradient,
     stabilized_divide,
 )
+from captum_vit.adapters.sam import HFSamAdapter, TimmSamAdapter, is_hf_sam, is_timm_sam
 from captum_vit.adapters.scoring import (
     TargetHead,
     log_probabilities,
@@ -146,6 +147,8 @@ ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
     (is_hf_videomae, HFVideoMAEAdapter),
     (is_timm_swin, TimmSwinAdapter),
     (is_hf_swin, HFSwinAdapter),
+    (is_hf_sam, HFSamAdapter),
+    (is_timm_sam, TimmSamAdapter),
 )
 """``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
 
@@ -171,6 +174,9 @@ SUPPORTED = (
     "pool_type 'tok' or 'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or "
     "CoCa), and Hugging Face VideoMAEForVideoClassification and VideoMAEModel (videos "
     "[B, T, C, H, W])"
+    "; SAM's image encoder: Hugging Face SamModel, SamVisionModel and "
+    "SamVisionEncoder, timm "
+    "VisionTransformerSAM"
 )
 
 

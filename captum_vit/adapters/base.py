@@ -446,6 +446,9 @@ class ViTAdapter(abc.ABC):
         pre = getattr(head, "pre_logits", None)
         if weight is None and pre is not None:  # the representation layer's output
             weight = pre[0]
+        neck = getattr(head, "neck", None)
+        if weight is None and neck is not None:  # the neck's output (NeckHeadParts)
+            weight = neck.weight
         last = self.blocks[-1]  # a head-less model outputs its last state's width
         width = (last.proj_weight if last.merge is None else last.merge.weight).shape[0]
         own = int(weight.shape[0] if weight is not None else width)
@@ -763,6 +766,9 @@ class ViTAdapter(abc.ABC):
             h = _detached(h)
         if h.norm is not None:
             x = ops.norm(x, h.norm)
+        neck = getattr(h, "neck", None)
+        if neck is not None:  # a token-mixing neck before the pooling (NeckHeadParts)
+            x = neck(x, ops)
         tokens = x
         pooled, pre = None, getattr(h, "pre_logits", None)
         if h.attn_pool is not None:

@@ -171,6 +171,13 @@ class BlockParts(AttentionParts):
     """A patch merge after the block (a
     :class:`~captum_vit.adapters.windows.MergeParts`), or ``None``:
     the last block of a stage hands the next stage its grid; ``None`` = none."""
+    query_bias: Callable[[Tensor], Tensor] | None = None
+    """A logit term computed from the queries, ``q [B', H, n, d] -> [B', H, n, n]``
+    (after the q/k norms, before any scaling), added to the logits like
+    :attr:`attn_bias` (SAM's decomposed relative position of MViTv2, Li et al., CVPR
+    2022: :class:`~captum_vit.adapters.sam.DecomposedRelPos`); a windowed block calls it
+    on each window's queries. It sees ``q`` after ``detach_qk`` and the rules' ``heads``,
+    so a linearised backward treats it as a constant of the logits. ``None`` = none."""
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
              rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -303,7 +310,7 @@ class BlockParts(AttentionParts):
         b = u.shape[0]
         q, k, v = self._qkv(win.partition(u), detach_qk, None, rules)
         rel = None if self.attn_bias is None else self.attn_bias()
-        bias = win.logit_bias(rel, b, q.dtype, q.device)
+        bias = self._query_bias(q, win.logit_bias(rel, b, q.dtype, q.device))
         if not materialize:
             mix, _ = self._mix(q, k, v, bias, False, rules, heads)
             return win.reverse(mix), None
@@ -335,7 +342,18 @@ class BlockParts(AttentionParts):
         :mod:`~captum_vit.adapters.subsets`). Arguments and returns as in
         :meth:`attention`."""
         bias = self.logit_bias(q.shape[2], key_mask, positions)
-        return self._mix(q, k, v, bias, materialize, rules, heads)
+        if self.query_bias is not None and positions is not None:
+            raise ValueError("a block whose logits depend on the queries' grid positions "
+                             "(decomposed relative position) keeps every token: remove "
+                             "pixels instead of tokens")
+        return self._mix(q, k, v, self._query_bias(q, bias), materialize, rules, heads)
+
+    def _query_bias(self, q: Tensor, bias: Tensor | None) -> Tensor | None:
+        """``bias`` plus :attr:`query_bias` of the queries ``q`` (``bias`` without one)."""
+        if self.query_bias is None:
+            return bias
+        term = self.query_bias(q)
+        return term if bias is None else bias.to(term.dtype) + term
 
     def _mix(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, materialize: bool,
              rules: AttentionRules | None, heads: list[Heads] | None
@@ -687,6 +705,22 @@ class PreLogitsHeadParts(HeadParts):
     """
 
     pre_logits: tuple[Tensor, Tensor | None, Callable[[Tensor], Tensor]] | None = None
+
+
+@dataclass(frozen=True)
+class NeckHeadParts(HeadParts):
+    """:class:`HeadParts` with a *neck* between the final norm and the pooling: a
+    function ``neck(x, ops) -> x'`` of the token states ``[B, N, D] -> [B, N, D']`` built
+    from the ops (``ops.linear``, ``ops.norm``, ``ops.gather``), so every rule set passes
+    it. Its output is what :class:`~captum_vit.adapters.scoring.Outputs` reports as the
+    tokens. SAM's convolutional neck (:class:`~captum_vit.adapters.sam.SamNeck`) is one.
+
+    Attributes:
+        neck: an object with ``__call__(x, ops)`` and ``weight`` (its last projection
+            ``[D', ...]``: ``D'`` is the embedding width of a head-less model).
+    """
+
+    neck: Any = None
 
 
 

@@ -160,7 +160,8 @@ class DecompositionOps(Ops):
     def gather(self, x: Decomposed, merge: Any) -> Decomposed:
         """A patch merge's concatenated children, every source's part alike (Swin)."""
         b, s, n, d = x.parts.shape
-        parts = merge.gather(x.parts.reshape(b * s, n, d)).reshape(b, s, -1, 4 * d)
+        parts = merge.gather(x.parts.reshape(b * s, n, d))
+        parts = parts.reshape(b, s, *parts.shape[1:])  # 4 children (9 for a 3x3 neighbourhood)
         return Decomposed(merge.gather(x.real), parts, x.has_bias)
 
     def attention(self, u: Decomposed, p: BlockParts) -> tuple[Decomposed, Tensor]:  # D3

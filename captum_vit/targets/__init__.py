@@ -5,7 +5,8 @@ vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding)
 :class:`Target` (any differentiable scalar of the model: :class:`ClassTarget`,
 :class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`,
 :class:`VLMAnswer`, :class:`DetectionTarget` (a detector's detection token),
-:class:`DepthTarget`, or a subclass of your own) or a plain callable on the logits.
+:class:`DepthTarget`, :class:`SamMaskTarget` (a mask of the Segment Anything Model), or a
+subclass of your own) or a plain callable on the logits.
 :func:`clip_text_target` turns text prompts into the :class:`EmbeddingTarget` of a CLIP-style
 model (OpenCLIP, Hugging Face CLIP and SigLIP).
 """
@@ -22,6 +23,7 @@ from captum_vit.targets.embedding import (
     read_target_embeddings,
     scoring,
 )
+from captum_vit.targets.sam import SamMaskTarget
 from captum_vit.targets.score import (
     CLASS_SCORES,
     CallableTarget,
@@ -37,7 +39,7 @@ from captum_vit.targets.vlm import VLMAnswer
 __all__ = [
     "CLASS_SCORES", "SIMILARITIES", "CallableTarget", "ClassTarget", "Contrastive",
     "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
-    "Outputs", "Target", "TokenTarget", "VLMAnswer",
+    "Outputs", "SamMaskTarget", "Target", "TokenTarget", "VLMAnswer",
     "as_target", "clip_text_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]
