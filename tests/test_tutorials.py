@@ -30,5 +30,5 @@ def test_notebook_runs(path, monkeypatch):
                    resources={"metadata": {"path": str(ROOT)}}).execute()
 
 
-def test_there_are_four_tutorials():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04"]
+def test_there_are_five_tutorials():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
