@@ -47,6 +47,7 @@ from typing import Any
 
 from torch import nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import (
     FAMILY_CONTRACT,
     AdapterSettings,
@@ -371,6 +372,7 @@ __all__ = [
     "HFBeitAdapter", "HFCLIPClassifierAdapter", "HFEmbeddingAdapter", "HFVideoMAEAdapter",
     "HFSwinAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
     "MERGE_ORDER", "MergeParts", "TimmSwinAdapter", "Windows", "is_hf_swin", "is_timm_swin",
+    "HFSamAdapter", "TimmSamAdapter", "is_hf_sam", "is_timm_sam", "ModelTree",
     "LRPOps", "Layout", "NormParts", "OpenCLIPAdapter", "Ops",
     "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
     "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",

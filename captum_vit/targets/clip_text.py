@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters._typing import ModelTree
+from captum_vit.adapters import ModelTree
 from captum_vit.targets.embedding import EmbeddingTarget
 
 _HF_TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")
