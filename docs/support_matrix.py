@@ -98,6 +98,7 @@ KINDS: dict[str, str] = {
     "detection": "DetectionTarget",
     "vlm": "VLMAnswer",
     "depth": "DepthTarget",
+    "sam_mask": "SamMaskTarget",
 }
 """Target kinds, key -> label, in the order of the page."""
 
@@ -114,13 +115,15 @@ KIND_NOTES: dict[str, str] = {
     "vlm": "`VLMAnswer(vlm, prompt, answer)`: the log-probability of a two-token answer of "
            "a LLaVA (CLIP tower, Llama) or PaliGemma (SigLIP tower, Gemma) model, explained "
            "on its vision tower.",
+    "sam_mask": "`SamMaskTarget(sam, points=[[12.0, 20.0]], mask=1)`: one mask of SAM's own "
+                "prompt encoder and mask decoder, explained on its image encoder.",
     "depth": "`DepthTarget(model, region)`: the depth a DPT or Depth Anything model "
              "predicts in a region, explained on its DINOv2 backbone; methods explaining a "
              "probability by default get `score=\"logit\"`.",
 }
 
 GROUPS = ("timm ViT", "timm EVA and BEiT", "Hugging Face", "torchvision and OpenCLIP",
-          "video, detection, VLM, depth")
+          "video, detection, VLM, depth", "windowed: Swin, SAM")
 """Family groups, in the order of the page's tables."""
 
 
@@ -193,6 +196,46 @@ def _videomae(cls_name: str = "VideoMAEForVideoClassification", pooling: bool = 
         use_mean_pooling=pooling)
     torch.manual_seed(0)
     return getattr(transformers, cls_name)(cfg)
+
+
+def _swin(library: str, cls_name: str = "SwinForImageClassification") -> nn.Module:
+    """A two-stage Swin (32 px, patch 4: an 8 x 8 first grid, 4 x 4 windows, shifted in
+    every second block, one merge)."""
+    torch.manual_seed(0)
+    if library == "timm":
+        from timm.models.swin_transformer import SwinTransformer
+
+        return SwinTransformer(img_size=32, patch_size=4, embed_dim=WIDTH // 2, depths=(2, 2),
+                               num_heads=(2, 4), window_size=4, mlp_ratio=2.0,
+                               num_classes=CLASSES)
+    import transformers
+
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=WIDTH // 2,
+                                  depths=[2, 2], num_heads=[2, 4], window_size=4,
+                                  mlp_ratio=2.0, num_labels=CLASSES)
+    return getattr(transformers, cls_name)(cfg)
+
+
+def _sam(library: str) -> nn.Module:
+    """SAM's image encoder: 32 px, patch 4 (an 8 x 8 grid), 3 x 3 windows padded to whole
+    windows, one global block, decomposed relative positions, the conv neck."""
+    torch.manual_seed(0)
+    if library == "timm":
+        from timm.models.vision_transformer_sam import VisionTransformerSAM
+
+        return VisionTransformerSAM(img_size=32, patch_size=4, embed_dim=WIDTH, depth=3,
+                                    num_heads=4, mlp_ratio=2.0, window_size=3,
+                                    global_attn_indexes=(1,), use_rel_pos=True,
+                                    neck_chans=16, num_classes=CLASSES, global_pool="avg")
+    import transformers
+
+    return transformers.SamModel(transformers.SamConfig(
+        vision_config=dict(hidden_size=WIDTH, num_hidden_layers=3, num_attention_heads=4,
+                           image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
+                           output_channels=16, mlp_dim=2 * WIDTH, num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=32, patch_size=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 mlp_dim=32, iou_head_hidden_dim=16)))
 
 
 def _yolos(mid: bool = False) -> nn.Module:
@@ -334,6 +377,7 @@ _TE = "timm EVA and BEiT"
 _HF = "Hugging Face"
 _TO = "torchvision and OpenCLIP"
 _OT = "video, detection, VLM, depth"
+_WI = "windowed: Swin, SAM"
 _BEIT = "timm.models.beit.Beit"
 _NONSQUARE = (24, 40)
 HF_ = ("transformers",)
@@ -486,6 +530,17 @@ FAMILY_LIST: tuple[Family, ...] = (
            lambda: _depth("DepthAnythingForDepthEstimation"), size=(28, 28),
            model_class="DepthAnythingForDepthEstimation (its 4-block DINOv2 backbone, "
            "patch 7)"),
+    Family("timm_swin", "Swin", _WI, ("class", "multilabel", "contrastive"), ("timm",),
+           lambda: _swin("timm"), model_class="timm SwinTransformer (two stages, 4×4 windows)"),
+    Family("hf_swin", "HF Swin", _WI, CLASSIFIER, HF_, lambda: _swin("hf"),
+           model_class="SwinForImageClassification (two stages, 4×4 windows)"),
+    Family("hf_swin_model", "HF Swin backbone", _WI, ("embedding",), HF_,
+           lambda: _swin("hf", "SwinModel"), model_class="SwinModel (pooler output)"),
+    Family("timm_sam", "timm SAM", _WI, CLASSIFIER, ("timm",), lambda: _sam("timm"),
+           model_class="timm VisionTransformerSAM (3×3 windows, a global block, neck, head)"),
+    Family("hf_sam", "SAM", _WI, ("embedding", "sam_mask"), HF_, lambda: _sam("hf"),
+           model_class="SamModel (its image encoder; the prompt encoder and mask decoder "
+           "for SamMaskTarget)"),
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 """Every family of the matrix, by name."""
@@ -515,6 +570,7 @@ def setup(family: Family) -> Setup:
         DetectionTarget,
         HeadTarget,
         MultiLabel,
+        SamMaskTarget,
         TokenTarget,
         VLMAnswer,
     )
@@ -561,6 +617,9 @@ def setup(family: Family) -> Setup:
         targets["embedding"] = lambda: vectors.to(DTYPE)
     if "detection" in family.kinds:
         targets["detection"] = lambda: DetectionTarget("best", label=[1, 3])
+    if "sam_mask" in family.kinds:
+        targets["sam_mask"] = lambda: SamMaskTarget(full, points=[[12.0, 20.0]], mask=1)
+        options["sam_mask"] = {"score": "logit"}
     return Setup(model, x, targets, options)
 
 
