@@ -60,11 +60,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -175,7 +177,7 @@ class SamNeck:
         return ops.norm(x, self.norm2)
 
 
-def _neck(neck: nn.Module, convs: tuple[nn.Module, ...], norms: tuple[nn.Module, ...],
+def _neck(neck: ModelTree, convs: tuple[ModelTree, ...], norms: tuple[ModelTree, ...],
           grid: tuple[int, int], where: str) -> SamNeck:
     """The :class:`SamNeck` of a model's neck (``convs``, ``norms``: its modules)."""
     c1, c2 = convs
@@ -208,11 +210,12 @@ class _SamAdapter(ViTAdapter):
     num_prefix = 0
     readout = "avg"
 
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
     grid: tuple[int, int]
     patch: tuple[int, int]
     image_size: tuple[int, int]
 
-    def _block(self, where: str, fields: dict, window: int, attn: nn.Module,
+    def _block(self, where: str, fields: dict, window: int, attn: ModelTree,
                lookup: Callable[[int, int, Tensor], Tensor], use_rel_pos: bool) -> BlockParts:
         """:class:`BlockParts` of one encoder block from its attention and MLP fields."""
         win = _windows(self.grid, window)
@@ -276,13 +279,15 @@ class HFSamAdapter(_SamAdapter):
 
     embedding = True
 
-    def __init__(self, model: nn.Module) -> None:
+    encoder: ModelTree  # the vision encoder, read by attribute names
+
+    def __init__(self, model: ModelTree) -> None:
         super().__init__()
         name = type(model).__name__
         if name not in HF_CLASSES:
             raise TypeError(f"HFSamAdapter explains {' or '.join(HF_CLASSES)}, got {name}")
         self.model = model
-        enc = getattr(model, "vision_encoder", model)
+        enc: ModelTree = getattr(model, "vision_encoder", model)
         cfg = enc.config
         self.encoder = enc
         self.in_chans = int(cfg.num_channels)
@@ -328,7 +333,8 @@ class HFSamAdapter(_SamAdapter):
 
     def refresh(self) -> None:
         first = self.encoder.layers[0].attn.qkv.weight
-        if self.blocks[0].q_weight.data_ptr() != first.data_ptr():  # storage replaced
+        # storage replaced (a block's q_weight is never None)
+        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
             self._read_parts()
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
@@ -372,7 +378,7 @@ class TimmSamAdapter(_SamAdapter):
             a pooling other than ``'avg'``, or blocks of another kind.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: ModelTree) -> None:
         super().__init__()
         from timm.layers import ClassifierHead
         from timm.models.vision_transformer_sam import Block, VisionTransformerSAM
@@ -380,23 +386,26 @@ class TimmSamAdapter(_SamAdapter):
         name = type(model).__name__
         if not isinstance(model, VisionTransformerSAM):
             raise TypeError(f"TimmSamAdapter explains timm's VisionTransformerSAM, got {name}")
+        # read by attribute names and checked here: narrowed to VisionTransformerSAM, model
+        # would carry the attribute types inferred from timm's source (head: NormMlpClassifierHead)
+        m: ModelTree = model
         if getattr(model, "rope_global", None) is not None:
             raise TypeError(f"{name} uses rotary embeddings in its windows (use_rope=True); "
                             "captum_vit supports SAM's decomposed relative positions "
                             "(use_rel_pos) or none")
-        if type(model.head) is not ClassifierHead:
-            raise TypeError(f"{name}.head is {type(model.head).__name__} (head_hidden_size); "
+        if type(m.head) is not ClassifierHead:
+            raise TypeError(f"{name}.head is {type(m.head).__name__} (head_hidden_size); "
                             "captum_vit supports timm's ClassifierHead on the pooled neck")
-        pool = getattr(model.head.global_pool, "pool_type", None)
-        if pool != "avg" or model.head.use_conv:
+        pool = getattr(m.head.global_pool, "pool_type", None)
+        if pool != "avg" or m.head.use_conv:
             raise TypeError(f"{name}.head pools with {pool!r}; captum_vit supports "
                             "global_pool='avg'")
-        for i, blk in enumerate(model.blocks):
+        for i, blk in enumerate(m.blocks):
             if type(blk) is not Block:
                 raise TypeError(f"{name}.blocks[{i}] is {type(blk).__name__}; captum_vit "
                                 "supports timm's vision_transformer_sam.Block")
-        self.model = model
-        pe = model.patch_embed
+        self.model = m
+        pe = m.patch_embed
         self.in_chans = int(pe.proj.in_channels)
         self.patch = _pair(pe.patch_size)
         self.image_size = _pair(pe.img_size)
@@ -440,7 +449,8 @@ class TimmSamAdapter(_SamAdapter):
 
     def refresh(self) -> None:
         first = self.model.blocks[0].attn.qkv.weight
-        if self.blocks[0].q_weight.data_ptr() != first.data_ptr():  # storage replaced
+        # storage replaced (a block's q_weight is never None)
+        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
             self._read_parts()
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
@@ -451,6 +461,7 @@ class TimmSamAdapter(_SamAdapter):
 
         self.refresh()
         m = self.model
+        # timm's PatchEmbed read as TimmViTAdapter reads it (it only uses self.model)
         x = TimmViTAdapter._patch_embed(self, inputs, ops)  # type: ignore[arg-type]
         if m.pos_embed is not None:
             x = x + m.pos_embed
@@ -536,6 +547,8 @@ def sam_mask_logits(model: nn.Module, embeddings: Tensor, points: Tensor | None,
     kw: dict = {}
     if points is not None:
         kw["input_points"] = points.to(embeddings)[None].expand(n, *points.shape)
+        # labels go with points (SamMaskTarget fills ones when none are given)
+        labels = cast(Tensor, labels)
         kw["input_labels"] = labels.to(embeddings.device)[None].expand(n, *labels.shape)
     if boxes is not None:
         kw["input_boxes"] = boxes.to(embeddings)[None].expand(n, *boxes.shape)

@@ -16,8 +16,12 @@ pre-LN canonical block and is refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 from torch import Tensor, nn
 
+from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -57,7 +61,9 @@ class TimmSwinAdapter(ViTAdapter):
             average pooling, or blocks of another kind.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    def __init__(self, model: ModelTree) -> None:
         super().__init__()
         from timm.models.swin_transformer import SwinTransformerBlock
 
@@ -70,22 +76,23 @@ class TimmSwinAdapter(ViTAdapter):
                 "coordinates) and post-norm blocks do not fit the pre-LN canonical block; "
                 "use a Swin v1 (timm SwinTransformer, e.g. swin_tiny_patch4_window7_224)")
         self.model = model
-        blocks = [blk for stage in model.layers for blk in stage.blocks]
-        if not blocks or any(len(stage.blocks) == 0 for stage in model.layers):
+        m = self.model  # read by attribute names (the isinstance check narrows model)
+        blocks = [blk for stage in m.layers for blk in stage.blocks]
+        if not blocks or any(len(stage.blocks) == 0 for stage in m.layers):
             raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
                             "stage to have at least one block")
         for i, blk in enumerate(blocks):
             if type(blk) is not SwinTransformerBlock:
                 raise TypeError(f"{name} block {i} is {type(blk).__name__}; captum_vit "
                                 "supports timm's SwinTransformerBlock")
-        head = model.head
+        head = m.head
         pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
         if pool != "avg" or getattr(head, "use_conv", False):
             raise TypeError(f"{name}.head pools with {pool!r}; captum_vit supports Swin's "
                             "global average pooling (global_pool='avg')")
         self.readout = "avg"
         self.num_prefix = 0
-        self.in_chans = int(model.patch_embed.proj.in_channels)
+        self.in_chans = int(m.patch_embed.proj.in_channels)
         self._read_parts()
 
     def _read_parts(self) -> None:
@@ -109,7 +116,8 @@ class TimmSwinAdapter(ViTAdapter):
                                         f"{name}.layers[{s + 1}].downsample")
                 parts.append(BlockParts(
                     **timm_attention_fields(blk, where), ls1=None,
-                    fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                    fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias,
+                    act=cast(Callable[[Tensor], Tensor], mlp.act),  # a GELU, checked above
                     fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
                     attn_bias=blk.attn._get_rel_pos_bias,
                     window=Windows(grid=_pair(blk.input_resolution), size=_pair(blk.window_size),
@@ -123,7 +131,8 @@ class TimmSwinAdapter(ViTAdapter):
 
     def refresh(self) -> None:
         first = self.model.layers[0].blocks[0].attn.qkv.weight
-        if self.blocks[0].q_weight.data_ptr() != first.data_ptr():  # storage replaced
+        # storage replaced (a block's q_weight is never None)
+        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
             self._read_parts()
 
     @property
@@ -156,7 +165,7 @@ class TimmSwinAdapter(ViTAdapter):
     def layout(self, inputs: Tensor) -> Layout:
         self.refresh()
         h, w = inputs.shape[-2:]
-        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,  # type: ignore[union-attr]
+        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
                       patch_size=tuple(self.model.patch_embed.patch_size), readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
                       image_size=(int(h), int(w)))
@@ -187,7 +196,7 @@ def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def _timm_merge(down: nn.Module, grid: tuple[int, int], where: str) -> MergeParts:
+def _timm_merge(down: ModelTree, grid: tuple[int, int], where: str) -> MergeParts:
     """The :class:`MergeParts` of timm's ``PatchMerging`` on the ``grid`` before it."""
     from timm.models.swin_transformer import PatchMerging
 
@@ -226,7 +235,9 @@ class HFSwinAdapter(TimmSwinAdapter):
             another kind.
     """
 
-    def __init__(self, model: nn.Module) -> None:  # noqa: D107 - documented on the class
+    backbone: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    def __init__(self, model: ModelTree) -> None:  # noqa: D107 - documented on the class
         ViTAdapter.__init__(self)
         name = type(model).__name__
         if name in HF_SWIN_V2_CLASSES:
@@ -332,7 +343,7 @@ class HFSwinAdapter(TimmSwinAdapter):
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]
-        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,  # type: ignore[union-attr]
+        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
                       patch_size=_pair(self.model.config.patch_size), readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
                       image_size=(int(h), int(w)))

@@ -273,7 +273,7 @@ class ScoreCAM(ViTPerturbationAttribution):
             x = top_variance_channels(x, k, max_channels)
         masks = channel_masks(x, k)  # [B, D, P]
         masks = adapter.carry(masks, self.layer)  # stages: block l's grid onto the maps'
-        b, d, _ = masks.shape
+        b, d = masks.shape[:2]  # [B, D, P]
 
         scores = score_reduce(t, score, dt)
         if self.removal == "pixels":

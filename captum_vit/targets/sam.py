@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from captum_vit.adapters import ModelTree
 from captum_vit.adapters.sam import sam_mask_logits, sam_model
 from captum_vit.adapters.scoring import Outputs, Target, per_image
 
@@ -98,7 +99,7 @@ class SamMaskTarget(Target):
 
     def __init__(self, model: nn.Module, points: Any = None, labels: Any = None,
                  boxes: Any = None, mask: int = 0, multimask_output: bool = True) -> None:
-        self.model = sam_model(model)
+        self.model: ModelTree = sam_model(model)  # read by attribute names (its config)
         if not isinstance(multimask_output, bool):
             raise TypeError(f"multimask_output must be a bool, got {multimask_output!r}")
         self.multimask_output = multimask_output
