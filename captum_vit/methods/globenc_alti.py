@@ -45,6 +45,16 @@ rows of ALTI divided by their sum; rollout ``(1 − r) T + r I``, later blocks o
 Two differences from that code, both our choice: its GlobEnc matrices are not
 row-normalised before the rollout (nor are they in GlobEnc's own demo,
 mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by default).
+
+Windowed models (Swin, SAM's image encoder; :mod:`captum_vit.adapters.windows`): a token's
+block output has sources in its own window only, so ``T_l`` is block-diagonal in window
+order and is computed per window, ``[B, n_W, M, M]`` (:func:`reset_scores`,
+:func:`window_scores`), never as an ``N × N`` matrix. A padded window slot (zero after
+LN1, as in the models) is a key of its window but no source: its value is the value
+projection's bias, whose share goes to the dropped bias source; its row is dropped. The
+decomposition ends on the block's own output before the patch merge that ends a Swin
+stage; the rollout then goes through the merge with equal weights (each merged token's
+weight shared by its real children, ¼), the merge rule of the gradient-free methods.
 """
 
 from __future__ import annotations
@@ -264,7 +274,11 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
 
     Returns:
         Tensor: ``T[b, i, j]`` [B, N, N] in ``accumulation_dtype(rec.x)``, not
-        row-normalised.
+        row-normalised. For a windowed block (:mod:`captum_vit.adapters.windows`) the
+        same terms per window, ``[B, n_W, M, M]`` (the block-diagonal matrix in window
+        order, as :func:`window_scores`): a padded slot is no source (its value is the
+        projection's bias, whose share goes to the dropped bias source) and its row is
+        zero; the block's output is read before its patch merge, if it has one.
 
     Examples::
 
@@ -299,7 +313,7 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         k2 = k2 * p.norm2.weight.to(dt)
     if p.ls2 is not None:
         k2 = k2 * p.ls2.to(dt)
-    o = block_output(rec, p.merge is not None).detach().to(dt)
+    o = _block_output(rec, p.merge is not None).detach().to(dt)
     win = p.window
     if win is not None:  # the B · n_W windows as short sequences (padded slots zero)
         nw, m = win.num_windows, win.area
@@ -330,7 +344,7 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
     return t.reshape(b, win.num_windows, win.area, win.area) * real[:, :, None].to(dt)
 
 
-def block_output(rec: BlockRecord, merged: bool) -> Tensor:
+def _block_output(rec: BlockRecord, merged: bool) -> Tensor:
     """The real output of a block from its record: ``rec.out``, or ``mid + ffn_out`` before
     the patch merge of a block that ends a stage (``merged``; the merge is a separate
     token mixing step of the rollout)."""
@@ -477,7 +491,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
     """
 
-    def block_matrices(self, inputs: Tensor) -> Tensor:
+    def block_matrices(self, inputs: Tensor) -> Tensor | list[Tensor]:
         r"""The row-normalised per-block matrices ``T_l`` (see the module docstring).
 
         ``T_l[b, i, j]`` is how much source token ``j`` of the block input ``x_l``
@@ -490,7 +504,10 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
             inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
 
         Returns:
-            Tensor: [L, B, N, N] (prefix tokens first), in ``accumulation_dtype``.
+            Tensor: [L, B, N, N] (prefix tokens first), in ``accumulation_dtype``. On a
+            windowed model (Swin, SAM's encoder) a list with one tensor per block in
+            window form, [B, n_W, M, M] (:func:`window_scores`; the rows of padded slots
+            are zero), each block's ``T_l`` on its own grid, before its patch merge.
 
         Examples::
 
