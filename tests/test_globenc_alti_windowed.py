@@ -167,3 +167,30 @@ def test_window_scores_refuses_a_global_block():
     x0 = adapter.embed(make_inputs("vit", batch=1))
     with pytest.raises(ValueError, match="globally"):
         window_scores(adapter, x0, 1, "alti")
+
+
+@pytest.mark.parametrize("aggregate", ["subnetwork", "layer"])
+def test_plus_maps_on_swin_equal_dense_references(aggregate):
+    """The PLUS / SkipPLUS fast path on Swin: every start block's map (``subnetwork``: the
+    rollout from the top down to block ``l``; ``layer``: ``w P ... T_l``), shared down to
+    the first grid through the merges below block ``l`` (¼)."""
+    model, x = _swin("timm_swin", {"img_size": 24, "depths": (2, 2, 2), "num_heads": (2, 2, 2)})
+    merges = DenseSwin(model).merges()
+    method = ALTI(model, residual_strength=0.5)
+    layers = list(range(len(adapt(model).blocks)))
+    ours = method.plus_maps(x, None, layers, aggregate=aggregate)
+    mats = _dense_matrices(model, x, "alti", "ln2")
+    n = mats[-1].shape[-1]
+    w = torch.full((2, n), 1.0 / n, dtype=torch.float64)
+    rows, v = {}, w
+    for k in reversed(layers):
+        if k in merges:
+            v, w = v @ merges[k], w @ merges[k]
+        rows[k] = (torch.einsum("bn,bnm->bm", w, mats[k]) if aggregate == "layer"
+                   else 0.5 * torch.einsum("bn,bnm->bm", v, mats[k]) + 0.5 * v)
+        v = rows[k] if aggregate == "subnetwork" else v
+    for l in layers:
+        ref = rows[l]
+        for k in sorted((k for k in merges if k < l), reverse=True):
+            ref = ref @ merges[k]
+        assert_close_scaled(ours[l], ref, rel=1e-10)
