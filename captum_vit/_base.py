@@ -535,8 +535,8 @@ class ViTFront:
                 f"{type(self).__name__} has no form for the windowed attention of this "
                 f"{type(self.model).__name__} yet; on windowed models use Rollout, "
                 "RawAttention, GAE, TokenTM, Chefer21, AttnGradCAM, GradSAM, TAM, BT, "
-                "DecompX, TokenIxG, AttCAT, LeGrad, the LRP methods, the CAMs, RISE, "
-                "ScoreCAM or ViT-CX")
+                "DecompX, GlobEnc, ALTI, TokenIxG, AttCAT, LeGrad, the LRP methods, the "
+                "CAMs, RISE, ScoreCAM or ViT-CX")
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:

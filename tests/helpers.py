@@ -325,10 +325,9 @@ HF_FAMILIES["hf_sam"] = ("SamVisionModel", "SamVisionConfig",
                           "mlp_dim": 64}, (32, 32))
 
 
-WINDOW_REFUSERS = {"tis", "globenc", "alti", "plus:globenc", "skipplus:globenc",
-                   "plus:alti", "skipplus:alti"}
-"""Methods that refuse windowed models (Swin) by name: TIS removes tokens (use RISE or
-ViT-CX), GlobEnc and ALTI have no windowed form yet."""
+WINDOW_REFUSERS = {"tis"}
+"""Methods that refuse windowed models (Swin, SAM) by name: TIS removes tokens (use RISE or
+ViT-CX)."""
 
 
 def family_marks(family: str, method: str | None = None) -> tuple:

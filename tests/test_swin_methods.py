@@ -235,7 +235,8 @@ REDUCTION_METHODS = ["raw_attention", "rollout", "gae", "attn_gradcam", "attcat"
                      "gradcam", "gradcam_pp", "xgradcam", "layercam", "hirescam", "cp_lrp",
                      "attnlrp", "chefer21", "tam", "fullgrad_plus", "skip_fullgrad_plus",
                      "rise", "vit_cx", "scorecam", "plus:decompx", "skipplus:gae",
-                     "plus:attn_gradcam", "skipplus:attcat"]
+                     "plus:attn_gradcam", "skipplus:attcat", "globenc", "alti",
+                     "skipplus:globenc", "plus:alti"]
 
 
 def test_window_reduction_gives_the_plain_vit_maps():

@@ -45,6 +45,16 @@ rows of ALTI divided by their sum; rollout ``(1 − r) T + r I``, later blocks o
 Two differences from that code, both our choice: its GlobEnc matrices are not
 row-normalised before the rollout (nor are they in GlobEnc's own demo,
 mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by default).
+
+Windowed models (Swin, SAM's image encoder; :mod:`captum_vit.adapters.windows`): a token's
+block output has sources in its own window only, so ``T_l`` is block-diagonal in window
+order and is computed per window, ``[B, n_W, M, M]`` (:func:`reset_scores`,
+:func:`window_scores`), never as an ``N × N`` matrix. A padded window slot (zero after
+LN1, as in the models) is a key of its window but no source: its value is the value
+projection's bias, whose share goes to the dropped bias source; its row is dropped. The
+decomposition ends on the block's own output before the patch merge that ends a Swin
+stage; the rollout then goes through the merge with equal weights (each merged token's
+weight shared by its real children, ¼), the merge rule of the gradient-free methods.
 """
 
 from __future__ import annotations
@@ -88,7 +98,21 @@ class _Undecomposed(Decomposed):
     activation, its ``parts`` are still those of ``LN2(x_mid)``."""
 
 
-class _LN2Ops(DecompositionOps):
+class _ResetOps(DecompositionOps):
+    """The DecompX rules, keeping the block's output before its patch merge (Swin's last
+    block of a stage): the reset decomposition is that of the block; the merge is a
+    separate token mixing step with the equal weights of the gradient-free methods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_merge: Decomposed | None = None
+
+    def gather(self, x: Decomposed, merge: Any) -> Decomposed:
+        self.before_merge = x
+        return super().gather(x, merge)
+
+
+class _LN2Ops(_ResetOps):
     """The DecompX rules (:mod:`captum_vit.methods.decompx`), except that the MLP of the
     block is not decomposed (the authors' ``mlp_decompose_p=False``): from the output of
     ``norm2`` on, every MLP primitive computes its real output and leaves the decomposition
@@ -146,7 +170,8 @@ def decompose_block(adapter: ViTAdapter, x: Tensor, layer: int, *, mlp: str = "l
             Default False.
 
     Returns:
-        Decomposed: ``real`` the block's real output ``x_{l+1}`` [B, N, D]; ``parts``
+        Decomposed: ``real`` the block's real output ``x_{l+1}`` [B, N, D] (before the
+        block's patch merge, if it has one: Swin's last block of a stage); ``parts``
         [B, S, N, D] with ``parts[:, s, i] = v_{i←j}`` for the ``s``-th source ``j``
         (then the bias part with ``bias=True``), in ``accumulation_dtype(x)``.
         With ``mlp="decompx"`` and ``bias=True`` the parts of all ``N`` sources and the
@@ -172,15 +197,20 @@ def decompose_block(adapter: ViTAdapter, x: Tensor, layer: int, *, mlp: str = "l
     parts = source_parts(x, sources.start, sources.stop, dt)
     if bias:
         parts = torch.cat([parts, parts.new_zeros((x.shape[0], 1, *parts.shape[2:]))], 1)
-    h = Decomposed(x, parts, has_bias=bias)
-    if mlp == "decompx":
-        return adapter.block(h, layer, DecompositionOps())
-    ops = _LN2Ops(adapter.blocks[layer].norm2)
+    return _reset_block(adapter, Decomposed(x, parts, has_bias=bias), layer, mlp)
+
+
+def _reset_block(adapter: ViTAdapter, h: Decomposed, layer: int, mlp: str) -> Decomposed:
+    """Block ``layer`` on the decomposed input ``h`` under ``mlp``'s rules, stopped
+    before the block's patch merge (if any)."""
+    ops = _ResetOps() if mlp == "decompx" else _LN2Ops(adapter.blocks[layer].norm2)
     out = adapter.block(h, layer, ops)
-    if not ops.saw_norm2:  # pragma: no cover - every canonical block has norm2
+    if isinstance(ops, _LN2Ops) and not ops.saw_norm2:  # pragma: no cover - every block has norm2
         raise TypeError(f"mlp='ln2' needs the block's LN2 (norm2); block {layer} of this "
                         f"{type(adapter.model).__name__} never applied it: use "
                         "mlp='decompx'")
+    if ops.before_merge is not None:
+        out = ops.before_merge
     return Decomposed(out.real, out.parts, out.has_bias)
 
 
@@ -244,7 +274,11 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
 
     Returns:
         Tensor: ``T[b, i, j]`` [B, N, N] in ``accumulation_dtype(rec.x)``, not
-        row-normalised.
+        row-normalised. For a windowed block (:mod:`captum_vit.adapters.windows`) the
+        same terms per window, ``[B, n_W, M, M]`` (the block-diagonal matrix in window
+        order, as :func:`window_scores`): a padded slot is no source (its value is the
+        projection's bias, whose share goes to the dropped bias source) and its row is
+        zero; the block's output is read before its patch merge, if it has one.
 
     Examples::
 
@@ -273,14 +307,25 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         z = torch.einsum("bnhe,dhe->bhnd", v, wo)  # [B, H, N, D]
     if p.ls1 is not None:
         z = z * p.ls1.to(dt)
-    if inv_in is not None:  # row i of the mix scaled by 1/σ_in,i: fold it into A
-        attn = attn * inv_in[:, None, :, None]
     s2 = torch.rsqrt(rec.mid.detach().to(dt).var(-1, unbiased=False) + p.norm2.eps)  # 1/σ_2
     k2 = torch.ones(d, dtype=dt, device=x.device)
     if p.norm2.weight is not None:
         k2 = k2 * p.norm2.weight.to(dt)
     if p.ls2 is not None:
         k2 = k2 * p.ls2.to(dt)
+    o = _block_output(rec, p.merge is not None).detach().to(dt)
+    win = p.window
+    if win is not None:  # the B · n_W windows as short sequences (padded slots zero)
+        nw, m = win.num_windows, win.area
+        z = win.partition(z.transpose(1, 2).reshape(b, n, heads * d))
+        z = z.reshape(b * nw, m, heads, d).transpose(1, 2)  # [B n_W, H, M, D]
+        x, o = win.partition(x), win.partition(o)
+        s2 = win.partition(s2[..., None])[..., 0]
+        if inv_in is not None:
+            inv_in = win.partition(inv_in[..., None])[..., 0]
+        attn = attn.transpose(1, 2).reshape(b * nw, heads, m, m)
+    if inv_in is not None:  # row i of the mix scaled by 1/σ_in,i: fold it into A
+        attn = attn * inv_in[:, None, :, None]
     # v_{i←j} = x_mid,i←j ⊙ (1 + s_i k2) − mean(x_mid,i←j) s_i k2, and the mean of the
     # attention part is Σ_h A^h_ij mean(Z^h_j): no pass over [B, N, N, D] for it
     diag = x + torch.einsum("bhi,bhid->bid", attn.diagonal(dim1=-2, dim2=-1), z)
@@ -289,11 +334,83 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         t = _globenc_norms(z, attn, s2, k2)
         t_diag = torch.linalg.vector_norm(v_diag, ord=2, dim=-1)
     else:
-        o = rec.out.detach().to(dt)
         t = _alti_scores(z, attn, s2, k2, o, max_memory)
         t_diag = (torch.linalg.vector_norm(o, ord=1, dim=-1)
                   - torch.linalg.vector_norm(o - v_diag, ord=1, dim=-1)).clamp_min(0)
     t.diagonal(dim1=-2, dim2=-1).copy_(t_diag)
+    if win is None:
+        return t
+    real = win.index(t.device) >= 0  # [n_W, M]; a padded slot's row is no token's
+    return t.reshape(b, win.num_windows, win.area, win.area) * real[:, :, None].to(dt)
+
+
+def _block_output(rec: BlockRecord, merged: bool) -> Tensor:
+    """The real output of a block from its record: ``rec.out``, or ``mid + ffn_out`` before
+    the patch merge of a block that ends a stage (``merged``; the merge is a separate
+    token mixing step of the rollout)."""
+    return rec.mid + rec.ffn_out if merged else rec.out
+
+
+@torch.no_grad()
+def window_scores(adapter: ViTAdapter, x: Tensor, layer: int, measure: str, *,
+                  mlp: str = "ln2", max_memory: int | None = DEFAULT_MAX_MEMORY) -> Tensor:
+    r"""Unnormalised ``T_l`` of a windowed block in window form, ``[B, n_W, M, M]``
+    (:class:`~captum_vit.adapters.windows.Windows`), by carrying reset sources through
+    the block (:func:`decompose_block`'s rules) without any ``N × N`` tensor.
+
+    A token's output has sources in its own window only, so one carried component can
+    hold the sources at the same slot ``m`` of every window: its part at token ``i`` is
+    :math:`v_{i←j}` for the token ``j`` at slot ``m`` of ``i``'s window. ``M``
+    components (the window area) instead of ``N`` give the whole block-diagonal matrix.
+    A padded slot holds no token: it is no source (its key's value is the projection
+    bias, whose share goes to the dropped bias source) and its row is zero.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        x (Tensor): the real block input ``x_l`` [B, N, D].
+        layer (int): a windowed block ``l``.
+        measure (str): ``"globenc"`` or ``"alti"``.
+        mlp (str, optional): ``"ln2"`` (default) or ``"decompx"``, as in
+            :func:`decompose_block`.
+        max_memory (int or None, optional): bytes of decomposed activations per pass
+            (default 1 GiB); ``None`` = all slots in one pass.
+
+    Returns:
+        Tensor: ``T[b, w, a, c]`` [B, n_W, M, M]: what the token at slot ``c`` of window
+        ``w`` gives the token at slot ``a``, in ``accumulation_dtype(x)``.
+
+    Raises:
+        ValueError: block ``layer`` does not attend within windows.
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> adapter = adapt(swin)
+        >>> x0 = adapter.embed(images)
+        >>> window_scores(adapter, x0, 0, "alti").shape  # [B, n_W, M, M]
+    """
+    check_choice("measure", measure, MEASURES)
+    check_choice("mlp", mlp, MLP_CHOICES)
+    win = adapter.blocks[layer].window
+    if win is None:
+        raise ValueError(f"block {layer} attends globally, not within windows: use "
+                         "decompose_block and token_scores")
+    idx = win.index(x.device)  # [n_W, M]
+    real = idx >= 0
+    b, n, d = x.shape
+    dt = accumulation_dtype(x)
+    chunk = sources_per_chunk(adapter, x, max_memory)
+    t = x.new_zeros((b, win.num_windows, win.area, win.area), dtype=dt)
+    rows = idx.clamp_min(0)
+    for m0 in range(0, win.area, chunk):
+        m1 = min(m0 + chunk, win.area)
+        parts = x.new_zeros((b, m1 - m0, n, d), dtype=dt)
+        for s, m in enumerate(range(m0, m1)):
+            tok = idx[:, m][real[:, m]]
+            parts[:, s, tok] = x[:, tok].to(dt)
+        h = _reset_block(adapter, Decomposed(x, parts, has_bias=False), layer, mlp)
+        scores = token_scores(h, measure)  # [B, N, slots]
+        t[..., m0:m1] = scores[:, rows] * real[..., None].to(dt)
     return t
 
 
@@ -345,8 +462,6 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
 class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
-    windowed = False  # no windowed form yet (Swin): refused by name
-
     class_agnostic = True
 
     measure: str = ""
@@ -376,7 +491,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         >>> attr = GlobEnc(model).attribute(images, output="tokens")  # [B, P]
     """
 
-    def block_matrices(self, inputs: Tensor) -> Tensor:
+    def block_matrices(self, inputs: Tensor) -> Tensor | list[Tensor]:
         r"""The row-normalised per-block matrices ``T_l`` (see the module docstring).
 
         ``T_l[b, i, j]`` is how much source token ``j`` of the block input ``x_l``
@@ -389,7 +504,10 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
             inputs (Tensor): images [B, C, H, W] (or a 1-tuple holding them).
 
         Returns:
-            Tensor: [L, B, N, N] (prefix tokens first), in ``accumulation_dtype``.
+            Tensor: [L, B, N, N] (prefix tokens first), in ``accumulation_dtype``. On a
+            windowed model (Swin, SAM's encoder) a list with one tensor per block in
+            window form, [B, n_W, M, M] (:func:`window_scores`; the rows of padded slots
+            are zero), each block's ``T_l`` on its own grid, before its patch merge.
 
         Examples::
 
@@ -401,14 +519,22 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         images, _ = check_images(inputs, video=self.adapter.video)
         self.adapter.check_inputs(images)
         self.adapter.self_check(images)
-        return self._matrices(self.adapter.trace(images))
+        mats = self._matrices(self.adapter.trace(images))
+        if any(p.window is not None for p in self.adapter.blocks):
+            return mats
+        return torch.stack(mats)
 
-    def _matrices(self, tr: Trace, start: int = 0) -> Tensor:
-        """Row-normalised ``T_l`` [L − start, B, N, N] of blocks ``start..L-1``."""
+    def _matrices(self, tr: Trace, start: int = 0) -> list[Tensor]:
+        """Row-normalised ``T_l`` of blocks ``start..L-1``: [B, N, N] each, or
+        [B, n_W, M, M] (window form) for a windowed block."""
         out = []
         for l, rec in enumerate(tr.blocks[start:], start=tr.start + start):
+            win = self.adapter.blocks[l].window
             if self.mlp == "ln2" and self.fast:
                 t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
+            elif win is not None:
+                t = window_scores(self.adapter, rec.x, l, self.measure, mlp=self.mlp,
+                                  max_memory=self.max_memory)
             else:
                 x = rec.x
                 b, n, _ = x.shape
@@ -420,7 +546,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
                                         sources=range(j0, j1))
                     t[:, :, j0:j1] = token_scores(h, self.measure)
             out.append(t / t.sum(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny))
-        return torch.stack(out)
+        return out
 
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
@@ -453,15 +579,18 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         tr = self.adapter.trace(inputs)
         first = min(layers)
         mats = self._matrices(tr, first)
-        w = readout_rows(tr, dtype=mats.dtype, target=resolve_target(target, tr.require_logits()))
-        if aggregate == "layer":
-            return torch.stack([torch.einsum("bn,bnm->bm", w, mats[l - first])
-                                for l in layers])
+        w = readout_rows(tr, dtype=mats[0].dtype,
+                         target=resolve_target(target, tr.require_logits()))
+        ad = self.adapter
+        if aggregate == "layer":  # stages: w through the merges above block l (¼ weights)
+            return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), mats[l - first], l),
+                                         l, split=True) for l in layers])
         rs, rows, v = self.residual_strength, {}, w
         for k in reversed(range(first, first + len(mats))):  # v_k = v_{k+1} T′_k
-            v = (1 - rs) * torch.einsum("bn,bnm->bm", v, mats[k - first]) + rs * v
+            v = ad.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
+            v = (1 - rs) * ad.token_mix(v, mats[k - first], k) + rs * v.to(mats[k - first].dtype)
             rows[k] = v
-        return torch.stack([rows[l] for l in layers])
+        return torch.stack([ad.carry(rows[l], l, split=True) for l in layers])
 
 
 @register_method("globenc", family="decomposition")
