@@ -264,7 +264,7 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
     depths = [len(st.blocks) for st in m.layers]
     cfg = transformers.SwinConfig(
         image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
-        num_channels=m.in_chans, embed_dim=m.embed_dim, depths=depths,
+        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim, depths=depths,
         num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
         window_size=m.layers[0].blocks[0].attn.window_size[0],
         mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
