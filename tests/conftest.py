@@ -42,3 +42,28 @@ def _deterministic():
     yield
 
 
+
+
+# timm's Swin and SAM adapters read timm >= 1.0.31 (earlier releases size Swin's windows per
+# stage and set SAM's head differently; the adapters refuse them by name). On an older timm
+# (the lower-bounds run) the windowed-model tests are skipped, not hidden: the reason says why.
+def _timm_release() -> tuple[int, ...]:
+    import re
+
+    import timm
+
+    return tuple(int(p) for p in re.findall(r"\d+", timm.__version__)[:3])
+
+
+WINDOWED_FILES = ("test_swin", "test_sam", "test_globenc_alti_windowed")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _timm_release() >= (1, 0, 31):
+        return
+    skip = pytest.mark.skip(reason="timm's Swin and SAM need timm >= 1.0.31 (the adapters "
+                                   "refuse older releases by name)")
+    for item in items:
+        node = item.nodeid
+        if any(f in node for f in WINDOWED_FILES) or "swin" in node or "timm_sam" in node:
+            item.add_marker(skip)

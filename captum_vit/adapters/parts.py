@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -734,6 +735,31 @@ def layer_norm_parts(m: nn.Module, where: str) -> NormParts:
     if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
         raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
     return NormParts(m.weight, m.bias, m.eps)
+
+
+def require_timm(minimum: tuple[int, ...], model_name: str, why: str) -> None:
+    """Refuse a timm model whose installed timm release is older than ``minimum``.
+
+    Args:
+        minimum (tuple of int): the oldest timm release the adapter reads, e.g. ``(1, 0, 31)``.
+        model_name (str): the model's class name, for the message.
+        why (str): what older releases compute differently.
+
+    Raises:
+        TypeError: timm is older than ``minimum`` (the message names the upgrade).
+
+    Examples::
+
+        >>> require_timm((1, 0), "SwinTransformer", "windows")   # the installed timm is newer
+    """
+    import timm
+
+    release = tuple(int(p) for p in re.findall(r"\d+", timm.__version__)[:len(minimum)])
+    if release < minimum:
+        need = ".".join(map(str, minimum))
+        raise TypeError(f"captum_vit reads timm's {model_name} as timm >= {need} computes it; "
+                        f"timm {timm.__version__} {why}. Upgrade timm "
+                        f"(pip install 'timm>={need}')")
 
 
 def affine(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

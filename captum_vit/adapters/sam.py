@@ -70,7 +70,7 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NeckHeadParts, NormParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, NeckHeadParts, NormParts, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 from captum_vit.adapters.windows import Windows
 
@@ -386,6 +386,8 @@ class TimmSamAdapter(_SamAdapter):
         name = type(model).__name__
         if not isinstance(model, VisionTransformerSAM):
             raise TypeError(f"TimmSamAdapter explains timm's VisionTransformerSAM, got {name}")
+        require_timm((1, 0, 31), name, "sets head_hidden_size and pools the neck differently "
+                     "(timm 1.0.31 keeps the head's pooling in sync with the model)")
         # read by attribute names and checked here: narrowed to VisionTransformerSAM, model
         # would carry the attribute types inferred from timm's source (head: NormMlpClassifierHead)
         m: ModelTree = model

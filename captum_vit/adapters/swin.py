@@ -25,7 +25,7 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 from captum_vit.adapters.windows import MergeParts, Windows
 
@@ -69,6 +69,8 @@ class TimmSwinAdapter(ViTAdapter):
 
         v1, v2 = _timm_swin_classes()
         name = type(model).__name__
+        require_timm((1, 0, 31), name, "sizes a stage's windows differently where its grid is "
+                     "smaller than the window (timm 1.0.31 resolves one window size per stage)")
         if isinstance(model, v2) or not isinstance(model, v1):
             raise TypeError(
                 f"captum_vit cannot explain timm's {name}: Swin V2's cosine attention with "
