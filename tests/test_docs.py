@@ -2,12 +2,14 @@
 warnings as errors.
 
 The first tests read the sources of ``docs/source`` (no build): each public name of
-``captum_vit``, ``captum_vit.targets`` and ``captum_vit.metrics`` must be the object of an
-autodoc directive there. The build test (skipped without Sphinx, the ``docs`` extra) runs
-``sphinx-build -W`` with the notebooks rendered unexecuted; the build generates the support
-matrix page (``docs/support_matrix.py``: a few minutes the first time, then the run cached
-under ``docs/_build/support_matrix/`` while the package's sources are unchanged).
+``captum_vit`` and of each sub-package with an ``__all__`` (targets, metrics, methods,
+adapters, data, zoo) must be the object of an autodoc directive there. The build test
+(skipped without Sphinx, the ``docs`` extra) runs ``sphinx-build -W`` with the notebooks
+rendered unexecuted; the build generates the support matrix page
+(``docs/support_matrix.py``: a few minutes the first time, then the run cached under
+``docs/_build/support_matrix/`` while the package's sources are unchanged).
 """
+
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "docs" / "source"
-PUBLIC_MODULES = ("captum_vit", "captum_vit.targets", "captum_vit.metrics")
+PUBLIC_MODULES = ("captum_vit", "captum_vit.targets", "captum_vit.metrics",
+                  "captum_vit.methods", "captum_vit.adapters", "captum_vit.data",
+                  "captum_vit.zoo")
 
 # ".. autoclass:: a.b.C" (reStructuredText) or "```{autoclass} a.b.C" (MyST)
 DIRECTIVE = re.compile(

@@ -75,10 +75,18 @@ html_title = f"captum_vit {release}"
 
 
 def _drop_type_docstrings(app, what, name, obj, options, lines):
-    """A constant re-exported without a docstring of its own shows its value, not the
-    docstring of its type (``dict``'s or ``tuple``'s)."""
-    own = [line.strip() for line in (type(obj).__doc__ or "").strip().splitlines()]
-    if what in ("data", "attribute") and own and lines and lines[0].strip() == own[0]:
+    """A constant re-exported without a docstring of its own shows its value (and the
+    directive's text), not the docstring of its type (``dict``'s or ``tuple``'s) or of the
+    object (``typing.Any``'s, for a type alias)."""
+    if what not in ("data", "attribute"):
+        return
+    # the object's own docstring only for module constants: an attribute's (a property's)
+    # is its documentation
+    docs = (getattr(obj, "__doc__", None) if what == "data" else None, type(obj).__doc__)
+    # a class's __doc__ can be a descriptor of its instances: only strings count
+    firsts = {doc.strip().splitlines()[0].strip() for doc in docs
+              if isinstance(doc, str) and doc.strip()}
+    if lines and lines[0].strip() in firsts:
         lines.clear()
 
 
