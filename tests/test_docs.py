@@ -10,7 +10,6 @@ rendered unexecuted; the build generates the support matrix page
 ``docs/_build/support_matrix/`` while the package's sources are unchanged).
 """
 
-
 from __future__ import annotations
 
 import importlib
