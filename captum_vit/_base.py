@@ -8,6 +8,7 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast, overload
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from captum_vit._text import count_noun
 from captum_vit.adapters import (
     Layout,
+    SubnetworkAdapter,
     TargetHead,
     Trace,
     ViTAdapter,
@@ -201,8 +203,9 @@ def check_images(inputs: Any, *, video: bool = False) -> tuple[Tensor, bool]:
                         f"{input_type_hint(inputs)}")
     if video:
         if inputs.dim() != 5:
-            hint = (" (add a batch dimension with inputs.unsqueeze(0))" if inputs.dim() == 4
-                    else "")
+            hint = (": a batch of images [B, C, H, W] is not a video (stack the T frames of "
+                    "each video: [B, T, C, H, W]); one video [T, C, H, W] needs a batch "
+                    "dimension (inputs.unsqueeze(0))" if inputs.dim() == 4 else "")
             raise ValueError("inputs must be videos of shape [B, T, C, H, W] (frames before "
                              f"channels), got {tuple(inputs.shape)}{hint}")
     elif inputs.dim() != 4:
@@ -559,8 +562,47 @@ class ViTFront:
             if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
                 maps = self.adapter.carry(maps, split=self.conserves)
             patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
+        if not isinstance(obj, _BlockGradient) and not isinstance(self.adapter,
+                                                                   SubnetworkAdapter):
+            self._warn_if_flat(p, patches)
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out
+
+    def _warn_if_flat(self, p: Prepared, maps: Tensor) -> None:
+        """Warn (``UserWarning``) when an image's map is exactly zero because the explained
+        score does not depend on the input.
+
+        A map that is zero everywhere is checked once more (one forward and backward of
+        those images only, so the common case costs one comparison): when the gradient of
+        the score at the embedding output is zero too, the score is flat (e.g. a
+        classification head initialised to zeros, as torchvision's
+        ``vit_b_16(weights=None)`` has) and the user is told why and what to do. A zero map
+        with a non-zero gradient (a rectified CAM whose every value was negative) is the
+        method's own result and passes silently.
+        """
+        zero = (maps.detach().reshape(maps.shape[0], -1) == 0).all(-1)
+        if maps.numel() == 0 or not bool(zero.any()):
+            return
+        which = zero.nonzero()[:, 0].to(p.images.device)
+        ad = self.adapter
+        with torch.enable_grad(), ad.targeting(p.embedding, grid=p.layout.grid):
+            x0 = ad.embed(p.images[which]).detach().requires_grad_()
+            cols = ad.run(x0)
+            t = resolve_target(None if p.target is None else p.target[which], cols)
+            (grad,) = torch.autograd.grad(cols.gather(1, t[:, None]).sum(), [x0],
+                                          allow_unused=True, materialize_grads=True)
+        flat = (grad.reshape(grad.shape[0], -1) == 0).all(-1)
+        if not bool(flat.any()):
+            return
+        shown = which[flat].tolist()
+        warnings.warn(
+            f"{type(self).__name__}'s map is exactly zero for "
+            f"{count_noun(len(shown), 'image')} (index {', '.join(map(str, shown[:8]))}"
+            f"{', ...' if len(shown) > 8 else ''}) because the explained score does not "
+            "change with the input: its gradient is zero (e.g. a classification head "
+            "initialised to zeros, as torchvision's vit_b_16(weights=None) has). Load "
+            "trained weights, or pass a target whose score depends on the image.",
+            UserWarning, stacklevel=3)
 
     def _block_sum(self, p: Prepared, target: Target, layers: tuple[int, ...],
                    kwargs: dict[str, Any]) -> Tensor:

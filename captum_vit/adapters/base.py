@@ -288,6 +288,11 @@ class ViTAdapter(abc.ABC):
                 f"the inputs with inputs.to({want}) or the model with "
                 f"model.to({inputs.dtype})")
         if inputs.shape[-3] != self.in_chans:  # [B, C, H, W], videos [B, T, C, H, W]
+            if self.video and inputs.dim() == 5 and inputs.shape[1] == self.in_chans:
+                raise ValueError(
+                    f"inputs of shape {tuple(inputs.shape)} look like [B, C, T, H, W] "
+                    "(channels before frames); video models take [B, T, C, H, W], frames "
+                    "before channels: pass inputs.permute(0, 2, 1, 3, 4)")
             raise ValueError(_channel_mismatch(inputs.shape[-3], self.in_chans))
         if self.is_random():
             raise ValueError("the model is in training mode with active dropout/drop-path, "
