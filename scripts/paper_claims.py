@@ -401,15 +401,17 @@ def write_summary(out: Path, n: int, n_boot: int = N_BOOT) -> None:
         ys = abl[m]
         est = [c.estimate for c in ys]
         err = [[c.estimate - c.low for c in ys], [c.high - c.estimate for c in ys]]
-        ax.errorbar(range(len(ys)), est, yerr=err, marker="o", capsize=2,
-                    label=f"{m} ({len(ys)} blocks)")
+        line = ax.errorbar(range(len(ys)), est, yerr=err, marker="o", capsize=2,
+                           label=f"{m} ({len(ys)} blocks)")
+        ax.axhline(parts[m]["results"]["decompx"]["deletion"].value, ls="--", lw=0.8,
+                   color=line.lines[0].get_color(), label=f"{m}: DecompX alone")
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("skipped blocks k (sum over sub-networks from block k)")
     ax.set_ylabel("deletion AUC (lower is better)")
     ax.set_title("95 % bootstrap intervals over images", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=120)
     plt.close(fig)
