@@ -77,7 +77,11 @@ def _num(x: float, digits: int) -> str:
 
 
 def _ci(ci: BootstrapCI, digits: int = 3, *, sign: bool = False) -> str:
-    """``0.138 [0.129, 0.147]`` (minus signs as in the tables' text)."""
+    """``0.138 [0.129, 0.147]`` (minus signs as in the tables' text); more decimals where
+    a non-zero number would round to 0 (the side of 0 an interval lies on must show)."""
+    while digits < 6 and any(x != 0 and round(x, digits) == 0
+                             for x in (ci.estimate, ci.low, ci.high)):
+        digits += 1
     return ci.format(digits, sign=sign).replace("-", "−")
 
 
