@@ -13,7 +13,7 @@ interval over the images and every difference its paired interval (the same resa
 images for both methods); a claim whose difference's interval contains 0 is "within
 noise". ``--summary-only`` rewrites the summary files from the kept per-image values.
 
-Example (about 25 minutes on the project's 2-core CPU with two processes)::
+Example (44 minutes on the project's 2-core CPU with two processes, shared with other jobs)::
 
     torchrun --standalone --nproc_per_node=2 scripts/paper_claims.py --num-examples 512
 
@@ -70,10 +70,6 @@ N_BOOT = 2000
 
 def _values(results: dict) -> dict[str, dict[str, float]]:
     return {m: {c: r.value for c, r in cols.items()} for m, cols in results.items()}
-
-
-def _num(x: float, digits: int) -> str:
-    return f"{x:.{digits}f}".replace("-", "−")
 
 
 def _ci(ci: BootstrapCI, digits: int = 3, *, sign: bool = False) -> str:
