@@ -5,10 +5,15 @@ FashionMNIST-Loc test split (seed 0, predicted class, true token removal) for th
 ``vit_fmnist_loc`` and the 12-block ``vit_fmnist_loc_deep``, then the SkipPLUS ablation
 (deletion of DecompX summed over the sub-networks starting at blocks ``k .. L-1``, for every
 ``k``), and writes ``docs/paper_claims/``: ``<model>/results.*`` (the suite's files),
-``ablation.csv``, ``ablation.png`` and ``README.md`` (the table, each claim's verdict on each
-model, the ablation).
+``<model>/per_image.csv`` (every image's value of every compared number),
+``<model>/summary.json``, ``ablation.csv``, ``ablation.png``, ``README.md`` (the table,
+each claim's verdict on each model, the ablation) and ``claims.md`` (the claims table,
+included by the documentation's Results page). Every number has its 95 % bootstrap
+interval over the images and every difference its paired interval (the same resampled
+images for both methods); a claim whose difference's interval contains 0 is "within
+noise". ``--summary-only`` rewrites the summary files from the kept per-image values.
 
-Example (about 25 minutes on the project's 2-core CPU with two processes)::
+Example (44 minutes on the project's 2-core CPU with two processes, shared with other jobs)::
 
     torchrun --standalone --nproc_per_node=2 scripts/paper_claims.py --num-examples 512
 
@@ -24,9 +29,11 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +42,13 @@ from captum_vit._text import count_noun  # noqa: E402
 from captum_vit.combinators import PLUS  # noqa: E402
 from captum_vit.data.specs import load_data  # noqa: E402
 from captum_vit.metrics import report, suite  # noqa: E402
+from captum_vit.metrics.report import (  # noqa: E402
+    BootstrapCI,
+    bootstrap_ci,
+    paired_bootstrap_ci,
+    verdict,
+)
+from captum_vit.metrics.results import MetricResult  # noqa: E402
 from captum_vit.models import load_model  # noqa: E402
 from captum_vit.registry import method_factory  # noqa: E402
 
@@ -49,47 +63,152 @@ COLUMNS = (("deletion", "deletion ↓", False), ("insertion", "insertion ↑", T
            ("lodds", "LOdds ↓", False), ("perturbation_pos", "pos. pert. AUC ↓", False),
            ("perturbation_neg", "neg. pert. AUC ↑", True), ("miou", "mIoU ↑", True),
            ("map", "mAP ↑", True), ("pointing_game", "pointing ↑", True))
+NAMES = {"gae": "GAE", "chefer21": "Chefer'21"}
+N_BOOT = 2000
+"""Bootstrap resamples of the images for every interval (95 %, percentile, seed 0)."""
 
 
 def _values(results: dict) -> dict[str, dict[str, float]]:
     return {m: {c: r.value for c, r in cols.items()} for m, cols in results.items()}
 
 
-def claims(v: dict[str, dict[str, float]]) -> list[tuple[str, bool, str]]:
-    """Each claim as (claim, holds, the numbers it rests on) from one model's values."""
-    def better(a: str, b: str, col: str, higher: bool) -> bool:
-        return v[a][col] > v[b][col] if higher else v[a][col] < v[b][col]
+def _ci(ci: BootstrapCI, digits: int = 3, *, sign: bool = False) -> str:
+    """``0.138 [0.129, 0.147]`` (minus signs as in the tables' text); more decimals where
+    a non-zero number would round to 0 (the side of 0 an interval lies on must show)."""
+    while digits < 6 and any(x != 0 and round(x, digits) == 0
+                             for x in (ci.estimate, ci.low, ci.high)):
+        digits += 1
+    return ci.format(digits, sign=sign).replace("-", "−")
 
-    out = []
-    d, s, p = v["decompx"], v["skipplus:decompx"], v["plus:decompx"]
-    out.append(("SkipPLUS: skipping the first blocks improves DecompX's deletion",
-                better("skipplus:decompx", "decompx", "deletion", False),
-                f"deletion {s['deletion']:.3f} vs {d['deletion']:.3f}"))
-    out.append(("SkipPLUS: … and its insertion − deletion",
-                better("skipplus:decompx", "decompx", "insertion_minus_deletion", True),
-                f"{s['insertion_minus_deletion']:.3f} vs {d['insertion_minus_deletion']:.3f}"))
-    out.append(("PLUS improves DecompX's deletion",
-                better("plus:decompx", "decompx", "deletion", False),
-                f"deletion {p['deletion']:.3f} vs {d['deletion']:.3f}"))
-    ranked = sorted((m for m in v if m != "random"),
-                    key=lambda m: -v[m]["insertion_minus_deletion"])
-    out.append(("TIS has the best insertion − deletion", ranked[0] == "tis",
-                f"TIS {v['tis']['insertion_minus_deletion']:.3f}, rank "
-                f"{ranked.index('tis') + 1} of {len(ranked)} (best: {ranked[0]} "
-                f"{v[ranked[0]]['insertion_minus_deletion']:.3f})"))
-    for col, name in (("miou", "mIoU"), ("map", "mAP")):
-        out.append((f"TokenTM beats GAE and Chefer'21 on segmentation ({name})",
-                    better("tokentm", "gae", col, True)
-                    and better("tokentm", "chefer21", col, True),
-                    f"{v['tokentm'][col]:.3f} vs GAE {v['gae'][col]:.3f}, Chefer'21 "
-                    f"{v['chefer21'][col]:.3f}"))
-    out.append(("TokenTM beats GAE and Chefer'21 on positive perturbation",
-                better("tokentm", "gae", "perturbation_pos", False)
-                and better("tokentm", "chefer21", "perturbation_pos", False),
-                f"{v['tokentm']['perturbation_pos']:.2f} vs GAE "
-                f"{v['gae']['perturbation_pos']:.2f}, Chefer'21 "
-                f"{v['chefer21']['perturbation_pos']:.2f}"))
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim on one model: its text, the verdict from the paired intervals
+    (:func:`captum_vit.metrics.report.verdict`), whether it holds on the point estimates,
+    and the numbers with their intervals."""
+
+    text: str
+    verdict: str
+    point_holds: bool
+    detail: str
+
+    def cell(self) -> str:
+        """The claims table's cell: the verdict, how the point estimates fall when the
+        difference is within noise, and the numbers."""
+        lean = ""
+        if self.verdict == "within noise":
+            lean = f" (point estimates: {'holds' if self.point_holds else 'does not hold'})"
+        return f"**{self.verdict}**{lean}: {self.detail}"
+
+
+def claims(res: dict[str, dict[str, MetricResult]], *, n_boot: int = N_BOOT,
+           seed: int = 0) -> list[Claim]:
+    """Each claim on one model's per-image results: the compared numbers with their 95 %
+    bootstrap intervals over images and the paired interval of every difference (the same
+    resampled images for both methods; the same resamples for every number)."""
+    def ci(m: str, col: str) -> BootstrapCI:
+        return bootstrap_ci(res[m][col], n_boot=n_boot, seed=seed)
+
+    def diff(a: str, b: str, col: str) -> BootstrapCI:
+        return paired_bootstrap_ci(res[a][col], res[b][col], n_boot=n_boot, seed=seed)
+
+    def claim(text: str, a: str, others: list[str], col: str, higher: bool,
+              label: str = "", digits: int = 3) -> Claim:
+        ds = [diff(a, b, col) for b in others]
+        point = all((d.estimate > 0) == higher and d.estimate != 0 for d in ds)
+        nums = f"{label}{_ci(ci(a, col), digits)} vs " + ", ".join(
+            f"{NAMES.get(b, b) + ' ' if len(others) > 1 else ''}{_ci(ci(b, col), digits)}"
+            for b in others)
+        deltas = "; ".join(
+            f"Δ{' ' + NAMES.get(b, b) if len(others) > 1 else ''} {_ci(d, digits, sign=True)}"
+            for b, d in zip(others, ds, strict=True))
+        return Claim(text, verdict(ds, higher_is_better=higher), point, f"{nums}; {deltas}")
+
+    out = [claim("SkipPLUS: skipping the first blocks improves DecompX's deletion",
+                 "skipplus:decompx", ["decompx"], "deletion", False, "deletion "),
+           claim("SkipPLUS: … and its insertion − deletion", "skipplus:decompx", ["decompx"],
+                 "insertion_minus_deletion", True),
+           claim("PLUS improves DecompX's deletion", "plus:decompx", ["decompx"], "deletion",
+                 False, "deletion ")]
+    col = "insertion_minus_deletion"
+    ranked = sorted((m for m in res if m != "random"), key=lambda m: -res[m][col].value)
+    others = [m for m in ranked if m != "tis"]
+    ds = {b: diff("tis", b, col) for b in others}
+    rank = ranked.index("tis")
+    # the decisive differences: to every method ranked above TIS, or to the runner-up
+    shown = ranked[:rank] if rank else ranked[1:2]
+    detail = (f"TIS {_ci(ci('tis', col))}, rank {rank + 1} of {len(ranked)}; "
+              + "; ".join(f"{b} {_ci(ci(b, col))}, Δ {_ci(ds[b], sign=True)}"
+                          for b in shown))
+    beyond = [b for b in others if ds[b].high < 0]
+    if beyond:
+        detail += f"; better beyond noise: {', '.join(beyond)}"
+    out.append(Claim("TIS has the best insertion − deletion",
+                     verdict(list(ds.values()), higher_is_better=True), rank == 0, detail))
+    for c, name in (("miou", "mIoU"), ("map", "mAP")):
+        out.append(claim(f"TokenTM beats GAE and Chefer'21 on segmentation ({name})",
+                         "tokentm", ["gae", "chefer21"], c, True))
+    out.append(claim("TokenTM beats GAE and Chefer'21 on positive perturbation", "tokentm",
+                     ["gae", "chefer21"], "perturbation_pos", False, digits=2))
     return out
+
+
+PER_IMAGE = "per_image.csv"
+CLAIMS = "claims.md"
+"""The claims table alone (included by the Results page)."""
+IOU_STATS = ("inter_bg", "union_bg", "inter_fg", "union_fg")
+
+
+def write_per_image(path: Path, results: dict[str, dict[str, MetricResult]],
+                    ablation: list[MetricResult]) -> None:
+    """Every image's value of every table column (mIoU as its intersections and unions,
+    which the dataset value accumulates) and of every ablation row, one row per image."""
+    cols: dict[str, Tensor] = {}
+    for m, rs in results.items():
+        for col, _, _ in COLUMNS:
+            r = rs[col]
+            if r.reduction == "iou":
+                cols.update({f"{m}/{col}.{k}": r.stats[k] for k in IOU_STATS})
+            else:
+                cols[f"{m}/{col}"] = r.per_example
+    cols.update({f"skip{k}/deletion": r.per_example for k, r in enumerate(ablation)})
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", *cols])
+        rows = torch.stack([v.detach().cpu().double() for v in cols.values()], 1).tolist()
+        for i, row in enumerate(rows):
+            w.writerow([i, *(format(v, ".9g") for v in row)])
+
+
+def read_per_image(path: Path, reductions: dict[str, str]
+                   ) -> tuple[dict[str, dict[str, MetricResult]], list[MetricResult]]:
+    """The results and ablation rows that :func:`write_per_image` wrote, as
+    :class:`MetricResult` objects (reduced as the suite reduced them)."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    header, data = rows[0][1:], torch.tensor([[float(v) for v in r[1:]] for r in rows[1:]],
+                                             dtype=torch.float64)
+    col_of = {h: data[:, i] for i, h in enumerate(header)}
+    higher = {c: h for c, _, h in COLUMNS}
+    results: dict[str, dict[str, MetricResult]] = {}
+    ablation: dict[int, MetricResult] = {}
+    for h, v in col_of.items():
+        key, col = h.split("/", 1)
+        if key.startswith("skip") and col == "deletion" and key[4:].isdigit():
+            ablation[int(key[4:])] = MetricResult("deletion", v, False)
+        elif "." in col:
+            col, stat = col.split(".")
+            if stat != IOU_STATS[0]:
+                continue
+            stats = {k: col_of[f"{key}/{col}.{k}"] for k in IOU_STATS}
+            per = (stats["inter_bg"] / stats["union_bg"].clamp_min(1)
+                   + stats["inter_fg"] / stats["union_fg"].clamp_min(1)) / 2
+            results.setdefault(key, {})[col] = MetricResult(col, per, higher[col],
+                                                            stats=stats, reduction="iou")
+        else:
+            results.setdefault(key, {})[col] = MetricResult(col, v, higher[col],
+                                                            reduction=reductions[col])
+    return results, [ablation[k] for k in sorted(ablation)]
 
 
 def ablation_factories(num_blocks: int) -> dict[str, Callable]:
@@ -105,8 +224,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--out", default=str(ROOT / "docs" / "paper_claims"))
+    ap.add_argument("--summary-only", action="store_true",
+                    help="only rewrite README.md, ablation.csv and ablation.png from the "
+                         "per-image values kept in --out (no evaluation)")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.summary_only:
+        write_summary(out, args.n)
+        return
     with suite.distributed("cpu") as (device, rank, world):
         for name in args.models:
             start = time.time()
@@ -129,7 +254,11 @@ def main() -> None:
                           "methods": list(METHODS), "metrics": metrics, "seed": 0,
                           "target": "predicted", "removal": "token"}
                 report.write_outputs(out / name, results, config, seconds)
+                write_per_image(out / name / PER_IMAGE, results,
+                                [abl[f"skip{k}"]["deletion"] for k in range(L)])
                 part = {"n": args.n, "processes": world, "values": _values(results),
+                        "reductions": {c: results[METHODS[0]][c].reduction
+                                       for c, _, _ in COLUMNS},
                         "seconds": seconds, "blocks": L,
                         "ablation": [abl[f"skip{k}"]["deletion"].value for k in range(L)],
                         "minutes": (time.time() - start) / 60}
@@ -139,32 +268,83 @@ def main() -> None:
             write_summary(out, args.n)
 
 
-def write_summary(out: Path, n: int) -> None:
-    """``README.md``, ``ablation.csv`` and ``ablation.png`` in ``out`` from the
-    ``<model>/summary.json`` of every model evaluated on ``n`` images (run the models
-    together or one at a time)."""
+def _digits(x: float) -> int:
+    return 3 if abs(x) < 10 else 1
+
+
+def load(out: Path, n: int) -> dict[str, dict]:
+    """Every model's ``summary.json`` for ``n`` images with its per-image results
+    (``"results"``, ``"ablation_results"``); refuses per-image values that do not give
+    the summary's numbers."""
+    parts = {m: json.loads((out / m / "summary.json").read_text()) for m in MODELS
+             if (out / m / "summary.json").is_file()}
+    parts = {m: p for m, p in parts.items() if p["n"] == n}
+    for m, p in parts.items():
+        if not (out / m / PER_IMAGE).is_file():
+            raise SystemExit(f"{out / m / PER_IMAGE} is missing: rerun `scripts/paper_claims.py "
+                             f"--models {m} --num-examples {n}` (it keeps the per-image values "
+                             "the intervals need)")
+        res, abl = read_per_image(out / m / PER_IMAGE, p["reductions"])
+        for meth, cols in p["values"].items():
+            for col, _, _ in COLUMNS:
+                if not math.isclose(res[meth][col].value, cols[col], rel_tol=1e-7,
+                                    abs_tol=1e-9):
+                    raise SystemExit(f"{m}: {meth} {col} from {PER_IMAGE} is "
+                                     f"{res[meth][col].value}, summary.json says {cols[col]}")
+        p["results"], p["ablation_results"] = res, abl
+    return parts
+
+
+def claims_table(parts: dict[str, dict], n_boot: int = N_BOOT) -> list[str]:
+    """The claims table (markdown lines): one row per claim, one verdict cell per model."""
+    models = list(parts)
+    lines = ["| claim | " + " | ".join(f"`{m}`" for m in models) + " |",
+             "|---|" + "---|" * len(models)]
+    verdicts = {m: claims(parts[m]["results"], n_boot=n_boot) for m in models}
+    for i, c in enumerate(verdicts[models[0]]):
+        lines.append(f"| {c.text} | "
+                     + " | ".join(verdicts[m][i].cell() for m in models) + " |")
+    return lines
+
+
+def write_summary(out: Path, n: int, n_boot: int = N_BOOT) -> None:
+    """``README.md``, ``claims.md``, ``ablation.csv`` and ``ablation.png`` in ``out`` from the
+    ``<model>/summary.json`` and ``<model>/per_image.csv`` of every model evaluated on
+    ``n`` images (run the models together or one at a time). Every number comes with its
+    95 % bootstrap interval over the images; every difference with its paired interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = {m: json.loads((out / m / "summary.json").read_text()) for m in MODELS
-             if (out / m / "summary.json").is_file()}
-    parts = {m: p for m, p in parts.items() if p["n"] == n}
+    parts = load(out, n)
     models = list(parts)
-    summary = {"n": n, "models": parts, "ablation": {m: p["ablation"] for m, p in parts.items()},
-               "minutes": {m: p["minutes"] for m, p in parts.items()}}
-    lines = [f"# The papers' claims on both bundled models ({summary['n']} test images)",
+
+    def ci(r: MetricResult) -> BootstrapCI:
+        return bootstrap_ci(r, n_boot=n_boot, seed=0)
+
+    lines = [f"# The papers' claims on both bundled models ({n} test images)",
              "", "Regenerate with `torchrun --standalone --nproc_per_node=2 "
-             f"scripts/paper_claims.py --num-examples {summary['n']}` ("
-             + "; ".join(f"`{m}`: {summary['minutes'][m]:.1f} min with "
+             f"scripts/paper_claims.py --num-examples {n}` ("
+             + "; ".join(f"`{m}`: {parts[m]['minutes']:.1f} min with "
                          f"{count_noun(parts[m]['processes'], 'process', 'processes')}"
                          for m in models)
              + " on the 2-core CPU, sharing it with other jobs). FashionMNIST-Loc "
-             "test split, seed 0, predicted class, true token removal.", ""]
+             "test split, seed 0, predicted class, true token removal.", "",
+             f"Every number is followed by its 95 % confidence interval over the images "
+             f"`[low, high]`: the 2.5th and 97.5th percentiles of the number on {n_boot:,} "
+             f"resamples of the {n} images drawn with replacement (seed 0; "
+             "`captum_vit.metrics.report.bootstrap_ci`; mIoU re-accumulates the resampled "
+             "images' intersections and unions). A difference Δ between two methods is "
+             "resampled in pairs: the same images for both (`paired_bootstrap_ci`). A claim "
+             "**holds** when the interval of every difference it rests on lies on the "
+             "claimed side of 0, **does not hold** when one lies on the other side, and is "
+             "**within noise** otherwise (an interval contains 0; how the point estimates "
+             "fall is given in brackets).", ""]
     for m in models:
-        v = summary["models"][m]["values"]
-        lines += [f"## `{m}` ({summary['models'][m]['blocks']} blocks)", "",
+        v = parts[m]["values"]
+        res = parts[m]["results"]
+        lines += [f"## `{m}` ({parts[m]['blocks']} blocks)", "",
                   "| method | " + " | ".join(h for _, h, _ in COLUMNS) + " | s/image |",
                   "|---|" + "---:|" * (len(COLUMNS) + 1)]
         for meth, cols in v.items():
@@ -172,47 +352,66 @@ def write_summary(out: Path, n: int) -> None:
             for col, _, higher in COLUMNS:
                 vals = [v[k][col] for k in v if k != "random"]
                 best = max(vals) if higher else min(vals)
-                cell = f"{cols[col]:.3f}" if abs(cols[col]) < 10 else f"{cols[col]:.1f}"
+                cell = _ci(ci(res[meth][col]), _digits(cols[col]))
                 cells.append(f"**{cell}**" if cols[col] == best and meth != "random" else cell)
-            sec = summary["models"][m]["seconds"].get(meth, math.nan)
+            sec = parts[m]["seconds"].get(meth, math.nan)
             lines.append(f"| {meth} | " + " | ".join(cells) + f" | {sec:.3g} |")
         lines.append("")
-    lines += ["## Claims", "", "| claim | " + " | ".join(f"`{m}`" for m in models) + " |",
-              "|---|" + "---|" * len(models)]
-    verdicts = {m: claims(summary["models"][m]["values"]) for m in models}
-    for i, (text, _, _) in enumerate(verdicts[models[0]]):
-        cells = [f"{'holds' if verdicts[m][i][1] else 'does not hold'} ({verdicts[m][i][2]})"
-                 for m in models]
-        lines.append(f"| {text} | " + " | ".join(cells) + " |")
+    table = claims_table(parts, n_boot)
+    # the Results page includes claims.md: the same table, nothing to copy by hand
+    (out / CLAIMS).write_text("\n".join(table) + "\n")
+    lines += ["## Claims", "", "Δ: the first method's number minus the other's, with its "
+              "paired interval.", "", *table]
     lines += ["", "## SkipPLUS ablation: DecompX summed over the sub-networks from block k",
               "", "Deletion ↓ of `PLUS(model, \"decompx\", layers=range(k, L))`: k = 0 is "
-              "PLUS, k = ⌈L/2⌉ SkipPLUS, k = L − 1 the last block alone.", "",
+              "PLUS, k = ⌈L/2⌉ SkipPLUS, k = L − 1 the last block alone; Δ: minus the "
+              "deletion of DecompX alone on the same images (paired interval; positive: "
+              "the sum deletes worse).", "",
               "![ablation](ablation.png)", "",
-              "| skipped blocks k | " + " | ".join(f"`{m}`" for m in models) + " |",
-              "|---:|" + "---:|" * len(models)]
-    depth = max(len(summary["ablation"][m]) for m in models)
+              "| skipped blocks k | "
+              + " | ".join(f"`{m}` | Δ vs DecompX (`{m}`)" for m in models) + " |",
+              "|---:|" + "---:|" * (2 * len(models))]
+    abl = {m: [ci(r) for r in parts[m]["ablation_results"]] for m in models}
+    deltas = {m: [paired_bootstrap_ci(r, parts[m]["results"]["decompx"]["deletion"],
+                                      n_boot=n_boot, seed=0)
+                  for r in parts[m]["ablation_results"]] for m in models}
+    depth = max(len(abl[m]) for m in models)
     rows = []
     for k in range(depth):
-        vals = [summary["ablation"][m][k] if k < len(summary["ablation"][m]) else None
-                for m in models]
-        rows.append([k, *vals])
-        lines.append(f"| {k} | " + " | ".join("" if x is None else f"{x:.4f}" for x in vals)
-                     + " |")
+        cells, row = [], [k]
+        for m in models:
+            if k < len(abl[m]):
+                a, d = abl[m][k], deltas[m][k]
+                cells += [_ci(a, 4), _ci(d, 4, sign=True)]
+                row += [a.estimate, a.low, a.high, d.estimate, d.low, d.high]
+            else:
+                cells += ["", ""]
+                row += [None] * 6
+        rows.append(row)
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
     with open(out / "ablation.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["skipped_blocks", *models])
-        w.writerows(rows)
+        w.writerow(["skipped_blocks", *(f"{m}{s}" for m in models for s in (
+            "", "_low", "_high", "_minus_decompx", "_minus_decompx_low",
+            "_minus_decompx_high"))])
+        w.writerows([["" if x is None else x for x in r] for r in rows])
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for m in models:
-        ys = summary["ablation"][m]
-        ax.plot(range(len(ys)), ys, marker="o", label=f"{m} ({len(ys)} blocks)")
+        ys = abl[m]
+        est = [c.estimate for c in ys]
+        err = [[c.estimate - c.low for c in ys], [c.high - c.estimate for c in ys]]
+        line = ax.errorbar(range(len(ys)), est, yerr=err, marker="o", capsize=2,
+                           label=f"{m} ({len(ys)} blocks)")
+        ax.axhline(parts[m]["results"]["decompx"]["deletion"].value, ls="--", lw=0.8,
+                   color=line.lines[0].get_color(), label=f"{m}: DecompX alone")
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("skipped blocks k (sum over sub-networks from block k)")
     ax.set_ylabel("deletion AUC (lower is better)")
-    ax.legend(fontsize=7)
+    ax.set_title("95 % bootstrap intervals over images", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=120)
     plt.close(fig)
