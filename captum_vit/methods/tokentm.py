@@ -256,7 +256,16 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             {target}
             score (str, optional): ``"probability"`` or ``"logit"``. Default ``None`` =
                 the variant's own: ``"probability"`` for ``"paper"``, ``"logit"`` for
-                ``"residual"``.
+                ``"residual"``. The probability is the target's
+                (:class:`~captum_vit.targets.Target`): the softmax over competing
+                columns (classes, several target vectors, ``index=``), the sigmoid of a
+                single score (a plain callable, a
+                :class:`~captum_vit.targets.TokenTarget` without ``index``, one target
+                vector), so ``target=lambda z: z[:, c]`` explains
+                :math:`\sigma(z_c)`, not the integer target's :math:`p(c)`: pass
+                ``score="logit"`` to explain the value itself (then every target of the
+                class gives the integer target's ``score="logit"`` map), or
+                ``CallableTarget(fn, index=c)`` for columns that compete like classes.
             {output}
 
         Returns:

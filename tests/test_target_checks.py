@@ -1,0 +1,124 @@
+"""Targets checked from outside (issue 42): DecompX's rule for a score nonlinear in the
+states it reads (both routes, the same numbers), the detection box in the model's dtype,
+which methods are linear in the score, and bad target inputs refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captum_vit import DecompX
+from captum_vit.targets import ClassTarget, TokenTarget
+from tests.helpers import make_inputs, make_model, needs_transformers
+
+ROUTES = ("gradient", "explicit")
+
+
+@pytest.fixture(scope="module")
+def vit():
+    return make_model("vit", dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return make_inputs("vit", 2, dtype=torch.float64)
+
+
+def _quadratic(z):
+    w = torch.linspace(-1, 1, z.shape[-1], dtype=z.dtype)
+    return ((z[:, 1:] @ w) ** 2).mean(1)
+
+
+def _close(a, b, tol=1e-10):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * (1 + b.abs().max().item()))
+
+
+# -- DecompX: the decomposition stops at the read states, the score is linearised there --
+def test_decompx_routes_agree_on_a_quadratic_token_head(vit, images):
+    """D7: both routes give the same tokens, bias and linearised score; for a quadratic
+    head ``⟨z, ∂s/∂z⟩ = 2 s`` (Euler), so ``logit = 2 score`` and the completeness error
+    is ``-score``."""
+    t = TokenTarget(_quadratic)
+    res = {r: DecompX(vit, route=r).decompose(images, t) for r in ROUTES}
+    g, e = res["gradient"], res["explicit"]
+    for name in ("tokens", "bias", "logit", "score"):
+        _close(getattr(g, name), getattr(e, name))
+    with torch.no_grad():
+        ref = _quadratic(vit.forward_features(images))  # the score, by hand (normed)
+    for r in res.values():
+        _close(r.score, ref)
+        _close(r.tokens.sum(-1) + r.bias, r.logit)
+        _close(r.logit, 2 * ref)
+        _close(r.completeness_error, -ref)
+
+
+def test_decompx_routes_agree_on_a_probability_of_the_logits(vit, images):
+    """A target on the logits is linearised at the logits, through the model's own head
+    (D6): ``ℓ = Σ_c z_c ∂p_t/∂z_c = p_t (z_t − Σ_c p_c z_c)``, written here by hand; the
+    explicit route used to fail on any target on the logits."""
+    c = torch.tensor([1, 3])
+    with torch.no_grad():
+        z = vit(images)
+    p = z.softmax(-1)
+    pt = p.gather(1, c[:, None])[:, 0]
+    ref = pt * (z.gather(1, c[:, None])[:, 0] - (p * z).sum(-1))
+    for route in ROUTES:
+        r = DecompX(vit, route=route).decompose(images, ClassTarget(c, score="probability"))
+        _close(r.score, pt)
+        _close(r.logit, ref)
+        _close(r.tokens.sum(-1) + r.bias, ref)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_decompx_class_target_is_the_integer_target(vit, images, route):
+    """A class as a ClassTarget decomposes like the integer target (complete: the score
+    is linear in the logits, the classifier's bias in the bias source)."""
+    c = torch.tensor([1, 3])
+    a = DecompX(vit, route=route).decompose(images, c)
+    b = DecompX(vit, route=route).decompose(images, ClassTarget(c))
+    for name in ("tokens", "bias", "logit", "score"):
+        _close(getattr(b, name), getattr(a, name))
+    _close(a.completeness_error, torch.zeros(2, dtype=torch.float64), 1e-12)
+    with torch.no_grad():
+        _close(a.logit, vit(images).gather(1, c[:, None])[:, 0])
+
+
+def test_decompx_routes_agree_on_several_blocks(vit, images):
+    """A head on two block outputs: each read block is linearised with its own partial
+    derivative on both routes (``s = Σ a·b + b₀`` gives ``ℓ = 2 Σ a·b + b₀``)."""
+    def head(xs):
+        a, b = xs
+        return (a[:, 1:, 2] * b[:, 1:, 3]).sum(1) + b[:, 0, 1]
+
+    t = TokenTarget(head, blocks=(1, 3))
+    g, e = (DecompX(vit, route=r).decompose(images, t) for r in ROUTES)
+    for name in ("tokens", "bias", "logit", "score"):
+        _close(getattr(g, name), getattr(e, name))
+    with torch.no_grad():
+        x = vit.patch_embed(images)
+        x = vit._pos_embed(x)
+        x1 = vit.blocks[0](x)
+        x3 = vit.blocks[2](vit.blocks[1](x1))
+    q = (x1[:, 1:, 2] * x3[:, 1:, 3]).sum(1)
+    _close(g.score, q + x3[:, 0, 1])
+    _close(g.logit, 2 * q + x3[:, 0, 1])
+    _close(g.tokens.sum(-1) + g.bias, g.logit)
+
+
+@needs_transformers
+def test_decompx_routes_agree_on_a_sam_mask():
+    """SAM's mask score (prompt encoder and mask decoder, nonlinear in the neck's output
+    the target reads): the same tokens, bias and linearised score on both routes, which
+    sum to each other; ``score`` is SAM's own."""
+    from captum_vit.targets import SamMaskTarget
+    from tests.test_sam import POINTS, hf_sam
+    from tests.test_sam import images as sam_images
+
+    model = hf_sam()
+    x = sam_images()
+    t = SamMaskTarget(model, points=POINTS, mask=0)
+    g, e = (DecompX(model, route=r).decompose(x, t) for r in ROUTES)
+    for name in ("tokens", "bias", "logit", "score"):
+        _close(getattr(g, name), getattr(e, name))
+    _close(e.tokens.sum(-1) + e.bias, e.logit)
+    assert (e.completeness_error.abs() > 1e-6 * e.score.abs()).all()  # nonlinear: not 0
