@@ -122,3 +122,32 @@ def test_decompx_routes_agree_on_a_sam_mask():
         _close(getattr(g, name), getattr(e, name))
     _close(e.tokens.sum(-1) + e.bias, e.logit)
     assert (e.completeness_error.abs() > 1e-6 * e.score.abs()).all()  # nonlinear: not 0
+
+
+# -- DetectionTarget: the box in the model's dtype ----------------------------------------
+@needs_transformers
+def test_a_box_of_python_floats_is_scored_in_a_float64_model_to_float64_precision():
+    """``box=[...]`` of Python floats is kept in float64 and cast to the model's dtype
+    at score time: the score is ``-|b̂ - b|₁`` to float64 rounding (float32 storage
+    was off by ~1.5e-8)."""
+    from captum_vit.adapters import adapt
+    from captum_vit.targets import DetectionTarget
+    from tests.test_yolos import images as yolos_images
+    from tests.test_yolos import make_yolos
+
+    model = make_yolos()
+    ad = adapt(model)
+    x = yolos_images()
+    box = [0.123456789, 0.987654321, 0.314159265, 0.271828182]
+    with torch.no_grad():
+        ref = -(model(pixel_values=x).pred_boxes[:, 1]
+                - torch.tensor(box, dtype=torch.float64)).abs().sum(-1)
+    for target in (DetectionTarget(1, box=box), DetectionTarget(1, box=[box, box])):
+        assert target.box.dtype == torch.float64
+        resolved = target.resolve(ad, x)
+        with torch.no_grad(), ad.targeting(resolved):
+            cols = ad.run(ad.embed(x))
+        got = cols.gather(1, resolved.index(2)[:, None])[:, 0]
+        torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
+    f32 = DetectionTarget(1, box=torch.tensor(box, dtype=torch.float32))
+    assert f32.box.dtype == torch.float32  # a tensor keeps the dtype it was given
