@@ -151,3 +151,14 @@ def test_a_box_of_python_floats_is_scored_in_a_float64_model_to_float64_precisio
         torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13)
     f32 = DetectionTarget(1, box=torch.tensor(box, dtype=torch.float32))
     assert f32.box.dtype == torch.float32  # a tensor keeps the dtype it was given
+
+
+def test_a_callable_written_for_the_batch_names_the_fix_under_perturbation(vit, images):
+    """A plain callable closing over a class per image is called on the perturbed
+    copies too: the refusal says so and names ``CallableTarget(..., index=)``."""
+    from captum_vit.registry import build_method
+
+    c = torch.tensor([1, 3])
+    with pytest.raises(ValueError, match=r"index=.*CallableTarget\(lambda z: z, index="):
+        build_method("rise", vit).attribute(images, target=lambda z: z.gather(1, c[:, None])[:, 0],
+                                            n_masks=8)

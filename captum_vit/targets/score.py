@@ -219,8 +219,16 @@ def _as_columns(s: Any, out: Outputs, who: Target) -> Tensor:
     n = next(t for t in (out.logits, out.tokens, *out.hidden.values()) if t is not None).shape[0]
     if not isinstance(s, Tensor) or s.dim() not in (1, 2) or s.shape[0] != n:
         got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+        hint = ""
+        if isinstance(s, Tensor) and s.dim() in (1, 2) and s.shape[0] != n:
+            hint = (f"; it was called on {n} rows (perturbation methods, BT/TAM and the "
+                    "metrics score many copies of each image in one forward): a score "
+                    "with a parameter per image (a class, a mask) must not depend on the "
+                    "batch it was written for: return every candidate as columns "
+                    "[n, K] and give each image's column with index=, e.g. "
+                    "CallableTarget(lambda z: z, index=classes)")
         raise ValueError(f"{who!r} must return one score per image, a tensor [{n}] (or "
-                         f"[{n}, K] with an index per image), got {got}")
+                         f"[{n}, K] with an index per image), got {got}{hint}")
     if not torch.is_floating_point(s):
         raise TypeError(f"{who!r} returned a {s.dtype} tensor; a score must be a float "
                         "tensor that depends on the model's output (differentiable)")
