@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from captum_vit import DecompX
-from captum_vit.targets import ClassTarget, TokenTarget
+from captum_vit.methods.table import split_composition
+from captum_vit.registry import available_methods, build_method
+from captum_vit.targets import LINEAR_IN_SCORE, ClassTarget, Contrastive, TokenTarget
 from tests.helpers import make_inputs, make_model, needs_transformers
 
 ROUTES = ("gradient", "explicit")
@@ -156,9 +158,84 @@ def test_a_box_of_python_floats_is_scored_in_a_float64_model_to_float64_precisio
 def test_a_callable_written_for_the_batch_names_the_fix_under_perturbation(vit, images):
     """A plain callable closing over a class per image is called on the perturbed
     copies too: the refusal says so and names ``CallableTarget(..., index=)``."""
-    from captum_vit.registry import build_method
-
     c = torch.tensor([1, 3])
     with pytest.raises(ValueError, match=r"index=.*CallableTarget\(lambda z: z, index="):
         build_method("rise", vit).attribute(images, target=lambda z: z.gather(1, c[:, None])[:, 0],
                                             n_masks=8)
+
+
+# -- which methods are linear in the score -------------------------------------------------
+def _split_options(method, options):
+    """``LINEAR_IN_SCORE`` options as (constructor, attribute) keywords."""
+    import inspect
+
+    params = inspect.signature(method.attribute).parameters
+    return ({k: v for k, v in options.items() if k not in params},
+            {k: v for k, v in options.items() if k in params})
+
+
+VARIANT_INIT = {"xgradcam_plus": {"plus": True}}
+"""The constructor options of registered variants that take constructor options here."""
+CONTRAST_FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16}, "bt_h": {"n_steps": 3},
+                 "bt_t": {"n_steps": 3}, "tam": {"n_steps": 3, "start_layer": 0}}
+
+
+def _contrast_gap(name, model, x, options):
+    """``(|map(Contrastive(1, 3)) − (map(1) − map(3))|_max, max |map|)`` of ``name``."""
+    m = build_method(name, model)
+    init, call = _split_options(m, options)
+    if init:  # constructor options on top of the registered configuration
+        m = type(m)(model, **VARIANT_INIT.get(name, {}), **init)
+    kw = {**CONTRAST_FAST.get(name, {}), **call}
+    a, b = (m.attribute(x, target=c, output="tokens", **kw) for c in (1, 3))
+    both = m.attribute(x, target=Contrastive(1, 3), output="tokens", **kw)
+    return (both - (a - b)).abs().max().item(), max(a.abs().max().item(), b.abs().max().item())
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_IN_SCORE))
+def test_every_listed_method_is_linear_in_the_score(name, vit, images):
+    """``LINEAR_IN_SCORE``: with the options listed, ``map(Contrastive(a, b))`` is
+    ``map(a) − map(b)`` to float64 rounding; at the defaults the methods listed with
+    options are not."""
+    options = LINEAR_IN_SCORE[name]
+    gap, scale = _contrast_gap(name, vit, images, options)
+    assert gap <= 1e-9 * scale + 1e-14
+    if options:
+        gap, scale = _contrast_gap(name, vit, images, {})
+        assert gap > 1e-3 * scale
+
+
+@pytest.mark.parametrize("name", [m for m in available_methods(compositions=True)
+                                  if m not in LINEAR_IN_SCORE])
+def test_no_other_method_is_linear_in_the_score(name, vit, images):
+    """The list is exact: every other registered method (and composition) explains a
+    contrast as one score, not as a difference of maps, or refuses it (class-agnostic);
+    PLUS / SkipPLUS are linear exactly where their base is, at its defaults."""
+    base = split_composition(name)
+    if base is not None and LINEAR_IN_SCORE.get(base[1]) == {}:
+        gap, scale = _contrast_gap(name, vit, images, {})
+        assert gap <= 1e-9 * scale + 1e-14  # a sum of linear maps
+        return
+    method = build_method(name, vit)
+    if getattr(method, "class_agnostic", False):
+        with pytest.raises(ValueError, match="class-agnostic"):
+            method.attribute(images, target=Contrastive(1, 3))
+        return
+    gap, scale = _contrast_gap(name, vit, images, {})
+    assert scale > 1e-8 and gap > 1e-3 * scale
+
+
+def test_the_targets_guide_lists_the_linear_methods():
+    """The Targets guide's "Linear in the score" paragraph names exactly the methods of
+    ``LINEAR_IN_SCORE`` and their options."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs/source/guide/targets.md").read_text()
+    para = page[page.index("**Linear in the score**"):]
+    para = para[:para.index("\n\n")]
+    names = set(re.findall(r"`([a-z_]+)`", para)) & set(available_methods(compositions=True))
+    assert names == set(LINEAR_IN_SCORE)
+    for options in LINEAR_IN_SCORE.values():
+        for k, v in options.items():
+            assert f"`{k}={v}`" in para or f'`{k}="{v}"`' in para

@@ -28,6 +28,25 @@ from captum_vit.adapters.scoring import Outputs, Target, per_image
 
 CLASS_SCORES = ("logit", "probability", "log_probability")
 
+LINEAR_IN_SCORE: dict[str, dict[str, Any]] = {
+    "attn_grad": {}, "att_ixg": {}, "attcat": {}, "attnlrp": {}, "cp_lrp": {},
+    "decompx": {}, "fullgrad_plus": {}, "skip_fullgrad_plus": {}, "token_ixg": {},
+    "vanilla_grad": {},
+    "gradcam": {"relu": False}, "hirescam": {"relu": False}, "xgradcam": {"relu": False},
+    "xgradcam_plus": {"relu": False},
+    "rise": {"score": "logit"}, "tis": {"score": "logit"}, "vit_cx": {"score": "logit"},
+}
+"""The registered methods whose map is linear in the explained score, with the options
+(of the constructor or of ``attribute``) under which it is; ``{}``: at their defaults.
+For these ``map(Contrastive(a, b)) == map(a) − map(b)`` (and any linear combination of
+scores is the same combination of maps); PLUS / SkipPLUS of a method linear at its
+defaults is linear too (a sum of linear maps). Every other method explains a contrast as
+one score: a ReLU (GAE, TokenTM, Chefer'21, AttnGradCAM, LeGrad, the CAMs' default
+``relu=True``, Grad-CAM++'s and LayerCAM's weights), a normalisation or a probability
+(VanillaGrad's ``reduce="l2"``, the perturbation methods' default
+``score="probability"``, ScoreCAM's softmax weights) is not a difference of maps; the
+class-agnostic methods (raw attention, Rollout, GlobEnc, ALTI) refuse it."""
+
 
 def _classes(value: int | Sequence[int] | Tensor | None, name: str) -> Tensor | None:
     """``value`` as a ``[B]`` (or ``[1]``) int64 CPU tensor; ``None`` stays ``None``."""
@@ -131,10 +150,10 @@ class MultiLabel(ClassTarget):
 class Contrastive(Target):
     r"""``logit_a − logit_b``: "why ``a`` rather than ``b``".
 
-    Linear in the logits, so the methods that are linear in the score (gradients,
-    Input×Gradient, DecompX, CP-LRP, AttnLRP) give ``map(a) − map(b)``; the others
-    (ReLU-weighted attention methods, perturbations) explain the difference itself; the
-    class-agnostic ones (raw attention, Rollout, GlobEnc, ALTI) refuse it. A
+    Linear in the logits, so the methods that are linear in the score
+    (:data:`LINEAR_IN_SCORE`, with the options listed there) give ``map(a) − map(b)``;
+    the others (ReLUs, normalisations, probabilities) explain the difference as one
+    score; the class-agnostic ones (raw attention, Rollout, GlobEnc, ALTI) refuse it. A
     method's ``score="probability"`` is ``sigmoid(logit_a − logit_b) = p_a / (p_a +
     p_b)``.
 
