@@ -239,3 +239,124 @@ def test_the_targets_guide_lists_the_linear_methods():
     for options in LINEAR_IN_SCORE.values():
         for k, v in options.items():
             assert f"`{k}={v}`" in para or f'`{k}="{v}"`' in para
+
+
+# -- bad target inputs: a ValueError naming the argument and the fix, the model unchanged --
+@needs_transformers
+def test_a_sam_point_outside_the_image_is_refused():
+    from captum_vit import GAE
+    from captum_vit.targets import SamMaskTarget
+    from tests.helpers import assert_unchanged, snapshot
+    from tests.test_sam import hf_sam
+    from tests.test_sam import images as sam_images
+
+    model = hf_sam()
+    x = sam_images()  # 32 x 32
+    before = snapshot(model)
+    for kw in ({"points": [[40.0, 5.0]]}, {"points": [[5.0, -1.0]]},
+               {"boxes": [2.0, 2.0, 33.0, 20.0]}):
+        with pytest.raises(ValueError, match=r"outside the 32x32 images.*pixel coordinates"):
+            GAE(model).attribute(x, target=SamMaskTarget(model, **kw))
+    assert_unchanged(model, before)
+    edge = SamMaskTarget(model, points=[[32.0, 0.0]])  # on the border: inside
+    edge._check_inside(32, 32)
+
+
+@needs_transformers
+def test_a_depth_target_whose_region_is_empty_is_refused():
+    from captum_vit.targets import DepthTarget
+    from tests.test_depth import depth_model
+
+    model = depth_model("depth_anything")
+    with pytest.raises(ValueError, match=r"select selects no pixel.*non-zero"):
+        DepthTarget(model, torch.zeros(28, 28))
+    sel = torch.zeros(2, 28, 28, dtype=torch.bool)
+    sel[0, :4, :4] = True
+    with pytest.raises(ValueError, match=r"select of image\(s\) \[1\] selects no pixel"):
+        DepthTarget(model, sel)
+
+
+def _open_clip():
+    from tests.helpers import have_open_clip, make_open_clip_model
+
+    if not have_open_clip():
+        pytest.skip("open_clip not installed")
+    return make_open_clip_model("open_clip")
+
+
+def test_clip_text_target_refuses_an_empty_prompt():
+    from open_clip.tokenizer import SimpleTokenizer
+
+    from captum_vit.targets import clip_text_target
+
+    model = _open_clip()
+    tok = SimpleTokenizer(context_length=8)
+    for texts in ([""], ["a dog", "  "]):
+        with pytest.raises(ValueError, match=r"texts \[\d\] is empty.*give each prompt words"):
+            clip_text_target(model, tok, texts)
+
+
+def test_clip_text_target_refuses_a_tokenizer_without_ids():
+    """OpenCLIP and Hugging Face: no ids (an empty tensor, None, a list, floats) get a
+    clear error naming the tokenizer, not an error from inside the text encoder."""
+    from captum_vit.targets import clip_text_target
+
+    model = _open_clip()
+    with pytest.raises(ValueError, match=r"tokenizer returned no token ids.*\(1, 0\)"):
+        clip_text_target(model, lambda t: torch.zeros(1, 0, dtype=torch.long), ["a dog"])
+    with pytest.raises(TypeError, match=r"tokenizer returned no token ids.*float"):
+        clip_text_target(model, lambda t: torch.ones(1, 8), ["a dog"])
+    with pytest.raises(ValueError, match=r"3 rows of token ids for 1 texts"):
+        clip_text_target(model, lambda t: torch.ones(3, 8, dtype=torch.long), ["a dog"])
+    transformers = pytest.importorskip("transformers")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, image_size=32, patch_size=8)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, vocab_size=100, max_position_embeddings=8)
+    hf = transformers.CLIPModel(transformers.CLIPConfig(text_config=text,
+                                                        vision_config=vision)).eval()
+    for tok in (lambda **k: {"input_ids": None}, lambda **k: {"input_ids": [[1, 2]]}):
+        with pytest.raises(TypeError, match=r"tokenizer returned no token ids: its input_ids"):
+            clip_text_target(hf, tok, ["a dog"])
+    with pytest.raises(ValueError, match=r"tokenizer returned no token ids"):
+        clip_text_target(hf, lambda **k: {"input_ids": torch.zeros(1, 0, dtype=torch.long)},
+                         ["a dog"])
+    with pytest.raises(TypeError, match=r"Hugging Face tokenizer or processor, called as"):
+        clip_text_target(hf, lambda texts: torch.ones(1, 3, dtype=torch.long), ["a dog"])
+
+
+@needs_transformers
+def test_a_vlm_answer_outside_the_vocabulary_is_refused():
+    from captum_vit.targets import VLMAnswer
+    from tests.helpers import assert_unchanged, snapshot
+    from tests.test_vlm import llava, prompt
+
+    model = llava()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"answer_ids \[300\] are not token ids.*\[0, 300\)"):
+        VLMAnswer(model, prompt(5, 6), [7, 300])
+    with pytest.raises(ValueError, match=r"answer_ids \[-3\] are not token ids"):
+        VLMAnswer(model, prompt(5, 6), [-3])
+    with pytest.raises(ValueError, match=r"input_ids \[1000\] are not token ids"):
+        VLMAnswer(model, prompt(5, 1000), [7])
+    VLMAnswer(model, prompt(5, 6), [[7, 8], [9, -100]])  # -100 pads a shorter answer
+    assert_unchanged(model, before)
+
+
+def test_a_head_that_does_not_fit_the_tokens_is_named(vit, images):
+    from captum_vit import GAE
+    from captum_vit.targets import HeadTarget
+    from tests.helpers import assert_unchanged, snapshot
+
+    before = snapshot(vit)
+    dim = vit.embed_dim
+    head = torch.nn.Conv2d(dim + 1, 3, 1).double()  # expects one channel more
+    for name in ("gae", "token_ixg", "decompx"):
+        with pytest.raises(ValueError, match=rf"HeadTarget's head \(your Conv2d\) failed on "
+                                             rf"the patch grid.*\(2, {dim}, 4, 4\).*D = {dim}"):
+            build_method(name, vit).attribute(images, target=HeadTarget(head, torch.ones(3, 4, 4)))
+    with pytest.raises(ValueError, match="HeadTarget's head"):
+        DecompX(vit, route="explicit").decompose(images, HeadTarget(head, torch.ones(3, 4, 4)))
+    assert_unchanged(vit, before)
+    GAE(vit).attribute(images, target=HeadTarget(torch.nn.Conv2d(dim, 3, 1).double(),
+                                                 torch.ones(3, 4, 4)))

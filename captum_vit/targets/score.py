@@ -370,7 +370,17 @@ class HeadTarget(Target):
             states = [out.hidden[l] for l in sorted(out.hidden)]
             grid = out.patches(states[-1]) if len(states) == 1 else [out.patches(s)
                                                                        for s in states]
-        y = self.head(grid)
+        try:
+            y = self.head(grid)
+        except RuntimeError as e:  # a shape mismatch inside the user's head (conv, linear)
+            got = (tuple(grid.shape) if isinstance(grid, Tensor)
+                   else [tuple(g.shape) for g in grid])
+            raise ValueError(
+                f"HeadTarget's head (your {type(self.head).__name__}) failed on the patch "
+                f"grid it was given, shape {got} = [n, D, gh, gw] (the final-normed patch "
+                "rows, channels first; a list of such grids for several blocks): make the "
+                f"head take D = {got[1] if isinstance(got, tuple) else got[0][1]} "
+                f"channels on that grid. The head raised: {e}") from e
         if not isinstance(y, Tensor):
             raise TypeError(f"HeadTarget's head returned {type(y).__name__}, not a tensor")
         sel = self.select.to(device=y.device, dtype=y.dtype)
