@@ -360,3 +360,32 @@ def test_a_head_that_does_not_fit_the_tokens_is_named(vit, images):
     assert_unchanged(vit, before)
     GAE(vit).attribute(images, target=HeadTarget(torch.nn.Conv2d(dim, 3, 1).double(),
                                                  torch.ones(3, 4, 4)))
+
+
+# -- TokenTM: a single score of the user's own is explained as it is --------------------------
+def test_tokentm_explains_a_single_score_itself(vit, images):
+    """TokenTM's default differentiates the softmax probability where scores compete (an
+    integer class, ``index=`` columns) and a single score itself (a plain callable, a
+    ``TokenTarget``): their sigmoid saturates. A classifier whose class logit is 100
+    (bias shifted): the sigmoid's gradient is exactly 0 there, so the explicit
+    ``score="probability"`` map of a ``TokenTarget`` loses ∇A and its readout falls back to
+    uniform weights; the default explains the score and gives the class's logit map."""
+    import copy
+
+    from captum_vit import TokenTM
+    from captum_vit.targets import CallableTarget
+
+    def tokens(m, target, **kw):
+        return TokenTM(m).attribute(images, target=target, output="tokens", **kw)
+
+    logit = tokens(vit, 3, score="logit")
+    _close(tokens(vit, lambda z: z[:, 3]), logit)
+    _close(tokens(vit, TokenTarget(lambda z: vit.head(z[:, 0])[:, 3])), logit)
+    _close(tokens(vit, CallableTarget(lambda z: z, index=[3, 3])), tokens(vit, 3))
+    sat = copy.deepcopy(vit)
+    with torch.no_grad():
+        sat.head.bias[3] += 100.0  # sigmoid(≈100) == 1.0 exactly: its gradient is 0
+    t = TokenTarget(lambda z: sat.head(z[:, 0])[:, 3])
+    _close(tokens(sat, t), logit)  # the bias does not change the logit's gradient
+    flat = tokens(sat, t, score="probability")
+    assert (flat - logit).abs().max() > 1e-3 * logit.abs().max()
