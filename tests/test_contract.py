@@ -8,6 +8,8 @@ references and parity checks.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -133,6 +135,10 @@ TARGET_CASES = [pytest.param(m, f, k, marks=family_marks(f)) for m in METHODS
                 for f in TARGET_FAMILIES for k in ("callable", "token")]
 TOKEN_REFUSERS = {"tis"}
 """Methods that remove tokens: they refuse a target reading token rows by name."""
+USER_HEAD_RULES = {"chefer21"}
+"""Methods whose relevance pass runs the user's head by its gradient (LRP-0) where the
+model's own classifier has its own rule (Chefer'21's α1β0): a ``TokenTarget`` running
+the classifier gives another map than the class, the same for any ``rows``."""
 
 
 def _token_target():
@@ -145,12 +151,42 @@ def _token_target():
     return TokenTarget(probe)
 
 
+def _classifier(model):
+    """The model's own classifier on the final-normed tokens' class-token row."""
+    head = getattr(model, "classifier", None)  # Hugging Face
+    if head is not None:
+        return lambda z: head(z[:, 0])
+    return lambda z: model.head(model.fc_norm(z[:, 0]))  # timm
+
+
+def _logit(method) -> dict:
+    """``score="logit"`` for a method that takes a score (the class's own logit, which a
+    single score of the user's own is: its "probability" would be a sigmoid)."""
+    probe = getattr(method, "_probe", None)
+    params = inspect.signature((method if probe is None else probe).attribute).parameters
+    return {"score": "logit"} if "score" in params else {}
+
+
 @pytest.mark.parametrize(("name", "family", "kind"), TARGET_CASES)
 def test_target_kinds(name, family, kind):
-    """The target axis (SPEC_REACH §10.1): a callable on the logits gives the integer
-    target's map; a token target (a head of the user's own) gives finite, non-constant
-    maps image by image, or a refusal that names the fix; the model is unchanged."""
-    from captum_vit.targets import CallableTarget
+    """The target axis (SPEC_REACH §10.1-10.2), against the integer target's map:
+
+    - ``"callable"``: ``CallableTarget(lambda z: z, index=c)`` gives the integer
+      target's map; so does a plain callable returning one score per image,
+      ``lambda z: z[:, c]``, at ``score="logit"`` (a single score's "probability" is its
+      sigmoid, not the softmax of a class);
+    - ``"token"``: a head of the user's own gives finite, non-constant maps image by
+      image, or a refusal that names the fix (TIS); a ``TokenTarget`` running the
+      model's own classifier on the class-token row with ``rows`` left at its default:
+      the gradient-weighted methods read it out with ``w = e_CLS`` (§10.2: the positive
+      input×gradient relevance of the read rows) and every method that propagates the
+      score gives the integer target's map; the gradient-free ones (class-agnostic) read
+      out uniform weights over the patch rows (the default ``rows``), so their map is the
+      mean of the single-row maps, and ``rows=[0]`` is the integer target's map;
+      Chefer'21 runs the user's head by its gradient (:data:`USER_HEAD_RULES`).
+
+    The model is unchanged."""
+    from captum_vit.targets import CallableTarget, TokenTarget
 
     model = model_of(family)
     x = make_inputs(family, batch=2)
@@ -160,6 +196,9 @@ def test_target_kinds(name, family, kind):
         c = torch.tensor([1, 4])
         close(attribute(method, x, CallableTarget(lambda z: z, index=c), output="tokens"),
               attribute(method, x, c, output="tokens"))
+        kw = _logit(method)
+        close(attribute(method, x, lambda z: z[:, 3], output="tokens", **kw),
+              attribute(method, x, 3, output="tokens", **kw))
     else:
         t = _token_target()
         if name in TOKEN_REFUSERS:
@@ -171,6 +210,24 @@ def test_target_kinds(name, family, kind):
             if name != "random":
                 assert maps.std() > 0
             close(maps[1:], attribute(method, x[1:], t, output="tokens"))
+            head, kw = _classifier(model), _logit(method)
+            cls = attribute(method, x, TokenTarget(lambda z: head(z)[:, 3]), output="tokens",
+                            **kw)
+            ref = attribute(method, x, 3, output="tokens", **kw)
+            row0 = attribute(method, x, TokenTarget(lambda z: head(z)[:, 3], rows=[0]),
+                             output="tokens", **kw)
+            if getattr(method, "class_agnostic", False):
+                close(row0, ref)
+                n = adapt(model).layout(x).num_tokens
+                every = attribute(method, x, TokenTarget(lambda z: head(z)[:, 3],
+                                                         rows=range(n)), output="tokens")
+                close(every, (row0 + (n - 1) * cls) / n)  # uniform weights, linear in w
+                assert (cls - ref).abs().max() > 1e-6 * ref.abs().max()  # not e_CLS
+            elif name in USER_HEAD_RULES:
+                close(cls, row0)  # gradient-weighted: rows do not matter
+            else:
+                close(cls, ref)
+                close(row0, ref)
     assert_unchanged(model, before)
 
 

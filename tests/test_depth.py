@@ -185,7 +185,7 @@ def test_the_necks_inputs_are_the_backbones_feature_maps(name, size):
     ``feature_maps`` and what the model's neck receives in its own forward."""
     model = depth_model(name)
     x = images(size)
-    t = DepthTarget(model, torch.zeros(1, 1))
+    t = DepthTarget(model, torch.ones(1, 1))
     assert t.blocks == tuple(model.backbone.out_indices)
     out = outputs_of(model, x, t.blocks)
     ours = t.head.feature_maps([out.hidden[l] for l in t.blocks], out)

@@ -285,7 +285,7 @@ def test_one_prompt_serves_every_image_and_noise_tunnel_runs():
     ref, _ = _direct(model, x, 0, input_points=torch.tensor([[[[12.0, 9.0]]]] * 3,
                                                            dtype=torch.float64))
     res = DecompX(model).decompose(x, target)
-    torch.testing.assert_close(res.logit, ref, rtol=1e-10, atol=1e-10 * ref.abs().max())
+    torch.testing.assert_close(res.score, ref, rtol=1e-10, atol=1e-10 * ref.abs().max())
     nt = NoiseTunnel(build_method("gae", model)).attribute(
         x[:2], nt_type="smoothgrad", nt_samples=2, stdevs=0.05, target=target)
     assert nt.shape == x[:2].shape and torch.isfinite(nt).all()

@@ -720,14 +720,15 @@ class ViTAdapter(abc.ABC):
                 raise ValueError(f"alpha='logit' reads the class-token share of the explained "
                                  f"class's logit; {type(target).__name__} explains no class "
                                  "of the model: use a fixed alpha in [0, 1]")
-            read = [tokens]
+            # a target on the logits reads them: the model's own head stays whole (DecompX)
+            read = [tokens] if target.reads_tokens else [logits]
             out = Outputs(logits=ops.value(logits), pooled=ops.value(pooled),
                           tokens=ops.value(tokens), extra=self.output_extras(ops.value(tokens)),
                           **lay)
         if not all(ops.value(v) is v for v in read):  # decomposed values
             return self._linearised_columns(read, out, ops, target, layers)
         cols = target.columns(out)
-        if record is not None and (target.reads_tokens or layers is not None):
+        if record is not None:
             record.read = read
         return cols
 
@@ -748,11 +749,14 @@ class ViTAdapter(abc.ABC):
     def _linearised_columns(self, read: list[Any], out: Outputs, ops: Ops, target: Target,
                             layers: tuple[int, ...] | None) -> Any:
         """Columns of a target on decomposed states: each read state's parts contracted
-        with the gradient of the column at the real state (``Σ_i ⟨z_i, ∂s/∂z_i⟩``)."""
+        with the gradient of the column at the real state (``Σ_i ⟨z_i, ∂s/∂z_i⟩``; a
+        target on the logits is linearised at the logits, ``Σ_c z_c ∂s/∂z_c``)."""
         values = [ops.value(v).detach().requires_grad_() for v in read]
         with torch.enable_grad():
             if layers is not None:
                 probe = dataclasses.replace(out, hidden=dict(zip(layers, values, strict=True)))
+            elif not target.reads_tokens:
+                probe = dataclasses.replace(out, logits=values[0])
             else:  # the family's extras (detection heads) are functions of the leaf too
                 probe = dataclasses.replace(out, tokens=values[0],
                                             extra=self.output_extras(values[0]))

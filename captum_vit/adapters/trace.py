@@ -64,9 +64,9 @@ class Trace:
     """``"cls_mean"`` readout with ``alpha="logit"``: the CLS share ``α`` [B, classes] of
     every class's logit (:func:`readout_alpha`), a constant of the readout."""
     read: list[Tensor] | None = None
-    """A target reading token rows (:class:`~captum_vit.adapters.scoring.Target`): the
-    states ``z`` it read, in the graph (the final-normed tokens, or ``x_l``), for the
-    readout weights of :func:`captum_vit._base.readout_rows`."""
+    """A :class:`~captum_vit.adapters.scoring.Target` in force: the states ``z`` it read,
+    in the graph (the final-normed tokens, or ``x_l``, for the readout weights of
+    :func:`captum_vit._base.readout_rows`; the logits for a target on the logits)."""
     final_tokens: int | None = None
     """The token count of the last state when it differs from the embedding's (a model
     with stages and merges, :mod:`captum_vit.adapters.windows`); ``None`` = that of

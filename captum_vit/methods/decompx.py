@@ -22,12 +22,17 @@ numbered D1-D6 and the code cites them:
 - D5 Residual / LayerScale: component-wise.
 - D6 Pooling and head: the readout row (the CLS row, or the mean of the patch rows;
   :meth:`~captum_vit.adapters.Layout.readout_weights`), then the classifier (D2).
-- D7 A target of the user's own (:mod:`captum_vit.targets`): the
-  decomposition stops at the states ``z`` the target reads (the final-normed tokens or block
-  outputs) and the score is linearised there, every source contributing
-  ``Σ_i ⟨z_i^(j), ∂s/∂z_i⟩``. Complete for a head linear in ``z``; otherwise the sum of the
-  contributions is ``⟨z, ∂s/∂z⟩`` and its difference from ``s`` is the completeness error
-  :meth:`DecompX.decompose` reports in ``logit`` (the linearised score). Both routes agree.
+- D7 A :class:`~captum_vit.targets.Target` (:mod:`captum_vit.targets`): the
+  decomposition stops at the states ``z`` the target reads (the logits, through the model's
+  own head as in D6, for a target on the logits; the final-normed tokens or block outputs
+  for a target that reads token rows) and the score ``s`` is linearised there, every source
+  contributing ``Σ_i ⟨z_i^(j), ∂s/∂z_i⟩`` (each read block with its own partial
+  derivative). The contributions, bias source included, sum to the linearised score
+  ``⟨z, ∂s/∂z⟩``, which :meth:`DecompX.decompose` reports in ``logit``; ``s`` itself is in
+  ``score`` and ``score - logit`` is the completeness error
+  (:attr:`DecompXResult.completeness_error`): 0 for a score linear in ``z`` (a class
+  logit, a contrast), ``-s`` for a quadratic one. Both routes give the same ``tokens``,
+  ``bias`` and ``logit``: the gradient route takes ``⟨z, ∂s/∂z⟩`` from the same backward.
 
 Two routes give the same numbers: ``"explicit"`` carries the components through the
 adapter's canonical forward (a :class:`DecompositionOps`), ``"gradient"`` is token
@@ -66,6 +71,7 @@ from captum_vit.adapters import (
     ViTAdapter,
     activation_gate,
 )
+from captum_vit.adapters.scoring import Outputs
 from captum_vit.methods._engines import PLUSFastPath, layer_gradients
 from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.table import register_method
@@ -190,7 +196,12 @@ class DecompositionOps(Ops):
                           super().concat([x.parts for x in xs]), xs[0].has_bias)
 
     def contract(self, x: Decomposed, g: Tensor) -> Decomposed:
-        # a target linearised at the states it reads: every source against the gradient
+        # a target linearised at the states it reads (D7): every source against the
+        # gradient; token states [B, S, N, D] or the logits [B, S, C] (g [B, C, K])
+        if x.parts.dim() == 3:
+            real = torch.einsum("bc,bck->bk", x.real, g.to(x.real.dtype))
+            return Decomposed(real, torch.einsum("bsc,bck->bsk", x.parts,
+                                                 g.to(x.parts.dtype)), x.has_bias)
         return Decomposed(super().contract(x.real, g),
                           torch.einsum("bsnd,bndk->bsk", x.parts, g.to(x.parts.dtype)),
                           x.has_bias)
@@ -201,19 +212,46 @@ class DecompositionOps(Ops):
 
 @dataclass
 class DecompXResult:
-    """Signed logit contributions of DecompX started at block ``start_layer``.
+    r"""Signed contributions of DecompX started at block ``start_layer``, the same on both
+    routes.
+
+    The decomposition runs through the model up to the states ``z`` the score reads: the
+    logits for a class, target vectors or a target on the logits (the model's own head
+    is decomposed exactly, D6), the token states or block outputs for a target of the
+    user's own on them (:class:`~captum_vit.targets.TokenTarget`, ``HeadTarget``,
+    ``SamMaskTarget``, ...). There the score ``s`` is linearised (D7): source ``j``
+    contributes :math:`\sum_i ⟨z_i^{(j)}, ∂s/∂z_i⟩`, and the contributions sum to the
+    linearised score :math:`\ell = \sum_i ⟨z_i, ∂s/∂z_i⟩` reported in ``logit``:
+    ``tokens.sum(-1) + bias == logit`` always. ``score`` is ``s`` itself;
+    :attr:`completeness_error` ``= score - logit`` is 0 (to rounding) where ``s`` is
+    linear in ``z`` (a class logit, :class:`~captum_vit.targets.Contrastive`, a linear
+    head without bias), and otherwise what the decomposition leaves unexplained (a
+    quadratic head: ``logit = 2 score``; a probability; a head's own bias).
 
     Attributes:
         tokens (Tensor): ``[B, N]`` contribution of every token of ``x_s`` (prefix first).
         bias (Tensor): ``[B]`` contribution of the bias source.
-        logit (Tensor): ``[B]`` target logit; ``tokens.sum(-1) + bias == logit``.
-        target (Tensor): ``[B]`` explained class.
+        logit (Tensor): ``[B]`` the linearised score; ``tokens.sum(-1) + bias == logit``
+            (the target logit itself for a class).
+        target (Tensor): ``[B]`` explained class (column of the target).
+        score (Tensor or None): ``[B]`` the score ``s`` (``None``: the same as ``logit``).
     """
 
     tokens: Tensor
     bias: Tensor
     logit: Tensor
     target: Tensor
+    score: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.score is None:
+            self.score = self.logit
+
+    @property
+    def completeness_error(self) -> Tensor:
+        """``score - logit`` [B]: what linearising the score at the states it reads
+        leaves out (0 for a score linear in them)."""
+        return cast(Tensor, self.score) - self.logit
 
 
 def sources_per_chunk(adapter: ViTAdapter, x: Tensor, max_memory: int | None) -> int:
@@ -345,7 +383,9 @@ class DecompX(PLUSFastPath, PlainAttribution):
                 against them and ``target`` the index of each image's vector.
 
         Returns:
-            DecompXResult: ``tokens`` [B, N], ``bias`` [B], ``logit`` [B], ``target`` [B].
+            DecompXResult: ``tokens`` [B, N], ``bias`` [B], ``logit`` [B] (the
+            linearised score, D7; the target logit for a class), ``target`` [B] and
+            ``score`` [B] (the target's value).
         """
         p = prepare(self.adapter, inputs, target)
         with self.adapter.targeting(p.embedding):
@@ -361,7 +401,9 @@ class DecompX(PLUSFastPath, PlainAttribution):
             logits = self.adapter.run(x_s, s)
         t = resolve_target(target, logits)
         tokens, bias = decompose_explicit(self.adapter, x_s, s, t, self.max_memory)
-        return DecompXResult(tokens, bias, target_scores(logits, t).to(tokens.dtype), t)
+        # every source's part of the linearised score (D7): they sum to it
+        return DecompXResult(tokens, bias, tokens.sum(-1) + bias, t,
+                             target_scores(logits, t).to(tokens.dtype))
 
     def _gradient_route(self, images: Tensor, target: Tensor | None) -> DecompXResult:
         """Token IxG at ``x_s`` with the linearised backward, streamed: a fused-attention
@@ -379,11 +421,35 @@ class DecompX(PLUSFastPath, PlainAttribution):
                                     on_block=keep)
             t = resolve_target(target, tr.require_logits())
             scores = target_scores(tr.require_logits(), t)
-            (g,) = gradients(scores, kept)
-        dt = accumulation_dtype(kept[0])
+            (g,) = gradients(scores, kept, trace=tr)
+            dt = accumulation_dtype(kept[0])
+            logit = self._linearised_score(tr, t, dt)
         tokens = (kept[0].detach().to(dt) * g.to(dt)).sum(-1)
-        logit = scores.detach().to(dt)
-        return DecompXResult(tokens, logit - tokens.sum(-1), logit, t)
+        score = scores.detach().to(dt)
+        logit = score if logit is None else logit
+        return DecompXResult(tokens, logit - tokens.sum(-1), logit, t, score)
+
+    def _linearised_score(self, tr: Any, t: Tensor, dt: torch.dtype) -> Tensor | None:
+        r"""D7 on the gradient route: :math:`\sum_z ⟨z, ∂s/∂z⟩` over the states the target
+        in force read (``None``: the model's own head, whose score is its logit). Where
+        the target reads several block outputs, each gradient is the partial one (the
+        other read blocks held fixed), as the explicit route contracts them."""
+        target = self.adapter.score_target
+        if target is None or tr.read is None or tr.read_grad is None:
+            return None
+        read, grads = list(tr.read), list(tr.read_grad)
+        ad = self.adapter
+        layers = target.readout_layers(len(ad.blocks))
+        if layers is not None and len(layers) > 1:  # partial derivatives at each block
+            leaves = [z.detach().requires_grad_() for z in read]
+            out = Outputs(hidden=dict(zip(layers, leaves, strict=True)),
+                          **ad._outputs_layout(read[-1]))
+            cols = target.columns(out)
+            grads = list(torch.autograd.grad(cols.gather(1, t.to(cols.device)[:, None]).sum(),
+                                             leaves, allow_unused=True,
+                                             materialize_grads=True))
+        return cast(Tensor, sum((z.detach().to(dt) * g.to(dt)).flatten(1).sum(1)
+                                for z, g in zip(read, grads, strict=True)))
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         return self._decompose(inputs, target).tokens

@@ -36,6 +36,7 @@ from captum_vit._base import (
     target_scores,
 )
 from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, PoolParts, Trace, ValuePath
+from captum_vit.adapters.scoring import scores_are_classes
 from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._front import fill_doc
 from captum_vit.methods.table import register_method
@@ -54,6 +55,29 @@ class _Terms:
     merge: Tensor | None = None  # a patch merge after the block: its children's weights
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
+
+
+def default_score(variant: str) -> str:
+    """The score TokenTM differentiates when ``score=None``, read from the scores in
+    force (:func:`~captum_vit.adapters.scoring.scores_are_classes`): the variant's own
+    (:data:`DEFAULT_SCORE`) where they compete like classes (a classifier's classes,
+    several target vectors, a target with ``index=``), whose softmax is the paper's
+    :math:`p(c)`; ``"logit"``, the score itself, for a single independent score (a plain
+    callable, a :class:`~captum_vit.targets.TokenTarget` without ``index``, one target
+    vector, ``MultiLabel``, ``Contrastive``, a detection, mask or answer score). Their
+    "probability" is the sigmoid of the score, which saturates: past a score of about 37
+    (17 in float32) its gradient is exactly 0, so ``∇A`` vanishes and the readout of a
+    token-reading target falls back to uniform weights. ``target=lambda z: z[:, c]``
+    therefore explains :math:`z_c` (the integer target's ``score="logit"`` map), and
+    ``score="probability"`` still asks for the sigmoid.
+
+    Args:
+        variant (str): ``"paper"`` or ``"residual"``.
+
+    Returns:
+        str: ``"probability"`` or ``"logit"``.
+    """
+    return DEFAULT_SCORE[variant] if scores_are_classes() else "logit"
 
 
 def transformation_weights(e: Tensor, e_t: Tensor, eps: float = EPS) -> Tensor:
@@ -210,7 +234,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
     \mathrm{LN_2}(x_{mid,l})))` and :math:`U_{ffn} = I + W_{ffn}` (Eq. 16-17). With
     :math:`C_0 = \mathrm{diag}(L(x_{0,i}))` (Eq. 18) and :math:`C \leftarrow U_{ffn}
     U_{attn} C` (Eq. 19) the map is the readout row of :math:`C` (Eq. 20). The gradient
-    is of the target probability (the paper differentiates :math:`p(c)`). With an inner
+    is of the target probability (the paper differentiates :math:`p(c)`); for a single
+    score of the user's own, of the score itself (:func:`default_score`). With an inner
     attention LayerNorm :math:`N_{in}` before :math:`W_O` (EVA-02; our extension),
     :math:`\tilde E^h = N_{in}^{lin}(\mathrm{LN_1}(x_l) W_V^h \oplus 0) W_O` with the
     statistics of the real attention output frozen (:func:`head_weights_inner_norm`).
@@ -255,8 +280,12 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             {inputs}
             {target}
             score (str, optional): ``"probability"`` or ``"logit"``. Default ``None`` =
-                the variant's own: ``"probability"`` for ``"paper"``, ``"logit"`` for
-                ``"residual"``.
+                the variant's own where the scores compete like classes:
+                ``"probability"`` (their softmax) for ``"paper"``, ``"logit"`` for
+                ``"residual"``; ``"logit"`` for a single score of your own (a plain
+                callable, a :class:`~captum_vit.targets.TokenTarget` without ``index``,
+                one target vector), whose probability would be its saturating sigmoid
+                (:func:`default_score`).
             {output}
 
         Returns:
@@ -271,11 +300,11 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             >>> smooth = NoiseTunnel(TokenTM(model)).attribute(
             ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
         """
-        score = DEFAULT_SCORE[self.variant] if score is None else score
-        check_choice("score", score, SCORES)
+        if score is not None:
+            check_choice("score", score, SCORES)
         return self._attribute(inputs, target, output, score=score)
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str | None = None,
                     **_: Any) -> Tensor:
         # Eq. 18-20: the sub-network map of layer 0 is r_0 diag(L(x_0,i))
         return self._maps(inputs, target, [0], score)[0]
@@ -328,13 +357,15 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         return (rh * w).mean(1)
 
     def _maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int],
-              score: str) -> Tensor:
+              score: str | None) -> Tensor:
         """``r_l diag(L(x_l,i))`` for ``l`` in ``layers`` (Eq. 18-20 started at block
         ``l``), [len(layers), B, N], from one streamed forward and one backward.
 
         The forward uses the fused attention (no ``[B, H, N, N]`` kept for the
         backward) and keeps per block only its weights and its heads; ``A_l`` and
         ``∇A_l`` are recomputed one block at a time in the propagation."""
+        if score is None:  # the target is in force here (ViTFront, the combinators)
+            score = default_score(self.variant)
         L = self.adapter.num_blocks
         first = min(layers)
         terms: dict[int, _Terms] = {}
@@ -398,7 +429,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         Args:
             {plus_args}
             aggregate (str): ``"subnetwork"``.
-            score (str, optional): as in :meth:`attribute` (``None`` = the variant's).
+            score (str, optional): as in :meth:`attribute` (``None``: :func:`default_score`).
 
         Returns:
             Tensor: token maps [len(layers), B, N].
@@ -412,6 +443,6 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             raise ValueError(f"aggregate must be 'subnetwork' for TokenTM, got {aggregate!r}: "
                              "its block factor U_ffn U_attn has no identity-free per-block "
                              "matrix (see captum_vit.combinators)")
-        score = DEFAULT_SCORE[self.variant] if score is None else score
-        check_choice("score", score, SCORES)
+        if score is not None:
+            check_choice("score", score, SCORES)
         return self._maps(inputs, target, layers, score)

@@ -26,6 +26,7 @@ from captum_vit.targets.embedding import (
 from captum_vit.targets.sam import SamMaskTarget
 from captum_vit.targets.score import (
     CLASS_SCORES,
+    LINEAR_IN_SCORE,
     CallableTarget,
     ClassTarget,
     Contrastive,
@@ -37,8 +38,8 @@ from captum_vit.targets.score import (
 from captum_vit.targets.vlm import VLMAnswer
 
 __all__ = [
-    "CLASS_SCORES", "SIMILARITIES", "CallableTarget", "ClassTarget", "Contrastive",
-    "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
+    "CLASS_SCORES", "LINEAR_IN_SCORE", "SIMILARITIES", "CallableTarget", "ClassTarget",
+    "Contrastive", "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
     "Outputs", "SamMaskTarget", "Target", "TokenTarget", "VLMAnswer",
     "as_target", "clip_text_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",

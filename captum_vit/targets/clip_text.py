@@ -18,11 +18,38 @@ _HF_TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 def _texts(texts: str | Sequence[str]) -> list[str]:
     if isinstance(texts, str):
-        return [texts]
-    if isinstance(texts, Sequence) and texts and all(isinstance(t, str) for t in texts):
-        return list(texts)
-    raise TypeError(f"texts must be a string or a non-empty sequence of strings, got "
-                    f"{texts!r}")
+        prompts = [texts]
+    elif isinstance(texts, Sequence) and texts and all(isinstance(t, str) for t in texts):
+        prompts = list(texts)
+    else:
+        raise TypeError(f"texts must be a string or a non-empty sequence of strings, got "
+                        f"{texts!r}")
+    empty = [i for i, t in enumerate(prompts) if not t.strip()]
+    if empty:
+        raise ValueError(f"texts {empty} {'is' if len(empty) == 1 else 'are'} empty: an "
+                         "empty prompt embeds only the tokenizer's start and end tokens, "
+                         "the same vector for every such prompt; give each prompt words "
+                         "(e.g. 'a photo of a dog')")
+    return prompts
+
+
+def _token_ids(ids: Any, count: int, hint: str) -> Tensor:
+    """The tokenizer's ``ids``, checked: an integer tensor ``[count, L]``, ``L ≥ 1``."""
+    if not isinstance(ids, Tensor) or torch.is_floating_point(ids) or ids.is_complex() \
+            or ids.dtype == torch.bool or ids.dim() != 2:
+        got = (f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, Tensor)
+               else type(ids).__name__)
+        raise TypeError(f"tokenizer returned no token ids: {hint} must be an integer "
+                        f"tensor [T, L] (T prompts, L >= 1 tokens), got {got}; pass the "
+                        "model's own tokenizer")
+    if ids.shape[1] == 0:
+        raise ValueError(f"tokenizer returned no token ids: {hint} has shape "
+                         f"{tuple(ids.shape)}, no token per prompt; pass the model's own "
+                         "tokenizer (it adds the start and end tokens to every prompt)")
+    if ids.shape[0] != count:
+        raise ValueError(f"tokenizer returned {ids.shape[0]} rows of token ids for "
+                         f"{count} texts: it must tokenize each prompt into one row")
+    return ids
 
 
 def _scalar(value: Any) -> float:
@@ -35,6 +62,7 @@ def _open_clip_features(model: ModelTree, tokenizer: Callable[..., Any], texts: 
     if not isinstance(tokens, Tensor):
         raise TypeError(f"tokenizer must return a tensor of token ids for an OpenCLIP model "
                         f"(open_clip.get_tokenizer(NAME)), got {type(tokens).__name__}")
+    tokens = _token_ids(tokens, len(texts), "tokenizer(texts)")
     device = next(model.parameters()).device
     features = model.encode_text(tokens.to(device), normalize=False)  # CoCa's default: True
     bias = getattr(model, "logit_bias", None)
@@ -45,12 +73,19 @@ def _hf_features(model: ModelTree, tokenizer: Callable[..., Any], texts: list[st
                  ) -> tuple[Tensor, float, float]:
     siglip = "Siglip" in type(model).__name__
     # SigLIP was trained on text padded to the full length (its model card's usage)
-    encoded = tokenizer(text=texts, padding="max_length" if siglip else True,
-                        return_tensors="pt")
+    try:
+        encoded = tokenizer(text=texts, padding="max_length" if siglip else True,
+                            return_tensors="pt")
+    except TypeError as e:  # another signature: not a Hugging Face tokenizer
+        raise TypeError("tokenizer must be the model's Hugging Face tokenizer or processor, "
+                        "called as tokenizer(text=texts, padding=..., return_tensors='pt'); "
+                        f"calling {getattr(tokenizer, '__name__', type(tokenizer).__name__)} "
+                        f"so raised: {e}") from e
     if not isinstance(encoded, Mapping) or "input_ids" not in encoded:
         raise TypeError("tokenizer must be the model's Hugging Face tokenizer or processor "
                         "(a call returning input_ids), got one returning "
                         f"{type(encoded).__name__}")
+    _token_ids(encoded["input_ids"], len(texts), "its input_ids")
     device = next(model.parameters()).device
     inputs = {k: encoded[k].to(device) for k in _HF_TEXT_INPUTS if k in encoded}
     out = model.get_text_features(**inputs)
@@ -102,7 +137,10 @@ def clip_text_target(model: nn.Module, tokenizer: Callable[..., Any],
 
     Raises:
         TypeError: ``model`` has no text side this helper knows, ``texts`` are not
-            strings, or ``tokenizer`` does not return token ids.
+            strings, or ``tokenizer`` does not return token ids (an integer tensor
+            ``[T, L]``, ``L ≥ 1``; for Hugging Face in ``input_ids``).
+        ValueError: an empty prompt (``""`` or blank), or token ids without a token or
+            with another number of rows than ``texts``.
 
     Examples::
 

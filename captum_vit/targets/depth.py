@@ -47,8 +47,9 @@ class DepthTarget(Target):
     Raises:
         TypeError: another model, or a backbone other than ``Dinov2Backbone``;
             ``select`` not a tensor.
-        ValueError: ``select`` not 2-D or 3-D, or of another size than the predicted
-            depth (at scoring time); the neck or head in training mode.
+        ValueError: ``select`` not 2-D or 3-D, all zero (for some image), or of another
+            size than the predicted depth (at scoring time); the neck or head in training
+            mode.
 
     Examples::
 
@@ -71,6 +72,13 @@ class DepthTarget(Target):
             raise ValueError(f"DepthTarget's select must be [h, w] (every image) or [B, h, w] "
                              f"(one per image), got shape {tuple(select.shape)}")
         self.select = select.float() if select.dtype == torch.bool else select
+        empty = (~(self.select != 0).reshape(-1, *self.select.shape[-2:]).flatten(1).any(1)
+                 ).nonzero()[:, 0].tolist()
+        if empty:
+            which = "" if select.dim() == 2 else f" of image(s) {empty}"
+            raise ValueError(f"DepthTarget's select{which} selects no pixel (all zero): the "
+                             "score would be 0 and every map flat; give a region with "
+                             "non-zero weights, e.g. select[y0:y1, x0:x1] = 1")
         self.blocks = self.head.blocks
 
     def __repr__(self) -> str:

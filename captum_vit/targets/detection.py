@@ -42,10 +42,19 @@ def _indices(value: Indices | None, name: str) -> Tensor | None:
 
 
 def _box(box: Sequence[float] | Tensor | None) -> Tensor | None:
-    """``box`` as ``[m, 4]`` floats (CPU)."""
+    """``box`` as ``[m, 4]`` floats (CPU): a tensor keeps its dtype, Python numbers become
+    float64 (the score casts the box to the model's dtype, so a float64 model scores the
+    box as given and a float32 model loses nothing)."""
     if box is None:
         return None
-    t = torch.as_tensor(box)
+    if isinstance(box, Tensor):
+        t = box
+    else:
+        try:
+            t = torch.as_tensor(box, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError("box must be 4 floats (cx, cy, w, h), normalised to [0, 1] as "
+                             f"the model predicts them, or [B, 4]; got {box!r}") from e
     if not torch.is_floating_point(t) or t.dim() not in (1, 2) or t.shape[-1] != 4:
         raise ValueError("box must be 4 floats (cx, cy, w, h), normalised to [0, 1] as the "
                          "model predicts them, or [B, 4] (one box per image); got "
@@ -103,7 +112,8 @@ class DetectionTarget(Target):
             ``"best"``).
         box (sequence of 4 floats or Tensor, optional): the reference box ``(cx, cy, w,
             h)`` in ``[0, 1]``, ``[4]`` or ``[B, 4]``; ``None``: the class logit is the
-            score.
+            score. Python numbers are kept in float64, a tensor in its dtype; the box
+            is cast to the model's dtype when scored.
         score (str, optional): the class score: ``"logit"`` (default),
             ``"probability"`` or ``"log_probability"`` (over the token's classes). A
             method's own ``score="probability"`` is the sigmoid of this score (the

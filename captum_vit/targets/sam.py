@@ -81,8 +81,8 @@ class SamMaskTarget(Target):
     Raises:
         TypeError: ``model`` is not a ``SamModel``; prompts or ``mask`` of another type.
         ValueError: no prompt, prompts of the wrong shape, labels that do not match the
-            points, a mask out of range, an empty mask region (:meth:`resolve`), or
-            encoder states of another model.
+            points, a mask out of range, prompts outside the images or an empty mask
+            region (:meth:`resolve`), or encoder states of another model.
 
     Examples::
 
@@ -193,12 +193,13 @@ class SamMaskTarget(Target):
 
         Raises:
             ValueError: the adapter explains another model, prompts that do not match
-                the batch, or an empty region.
+                the batch or reach outside the images, or an empty region.
         """
         own = getattr(adapter, "model", None)
         if own is not self.model:
             raise ValueError(f"SamMaskTarget's SamModel is not the model explained "
                              f"({type(own).__name__}): pass the same SamModel to the method")
+        self._check_inside(int(images.shape[-2]), int(images.shape[-1]))
         b = images.shape[0]
         prompt_of = per_image(torch.arange(self.count), b, "SamMaskTarget's prompts")
         with torch.no_grad(), adapter.targeting(_SamLogits(self)):
@@ -214,6 +215,22 @@ class SamMaskTarget(Target):
         out.__dict__.update(self.__dict__)
         out.region, out.prompt_of = region, prompt_of
         return out
+
+    def _check_inside(self, height: int, width: int) -> None:
+        """Refuse prompts outside the ``height`` × ``width`` images (pixel coordinates)."""
+        for name, t in (("points", self.points), ("boxes", self.boxes)):
+            if t is None:
+                continue
+            xy = t.reshape(-1, 2)
+            out = (xy[:, 0] < 0) | (xy[:, 0] > width) | (xy[:, 1] < 0) | (xy[:, 1] > height)
+            if out.any():
+                bad = xy[out][0].tolist()
+                raise ValueError(
+                    f"SamMaskTarget's {name} reach outside the {width}x{height} images "
+                    f"(e.g. (x, y) = ({bad[0]:g}, {bad[1]:g})): prompts are pixel "
+                    "coordinates (x, y) of the model's input images, in [0, width] x "
+                    "[0, height]; scale them as SamProcessor does (its input_points / "
+                    "input_boxes for the resized image)")
 
     def _mask_size(self) -> tuple[int, int]:
         size = 4 * int(self.model.config.prompt_encoder_config.image_embedding_size)

@@ -28,6 +28,25 @@ from captum_vit.adapters.scoring import Outputs, Target, per_image
 
 CLASS_SCORES = ("logit", "probability", "log_probability")
 
+LINEAR_IN_SCORE: dict[str, dict[str, Any]] = {
+    "attn_grad": {}, "att_ixg": {}, "attcat": {}, "attnlrp": {}, "cp_lrp": {},
+    "decompx": {}, "fullgrad_plus": {}, "skip_fullgrad_plus": {}, "token_ixg": {},
+    "vanilla_grad": {},
+    "gradcam": {"relu": False}, "hirescam": {"relu": False}, "xgradcam": {"relu": False},
+    "xgradcam_plus": {"relu": False},
+    "rise": {"score": "logit"}, "tis": {"score": "logit"}, "vit_cx": {"score": "logit"},
+}
+"""The registered methods whose map is linear in the explained score, with the options
+(of the constructor or of ``attribute``) under which it is; ``{}``: at their defaults.
+For these ``map(Contrastive(a, b)) == map(a) − map(b)`` (and any linear combination of
+scores is the same combination of maps); PLUS / SkipPLUS of a method linear at its
+defaults is linear too (a sum of linear maps). Every other method explains a contrast as
+one score: a ReLU (GAE, TokenTM, Chefer'21, AttnGradCAM, LeGrad, the CAMs' default
+``relu=True``, Grad-CAM++'s and LayerCAM's weights), a normalisation or a probability
+(VanillaGrad's ``reduce="l2"``, the perturbation methods' default
+``score="probability"``, ScoreCAM's softmax weights) is not a difference of maps; the
+class-agnostic methods (raw attention, Rollout, GlobEnc, ALTI) refuse it."""
+
 
 def _classes(value: int | Sequence[int] | Tensor | None, name: str) -> Tensor | None:
     """``value`` as a ``[B]`` (or ``[1]``) int64 CPU tensor; ``None`` stays ``None``."""
@@ -131,10 +150,10 @@ class MultiLabel(ClassTarget):
 class Contrastive(Target):
     r"""``logit_a − logit_b``: "why ``a`` rather than ``b``".
 
-    Linear in the logits, so the methods that are linear in the score (gradients,
-    Input×Gradient, DecompX, CP-LRP, AttnLRP) give ``map(a) − map(b)``; the others
-    (ReLU-weighted attention methods, perturbations) explain the difference itself; the
-    class-agnostic ones (raw attention, Rollout, GlobEnc, ALTI) refuse it. A
+    Linear in the logits, so the methods that are linear in the score
+    (:data:`LINEAR_IN_SCORE`, with the options listed there) give ``map(a) − map(b)``;
+    the others (ReLUs, normalisations, probabilities) explain the difference as one
+    score; the class-agnostic ones (raw attention, Rollout, GlobEnc, ALTI) refuse it. A
     method's ``score="probability"`` is ``sigmoid(logit_a − logit_b) = p_a / (p_a +
     p_b)``.
 
@@ -219,8 +238,16 @@ def _as_columns(s: Any, out: Outputs, who: Target) -> Tensor:
     n = next(t for t in (out.logits, out.tokens, *out.hidden.values()) if t is not None).shape[0]
     if not isinstance(s, Tensor) or s.dim() not in (1, 2) or s.shape[0] != n:
         got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+        hint = ""
+        if isinstance(s, Tensor) and s.dim() in (1, 2) and s.shape[0] != n:
+            hint = (f"; it was called on {n} rows (perturbation methods, BT/TAM and the "
+                    "metrics score many copies of each image in one forward): a score "
+                    "with a parameter per image (a class, a mask) must not depend on the "
+                    "batch it was written for: return every candidate as columns "
+                    "[n, K] and give each image's column with index=, e.g. "
+                    "CallableTarget(lambda z: z, index=classes)")
         raise ValueError(f"{who!r} must return one score per image, a tensor [{n}] (or "
-                         f"[{n}, K] with an index per image), got {got}")
+                         f"[{n}, K] with an index per image), got {got}{hint}")
     if not torch.is_floating_point(s):
         raise TypeError(f"{who!r} returned a {s.dtype} tensor; a score must be a float "
                         "tensor that depends on the model's output (differentiable)")
@@ -343,7 +370,17 @@ class HeadTarget(Target):
             states = [out.hidden[l] for l in sorted(out.hidden)]
             grid = out.patches(states[-1]) if len(states) == 1 else [out.patches(s)
                                                                        for s in states]
-        y = self.head(grid)
+        try:
+            y = self.head(grid)
+        except RuntimeError as e:  # a shape mismatch inside the user's head (conv, linear)
+            got = (tuple(grid.shape) if isinstance(grid, Tensor)
+                   else [tuple(g.shape) for g in grid])
+            raise ValueError(
+                f"HeadTarget's head (your {type(self.head).__name__}) failed on the patch "
+                f"grid it was given, shape {got} = [n, D, gh, gw] (the final-normed patch "
+                "rows, channels first; a list of such grids for several blocks): make the "
+                f"head take D = {got[1] if isinstance(got, tuple) else got[0][1]} "
+                f"channels on that grid. The head raised: {e}") from e
         if not isinstance(y, Tensor):
             raise TypeError(f"HeadTarget's head returned {type(y).__name__}, not a tensor")
         sel = self.select.to(device=y.device, dtype=y.dtype)

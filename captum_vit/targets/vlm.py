@@ -26,6 +26,15 @@ def _ids(value: Any, name: str) -> Tensor:
     return t[None] if t.dim() == 1 else t
 
 
+def _vocabulary(model: Any) -> int:
+    """The language model's vocabulary size (its token embedding's rows)."""
+    text = getattr(getattr(model, "config", None), "text_config", None)
+    size = getattr(text, "vocab_size", None)
+    if size is None:
+        size = model.get_input_embeddings().num_embeddings
+    return int(size)
+
+
 class VLMAnswer(Target):
     r"""``Σ_t log p(answer_t | prompt, image, answer_<t)``: the log-probability a
     vision-language model gives an answer, explained on its vision tower.
@@ -88,7 +97,8 @@ class VLMAnswer(Target):
     Raises:
         TypeError: ``model`` is not a supported VLM (LLaVA-NeXT and other VLMs that tile
             an image into crops are refused by name), or ids are not integer tensors.
-        ValueError: an empty answer, ``-100`` before an answer's last scored token, tiled
+        ValueError: an empty answer, ``-100`` before an answer's last scored token, ids
+            outside the model's vocabulary (the image token excepted), tiled
             images in a processor's output,
             prompts and answers of different batch sizes, a prompt whose image tokens do
             not match the tower's features, or tower states of another model.
@@ -135,6 +145,20 @@ class VLMAnswer(Target):
         scored = self.answer_ids != -100
         if (scored[:, 1:] & ~scored[:, :-1]).any():
             raise ValueError("answer_ids: -100 may only pad the end of a shorter answer")
+        vocab = _vocabulary(self.parts.model)
+        bad = self.answer_ids[scored & ((self.answer_ids < 0) | (self.answer_ids >= vocab))]
+        if bad.numel():
+            raise ValueError(f"answer_ids {sorted(set(bad.tolist()))} are not token ids of "
+                             f"this model's vocabulary ([0, {vocab})): give the ids the "
+                             "model's own tokenizer makes of the answer (-100 pads a shorter "
+                             "answer)")
+        text = self.input_ids != self.parts.image_token_id  # the image id may lie outside
+        bad = self.input_ids[text & ((self.input_ids < 0) | (self.input_ids >= vocab))]
+        if bad.numel():
+            raise ValueError(f"input_ids {sorted(set(bad.tolist()))} are not token ids of "
+                             f"this model's vocabulary ([0, {vocab})) nor its image token "
+                             f"({self.parts.image_token_id}): give the ids the model's own "
+                             "processor makes of the prompt")
         if attention_mask is None:
             self.attention_mask = torch.ones_like(self.input_ids)
         else:
