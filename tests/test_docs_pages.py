@@ -1,5 +1,6 @@
-"""The Python code of the user guide's method pages, "Which method should I use" and the
-recipes runs, so that it cannot rot.
+"""The Python code of the user guide's method pages, "Which method should I use", the
+recipes and the model families runs, so that it cannot rot; the families page's random
+SAM, PaliGemma and DPT give maps that are not numerically zero.
 
 Convention (for whoever writes these pages):
 
@@ -29,7 +30,11 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "docs" / "source"
 PAGES = sorted([*(SOURCE / "guide" / "methods").glob("*.md"),
-                SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md"])
+                SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md",
+                SOURCE / "guide" / "families.md"])
+_NAMESPACES: dict[str, dict] = {}
+"""The namespace each page's code left (``test_page_code_runs``), for the checks of what
+it computed."""
 SKIP_MARK = "# needs a download"
 OFFLINE_MARK = "# downloads: pretrained=True"
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```\s*$", re.M | re.S)
@@ -100,6 +105,40 @@ def test_page_code_runs(page, workdir):
         plt.close("all")
     assert ran, f"{page.name}: every block is marked as needing a download"
     assert os.getcwd() == str(workdir)
+    _NAMESPACES[page.name] = namespace
+
+
+def _families_namespace(workdir) -> dict:
+    """What the families page's code computed (run here when the page's test has not)."""
+    page = SOURCE / "guide" / "families.md"
+    if page.name not in _NAMESPACES:
+        test_page_code_runs(page, workdir)
+    return _NAMESPACES[page.name]
+
+
+def test_families_examples_explain_models_whose_output_is_not_zero(workdir):
+    """Issue 42: the SAM example's random model had an image embedding of ~1e-22 under
+    transformers 5.x's initialisation and maps of ~1e-26; with ``seeded_init`` the
+    embedding, the mask score and the maps are of order one (far above the float32
+    round-off of their scale)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    ns = _families_namespace(workdir)
+    sam, x, target = ns["sam"], ns["x"], ns["target"]
+    with torch.no_grad():
+        embedding = sam.get_image_embeddings(x)
+    assert float(embedding.std()) > 0.1
+    res = ns["DecompX"](sam).decompose(x, target)
+    assert float(res.logit.abs().min()) > 1e-3
+    assert float(res.tokens.abs().amax(-1).min()) > 1e-4 * float(res.logit.abs().max())
+    gae = ns["GAE"](sam).attribute(x, target=target, output="grid")
+    assert float(gae.abs().amax((1, 2, 3)).min()) > 1e-3
+    # the PaliGemma and DPT examples are not zero either
+    for name in ("vlm_maps", "vlm_rise", "depth_maps", "depth_rise"):
+        assert ns[name].shape == (2, 1, 4, 4), name
+        assert float(ns[name].abs().amax((1, 2, 3)).min()) > 1e-3, name
+    assert float(ns["depth_tokens"].abs().amax(-1).min()) > 1e-3
 
 
 def test_hugging_face_recipe_runs_on_a_local_model(workdir, monkeypatch):
