@@ -165,3 +165,48 @@ def test_hugging_face_recipe_runs_on_a_local_model(workdir, monkeypatch):
         plt.close("all")
     assert namespace["attr"].shape == (1, 1, 14, 14)
     assert namespace["names"] == [config.id2label[k] for k in range(5)]
+
+
+def test_seeded_init_is_reproducible_and_of_order_one():
+    """``captum_vit.zoo.seeded_init``, the examples' re-initialisation: the same seed gives
+    the same parameters, matrices get std ``1/sqrt(fan_in)``, vectors named bias ~0.02,
+    other vectors 1; a non-module is refused by name."""
+    import torch
+
+    from captum_vit.zoo import seeded_init
+
+    def make():
+        torch.manual_seed(123)
+        return torch.nn.Sequential(torch.nn.Linear(400, 300), torch.nn.LayerNorm(300))
+
+    a, b = seeded_init(make(), seed=7), seeded_init(make(), seed=7)
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(seeded_init(make(), seed=8)[0].weight, a[0].weight)
+    assert abs(float(a[0].weight.std()) * 400 ** 0.5 - 1) < 0.02
+    assert abs(float(a[0].bias.std()) - 0.02) < 0.005
+    assert torch.equal(a[1].weight, torch.ones(300))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        seeded_init("vit")
+
+
+def test_seeded_init_gives_sam_an_output_of_order_one():
+    """transformers 5.x initialises SAM so that a config-built model's image embedding is
+    ~1e-22 (the maps of the families page and tutorial 05 were ~1e-26)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from captum_vit.zoo import seeded_init
+
+    cfg = transformers.SamConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
+                           output_channels=16, mlp_dim=64, num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=32, patch_size=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 mlp_dim=32, iou_head_hidden_dim=16))
+    sam = transformers.SamModel(cfg).eval()
+    x = torch.rand(1, 3, 32, 32)
+    with torch.no_grad():
+        after = float(seeded_init(sam, seed=0).get_image_embeddings(x).std())
+    assert 0.1 < after < 10
