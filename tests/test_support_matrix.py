@@ -266,3 +266,23 @@ def test_the_committed_statuses_are_what_tis_and_rise_do_now():
         f"{sorted(set(sm.read_status()['methods']) - {'tis', 'rise'})}"]
     assert measured["families"]["hf_yolos"]["detection"]["refused"] == []
     assert measured["families"]["hf_swin"]["class"]["refused"] == ["tis"]
+
+
+DISTRIBUTIONS = {"timm": "timm", "transformers": "transformers", "torchvision": "torchvision",
+                 "open_clip": "open_clip_torch"}
+"""The distribution that installs each module a family requires."""
+
+
+def test_the_docs_extra_installs_every_library_the_matrix_measures():
+    """A user's ``pip install -e ".[docs]"`` build fills every family's cells (issue 42:
+    the OpenCLIP rows said "not installed" where CI's build filled them)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["docs"]
+    names = {re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower().replace("-", "_")
+             for req in wanted}
+    for family in sm.FAMILY_LIST:
+        for module in family.requires:
+            assert DISTRIBUTIONS[module].lower() in names, (family.name, module)
