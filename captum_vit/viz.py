@@ -274,10 +274,12 @@ NEAR_ZERO_RTOL = 1e-6
 
 NEAR_ZERO_NOTE = "≈ 0 on this input (measured)"
 """What :func:`plot_grid` writes on the panel of a numerically zero map, above what was
-measured: the map's largest absolute value and the scale it was compared with. It says
-what this call gave, not what the method does: a map is numerically zero when the score's
-gradient is (a random head initialised to zero, a model whose output is itself ~0), and
-the same method gives a real map on another model or input."""
+measured: the map's largest absolute value and the scale it was compared with (the largest
+score or map of the image). It says what this call gave, not what the method does: the
+same method gives a real map on another model or input (a map is numerically zero where
+the score's gradient is, e.g. a random head initialised to zero or a model whose output is
+itself ~0, or where the method's reduction of it cancels, e.g. the plain gradient summed
+over channels behind a LayerNorm)."""
 
 REFUSED_NOTE = "refused"
 """What :func:`plot_grid` writes on the panel of a method that refused the model or the
@@ -361,9 +363,10 @@ def _plot_flat(ax, image: Tensor, attr: Tensor, title: str | None,
     measured (the map's largest absolute value, the scale it was compared with), without a
     colour scale."""
     peak = float(attr.detach().abs().max())
-    against = f"\nnext to scores up to {scale:.1e}" if scale else ""
-    _plot_note(ax, image, f"{NEAR_ZERO_NOTE}\nmax |map| = {peak:.1e}{against}\n"
-               "(the score's gradient ≈ 0 here);\ndrawn flat", title)
+    against = (f"\nnext to {scale:.1e}, the largest\nscore or map of this input"
+               if scale else "")
+    _plot_note(ax, image, f"{NEAR_ZERO_NOTE}\nmax |map| = {peak:.1e}{against};\ndrawn flat",
+               title)
 
 
 def _plot_refused(ax, image: Tensor, message: str, title: str | None) -> None:
