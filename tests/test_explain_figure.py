@@ -255,3 +255,15 @@ def test_explain_fails_when_every_method_refuses(tmp_path, capsys, monkeypatch):
                  "--out", str(out)]) != 0
     assert not out.exists()
     assert "rollout refuses this model" in capsys.readouterr().err  # the first (by family)
+
+
+def test_explain_on_a_swin_with_tis_draws_the_refusal(tmp_path, capsys):
+    """The case of issue 42 itself: TIS refuses a Swin by name; GAE's map is kept and the
+    figure written, TIS's panel holding its message."""
+    out = tmp_path / "swin.png"
+    assert main(["explain", "--model", "timm:swin_tiny_patch4_window7_224", "--methods",
+                 "gae,tis", "--n-masks", "8", "--out", str(out)]) == 0
+    assert out.is_file()
+    captured = capsys.readouterr()
+    assert "1 method (1 more refused)" in captured.out
+    assert "note: tis refused" in captured.err and "window" in captured.err
