@@ -6,20 +6,21 @@ matrix), and every documented object's name is read from the HTML: none may star
 ``_``, none may be one of the method classes' internal class attributes (flags and
 docstring pieces the package reads: ``examples_doc``, ``conserves``, ``windowed``, ...),
 and none may be a member Captum documents itself (``attribute_future``, which Captum's
-own methods do not implement either). The one underscore name allowed is the package's
-``__version__``. Skipped without Sphinx (the ``docs`` extra).
+own methods do not implement either), and no napoleon "TYPE:" field. The one underscore
+name allowed is the package's ``__version__``. The checks are ``docs/check_api.py``'s,
+which CI also runs on the full built site (``.ci/docs``). The build is skipped without
+Sphinx (the ``docs`` extra).
 """
 
 from __future__ import annotations
 
-import html
 import importlib
-import inspect
+import importlib.util
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -42,35 +43,16 @@ html_theme = "basic"
 '''
 
 
-def internal_class_attributes() -> set[str]:
-    """The plain class attributes (data: not a routine, not a property) that the method
-    classes of ``captum_vit`` define or inherit from ``captum_vit``'s own base classes."""
-    from captum.attr import Attribution
-
-    import captum_vit
-
-    names: set[str] = set()
-    for public in captum_vit.__all__:
-        cls = getattr(captum_vit, public)
-        if not (isinstance(cls, type) and issubclass(cls, Attribution)):
-            continue
-        for klass in cls.__mro__:
-            if not klass.__module__.startswith("captum_vit"):
-                continue
-            for name, value in vars(klass).items():
-                if name.startswith("_"):
-                    continue
-                if not (inspect.isroutine(value)
-                        or isinstance(value, (property, classmethod, staticmethod))):
-                    names.add(name)
-    return names
+def _load_check_api() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_api", ROOT / "docs" / "check_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def documented_names(page: str) -> list[str]:
-    """The ``id`` of every documented object (``<dt ... id="captum_vit.GAE.attribute">``)
-    of a built HTML page."""
-    return [html.unescape(i) for i in
-            re.findall(r'<dt class="sig sig-object py[^"]*" id="([^"]+)"', page)]
+check_api = _load_check_api()
+internal_class_attributes = check_api.internal_class_attributes
+documented_names = check_api.documented_names
 
 
 def test_documented_names_are_read_from_a_page():
@@ -138,23 +120,27 @@ def api_site(tmp_path_factory):
 
 
 def test_the_api_pages_show_only_public_names(api_site):
-    internal = internal_class_attributes() | set(NAMED_IN_THE_ISSUE)
-    bad = []
-    names = []
-    for stem, page in api_site.items():
-        for dotted in documented_names(page):
-            names.append(dotted)
-            parts = dotted.split(".")
-            private = [p for p in parts if p.startswith("_")
-                       and not (p == "__version__" and len(parts) == 2)]
-            if private or parts[-1] in internal:
-                bad.append(f"{stem}: {dotted}")
+    names, bad = check_api.check_pages(api_site)
     assert len(names) > 150  # the pages were built with their autodoc entries
     assert "captum_vit.GAE.attribute" in names and "captum_vit.TokenTM.attribute" in names
     assert not bad, "internal names on the API pages:\n" + "\n".join(bad)
+    assert set(NAMED_IN_THE_ISSUE) <= internal_class_attributes() | set(check_api.CAPTUM_OWN)
 
 
-def test_no_attribute_is_garbled_into_a_type_field(api_site):
-    """napoleon turned the internal attributes' docstrings into "TYPE:" fields."""
-    for stem, page in api_site.items():
-        assert "TYPE:" not in page, stem
+def test_the_checker_reports_internal_names_and_type_fields(tmp_path, capsys):
+    """``docs/check_api.py``, which CI runs on the built site (``.ci/docs``)."""
+    page = ('<dt class="sig sig-object py" id="captum_vit.GAE">x</dt>'
+            '<dt class="sig sig-object py" id="captum_vit.GAE.attribute">y</dt>')
+    assert check_api.check_pages({"methods": page})[1] == []
+    bad = page + ('<dt class="sig sig-object py" id="captum_vit.GAE.conserves">z</dt>'
+                  '<dt class="sig sig-object py" id="captum_vit.GAE._probe">z</dt>'
+                  '<dt class="sig sig-object py" id="captum_vit.TokenTM.attribute_future">'
+                  '</dt><p>TYPE: bool</p>')
+    problems = check_api.check_pages({"methods": bad})[1]
+    assert len(problems) == 4 and any("TYPE:" in p for p in problems)
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "methods.html").write_text(bad, encoding="utf-8")
+    assert check_api.main([str(tmp_path)]) == 1
+    assert "captum_vit.GAE.conserves" in capsys.readouterr().err
+    (tmp_path / "api" / "methods.html").write_text(page, encoding="utf-8")
+    assert check_api.main([str(tmp_path)]) == 0

@@ -32,6 +32,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "docs" / "source"
 PAGES = sorted([*(SOURCE / "guide" / "methods").glob("*.md"),
                 SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md",
                 SOURCE / "guide" / "families.md"])
+NEEDS = {"families.md": ("transformers",)}
+"""Libraries a page's code needs beyond the core dependencies (skipped without them)."""
 _NAMESPACES: dict[str, dict] = {}
 """The namespace each page's code left (``test_page_code_runs``), for the checks of what
 it computed."""
@@ -89,6 +91,8 @@ def test_page_code_runs(page, workdir):
     import torch
 
     assert page.is_file(), f"{page} is missing"
+    for module in NEEDS.get(page.name, ()):
+        pytest.importorskip(module)
     blocks = python_blocks(page.read_text(encoding="utf-8"))
     assert blocks, f"{page.name} has no python block"
     namespace: dict = {"__name__": "__docs__"}
