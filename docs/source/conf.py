@@ -12,7 +12,7 @@ front page and Getting started include its intro, set-up and build sections, bet
 
 ``support_matrix.md`` is generated when the build starts (``builder-inited``) by
 ``docs/support_matrix.py``, which runs every method on every model family and target kind
-(8 minutes on two shared cores, measured); the run is cached under
+(1 to 8 minutes on two shared cores, measured); the run is cached under
 ``docs/_build/support_matrix/`` by a hash of the package's sources, the script's measuring
 code and the installed versions, so a rebuild without changes renders the cached run. The
 build then checks the run against ``docs/support_status.json``, from which the README's and
