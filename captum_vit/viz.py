@@ -272,8 +272,18 @@ def plot_heads(image: Tensor, maps: Tensor, *, title: str | None = None,
 NEAR_ZERO_RTOL = 1e-6
 """Relative size below which :func:`near_zero` calls a map numerically zero."""
 
-NEAR_ZERO_NOTE = "≈ 0: structurally near zero here"
-"""What :func:`plot_grid` writes on the panel of a numerically zero map."""
+NEAR_ZERO_NOTE = "≈ 0 on this input (measured)"
+"""What :func:`plot_grid` writes on the panel of a numerically zero map, above what was
+measured: the map's largest absolute value and the scale it was compared with (the largest
+score or map of the image). It says what this call gave, not what the method does: the
+same method gives a real map on another model or input (a map is numerically zero where
+the score's gradient is, e.g. a random head initialised to zero or a model whose output is
+itself ~0, or where the method's reduction of it cancels, e.g. the plain gradient summed
+over channels behind a LayerNorm)."""
+
+REFUSED_NOTE = "refused"
+"""What :func:`plot_grid` writes on the panel of a method that refused the model or the
+target, above the refusal's message."""
 
 
 def near_zero(maps: Mapping[str, Tensor], *, reference: float | Sequence[float] | Tensor | None
@@ -318,27 +328,54 @@ def near_zero(maps: Mapping[str, Tensor], *, reference: float | Sequence[float] 
     """
     if not maps:
         return {}
+    peaks, scale = _peaks_and_scale(maps, reference)
+    return {k: p <= rtol * scale for k, p in peaks.items()}
+
+
+def _peaks_and_scale(maps: Mapping[str, Tensor],
+                     reference: float | Sequence[float] | Tensor | None
+                     ) -> tuple[dict[str, Tensor], Tensor]:
+    """Each map's largest absolute value per image, and :func:`near_zero`'s scale
+    :math:`s_i` per image."""
     peaks = {k: v.detach().abs().float().cpu().reshape(v.shape[0], -1).amax(1)
              for k, v in maps.items()}
     scale = torch.stack(list(peaks.values())).amax(0)
     if reference is not None:
         ref = torch.as_tensor(reference, dtype=torch.float32).abs().reshape(-1)
         scale = torch.maximum(scale, ref.expand_as(scale) if ref.numel() == 1 else ref)
-    return {k: p <= rtol * scale for k, p in peaks.items()}
+    return peaks, scale
 
 
-def _plot_flat(ax, image: Tensor, attr: Tensor, title: str | None) -> None:
-    """A near-zero map's panel: the image, faded, with :data:`NEAR_ZERO_NOTE` and the
-    map's largest absolute value, without a colour scale."""
+def _plot_note(ax, image: Tensor, text: str, title: str | None) -> None:
+    """A panel without a map: the image, faded, with ``text`` in a box."""
     img = _image_to_numpy(image)
     ax.imshow(img, cmap="gray" if img.ndim == 2 else None, alpha=0.35)
-    peak = float(attr.detach().abs().max())
-    ax.text(0.5, 0.5, f"{NEAR_ZERO_NOTE}\nmax |map| = {peak:.1e}, drawn flat",
-            transform=ax.transAxes, ha="center", va="center", fontsize=7,
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=7,
             bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "0.6"})
     if title:
         ax.set_title(title, fontsize=9)
     ax.axis("off")
+
+
+def _plot_flat(ax, image: Tensor, attr: Tensor, title: str | None,
+               scale: float | None = None) -> None:
+    """A near-zero map's panel: the image, faded, with :data:`NEAR_ZERO_NOTE` and what was
+    measured (the map's largest absolute value, the scale it was compared with), without a
+    colour scale."""
+    peak = float(attr.detach().abs().max())
+    against = (f"\nnext to {scale:.1e}, the largest\nscore or map of this input"
+               if scale else "")
+    _plot_note(ax, image, f"{NEAR_ZERO_NOTE}\nmax |map| = {peak:.1e}{against};\ndrawn flat",
+               title)
+
+
+def _plot_refused(ax, image: Tensor, message: str, title: str | None) -> None:
+    """A refusing method's panel: the image, faded, with :data:`REFUSED_NOTE` and the
+    refusal's message, wrapped to the panel (at most eight lines)."""
+    lines = textwrap.wrap(" ".join(str(message).split()), 34) or [""]
+    if len(lines) > 8:
+        lines = lines[:7] + [lines[7][:30] + " …"]
+    _plot_note(ax, image, REFUSED_NOTE + ":\n" + "\n".join(lines), title)
 
 
 def _grouped(names: Sequence[str], groups: Mapping[str, str] | None) -> list[tuple[str, list[str]]]:
@@ -357,12 +394,15 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
               max_cols: int = 5, display: str = "nearest",
               groups: Mapping[str, str] | None = None,
               reference: float | Sequence[float] | Tensor | None = None,
-              near_zero_rtol: float = NEAR_ZERO_RTOL, note: str | None = None):
+              near_zero_rtol: float = NEAR_ZERO_RTOL, note: str | None = None,
+              refused: Mapping[str, str] | None = None):
     """The input and every method's map: one row per image, or, for a single image, the
     panels wrapped into rows of ``max_cols``.
 
     A map that is numerically zero for an image (:func:`near_zero`) is not stretched to
-    full contrast: its panel shows the image faded, marked :data:`NEAR_ZERO_NOTE`.
+    full contrast: its panel shows the image faded, marked :data:`NEAR_ZERO_NOTE` with the
+    values measured. A method that refused (``refused``) gets a panel too, with its
+    message, so that one refusal does not cost the other methods' figure.
 
     Args:
         images (Tensor): [B, C, H, W].
@@ -382,6 +422,10 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
         near_zero_rtol (float, optional): ``rtol`` of :func:`near_zero`; ``-1`` turns the
             check off. Default :data:`NEAR_ZERO_RTOL`.
         note (str, optional): a footnote under the panels (e.g. the settings used).
+        refused (Mapping[str, str], optional): method name -> the message of its refusal,
+            for methods without a map (not in ``maps``): each gets a panel marked
+            :data:`REFUSED_NOTE` with the message, placed with its group (after the
+            group's maps).
 
     Returns:
         matplotlib.figure.Figure: also when saved (then closed).
@@ -399,13 +443,19 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
     if display not in DISPLAYS:  # before any drawing
         raise ValueError(f"display must be one of {', '.join(map(repr, DISPLAYS))}, "
                          f"got {display!r}")
+    refused = dict(refused or {})
+    both = sorted(set(maps) & set(refused))
+    if both:
+        raise ValueError(f"refused names methods that have a map in maps: {both}; pass each "
+                         "method in one of the two")
     b = images.shape[0]
-    grouped = _grouped(list(maps), groups)
+    grouped = _grouped([*maps, *refused], groups)
     order = [n for _, names in grouped for n in names]
     flat = near_zero(maps, reference=reference, rtol=near_zero_rtol)
+    scale = _peaks_and_scale(maps, reference)[1] if maps else None
     if b == 1:
         widest = max((len(names) for _, names in grouped), default=0)
-        cols = max(1, min(max_cols, len(maps) + 1 if groups is None else widest))
+        cols = max(1, min(max_cols, len(order) + 1 if groups is None else widest))
         if groups is None:
             slots = list(range(1, len(order) + 1))
             rows = -(-(len(order) + 1) // cols)
@@ -428,8 +478,11 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
         cells[0].imshow(img, cmap="gray" if img.ndim == 2 else None)
         cells[0].set_title(row_titles[i] if row_titles else "input", fontsize=9)
         for slot, name in zip(where, order, strict=True):
-            if bool(flat[name][i]):
-                _plot_flat(cells[slot], images[i], maps[name][i], name)
+            if name in refused:
+                _plot_refused(cells[slot], images[i], refused[name], name)
+            elif bool(flat[name][i]):
+                _plot_flat(cells[slot], images[i], maps[name][i], name,
+                           None if scale is None else float(scale[i]))
             else:
                 plot_overlay(cells[slot], images[i], maps[name][i], title=name, display=display)
     labelled = groups is not None
@@ -594,7 +647,7 @@ def _label_groups(fig, axes, grouped: Sequence[tuple[str, list[str]]],
         start += len(names)
 
 
-__all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "figure_formats",
-           "near_zero", "patch_grid", "plot_grid", "plot_heads", "plot_overlay",
+__all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "REFUSED_NOTE",
+           "figure_formats", "near_zero", "patch_grid", "plot_grid", "plot_heads", "plot_overlay",
            "plot_video", "prediction_title", "upsample_map", "VIDEO_FORMATS"]
 

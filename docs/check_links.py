@@ -1,21 +1,25 @@
-"""Check the internal links of the built documentation site.
+"""Check the internal links of the built documentation site, and that no page shows a path
+of the machine that built it.
 
 Every relative ``href`` and ``src`` in the built HTML must point to a file of the build, and
 every ``#fragment`` to an ``id`` (or ``<a name=...>``) of the page it names. External links
 (``http:``, ``https:``, ``mailto:``, ``data:`` ...) are not followed: ``sphinx-build -b
-linkcheck`` is the tool for those.
+linkcheck`` is the tool for those. No page may contain a machine path
+(:data:`MACHINE_PATH`: a home folder, a venv's ``site-packages``, ...), as a warning
+printed by an executed notebook carries.
 
 Usage (from the repository root, after ``sphinx-build -b html docs/source docs/_build/html``)::
 
     python docs/check_links.py docs/_build/html
 
-Exits 0 when every internal link resolves, 1 otherwise (each broken link printed as
-``page: link (why)``).
+Exits 0 when every internal link resolves and no page shows a machine path, 1 otherwise
+(each broken link printed as ``page: link (why)``, each machine path as ``page: text``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
@@ -23,6 +27,10 @@ from urllib.parse import unquote, urlsplit
 
 # pages Sphinx writes that are not part of the site's navigation and may link loosely
 _SKIP_DIRS = {"_sources", "_static", ".doctrees", ".jupyter_cache", "jupyter_execute"}
+
+MACHINE_PATH = re.compile(r"(?:/home/|/root/|/work/|/Users/|[A-Za-z]:\\Users\\|"
+                          r"site-packages/|dist-packages/|\.venv/lib/)")
+"""What a path of the building machine looks like in a page."""
 
 
 class _PageParser(HTMLParser):
@@ -106,6 +114,28 @@ def check_site(root: Path) -> tuple[int, list[str]]:
     return checked, broken
 
 
+def machine_paths(root: Path) -> list[str]:
+    """The machine paths shown by the HTML pages under ``root``: one line per occurrence,
+    ``page: the text around it``.
+
+    Args:
+        root (Path): the built site.
+
+    Returns:
+        list[str]: empty when no page shows one.
+    """
+    root = root.resolve()
+    found = []
+    for path in sorted(root.rglob("*.html")):
+        if _SKIP_DIRS.intersection(path.relative_to(root).parts):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for m in MACHINE_PATH.finditer(text):
+            around = text[max(0, m.start() - 40): m.end() + 40].replace("\n", " ")
+            found.append(f"{path.relative_to(root)}: ...{around}...")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: check the site given as the only argument; print the broken links."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -115,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     checked, broken = check_site(args.site)
     for line in broken:
         print(f"broken link: {line}", file=sys.stderr)
-    print(f"check_links: {checked} internal links checked, {len(broken)} broken")
-    return 1 if broken else 0
+    paths = machine_paths(args.site)
+    for line in paths:
+        print(f"machine path: {line}", file=sys.stderr)
+    print(f"check_links: {checked} internal links checked, {len(broken)} broken; "
+          f"{len(paths)} machine paths shown")
+    return 1 if broken or paths else 0
 
 
 if __name__ == "__main__":

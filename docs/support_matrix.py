@@ -1067,6 +1067,278 @@ def render(result: dict[str, Any], digest: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the generated tables of the README and the Targets page -----------------------------
+STATUS = ROOT / "docs" / "support_status.json"
+"""The committed outcome of the last full run: per family and target kind, the methods
+that did not work. The README's family table and the Targets page's support table are
+rendered from it (:func:`update_tables`); the documentation build checks it against the
+run it measures (:func:`status_drift`), the tests check the tables against it."""
+
+README = ROOT / "README.md"
+TARGETS_PAGE = ROOT / "docs" / "source" / "guide" / "targets.md"
+TABLES_COMMAND = f"{COMMAND} --tables"
+
+README_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("timm `VisionTransformer` (DeiT, registers, `map` pool, dynamic size), `Eva` (EVA-02, "
+     "DINOv3-style), `Beit`",
+     ("timm_vit", "timm_deit", "timm_registers", "timm_avgpool", "timm_layerscale",
+      "timm_nonsquare", "timm_map", "timm_map_cls_reg", "timm_eva02", "timm_eva_dinov3",
+      "timm_eva_map", "timm_beit", "timm_beit_shared", "timm_beit_swiglu", "timm_headless",
+      "timm_eva_headless_map")),
+    ("Hugging Face ViT, DeiT, DINOv2 (± registers), BEiT, Data2Vec, CLIP/SigLIP classifiers",
+     ("hf_vit", "hf_deit", "hf_dinov2", "hf_dinov2_reg", "hf_dinov2_swiglu", "hf_beit",
+      "hf_data2vec", "hf_clip_cls", "hf_siglip_cls")),
+    ("Hugging Face head-less `ViTModel`, `DeiTModel`, `Dinov2Model`",
+     ("hf_vit_model", "hf_deit_model", "hf_dinov2_model")),
+    ("Hugging Face CLIP / SigLIP towers, the towers of LLaVA and PaliGemma",
+     ("hf_clip", "hf_clip_noproj", "hf_siglip", "hf_llava", "hf_paligemma")),
+    ("Hugging Face `Dinov2Backbone` of DPT / Depth Anything", ("hf_dpt", "hf_depth_anything")),
+    ("Hugging Face YOLOS (`use_mid_position_embeddings=False`)", ("hf_yolos",)),
+    ("Hugging Face VideoMAE (videos: maps per tubelet)",
+     ("hf_videomae", "hf_videomae_token", "hf_videomae_model")),
+    ("timm `SwinTransformer`, Hugging Face `SwinForImageClassification` / `SwinModel`",
+     ("timm_swin", "hf_swin", "hf_swin_model")),
+    ("torchvision `VisionTransformer`", ("torchvision", "torchvision_representation")),
+    ("OpenCLIP image towers, CLIP / CoCa", ("open_clip", "open_clip_avg", "open_clip_coca")),
+    ("SAM's image encoder: Hugging Face `SamModel`, timm `VisionTransformerSAM`",
+     ("timm_sam", "hf_sam")),
+)
+"""The README's family table: a row's label and the matrix families it summarises."""
+
+README_REFUSED_ROWS = (
+    "| Hugging Face YOLOS with mid-position embeddings, timm hybrid (CNN stem), anything "
+    "else | `TypeError` / `ValueError` naming what is missing | | | |",
+)
+"""Rows of models every method refuses (the matrix's refused families and the ones it
+does not build)."""
+
+PERTURBATION = ("tis", "rise", "scorecam", "vit_cx")
+BASELINES = ("random",)
+
+
+def _is_composition(method: str) -> bool:
+    return method.startswith(("plus:", "skipplus:"))
+
+
+README_COLUMNS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("attention, gradient, CAM, decomposition and LRP methods",
+     lambda m: m not in PERTURBATION and not _is_composition(m) and m not in BASELINES),
+    ("perturbation (TIS, RISE, ScoreCAM, ViT-CX)", lambda m: m in PERTURBATION),
+    ("PLUS / SkipPLUS", _is_composition),
+)
+"""The README table's method columns: a header and which matrix rows it covers."""
+
+GRADIENT_FREE = ("rollout", "raw_attention", "globenc", "alti")
+GRADIENT_WEIGHTED = ("gae", "attn_gradcam", "chefer21", "tokentm", "tokentm_residual",
+                     "bt_h", "bt_t", "tam", "attcat", "attn_grad", "gradsam", "att_ixg")
+
+TARGET_COLUMNS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("gradient & IxG & LRP, CAMs, FullGrad+",
+     lambda m: not (m in PERTURBATION or m in GRADIENT_FREE or m in GRADIENT_WEIGHTED
+                    or _is_composition(m) or m in BASELINES)),
+    ("gradient-weighted matrix methods", lambda m: m in GRADIENT_WEIGHTED),
+    ("gradient-free matrix methods", lambda m: m in GRADIENT_FREE),
+    ("perturbation", lambda m: m in PERTURBATION),
+    ("PLUS / SkipPLUS", _is_composition),
+)
+"""The Targets page's support table: method columns, as the page's groups."""
+
+
+def statuses(result: dict[str, Any]) -> dict[str, Any]:
+    """The outcome of a run, compactly: the methods measured, and per family (installed
+    and set up) and target kind the methods that did not work."""
+    out: dict[str, Any] = {"methods": list(result["methods"]), "families": {}}
+    for name, info in result["families"].items():
+        if not info.get("installed") or "error" in info:
+            continue
+        out["families"][name] = {k: {"refused": [], "failed": []}
+                                 for k in FAMILIES[name].kinds}
+    for c in result["cells"]:
+        if c["status"] != "works" and c["family"] in out["families"]:
+            out["families"][c["family"]][c["kind"]][c["status"]].append(c["method"])
+    for kinds in out["families"].values():
+        for lists in kinds.values():
+            for key in lists:
+                lists[key] = sorted(lists[key])
+    return out
+
+
+def _works(st: dict[str, Any], method: str, family: str, kind: str) -> bool:
+    lists = st["families"][family][kind]
+    return method not in lists["refused"] and method not in lists["failed"]
+
+
+def _refused_families(st: dict[str, Any]) -> list[str]:
+    """Families on which every method refuses every target kind (the model is refused)."""
+    return [f for f, kinds in st["families"].items()
+            if all(not _works(st, m, f, k) for k in kinds for m in st["methods"])]
+
+
+def _cell(st: dict[str, Any], methods: Sequence[str],
+          where: Sequence[tuple[str, str]], *, by: str) -> str:
+    """A summary cell: ✅ when every method works at every ``(family, kind)``, ❌ when
+    none does, otherwise ✅ with the exceptions, grouped by what they are refused on
+    (``by="kind"``: the target kinds, or the families where only some of a kind's
+    families refuse; ``by="family"``: the families)."""
+    if not methods or not where:
+        return ""
+    failing: dict[str, list[tuple[str, str]]] = {}
+    for m in methods:
+        bad = [(f, k) for f, k in where if not _works(st, m, f, k)]
+        if bad:
+            failing[m] = bad
+    if not failing:
+        return "✅"
+    if len(failing) == len(methods) and all(len(b) == len(where) for b in failing.values()):
+        return "❌"
+
+    def describe(bad: list[tuple[str, str]]) -> str:
+        if len(bad) == len(where):
+            return ""
+        if by == "family":
+            return "on " + ", ".join(FAMILIES[f].label for f, _ in bad)
+        whole, parts = [], []
+        for kind in dict.fromkeys(k for _, k in bad):
+            all_of_kind = [f for f, k in where if k == kind]
+            hit = [f for f, k in bad if k == kind]
+            if len(hit) == len(all_of_kind):
+                whole.append(KINDS[kind])
+            else:
+                parts.append(f"with {KINDS[kind]} on " + ", ".join(FAMILIES[f].label
+                                                                   for f in hit))
+        return "; ".join(([f"with {', '.join(whole)}"] if whole else []) + parts)
+
+    groups: dict[str, list[str]] = {}
+    for m, bad in failing.items():
+        groups.setdefault(describe(bad), []).append(m)
+    if len(groups) == 1 and len(failing) == len(methods):  # the whole column, alike
+        return f"✅ (❌ {next(iter(groups))})"
+    parts = [", ".join(f"`{m}`" for m in ms) + " ❌" + (f" {d}" if d else "")
+             for d, ms in groups.items()]
+    return "✅ (" + "; ".join(parts) + ")"
+
+
+def readme_table(st: dict[str, Any]) -> str:
+    """The README's family table (Markdown), from :func:`statuses`."""
+    lines = ["| family | " + " | ".join(h for h, _ in README_COLUMNS) + " | targets |",
+             "|---" * (len(README_COLUMNS) + 2) + "|"]
+    for label, names in README_ROWS:
+        present = [f for f in names if f in st["families"]]
+        where = [(f, k) for f in present for k in KINDS if k in st["families"][f]]
+        cells = [_cell(st, [m for m in st["methods"] if take(m)], where, by="kind")
+                 for _, take in README_COLUMNS]
+        kinds = ", ".join(KINDS[k] for k in dict.fromkeys(k for _, k in where))
+        if not present:
+            cells, kinds = ["not measured (library not installed)"] + [""] * (
+                len(README_COLUMNS) - 1), ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {kinds} |")
+    lines += README_REFUSED_ROWS
+    return "\n".join(lines)
+
+
+def targets_table(st: dict[str, Any]) -> str:
+    """The Targets page's support table (Markdown): per target kind and method group,
+    what ran on every family with that kind, from :func:`statuses`."""
+    refused = set(_refused_families(st))
+    lines = ["| target | families | " + " | ".join(h for h, _ in TARGET_COLUMNS) + " |",
+             "|---" * (len(TARGET_COLUMNS) + 2) + "|"]
+    for kind, label in KINDS.items():
+        fams = [f for f in FAMILIES if f in st["families"] and kind in st["families"][f]
+                and f not in refused]
+        if not fams:
+            continue
+        where = [(f, kind) for f in fams]
+        cells = [_cell(st, [m for m in st["methods"] if take(m)], where, by="family")
+                 for _, take in TARGET_COLUMNS]
+        lines.append(f"| {label} | {len(fams)} | " + " | ".join(cells) + " |")
+    if refused:
+        lines += ["", "Models refused by every method (left out above): "
+                  + ", ".join(f"{FAMILIES[f].group}: {FAMILIES[f].label}"
+                              for f in sorted(refused)) + "."]
+    return "\n".join(lines)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return (f"<!-- begin-generated:{name} (python docs/support_matrix.py --tables) -->",
+            f"<!-- end-generated:{name} -->")
+
+
+GENERATED: tuple[tuple[Path, str, Callable[[dict[str, Any]], str]], ...] = (
+    (README, "family-table", readme_table),
+    (TARGETS_PAGE, "support-by-target", targets_table),
+)
+"""Where the generated tables go: the file, the name of its markers, the renderer."""
+
+
+def generated_section(text: str, name: str) -> str:
+    """The text between a file's pair of markers ``name`` (without the markers' lines)."""
+    begin, end = _markers(name)
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"expected one pair of markers {begin!r} ... {end!r}")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def replace_section(text: str, name: str, table: str) -> str:
+    """``text`` with the section between the markers ``name`` replaced by ``table``."""
+    begin, end = _markers(name)
+    generated_section(text, name)  # checks the markers
+    head, rest = text.split(begin, 1)
+    return head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1]
+
+
+def table_drift(st: dict[str, Any], files: Sequence[tuple[Path, str, Callable]] = GENERATED
+                ) -> list[str]:
+    """The generated tables that differ from what :func:`statuses` ``st`` renders: one
+    line per file."""
+    return [f"{path.name}: the table between the markers {name!r} is not what "
+            f"{STATUS.name} renders (run {TABLES_COMMAND})"
+            for path, name, render_ in files
+            if generated_section(path.read_text(encoding="utf-8"), name) != render_(st)]
+
+
+def status_drift(measured: dict[str, Any], committed: dict[str, Any]) -> list[str]:
+    """Where a run's :func:`statuses` differ from the committed ones, over the families
+    and methods both have: one line per ``(family, kind)``."""
+    out = []
+    methods = set(measured["methods"]) & set(committed["methods"])
+    for f, kinds in measured["families"].items():
+        for k, lists in kinds.items():
+            old = committed["families"].get(f, {}).get(k)
+            if old is None:
+                continue
+            for key in ("refused", "failed"):
+                now, was = set(lists[key]) & methods, set(old[key]) & methods
+                if now != was:
+                    out.append(f"{f} / {KINDS[k]}: {key} now {sorted(now - was)} more, "
+                               f"{sorted(was - now)} fewer than {STATUS.name}")
+    missing = sorted(set(committed["methods"]) ^ set(measured["methods"]))
+    if missing:
+        out.append(f"methods measured differ from {STATUS.name}: {missing}")
+    return out
+
+
+def read_status(path: Path = STATUS) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def update_tables(result: dict[str, Any], status: Path = STATUS) -> list[Path]:
+    """Write :data:`STATUS` from a full run and re-render the generated tables; returns
+    the files changed."""
+    st = statuses(result)
+    changed = []
+    text = json.dumps(st, indent=1, sort_keys=True) + "\n"
+    if not status.exists() or status.read_text(encoding="utf-8") != text:
+        status.write_text(text, encoding="utf-8")
+        changed.append(status)
+    for path, name, render_ in GENERATED:
+        old = path.read_text(encoding="utf-8")
+        new = replace_section(old, name, render_(st))
+        if new != old:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
 def cached_result(digest: str, cache: Path = CACHE) -> dict[str, Any] | None:
     path = cache / f"{digest}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -1110,6 +1382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"of {', '.join(FAMILIES)})")
     parser.add_argument("--all-compositions", action="store_true",
                         help="rows: also PLUS and SkipPLUS of every method that can be a base")
+    parser.add_argument("--tables", action="store_true",
+                        help="also write docs/support_status.json and the tables it renders "
+                        "in README.md and docs/source/guide/targets.md (a full run, cached "
+                        "or measured)")
     args = parser.parse_args(argv)
     if args.all_compositions and not args.methods:
         args.methods = ",".join(all_compositions())
@@ -1130,6 +1406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         result = write_page(Path(args.out), force=args.force, progress=say)
         say(f"{args.out}: {_counts(result['cells'])} in {result['seconds']:.0f} s")
+        if args.tables:
+            for path in update_tables(result):
+                say(f"rewrote {path.relative_to(ROOT)}")
     return 0
 
 

@@ -333,15 +333,17 @@ ViT-CX)."""
 def family_marks(family: str, method: str | None = None) -> tuple:
     """pytest marks of a family: Hugging Face ones skip without transformers, torchvision
     ones without torchvision; a method that refuses the family by name (``method`` in
-    :data:`WINDOW_REFUSERS` on a Swin) is expected to raise."""
+    :data:`WINDOW_REFUSERS` on a Swin or SAM) is expected to raise its ValueError (strict:
+    a test that passes anyway must not take this mark; pass no ``method`` and expect the
+    refusal in the test)."""
     if family in SAM_FAMILIES and method in WINDOW_REFUSERS:  # windowed too
         return ((needs_transformers,) if family in HF_FAMILIES else ()) + (
-            pytest.mark.xfail(raises=(TypeError, ValueError), strict=False,
+            pytest.mark.xfail(raises=ValueError, strict=True,
                               reason=f"{method} refuses windowed models by name"),)
     if family in SWIN_FAMILIES or family in HF_SWIN_FAMILIES:
         marks: tuple = (needs_transformers,) if family in HF_SWIN_FAMILIES else ()
         if method in WINDOW_REFUSERS:
-            marks += (pytest.mark.xfail(raises=(TypeError, ValueError), strict=False,
+            marks += (pytest.mark.xfail(raises=ValueError, strict=True,
                                         reason=f"{method} refuses windowed models by name"),)
         return marks
     if family in TORCHVISION_FAMILIES:

@@ -1,5 +1,6 @@
 """The documentation checks CI runs on the built site: ``docs/check_links.py`` reports every
-broken internal link (and none on a sound site), ``docs/check_pages.py`` fails a page with a
+broken internal link (and none on a sound site) and every machine path a page shows,
+``docs/check_pages.py`` fails a page with a
 console error, no heading or no figure (the browser test skips without Chromium)."""
 
 from __future__ import annotations
@@ -46,6 +47,21 @@ def test_check_links_passes_a_sound_site(tmp_path):
     checked, broken = check_links.check_site(tmp_path)
     assert checked == 5 and broken == []
     assert check_links.main([str(tmp_path)]) == 0
+
+
+def test_check_links_reports_machine_paths(tmp_path, capsys):
+    """Issue 42: the rendered tutorials showed tqdm's warning with the builder's venv
+    path."""
+    check_links = load("check_links")
+    write_site(tmp_path)
+    assert check_links.machine_paths(tmp_path) == []
+    (tmp_path / "sub" / "nb.html").write_text(
+        "<pre>/work/main/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: TqdmWarning: "
+        "IProgress not found</pre><p>python3 -m venv .venv &amp;&amp; . .venv/bin/activate</p>")
+    found = check_links.machine_paths(tmp_path)
+    assert len(found) >= 1 and all(f.startswith("sub/nb.html: ") for f in found)
+    assert check_links.main([str(tmp_path)]) == 1
+    assert "machine path: sub/nb.html" in capsys.readouterr().err
 
 
 def test_check_links_reports_each_broken_link(tmp_path):

@@ -1,5 +1,6 @@
-"""The Python code of the user guide's method pages, "Which method should I use" and the
-recipes runs, so that it cannot rot.
+"""The Python code of the user guide's method pages, "Which method should I use", the
+recipes and the model families runs, so that it cannot rot; the families page's random
+SAM, PaliGemma and DPT give maps that are not numerically zero.
 
 Convention (for whoever writes these pages):
 
@@ -29,7 +30,13 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "docs" / "source"
 PAGES = sorted([*(SOURCE / "guide" / "methods").glob("*.md"),
-                SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md"])
+                SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md",
+                SOURCE / "guide" / "families.md"])
+NEEDS = {"families.md": ("transformers",)}
+"""Libraries a page's code needs beyond the core dependencies (skipped without them)."""
+_NAMESPACES: dict[str, dict] = {}
+"""The namespace each page's code left (``test_page_code_runs``), for the checks of what
+it computed."""
 SKIP_MARK = "# needs a download"
 OFFLINE_MARK = "# downloads: pretrained=True"
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```\s*$", re.M | re.S)
@@ -84,6 +91,8 @@ def test_page_code_runs(page, workdir):
     import torch
 
     assert page.is_file(), f"{page} is missing"
+    for module in NEEDS.get(page.name, ()):
+        pytest.importorskip(module)
     blocks = python_blocks(page.read_text(encoding="utf-8"))
     assert blocks, f"{page.name} has no python block"
     namespace: dict = {"__name__": "__docs__"}
@@ -100,6 +109,40 @@ def test_page_code_runs(page, workdir):
         plt.close("all")
     assert ran, f"{page.name}: every block is marked as needing a download"
     assert os.getcwd() == str(workdir)
+    _NAMESPACES[page.name] = namespace
+
+
+def _families_namespace(workdir) -> dict:
+    """What the families page's code computed (run here when the page's test has not)."""
+    page = SOURCE / "guide" / "families.md"
+    if page.name not in _NAMESPACES:
+        test_page_code_runs(page, workdir)
+    return _NAMESPACES[page.name]
+
+
+def test_families_examples_explain_models_whose_output_is_not_zero(workdir):
+    """Issue 42: the SAM example's random model had an image embedding of ~1e-22 under
+    transformers 5.x's initialisation and maps of ~1e-26; with ``seeded_init`` the
+    embedding, the mask score and the maps are of order one (far above the float32
+    round-off of their scale)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    ns = _families_namespace(workdir)
+    sam, x, target = ns["sam"], ns["x"], ns["target"]
+    with torch.no_grad():
+        embedding = sam.get_image_embeddings(x)
+    assert float(embedding.std()) > 0.1
+    res = ns["DecompX"](sam).decompose(x, target)
+    assert float(res.logit.abs().min()) > 1e-3
+    assert float(res.tokens.abs().amax(-1).min()) > 1e-4 * float(res.logit.abs().max())
+    gae = ns["GAE"](sam).attribute(x, target=target, output="grid")
+    assert float(gae.abs().amax((1, 2, 3)).min()) > 1e-3
+    # the PaliGemma and DPT examples are not zero either
+    for name in ("vlm_maps", "vlm_rise", "depth_maps", "depth_rise"):
+        assert ns[name].shape == (2, 1, 4, 4), name
+        assert float(ns[name].abs().amax((1, 2, 3)).min()) > 1e-3, name
+    assert float(ns["depth_tokens"].abs().amax(-1).min()) > 1e-3
 
 
 def test_hugging_face_recipe_runs_on_a_local_model(workdir, monkeypatch):
@@ -126,3 +169,48 @@ def test_hugging_face_recipe_runs_on_a_local_model(workdir, monkeypatch):
         plt.close("all")
     assert namespace["attr"].shape == (1, 1, 14, 14)
     assert namespace["names"] == [config.id2label[k] for k in range(5)]
+
+
+def test_seeded_init_is_reproducible_and_of_order_one():
+    """``captum_vit.zoo.seeded_init``, the examples' re-initialisation: the same seed gives
+    the same parameters, matrices get std ``1/sqrt(fan_in)``, vectors named bias ~0.02,
+    other vectors 1; a non-module is refused by name."""
+    import torch
+
+    from captum_vit.zoo import seeded_init
+
+    def make():
+        torch.manual_seed(123)
+        return torch.nn.Sequential(torch.nn.Linear(400, 300), torch.nn.LayerNorm(300))
+
+    a, b = seeded_init(make(), seed=7), seeded_init(make(), seed=7)
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(seeded_init(make(), seed=8)[0].weight, a[0].weight)
+    assert abs(float(a[0].weight.std()) * 400 ** 0.5 - 1) < 0.02
+    assert abs(float(a[0].bias.std()) - 0.02) < 0.005
+    assert torch.equal(a[1].weight, torch.ones(300))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        seeded_init("vit")
+
+
+def test_seeded_init_gives_sam_an_output_of_order_one():
+    """transformers 5.x initialises SAM so that a config-built model's image embedding is
+    ~1e-22 (the maps of the families page and tutorial 05 were ~1e-26)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from captum_vit.zoo import seeded_init
+
+    cfg = transformers.SamConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
+                           output_channels=16, mlp_dim=64, num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=32, patch_size=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 mlp_dim=32, iou_head_hidden_dim=16))
+    sam = transformers.SamModel(cfg).eval()
+    x = torch.rand(1, 3, 32, 32)
+    with torch.no_grad():
+        after = float(seeded_init(sam, seed=0).get_image_embeddings(x).std())
+    assert 0.1 < after < 10

@@ -171,3 +171,99 @@ def test_explain_help_tells_the_quick_settings_and_the_options(capsys):
     assert "n_masks=128 (API default 1024)" in text and "n_masks=500 (API default 4000)" in text
     for option in ("--full", "--n-masks", "--tolerance"):
         assert option in text
+
+
+def test_the_near_zero_panel_says_what_was_measured():
+    """Issue 42: the panel blamed the method ("structurally near zero"); it says what was
+    measured: the map's peak next to the scores' scale, on this input."""
+    assert "structurally" not in NEAR_ZERO_NOTE and "this input" in NEAR_ZERO_NOTE
+    maps = {"gae": torch.rand(1, 64), "sam": torch.full((1, 64), 3e-26)}
+    fig = plot_grid(torch.rand(1, 3, 32, 32), maps, reference=2.5)
+    text = _texts(_panels(fig)["sam"])
+    assert NEAR_ZERO_NOTE in text and "3.0e-26" in text
+    assert "next to 2.5e+00, the largest score or map" in " ".join(text.split())
+    plt.close(fig)
+
+
+def test_grid_draws_a_refused_method_with_its_message():
+    g = torch.Generator().manual_seed(3)
+    maps = {"gae": torch.rand(1, 64, generator=g), "rollout": torch.rand(1, 64, generator=g)}
+    message = ("ValueError: TIS removes tokens, which breaks the window partition of this "
+               "Swin; use RISE or ViT-CX")
+    groups = {"gae": "a", "tis": "b", "rollout": "a"}
+    fig = plot_grid(torch.rand(1, 1, 56, 56), maps, refused={"tis": message}, groups=groups)
+    panels = _panels(fig)
+    assert set(panels) >= {"gae", "rollout", "tis"}
+    text = " ".join(_texts(panels["tis"]).split())
+    assert text.startswith(viz.REFUSED_NOTE) and "use RISE or ViT-CX" in text
+    assert len(panels["tis"].images) == 1  # the faded input, no map
+    assert viz.REFUSED_NOTE not in _texts(panels["gae"])
+    plt.close(fig)
+    # several images: a refused panel on every row
+    fig = plot_grid(torch.rand(2, 1, 56, 56), {"gae": torch.rand(2, 64)}, refused={"tis": "x"})
+    assert sum(ax.get_title() == "tis" for ax in fig.axes) == 2
+    plt.close(fig)
+    with pytest.raises(ValueError, match="refused names methods that have a map"):
+        plot_grid(torch.rand(1, 1, 56, 56), maps, refused={"gae": "no"})
+
+
+def _refusing(monkeypatch, refuse):
+    """``explain.build_method`` whose methods in ``refuse`` raise a ValueError."""
+    real = explain.build_method
+
+    def build(name, model, **kw):
+        method = real(name, model, **kw)
+        if name in refuse:
+            def attribute(*args, **kwargs):
+                raise ValueError(f"{name} refuses this model (a test): use gae instead")
+
+            method.attribute = attribute
+        return method
+
+    monkeypatch.setattr(explain, "build_method", build)
+
+
+def test_explain_writes_the_figure_when_one_method_refuses(tmp_path, capsys, monkeypatch):
+    """Issue 42: on a Swin with ``tis`` in the list, ``explain`` wrote no figure and threw
+    away the finished maps; the refusal now has its panel."""
+    seen = {}
+    real = viz.plot_grid
+
+    def spy(images, maps, **kwargs):
+        seen.update(kwargs, maps=maps, fig=real(images, maps, **kwargs))
+        return seen["fig"]
+
+    monkeypatch.setattr(viz, "plot_grid", spy)
+    _refusing(monkeypatch, {"tis"})
+    out = tmp_path / "maps.png"
+    assert main(["explain", "--model", "random:vit_tiny", "--methods", "gae,tis,rollout",
+                 "--n-masks", "8", "--out", str(out)]) == 0
+    assert out.is_file() and out.stat().st_size > 0
+    assert set(seen["maps"]) == {"gae", "rollout"}
+    assert set(seen["refused"]) == {"tis"} and "use gae instead" in seen["refused"]["tis"]
+    panel = " ".join(_texts(_panels(seen["fig"])["tis"]).split())
+    assert viz.REFUSED_NOTE in panel and "tis refuses this model" in panel
+    captured = capsys.readouterr()
+    assert "note: tis refused" in captured.err
+    assert "2 methods (1 more refused)" in captured.out
+
+
+def test_explain_fails_when_every_method_refuses(tmp_path, capsys, monkeypatch):
+    _refusing(monkeypatch, {"gae", "rollout"})
+    out = tmp_path / "maps.png"
+    assert main(["explain", "--model", "random:vit_tiny", "--methods", "gae,rollout",
+                 "--out", str(out)]) != 0
+    assert not out.exists()
+    assert "rollout refuses this model" in capsys.readouterr().err  # the first (by family)
+
+
+def test_explain_on_a_swin_with_tis_draws_the_refusal(tmp_path, capsys):
+    """The case of issue 42 itself: TIS refuses a Swin by name; GAE's map is kept and the
+    figure written, TIS's panel holding its message."""
+    out = tmp_path / "swin.png"
+    assert main(["explain", "--model", "timm:swin_tiny_patch4_window7_224", "--methods",
+                 "gae,tis", "--n-masks", "8", "--out", str(out)]) == 0
+    assert out.is_file()
+    captured = capsys.readouterr()
+    assert "1 method (1 more refused)" in captured.out
+    assert "note: tis refused" in captured.err and "window" in captured.err

@@ -197,3 +197,92 @@ def test_every_family_has_a_builder_and_targets():
         s = sm.setup(family)
         assert set(s.targets) == set(family.kinds), family.name
         assert s.inputs.shape[0] == sm.BATCH and s.inputs.dtype == sm.DTYPE
+
+
+def test_the_hash_covers_the_installed_versions(monkeypatch):
+    before = sm.sources_hash()
+    monkeypatch.setattr(sm, "_versions", lambda: {"torch": "0.0-other"})
+    assert sm.sources_hash() != before
+
+
+# -- the generated tables of the README and the Targets page ------------------------------
+def test_readme_and_targets_tables_are_what_the_committed_statuses_render():
+    """README.md's family table and the Targets page's support table are generated from
+    docs/support_status.json (the matrix's last full run): a hand edit, or a new status
+    without ``python docs/support_matrix.py --tables``, fails here."""
+    committed = sm.read_status()
+    assert sm.table_drift(committed) == []
+    # what issue 42 found drifted: TIS runs on YOLOS, it is refused on Swin
+    readme = sm.generated_section((ROOT / "README.md").read_text(encoding="utf-8"),
+                                  "family-table")
+    yolos = next(line for line in readme.splitlines() if line.startswith("| Hugging Face YOLOS ("))
+    assert "❌" not in yolos
+    swin = next(line for line in readme.splitlines() if "SwinTransformer" in line)
+    assert "`tis` ❌" in swin
+
+
+def test_a_drifted_table_is_reported(tmp_path):
+    committed = sm.read_status()
+    changed = json.loads(json.dumps(committed))
+    changed["families"]["hf_yolos"]["detection"]["refused"].append("tis")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n" + sm._markers("family-table")[0] + "\n"
+                      + sm.readme_table(committed) + "\n" + sm._markers("family-table")[1]
+                      + "\nend\n", encoding="utf-8")
+    files = ((readme, "family-table", sm.readme_table),)
+    assert sm.table_drift(committed, files) == []
+    drift = sm.table_drift(changed, files)
+    assert len(drift) == 1 and "README.md" in drift[0] and "--tables" in drift[0]
+    assert "YOLOS" in sm.readme_table(changed) and "`tis` ❌" in sm.readme_table(changed)
+    # the build's check of a run against the committed statuses
+    assert sm.status_drift(committed, committed) == []
+    lines = sm.status_drift(changed, committed)
+    assert len(lines) == 1 and lines[0].startswith("hf_yolos / DetectionTarget: refused")
+
+
+def test_every_method_is_in_one_column_of_each_table():
+    methods = sm.read_status()["methods"]
+    for columns in (sm.README_COLUMNS, sm.TARGET_COLUMNS):
+        for m in methods:
+            taken = [h for h, take in columns if take(m)]
+            assert len(taken) == (0 if m in sm.BASELINES else 1), (m, taken)
+    named = {f for _, fams in sm.README_ROWS for f in fams}
+    assert named <= set(sm.FAMILIES)
+    # every measured family is in a README row, or refused by every method
+    assert set(sm.read_status()["families"]) - named == set(sm._refused_families(
+        sm.read_status()))
+
+
+@pytest.mark.skipif(not _have("transformers"), reason="the hf extra is not installed")
+def test_the_committed_statuses_are_what_tis_and_rise_do_now():
+    """A measured slice of the committed statuses: TIS and RISE on YOLOS, a Swin, SAM and
+    a VLM (the cells the README once got wrong); the documentation build compares every
+    cell (docs/source/conf.py)."""
+    result = sm.generate(["tis", "rise"], ["hf_yolos", "hf_swin", "hf_sam", "hf_paligemma"])
+    measured = sm.statuses(result)
+    assert set(measured["families"]) == {"hf_yolos", "hf_swin", "hf_sam", "hf_paligemma"}
+    assert sm.status_drift(measured, sm.read_status()) == [
+        f"methods measured differ from {sm.STATUS.name}: "
+        f"{sorted(set(sm.read_status()['methods']) - {'tis', 'rise'})}"]
+    assert measured["families"]["hf_yolos"]["detection"]["refused"] == []
+    assert measured["families"]["hf_swin"]["class"]["refused"] == ["tis"]
+
+
+DISTRIBUTIONS = {"timm": "timm", "transformers": "transformers", "torchvision": "torchvision",
+                 "open_clip": "open_clip_torch"}
+"""The distribution that installs each module a family requires."""
+
+
+def test_the_docs_extra_installs_every_library_the_matrix_measures():
+    """A user's ``pip install -e ".[docs]"`` build fills every family's cells (issue 42:
+    the OpenCLIP rows said "not installed" where CI's build filled them)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["docs"]
+    names = {re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower().replace("-", "_")
+             for req in wanted}
+    for family in sm.FAMILY_LIST:
+        for module in family.requires:
+            assert DISTRIBUTIONS[module].lower() in names, (family.name, module)

@@ -230,9 +230,10 @@ def run(args: argparse.Namespace) -> int:
             explained = MultiLabel(target)
         elif pair is not None:
             explained = Contrastive(*pair)
-        maps = {name: build_method(name, lm.model, seed=args.seed).attribute(
-                    x, target=explained, output="grid", **options[name])
-                for name in tqdm(names, desc="methods", file=sys.stderr)}
+        maps, refused = _explain_each(names, lm.model, x, explained, options, args.seed)
+    for n, message in refused.items():
+        print(f"note: {n} refused this model or target ({message.splitlines()[0]}); its "
+              "panel says so", file=sys.stderr)
     scale = float(logits.detach().abs().max())
     flat = [n for n, z in viz.near_zero(maps, reference=scale).items() if bool(z[0])]
     for n in flat:
@@ -242,11 +243,38 @@ def run(args: argparse.Namespace) -> int:
     shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
     viz.plot_grid(shown[None], maps, path=out, display=args.display,
                   groups={n: FAMILIES[family[n]] for n in names}, reference=scale,
-                  note=settings_note(options, args.full),
+                  note=settings_note(options, args.full), refused=refused,
                   row_titles=[_title(probs, target, lm.class_names, pair, "\n")])
-    count = count_noun(len(maps), "method")
+    count = count_noun(len(maps), "method") + (f" ({len(refused)} more refused)"
+                                               if refused else "")
     print(f"wrote {out}: {count}, {_title(probs, target, lm.class_names, pair, ' ')}")
     return 0
+
+
+REFUSALS = (ValueError, TypeError, NotImplementedError)
+"""The exceptions by which a method refuses a model or a target (with a message saying
+why and what to use instead)."""
+
+
+def _explain_each(names: list[str], model: torch.nn.Module, x: torch.Tensor, target: Any,
+                  options: dict[str, dict], seed: int
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every method's grid map, and the message of every method that refused: one refusal
+    does not cost the other methods' maps. When every method refuses, the first refusal is
+    raised (there is nothing to draw)."""
+    maps: dict[str, torch.Tensor] = {}
+    refused: dict[str, str] = {}
+    first: Exception | None = None
+    for name in tqdm(names, desc="methods", file=sys.stderr):
+        try:
+            maps[name] = build_method(name, model, seed=seed).attribute(
+                x, target=target, output="grid", **options[name])
+        except REFUSALS as error:
+            first = first or error
+            refused[name] = f"{type(error).__name__}: {error}"
+    if not maps and first is not None:
+        raise first
+    return maps, refused
 
 
 def _title(probs: torch.Tensor, target: int, names: Any, pair: tuple[int, int] | None,

@@ -18,6 +18,7 @@ from torch import nn
 from captum_vit.cards import from_card, read_card
 from captum_vit.data.fashion_mnist import CLASS_NAMES
 from captum_vit.data.transforms import Preprocess
+from captum_vit.zoo.seeded import seeded_init
 
 ZOO_DIR = Path(__file__).parent
 
@@ -88,4 +89,4 @@ def load(name: str = "vit_fmnist_loc") -> ZooModel:
                     cast(dict, lm.card))
 
 
-__all__ = ["ZooModel", "available", "load", "ZOO_DIR"]
+__all__ = ["ZooModel", "available", "load", "ZOO_DIR", "seeded_init"]
