@@ -6,7 +6,7 @@ Run::
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin] \
-        [--batches 1 8] [--target class|token|vlm]
+        [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
 load drifting on a shared machine hits both alike). The reference is
