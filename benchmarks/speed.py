@@ -6,7 +6,7 @@ Run::
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin] \
-        [--batches 1 8] [--target class|token|vlm]
+        [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
 load drifting on a shared machine hits both alike). The reference is
@@ -326,14 +326,20 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
     return cosine, vec
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+"""The clock of :func:`timeit` and :func:`paired`: wall time, or with ``--clock cpu`` the
+process's CPU time (``time.process_time``; with one thread it counts only this process's
+work, so a busy shared machine disturbs it less)."""
+
+
 def timeit(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn`` after one warm-up call."""
+    """Median time (:data:`CLOCK`) of ``fn`` after one warm-up call."""
     fn()  # warm-up (also the adapter's one-time self-check)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times)
 
 
@@ -344,11 +350,11 @@ def paired(ref: Callable[[], object], fn: Callable[[], object],
     ref(), fn()  # warm-up
     rt, ft, ratios = [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         ref()
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         fn()
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         rt.append(t1 - t0)
         ft.append(t2 - t1)
         ratios.append((t2 - t1) / (t1 - t0))
@@ -382,7 +388,12 @@ def main() -> None:
                     help="torch threads (1 gives steadier ratios on a shared machine)")
     ap.add_argument("--target", default="class", choices=("class", "token", "vlm"),
                     help="what is explained (see the module docstring)")
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="wall time, or the process's CPU time (steadier with --threads 1 "
+                         "on a shared machine)")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.target != "class":
         return target_main(args)
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
@@ -397,6 +408,9 @@ def main() -> None:
         score, t = targets_of(model, b)
         ref_fn = lambda x=x, score=score: score_backward(score, x)  # noqa: E731
         rows.append((b, "forward+backward", timeit(ref_fn, args.repeats), 1.0, None))
+        # the floor of a method that needs one full forward (Rollout, raw attention)
+        _, sec, ratio = paired(ref_fn, lambda x=x: forward(model, x), args.repeats)
+        rows.append((b, "forward (no grad)", sec, ratio, None))
         for name, factory in selected.items():
             fn, goal = factory(model), GOALS.get(name)
             try:
@@ -417,7 +431,7 @@ def main() -> None:
                       "many plain forwards", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"{args.family} {'Swin-T' if 'swin' in args.family else 'ViT-S/16'} float32, "
-          f"median of {args.repeats} alternating pairs")
+          f"median of {args.repeats} alternating pairs, {args.clock} clock")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")
     for b, name, sec, ratio, goal in rows:

@@ -63,7 +63,14 @@ from torch import Tensor, nn
 from captum_vit._text import count_noun
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import FusedOps, HeadsOps, Ops
-from captum_vit.adapters.parts import BlockParts, HeadParts, Heads, PoolParts, _detached
+from captum_vit.adapters.parts import (
+    BlockParts,
+    HeadParts,
+    Heads,
+    PoolParts,
+    _detached,
+    small_attention,
+)
 from captum_vit.adapters.scoring import Outputs, Target, TargetHead, probability_kind
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 
@@ -531,6 +538,24 @@ class ViTAdapter(abc.ABC):
             record.append(BlockRecord(v(x), v(u), None if heads is not None else attn, v(a),
                                       v(mid), v(f), v(out), heads))
         return out
+
+    def small_attention(self, inputs: Tensor) -> bool:
+        """Whether every block's attention on ``inputs`` is small
+        (:func:`~captum_vit.adapters.parts.small_attention`: keys per query, the window's
+        area for a windowed block, at most four times the head width): a method that
+        needs every block's probabilities and their gradients then traces the explicit
+        attention, which keeps them for the backward, rather than the fused kernel, whose
+        backward recomputes them (faster on the CPU for little memory).
+
+        Args:
+            inputs (Tensor): the images (their layout gives the token count).
+
+        Returns:
+            bool
+        """
+        n = self.layout(inputs).num_tokens
+        return all(small_attention(n if p.window is None else p.window.area, p.head_dim)
+                   for p in self.blocks)
 
     @property
     def has_stages(self) -> bool:

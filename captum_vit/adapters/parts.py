@@ -61,6 +61,33 @@ def _consecutive(*parts: Tensor | None) -> Tensor | None:
 
 
 
+SMALL_ATTENTION_KEYS = 4
+"""An attention is *small* when each head's keys per query are at most this many times its
+head width (``n_keys <= 4 d``): its ``[n, n]`` probabilities per head then take at most
+four times the memory of its ``[n, d]`` values (ViT-S/B at 224 px: 197 <= 256; Swin's
+windows: 49), and keeping them for the backward is cheaper than the fused kernel, which
+recomputes them (:func:`small_attention`)."""
+
+
+def small_attention(n_keys: int, head_dim: int) -> bool:
+    """Whether an attention with ``n_keys`` keys per query and heads of width ``head_dim``
+    is small (:data:`SMALL_ATTENTION_KEYS`): the explicit softmax with its probabilities
+    kept for the backward is then faster than the fused kernel on the CPU, for little
+    memory."""
+    return n_keys <= SMALL_ATTENTION_KEYS * head_dim
+
+
+def _values_only_backward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
+    """Whether only ``v`` of a fused attention can receive a gradient (``q`` and ``k``
+    detached under grad, DecompX's linearised trace) and the attention is small
+    (:func:`small_attention`), and the logit ``bias`` is a constant: the explicit product
+    with probabilities computed without a graph is then cheaper forward and backward than
+    the fused kernel."""
+    return (torch.is_grad_enabled() and v.requires_grad and not q.requires_grad
+            and not k.requires_grad and (bias is None or not bias.requires_grad)
+            and small_attention(k.shape[-2], q.shape[-1]))
+
+
 def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
     """Attention-logit bias [B, 1, 1, N] that removes the keys where ``real`` [B, N] is
     ``False`` (``-inf``) and leaves the others (0)."""
@@ -366,6 +393,14 @@ class BlockParts(AttentionParts):
             attn: Tensor | None = probs
             mixing = probs if rules is None or rules.mix is None else rules.mix(probs)
             mix = mixing @ v
+        elif _values_only_backward(q, k, v, bias):
+            # detached q and k (a linearised backward): the backward is v's alone,
+            # probs^T grad; the fused kernel's would recompute the probabilities and
+            # form gradients for q and k that nothing asks for
+            attn = None
+            with torch.no_grad():
+                probs = self._probs(q, k, bias)
+            mix = probs @ v
         else:
             attn = None
             mask = None if bias is None else bias.to(q.dtype)

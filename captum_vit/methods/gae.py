@@ -35,11 +35,14 @@ class GAE(PLUSFastPath, ScoredAttribution):
     head, then the head mean; Eq. 5 of the paper) and :math:`R \leftarrow R + \bar A_l R`
     (Eq. 6), the map is the readout row of :math:`R`. No row normalisation.
 
-    Gradients of all blocks come from one backward pass of the target score. The
-    forward uses the fused attention kernel and keeps no ``[B, H, N, N]`` tensor for the
+    Gradients of all blocks come from one backward pass of the target score. For a
+    large attention (more keys per query than four times the head width,
+    :func:`~captum_vit.adapters.parts.small_attention`: ViT-B at 448 px) the forward
+    uses the fused attention kernel and keeps no ``[B, H, N, N]`` tensor for the
     backward; each block's :math:`A_l` and :math:`\nabla A_l = (\nabla o_l) v_l^\top`
     (:math:`o_l = A_l v_l`) are recomputed one block at a time, from the top block down,
-    so memory stays that of a plain forward and backward. Heads are
+    so memory stays that of a plain forward and backward. A small one (ViT-S/B at 224 px,
+    Swin's windows) keeps its probabilities, which is faster (nothing is recomputed). Heads are
     averaged per image (the authors' notebook reshapes batch and heads together, which
     mixes images in a batch; this implementation does not). The readout row is carried
     as a vector from the last block down, :math:`r^\top (I+\bar A_{L-1})\cdots(I+\bar
@@ -154,28 +157,36 @@ class GAE(PLUSFastPath, ScoredAttribution):
         r"""One forward and one backward: the readout weights ``w`` [B, N] and
         ``abar(k, per_head=False)``, block ``k``'s :math:`\bar A_k` [B, N, N] (each block
         of ``need`` once; ``per_head=True``: before the head mean, [B, H, N, N])."""
-        heads: dict[int, Heads] = {}
+        # small attention (ViT-S/B at 224 px, Swin's windows): the explicit forward keeps
+        # every A_k for the backward, which gives dA_k directly; otherwise the fused
+        # kernel keeps no [B, H, N, N] for the backward, and A_k and dA_k are recomputed
+        # block by block below (Heads.probs / probs_grad). Under a class-token readout the
+        # last block's FFN runs on the rows the head reads only.
+        explicit = self.adapter.small_attention(inputs)
+        kept: dict[int, Any] = {}
 
-        def keep(l: int, rec: BlockRecord) -> None:  # q, k, v, o of the blocks needed
+        def keep(l: int, rec: BlockRecord) -> None:  # A_k, or q, k, v, o (fused)
             if l in need:
-                heads[l] = cast(Heads, rec.heads)  # a fused trace's records carry heads
+                kept[l] = rec.require_attn() if explicit else cast(Heads, rec.heads)
 
-        # fused attention: no [B, H, N, N] is kept for the backward; A_k and dA_k are
-        # recomputed block by block below (Heads.probs / probs_grad). Under a class-token
-        # readout the last block's FFN runs on the rows the head reads only.
-        tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep,
+        tr = self.adapter.trace(inputs, grad=True, on_block=keep,
+                                attention="explicit" if explicit else "fused",
                                 last_rows=self.adapter.readout_row_count)
         t = resolve_target(target, tr.require_logits())
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
-                                               [heads[k].o for k in need])
-        grad_o = dict(zip(need, grads, strict=True))
+        grads, pool_grad = gradients_with_pool(
+            tr, target_scores(tr.require_logits(), t, score),
+            [kept[k] if explicit else kept[k].o for k in need])
+        grad_of = dict(zip(need, grads, strict=True))
         dt = accumulation_dtype(tr.x0)
         w = readout_rows(tr, pool_grad, dtype=dt, target=t)
 
         def abar(k: int, per_head: bool = False) -> Tensor:
-            h = heads.pop(k)
-            g = h.probs_grad(grad_o.pop(k))
-            a = (g.to(dt) * h.probs().to(dt)).clamp(min=0)
+            h, g = kept.pop(k), grad_of.pop(k)
+            if explicit:  # g is dA_k itself
+                a = g.to(dt) * h.detach().to(dt)
+            else:
+                a = h.probs_grad(g).to(dt) * h.probs().to(dt)
+            a = a.clamp_(min=0)
             return a if per_head else a.mean(1)
 
         return w, abar
