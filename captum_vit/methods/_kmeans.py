@@ -78,7 +78,7 @@ def first_minimum(values: Tensor, rtol: float = TIE_RTOL) -> Tensor:
     """
     low = values.amin(-1, keepdim=True)
     tied = values <= low + rtol * low.abs()
-    return tied.to(torch.uint8).argmax(-1, keepdim=True)  # the first True
+    return tied.long().argmax(-1, keepdim=True)  # the first True (int64: every torch release)
 
 
 def kmeans_plusplus(x: Tensor, n_clusters: int, seed: int = 0,
