@@ -503,7 +503,7 @@ class ViTFront:
     """Whether the maps are relevances whose sum is meaningful (decompositions): a map on
     a later stage's grid (Swin) is then shared among each merged token's children on its
     way to the first grid instead of copied to them
-    (:meth:`~captum_vit.adapters.ViTAdapter.carry`)."""
+    (:meth:`~captum_vit.adapters.Stages.carry`)."""
 
     windowed: bool = True
     """Whether the method has a form for windowed attention (Swin,
@@ -560,7 +560,7 @@ class ViTFront:
             with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
                 maps = maps_of(p.images, p.target, **kwargs).detach()
             if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
-                maps = self.adapter.carry(maps, split=self.conserves)
+                maps = self.adapter.stages.carry(maps, split=self.conserves)
             patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
         if not isinstance(obj, _BlockGradient) and not isinstance(self.adapter,
                                                                    SubnetworkAdapter):

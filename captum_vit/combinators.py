@@ -395,7 +395,7 @@ class PLUS(ViTGradientAttribution):
             method = self._make(SubnetworkAdapter(self.adapter, l, score=score))
             attr = method.attribute(x_l, target=t, **kwargs)
             m = attr.detach().to(accumulation_dtype(x_l)).sum(-1)
-            maps.append(self.adapter.carry(m, l, split=True))  # stages: onto the maps' grid
+            maps.append(self.adapter.stages.carry(m, l, split=True))  # stages: onto the maps' grid
         return torch.stack(maps)
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *,

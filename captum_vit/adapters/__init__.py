@@ -4,8 +4,11 @@ canonical parts and traces, never the model).
 Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 
 - :func:`adapt` (one adapter per model) and the family table :data:`ADAPTERS`;
-- the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`),
-  :class:`AdapterState`, :class:`AdapterSettings`, the family adapters (with
+- the engine and the family contract: :class:`ViTAdapter` (:data:`FAMILY_CONTRACT`,
+  :data:`FAMILY_HOOKS`), its readout and targeting part :class:`Readout`
+  (:mod:`~captum_vit.adapters.readout`), the blocks' token geometry :class:`Stages`
+  (``adapter.stages``, :mod:`~captum_vit.adapters.stages`), :class:`AdapterState`,
+  :class:`AdapterSettings`, the family adapters (with
   :func:`is_torchvision_vit`, :func:`is_open_clip`, :func:`is_hf_backbone` and
   :func:`is_hf_videomae`) and
   :class:`SubnetworkAdapter` (:mod:`~captum_vit.adapters.base`);
@@ -50,6 +53,7 @@ from torch import nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import (
     FAMILY_CONTRACT,
+    FAMILY_HOOKS,
     AdapterSettings,
     AdapterState,
     ViTAdapter,
@@ -96,6 +100,7 @@ from captum_vit.adapters.parts import (
     ValuePath,
     key_padding_bias,
 )
+from captum_vit.adapters.readout import Readout
 from captum_vit.adapters.rules import (
     ACT_RULES,
     ATTENTION_RULES,
@@ -118,6 +123,7 @@ from captum_vit.adapters.scoring import (
     probability_kind,
     scores_are_classes,
 )
+from captum_vit.adapters.stages import Stages
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
 from captum_vit.adapters.subsets import (
     image_logits,
@@ -366,6 +372,7 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
 __all__ = [
     "ACT_RULES", "ADAPTERS", "ATTENTION_RULES", "BLOCK_FEATURES", "CHEFER_STABILIZER",
     "FAMILY_CONTRACT",
+    "FAMILY_HOOKS", "Readout", "Stages",
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
     "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",

@@ -128,6 +128,7 @@ class HFYolosAdapter(ViTAdapter):
         self.num_prefix = 1 + self.num_queries
         self.detection_rows = tuple(range(1, 1 + self.num_queries))
         self.readout = "token"
+        self.no_output_reason = _NO_LOGITS.format(name=name)
         self.class_mlp = _mlp(model.class_labels_classifier.layers,
                               f"{name}.class_labels_classifier")
         self.box_mlp = _mlp(model.bbox_predictor.layers, f"{name}.bbox_predictor")
@@ -199,53 +200,14 @@ class HFYolosAdapter(ViTAdapter):
                               for w, b in mlp) for mlp in (cls, box))
         return {"detection_logits": _run_mlp(det, cls), "boxes": _run_mlp(det, box).sigmoid()}
 
-    def check_token_removal(self) -> None:
-        """True token removal keeps every prefix row, the detection rows included: a
-        target that reads only prefix rows (``Target.prefix_rows_only``, e.g.
-        :class:`~captum_vit.targets.DetectionTarget`) allows it; others as in
-        :meth:`ViTAdapter.check_token_removal`."""
-        target = self.score_target
-        if target is not None and target.blocks is None \
-                and getattr(target, "prefix_rows_only", False):
-            return
-        super().check_token_removal()
-
-    @property
-    def num_classes(self) -> int:
-        """The columns of the target in force (:class:`~captum_vit.targets.DetectionTarget`).
-
-        Raises:
-            TypeError: no target in force: a detector has no class logits to explain.
-        """
-        if self.score_target is None:
-            raise TypeError(_NO_LOGITS.format(name=type(self.model).__name__))
-        return super().num_classes
-
-    def model_outputs(self, inputs: Tensor) -> Tensor:
-        raise TypeError(_NO_LOGITS.format(name=type(self.model).__name__))
-
-    def self_check(self, inputs: Tensor) -> None:
-        """Compare the canonical forward's detection logits and boxes
-        (:meth:`output_extras` of the final-normed states) with the model's own
-        ``logits`` and ``pred_boxes``, once per dtype, device and input size."""
-        key = (type(self), inputs.dtype, inputs.device, tuple(inputs.shape[1:]))
-        checked = self.state.checked
-        if key in checked:
-            return
-        with torch.no_grad(), torch.autocast(inputs.device.type, enabled=False), \
-                self.state.override(target=None, hidden=None, frozen=False):
-            ref = self.model(pixel_values=inputs[:2])
-            ours = self.detections(inputs[:2])
-        tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(inputs.dtype, 1e-2)
-        for what, a, b in (("logit", ref.logits, ours["detection_logits"]),
-                           ("box", ref.pred_boxes, ours["boxes"])):
-            err = (a - b).abs().max().item()
-            if not err <= tol * (a.abs().max().item() + 1.0):
-                raise TypeError(
-                    f"captum_vit's {type(self).__name__} does not reproduce this "
-                    f"{type(self.model).__name__} (max {what} difference {err:.3g}): the "
-                    "model has a component the adapter does not know")
-        checked.add(key)
+    def self_check_outputs(self, inputs: Tensor) -> dict[str, tuple[Any, Tensor]]:
+        """The model's own ``logits`` and ``pred_boxes`` against the canonical forward's
+        detections (:meth:`detections`), which :meth:`ViTAdapter.self_check` compares."""
+        with self.state.override(target=None, hidden=None, frozen=False):
+            ref = self.model(pixel_values=inputs)
+            ours = self.detections(inputs)
+        return {"logit": (ref.logits, ours["detection_logits"]),
+                "box": (ref.pred_boxes, ours["boxes"])}
 
     def detections(self, inputs: Tensor) -> dict[str, Tensor]:
         """The canonical forward's :meth:`output_extras` of images ``inputs``

@@ -184,6 +184,9 @@ class Target:
     - ``reads_tokens`` (bool): the score reads token rows through code of its own (not
       only the model's logits): the matrix methods then weigh the rows by their readout rule,
       and true token removal is refused.
+    - ``prefix_rows_only`` (bool): the token rows it reads are prefix rows of the last
+      state (a detector's detection rows), which true token removal keeps: removal is
+      allowed.
     - ``rows`` (sequence of int, or None): the rows the score reads, for the gradient-
       free matrix methods' uniform weights (default: the patch rows).
     - ``probability`` (str): ``"softmax"`` (the columns compete like classes) or
@@ -202,6 +205,7 @@ class Target:
 
     blocks: tuple[int, ...] | None = None
     reads_tokens: bool = False
+    prefix_rows_only: bool = False
     rows: tuple[int, ...] | None = None
     probability: str = "sigmoid"
     classes: bool = False

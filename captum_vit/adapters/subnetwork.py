@@ -10,7 +10,7 @@ norm, pooling and classifier. Everything else (layout with ``num_blocks = stop -
 positions, RoPE and relative-position bias rows, targeting, readout, the self-check) is
 the model's adapter's: the view implements the family contract of
 :class:`~captum_vit.adapters.base.ViTAdapter` by delegating to the model's adapter, and
-shares its :class:`~captum_vit.adapters.base.AdapterState` (settings in force, self-check
+shares its :class:`~captum_vit.adapters.state.AdapterState` (settings in force, self-check
 memo).
 
 Every method of this package takes an adapter where it takes a model
@@ -33,6 +33,7 @@ from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.scoring import probabilities
+from captum_vit.adapters.stages import Stages
 from captum_vit.adapters.trace import BlockRecord, Trace
 
 OUTPUT_SCORES = ("logit", "probability")
@@ -196,25 +197,11 @@ class SubnetworkAdapter(ViTAdapter):
 
     # -- stages (Swin): the model's grids, this view's block indices ----------------------------
     @property
-    def has_stages(self) -> bool:
-        return self.base.has_stages
-
-    @property
-    def final_tokens(self) -> int | None:
-        return self.base.final_tokens
-
-    def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False,
-              down_to: int | None = None) -> Tensor:
-        """:meth:`~captum_vit.adapters.base.ViTAdapter.carry` with the view's block
-        indices, down to the model's first grid (``down_to=None``)."""
-        return self.base.carry(values, None if layer is None else self.start + layer,
-                               split=split,
-                               down_to=None if down_to is None else self.start + down_to)
-
-    def carry_down(self, w: Tensor, layer: int) -> Tensor:
-        """The model's readout weights through the merges of the model's blocks from this
-        view's block ``layer`` on (those after the view included)."""
-        return self.base.carry_down(w, self.start + layer)
+    def stages(self) -> Stages:
+        """The model's token geometry (:class:`~captum_vit.adapters.stages.Stages`) with
+        this view's block indices: carried maps land on the model's first grid, and
+        readout weights go through the merges of the model's blocks after the view too."""
+        return Stages(self.base, offset=self.start)
 
     # -- everything else is the model's ------------------------------------------------------
     @property  # type: ignore[misc]  # a view: its head is the base's, never set

@@ -69,14 +69,15 @@ class LayerGradients:
     grads: list[Tensor]
     adapter: ViTAdapter | None = None
     """The model's adapter: per-block maps of a model with stages (Swin) are carried to
-    the first stage's grid (:meth:`~captum_vit.adapters.ViTAdapter.carry`)."""
+    the first stage's grid (:meth:`~captum_vit.adapters.Stages.carry`)."""
 
     def _stack(self, maps: list[Tensor]) -> Tensor:
         """Per-state relevance maps stacked, each on the maps' grid (shared among a merged
         token's children: the sums are kept)."""
-        if self.adapter is not None and self.adapter.has_stages:
+        st = None if self.adapter is None else self.adapter.stages
+        if st is not None and st.hierarchical:
             start = self.trace.start
-            maps = [self.adapter.carry(m, start + l, split=True) for l, m in enumerate(maps)]
+            maps = [st.carry(m, start + l, split=True) for l, m in enumerate(maps)]
         return torch.stack(maps)
 
     def ixg(self) -> Tensor:
@@ -99,8 +100,9 @@ class LayerGradients:
                 attn = rec.require_attn().detach().to(dt)
                 out.append(attn.mean(dim=(1, 2)) if win is None
                            else win.received(attn).mean(1))
-            if self.adapter is not None and self.adapter.has_stages:
-                out = [self.adapter.carry(a, self.trace.start + l) for l, a in enumerate(out)]
+            st = None if self.adapter is None else self.adapter.stages
+            if st is not None and st.hierarchical:
+                out = [st.carry(a, self.trace.start + l) for l, a in enumerate(out)]
             return torch.stack(out)
 
     def att_ixg(self) -> Tensor:
@@ -233,7 +235,7 @@ def per_layer_fast(kind: str, adapter: ViTAdapter, inputs: Tensor, target: Tenso
         return lg.att_ixg()
     if kind == "gradient":
         dt = accumulation_dtype(inputs)
-        return torch.stack([adapter.carry(g.to(dt).sum(-1), l)
+        return torch.stack([adapter.stages.carry(g.to(dt).sum(-1), l)
                             for l, g in enumerate(lg.grads[:-1])])
     return lg.ixg()[:-1]
 

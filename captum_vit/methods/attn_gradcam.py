@@ -93,8 +93,8 @@ class AttnGradCAM(ScoredAttribution):
             else:
                 w = readout_rows(tr, dtype=dt, target=t)
                 last = self.adapter.num_blocks - 1
-                w = self.adapter.carry_down(w, last)
-                g_r = self.adapter.token_mix(w, grad.to(dt), last)  # [B, H, N]
-                a_r = self.adapter.token_mix(w, attn.detach().to(dt), last)
+                w = self.adapter.stages.carry_down(w, last)
+                g_r = self.adapter.stages.token_mix(w, grad.to(dt), last)  # [B, H, N]
+                a_r = self.adapter.stages.token_mix(w, attn.detach().to(dt), last)
             w = g_r[..., k:].mean(-1, keepdim=True)
             return w * a_r

@@ -274,6 +274,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         check_choice("score", score, SCORES)
         s, n, ibs = self._options(start_layer, n_steps, internal_batch_size)
         ad = self.adapter
+        st = ad.stages
         L = ad.num_blocks
         starts = start_blocks(s, START_LAYER, L, layers)  # l -> l + s
         tr = ad.trace(inputs, grad=True)
@@ -298,8 +299,8 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
             v = eye.expand(w.shape[0], -1, -1)  # [B, S, N]
             got: dict[int, Tensor] = {}
             for k in reversed(range(first, L)):
-                v = ad.unmerge(v, k)  # Swin: through the merge after block k (¼ weights)
-                v = v + ad.token_mix(v, self._block_matrix(tr, k, grad_of.get(k), dt), k)
+                v = st.unmerge(v, k)  # Swin: through the merge after block k (¼ weights)
+                v = v + st.token_mix(v, self._block_matrix(tr, k, grad_of.get(k), dt), k)
                 if k in starts.values():  # R <- R + Â_k R, read from its rows
                     got[k] = v
             last = ad.blocks[L - 1].window
@@ -314,8 +315,8 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
                     r = r.abs()
                 # stages: W's columns (last-stage tokens) copied to their children on x_k's
                 # grid; the map shared onto the first grid
-                fbk = ad.carry(fb, L - 1, down_to=k)
-                maps.append(ad.carry(torch.einsum("bs,bsn->bn", ws, fbk * r), k, split=True))
+                fbk = st.carry(fb, L - 1, down_to=k)
+                maps.append(st.carry(torch.einsum("bs,bsn->bn", ws, fbk * r), k, split=True))
             return torch.stack(maps)
 
     def _block_matrix(self, tr: Trace, k: int, grad: Tensor | None,

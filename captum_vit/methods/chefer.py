@@ -215,13 +215,13 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
             def abar(k: int) -> Tensor:  # block first + k
                 return (grads[k].to(dt) * rel[k].to(dt)).clamp(min=0).mean(1)
 
-            ad = self.adapter
+            st = self.adapter.stages
             if aggregate == "layer":
-                return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), abar(l - first),
+                return torch.stack([st.carry(st.token_mix(st.carry_down(w, l), abar(l - first),
                                                           l), l, split=True) for l in layers])
             rows, v = {}, w
             for k in reversed(range(len(rel))):
-                v = ad.unmerge(v, first + k)  # stages: through the merge (¼ weights)
-                v = v + ad.token_mix(v, abar(k), first + k)
+                v = st.unmerge(v, first + k)  # stages: through the merge (¼ weights)
+                v = v + st.token_mix(v, abar(k), first + k)
                 rows[first + k] = v
-            return torch.stack([ad.carry(rows[l + s], l + s, split=True) for l in layers])
+            return torch.stack([st.carry(rows[l + s], l + s, split=True) for l in layers])

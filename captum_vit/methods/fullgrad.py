@@ -133,10 +133,10 @@ class FullGradPlus(ScoredAttribution):
             probes = [p for _, p in ops.probes]
             grads = gradients(target_scores(logits, t, score), xs + probes)
         dt = accumulation_dtype(inputs)
-        ad = self.adapter  # stages (Swin): every term shared onto the first grid
+        st = self.adapter.stages  # stages (Swin): every term shared onto the first grid
         with torch.no_grad():
-            m = cast(Tensor, sum(ad.carry((x.detach().to(dt) * g.to(dt)).sum(-1), l, split=True)
+            m = cast(Tensor, sum(st.carry((x.detach().to(dt) * g.to(dt)).sum(-1), l, split=True)
                     for l, x, g in zip(self.layers, xs, grads[:len(xs)], strict=True)))
             for (bias, _probe), g in zip(ops.probes, grads[len(xs):], strict=True):
-                m = m + ad.carry((g.to(dt) * bias.detach().to(dt)).sum(-1), split=True)
+                m = m + st.carry((g.to(dt) * bias.detach().to(dt)).sum(-1), split=True)
         return m

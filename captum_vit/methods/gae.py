@@ -127,30 +127,30 @@ class GAE(PLUSFastPath, ScoredAttribution):
         first = min(layers)
         need = layers if aggregate == "layer" else range(first, self.adapter.num_blocks)
         w, abar = self._relevance(inputs, target, need, score)
-        ad = self.adapter
+        st = self.adapter.stages
         with torch.no_grad():
             if aggregate == "layer":
-                return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), abar(l), l), l,
+                return torch.stack([st.carry(st.token_mix(st.carry_down(w, l), abar(l), l), l,
                                              split=True) for l in layers])
             rows, v = {}, w
             for k in reversed(need):
-                v = ad.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-                v = v + ad.token_mix(v, abar(k), k)
+                v = st.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
+                v = v + st.token_mix(v, abar(k), k)
                 rows[k] = v
-            return torch.stack([ad.carry(rows[l], l, split=True) for l in layers])
+            return torch.stack([st.carry(rows[l], l, split=True) for l in layers])
 
     def _head_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                    **_: Any) -> Tensor:
         """Per-head maps [B, H, N]: the last update per head, then the blocks below."""
         last = self.adapter.num_blocks - 1
         w, abar = self._relevance(inputs, target, range(last + 1), score)
-        ad = self.adapter
+        st = self.adapter.stages
         with torch.no_grad():
-            v = w[:, None] + ad.token_mix(w, abar(last, per_head=True), last)
+            v = w[:, None] + st.token_mix(w, abar(last, per_head=True), last)
             for k in reversed(range(last)):
-                v = ad.unmerge(v, k)
-                v = v + ad.token_mix(v, abar(k), k)
-            return ad.carry(v, 0, split=True)
+                v = st.unmerge(v, k)
+                v = v + st.token_mix(v, abar(k), k)
+            return st.carry(v, 0, split=True)
 
     def _relevance(self, inputs: Tensor, target: Tensor | None, need: Sequence[int],
                    score: str) -> tuple[Tensor, Callable[..., Tensor]]:

@@ -581,16 +581,16 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         mats = self._matrices(tr, first)
         w = readout_rows(tr, dtype=mats[0].dtype,
                          target=resolve_target(target, tr.require_logits()))
-        ad = self.adapter
+        st = self.adapter.stages
         if aggregate == "layer":  # stages: w through the merges above block l (¼ weights)
-            return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), mats[l - first], l),
+            return torch.stack([st.carry(st.token_mix(st.carry_down(w, l), mats[l - first], l),
                                          l, split=True) for l in layers])
         rs, rows, v = self.residual_strength, {}, w
         for k in reversed(range(first, first + len(mats))):  # v_k = v_{k+1} T′_k
-            v = ad.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-            v = (1 - rs) * ad.token_mix(v, mats[k - first], k) + rs * v.to(mats[k - first].dtype)
+            v = st.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
+            v = (1 - rs) * st.token_mix(v, mats[k - first], k) + rs * v.to(mats[k - first].dtype)
             rows[k] = v
-        return torch.stack([ad.carry(rows[l], l, split=True) for l in layers])
+        return torch.stack([st.carry(rows[l], l, split=True) for l in layers])
 
 
 @register_method("globenc", family="decomposition")

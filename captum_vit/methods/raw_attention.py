@@ -102,7 +102,7 @@ class RawAttention(PlainAttribution):
                          else resolve_target(target, tr.logits))
         if tr.pool_attn is not None and self.source == "pool":
             return w
-        return self.adapter.token_mix(self.adapter.carry_down(w, last), kept[0], last)
+        return self.adapter.stages.token_mix(self.adapter.stages.carry_down(w, last), kept[0], last)
 
     def _head_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         last = self.adapter.num_blocks - 1
@@ -117,4 +117,4 @@ class RawAttention(PlainAttribution):
             return tr.pool_attn.detach()[:, :, 0]  # [B, H_pool, N]
         w = readout_rows(tr, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
-        return self.adapter.token_mix(self.adapter.carry_down(w, last), kept[0], last)
+        return self.adapter.stages.token_mix(self.adapter.stages.carry_down(w, last), kept[0], last)

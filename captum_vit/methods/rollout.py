@@ -100,14 +100,14 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         dt = accumulation_dtype(tr.x0)
         w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
-        ad, n = self.adapter, w.shape[-1]
-        m = ad.real_keys(means.pop(last), last) + ad.token_eye(last, n, dt, w.device)
-        v = ad.token_mix(w, m / m.sum(-1, keepdim=True), last)  # [B, H, N]
+        st, n = self.adapter.stages, w.shape[-1]
+        m = st.real_keys(means.pop(last), last) + st.token_eye(last, n, dt, w.device)
+        v = st.token_mix(w, m / m.sum(-1, keepdim=True), last)  # [B, H, N]
         for k in reversed(range(start_layer, last)):  # stages: through the merges (¼)
-            v = ad.unmerge(v, k)
-            m = ad.real_keys(means.pop(k), k) + ad.token_eye(k, n, dt, w.device)
-            v = ad.token_mix(v, m / m.sum(-1, keepdim=True), k)
-        v = ad.carry(v, start_layer, split=True)
+            v = st.unmerge(v, k)
+            m = st.real_keys(means.pop(k), k) + st.token_eye(k, n, dt, w.device)
+            v = st.token_mix(v, m / m.sum(-1, keepdim=True), k)
+        v = st.carry(v, start_layer, split=True)
         return v
 
     def _head_means(self, inputs: Tensor, blocks: Sequence[int] | range,
@@ -171,15 +171,15 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
         if aggregate == "layer":
-            ad = self.adapter
-            return torch.stack([ad.carry(ad.token_mix(ad.carry_down(w, l), means[l], l), l,
+            st = self.adapter.stages
+            return torch.stack([st.carry(st.token_mix(st.carry_down(w, l), means[l], l), l,
                                          split=True) for l in layers])
-        ad, n = self.adapter, w.shape[-1]
+        st, n = self.adapter.stages, w.shape[-1]
         rows, v = {}, w
         for k in reversed(range(min(need), L)):  # r^T M_{L-1} ... M_k, one vector
-            v = ad.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-            m = ad.real_keys(means.pop(k), k) + ad.token_eye(k, n, dt, w.device)
-            v = ad.token_mix(v, m / m.sum(-1, keepdim=True), k)
+            v = st.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
+            m = st.real_keys(means.pop(k), k) + st.token_eye(k, n, dt, w.device)
+            v = st.token_mix(v, m / m.sum(-1, keepdim=True), k)
             if k in need:
                 rows[k] = v
-        return torch.stack([ad.carry(rows[l + s], l + s, split=True) for l in layers])
+        return torch.stack([st.carry(rows[l + s], l + s, split=True) for l in layers])

@@ -272,7 +272,7 @@ class ScoreCAM(ViTPerturbationAttribution):
         if max_channels is not None and max_channels < x.shape[-1]:
             x = top_variance_channels(x, k, max_channels)
         masks = channel_masks(x, k)  # [B, D, P]
-        masks = adapter.carry(masks, self.layer)  # stages: block l's grid onto the maps'
+        masks = adapter.stages.carry(masks, self.layer)  # stages: block l's grid onto the maps'
         b, d = masks.shape[:2]  # [B, D, P]
 
         scores = score_reduce(t, score, dt)

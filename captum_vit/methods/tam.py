@@ -196,6 +196,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         check_choice("score", score, SCORES)
         s, n, integ, ibs = self._options(start_layer, n_steps, integrated, internal_batch_size)
         ad = self.adapter
+        st = ad.stages
         L = ad.num_blocks
         starts = start_blocks(s, START_LAYER, L, layers)  # l -> l + s
         tr = ad.trace(inputs, grad=True)
@@ -211,16 +212,16 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         dt = feedback.dtype
         with torch.no_grad():
             w = readout_rows(tr, dtype=dt, target=t)
-            omega = ad.token_mix(w, feedback, L - 1)
-            top = ad.token_mix(w, last.detach().to(dt).mean(1), L - 1)  # w Ā_{L-1}
+            omega = st.token_mix(w, feedback, L - 1)
+            top = st.token_mix(w, last.detach().to(dt).mean(1), L - 1)  # w Ā_{L-1}
             got: dict[int, Tensor] = {L - 1: top}
             sigma = top
             for k in reversed(range(min(starts.values()), L - 1)):
                 a = tr.blocks[k].require_attn().detach().to(dt).mean(1)
-                sigma = ad.unmerge(sigma, k)  # stages: through the merge (¼ weights)
-                sigma = sigma + ad.token_mix(sigma, a, k)
+                sigma = st.unmerge(sigma, k)  # stages: through the merge (¼ weights)
+                sigma = sigma + st.token_mix(sigma, a, k)
                 got[k] = sigma
             # stages: ω (a weight per last-stage token) copied onto the chain's grid
-            return torch.stack([ad.carry(got.get(starts[l], top) * ad.carry(
+            return torch.stack([st.carry(got.get(starts[l], top) * st.carry(
                 omega, L - 1, down_to=starts[l] if starts[l] in got else L - 1),
                 starts[l] if starts[l] in got else L - 1, split=True) for l in layers])

@@ -387,13 +387,13 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             dt = accumulation_dtype(tr.x0)
             r = self._readout(tr, pool_grad, dt, t, last[0])
             rows = {}
-            ad = self.adapter
+            st = self.adapter.stages
             for l in reversed(range(first, L)):
                 tm = terms.pop(l)
-                r = ad.unmerge(r, l, tm.merge)  # Swin: a merge's children by their lengths
+                r = st.unmerge(r, l, tm.merge)  # Swin: a merge's children by their lengths
                 r = self._block_row(r, tm, grads.pop(), dt, l)
                 rows[l] = r * tm.x_norm  # C_0 = diag(L(x_l,i)) at the start block, Eq. 18
-            return torch.stack([ad.carry(rows[l], l, split=True) for l in layers])
+            return torch.stack([st.carry(rows[l], l, split=True) for l in layers])
 
     def _block_row(self, r: Tensor, terms: _Terms, grad_o: Tensor, dt: torch.dtype,
                    l: int = 0) -> Tensor:
@@ -405,11 +405,11 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         r = r * (1 + terms.w_ffn)  # r^T U_ffn, Eq. 17
         if self.variant == "paper":
             # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
-            rh = self.adapter.token_mix(r, g.relu_().mul_(a), l)  # [B, H, N]
+            rh = self.adapter.stages.token_mix(r, g.relu_().mul_(a), l)  # [B, H, N]
             return r + (rh * terms.w_attn).mean(1)
         # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
         m = a.mean(1) * g.relu_().mean(1)
-        return r + self.adapter.token_mix(r, m, l) * terms.w_attn
+        return r + self.adapter.stages.token_mix(r, m, l) * terms.w_attn
 
     @fill_doc
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)

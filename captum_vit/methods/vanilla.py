@@ -200,4 +200,4 @@ class AttnGrad(ScoredAttribution):
                 g = g.clamp(min=0)
             w = readout_rows(tr, pool_grad, dtype=dt, target=t)
             ad = self.adapter
-            return ad.token_mix(ad.carry_down(w, self.layer), g.mean(1), self.layer)
+            return ad.stages.token_mix(ad.stages.carry_down(w, self.layer), g.mean(1), self.layer)
