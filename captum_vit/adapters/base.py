@@ -291,6 +291,7 @@ class ViTAdapter(Readout, abc.ABC):
         compares its detections' class logits and boxes."""
         return {"logit": (self.model_logits(inputs), self.run(self.embed(inputs)))}
 
+    # -- the engine -----------------------------------------------------------------------
     def model_logits(self, inputs: Tensor) -> Tensor:
         """:meth:`model_outputs`, scored against the target embeddings inside
         :meth:`targeting`."""
@@ -300,7 +301,6 @@ class ViTAdapter(Readout, abc.ABC):
         out = self.model_outputs(inputs)
         return out if target is None else target.scores(out)
 
-    # -- the engine -----------------------------------------------------------------------
     @property
     def stages(self) -> Stages:
         """The token geometry of the blocks (:class:`~captum_vit.adapters.stages.Stages`:

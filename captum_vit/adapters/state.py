@@ -25,12 +25,13 @@ class AdapterSettings:
     Attributes:
         target (TargetHead, Target or None): target embeddings the outputs are scored
             against, or a :class:`~captum_vit.adapters.scoring.Target` whose columns
-            the outputs are (:meth:`ViTAdapter.targeting`); ``None`` = the model's own
-            output.
+            the outputs are (:meth:`~captum_vit.adapters.ViTAdapter.targeting`); ``None``
+            = the model's own output.
         alpha (float or str): the ``"cls_mean"`` readout's CLS share ``α``
-            (:meth:`ViTAdapter.with_cls_alpha`).
+            (:meth:`~captum_vit.adapters.ViTAdapter.with_cls_alpha`).
         frozen (bool): inside a gradient trace, the blocks and the head run on detached
-            views of the model's parameters (:meth:`ViTAdapter.trace` with ``grad``).
+            views of the model's parameters
+            (:meth:`~captum_vit.adapters.ViTAdapter.trace` with ``grad``).
     """
 
     target: TargetHead | Target | None = None
@@ -38,7 +39,7 @@ class AdapterSettings:
     frozen: bool = False
     hidden: dict[int, Any] | None = None
     """A target reading several blocks: the block outputs ``x_l`` of the current
-    forward it reads, filled by :meth:`ViTAdapter.block`."""
+    forward it reads, filled by :meth:`~captum_vit.adapters.ViTAdapter.block`."""
     grid: tuple[int, int] | None = None
     """The patch grid of the images explained under a target (its :class:`Outputs`)."""
 
@@ -68,8 +69,8 @@ class AdapterState:
         self._var = settings if settings is not None else contextvars.ContextVar(
             "captum_vit_adapter_settings", default=AdapterSettings())  # noqa: B039 (frozen)
         self.checked: set[tuple[Any, ...]] = set()
-        """The (adapter type, dtype, device, input size) keys :meth:`ViTAdapter.self_check`
-        has passed."""
+        """The (adapter type, dtype, device, input size) keys
+        :meth:`~captum_vit.adapters.ViTAdapter.self_check` has passed."""
 
     @property
     def settings(self) -> AdapterSettings:
