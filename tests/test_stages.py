@@ -59,7 +59,8 @@ def test_plain_vit_has_the_identity_geometry():
     ad = adapt(make_model("vit"))
     st = ad.stages
     assert isinstance(st, Stages)
-    assert not st.hierarchical and not st.windowed and st.final_tokens is None
+    assert not st.hierarchical and not st.has_windows and st.final_tokens is None
+    assert st.window(0) is None and st.merge(2) is None
     n = ad.layout(make_inputs("vit")).num_tokens
     g = torch.Generator().manual_seed(0)
     v = torch.randn(2, n, generator=g, dtype=torch.float64)
@@ -76,7 +77,9 @@ def test_plain_vit_has_the_identity_geometry():
 def test_swin_carry_and_unmerge_match_the_child_matrices():
     ad = adapt(_swin())
     st = ad.stages
-    assert st.hierarchical and st.windowed and st.final_tokens == 4
+    assert st.hierarchical and st.has_windows and st.final_tokens == 4
+    assert st.merge(3) is ad.blocks[3].merge is not None and st.merge(2) is None
+    assert st.window(5) is ad.blocks[5].window and st.window(5).grid == (2, 2)
     p1, p3 = (_children_matrix(ad.blocks[k].merge) for k in (1, 3))  # 9x36, 4x9
     g = torch.Generator().manual_seed(1)
     top = torch.randn(3, 4, generator=g, dtype=torch.float64)  # on x_6's 2x2 grid
@@ -134,6 +137,8 @@ def test_a_view_reads_the_model_stages_with_its_block_indices():
     view = SubnetworkAdapter(ad, 2, 5)
     st, vst = ad.stages, view.stages
     assert vst.hierarchical and vst.final_tokens == st.final_tokens
+    assert vst.window(0) is view.blocks[0].window is ad.blocks[2].window
+    assert vst.merge(1) is view.blocks[1].merge is ad.blocks[3].merge
     g = torch.Generator().manual_seed(3)
     top = torch.randn(2, 4, generator=g, dtype=torch.float64)
     mid = torch.randn(2, 9, generator=g, dtype=torch.float64)

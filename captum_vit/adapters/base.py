@@ -444,7 +444,7 @@ class ViTAdapter(Readout, abc.ABC):
             ValueError: naming the model or the target and the pixel removal that serves
                 it.
         """
-        if self.stages.windowed:
+        if self.stages.has_windows:
             raise ValueError(
                 f"{type(self.model).__name__} attends within windows of a fixed token grid, "
                 "and true token removal (TIS's token subsets, the metrics' removal='token') "

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from captum_vit.adapters.parts import BlockParts
-from captum_vit.adapters.windows import MergeParts
+from captum_vit.adapters.windows import MergeParts, Windows
 
 
 class _Blocks(Protocol):
@@ -57,7 +57,7 @@ class Stages:
     Examples::
 
         >>> st = adapt(swin).stages
-        >>> st.hierarchical, st.windowed
+        >>> st.hierarchical, st.has_windows
         (True, True)
         >>> maps = st.carry(values_of_x_l, l, split=True)   # onto the maps' grid
         >>> adapt(vit).stages.carry(v, 5) is v              # a plain ViT: the identity
@@ -69,7 +69,7 @@ class Stages:
         self._offset = offset
 
     def __repr__(self) -> str:
-        kind = "hierarchical" if self.hierarchical else "windowed" if self.windowed else "flat"
+        kind = "hierarchical" if self.hierarchical else "windowed" if self.has_windows else "flat"
         return f"Stages({kind}, offset={self._offset})"
 
     def _block(self, layer: int) -> BlockParts:
@@ -83,7 +83,7 @@ class Stages:
         return any(p.merge is not None for p in self._source.blocks)
 
     @property
-    def windowed(self) -> bool:
+    def has_windows(self) -> bool:
         """Whether some block attends within windows of its grid (Swin, SAM)."""
         return any(p.window is not None for p in self._source.blocks)
 
@@ -93,6 +93,16 @@ class Stages:
         grid), ``None`` otherwise (the embedding's count, which depends on the images)."""
         last = self._source.blocks[self._source.num_blocks - 1].window
         return None if last is None else last.num_tokens
+
+    def window(self, layer: int) -> Windows | None:
+        """Block ``layer``'s window partition (:class:`~captum_vit.adapters.windows.Windows`),
+        ``None`` for a block attending globally."""
+        return self._block(layer).window
+
+    def merge(self, layer: int) -> MergeParts | None:
+        """The patch merge after block ``layer``
+        (:class:`~captum_vit.adapters.windows.MergeParts`), ``None`` if none."""
+        return self._block(layer).merge
 
     # -- moving per-token values between grids ----------------------------------------------
     def carry(self, values: Tensor, layer: int | None = None, *, split: bool = False,

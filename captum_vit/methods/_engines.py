@@ -96,7 +96,7 @@ class LayerGradients:
             out = []
             for l, rec in enumerate(self.trace.blocks):
                 win = None if self.adapter is None else \
-                    self.adapter.blocks[self.trace.start + l].window
+                    self.adapter.stages.window(self.trace.start + l)
                 attn = rec.require_attn().detach().to(dt)
                 out.append(attn.mean(dim=(1, 2)) if win is None
                            else win.received(attn).mean(1))

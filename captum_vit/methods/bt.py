@@ -303,7 +303,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
                 v = v + st.token_mix(v, self._block_matrix(tr, k, grad_of.get(k), dt), k)
                 if k in starts.values():  # R <- R + Â_k R, read from its rows
                     got[k] = v
-            last = ad.blocks[L - 1].window
+            last = st.window(L - 1)
             if last is not None:  # windowed (Swin): W's rows of the (small) last stage
                 feedback = last.dense(feedback)
             ws, fb = w[:, rows], feedback[:, rows]
@@ -388,7 +388,7 @@ class BTH(_BeyondIntuition):
         assert grad is not None
         a, g = tr.blocks[k].require_attn().detach().to(dt), grad.detach().to(dt)
         prod = a.transpose(-1, -2) @ g  # per window for a windowed block (block-diagonal)
-        win = self.adapter.blocks[k].window
+        win = self.adapter.stages.window(k)
         if win is not None:  # the dense product has no padded slots
             real = (win.index(a.device) >= 0).to(dt)
             prod = prod * real[:, :, None] * real[:, None, :]

@@ -391,7 +391,7 @@ def window_scores(adapter: ViTAdapter, x: Tensor, layer: int, measure: str, *,
     """
     check_choice("measure", measure, MEASURES)
     check_choice("mlp", mlp, MLP_CHOICES)
-    win = adapter.blocks[layer].window
+    win = adapter.stages.window(layer)
     if win is None:
         raise ValueError(f"block {layer} attends globally, not within windows: use "
                          "decompose_block and token_scores")
@@ -529,7 +529,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         [B, n_W, M, M] (window form) for a windowed block."""
         out = []
         for l, rec in enumerate(tr.blocks[start:], start=tr.start + start):
-            win = self.adapter.blocks[l].window
+            win = self.adapter.stages.window(l)
             if self.mlp == "ln2" and self.fast:
                 t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
             elif win is not None:

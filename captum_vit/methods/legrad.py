@@ -330,7 +330,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                 with torch.no_grad():
                     for l, g in zip(blocks, grads, strict=True):
                         e = g.to(dt).clamp(min=0).mean(1)  # heads
-                        win = adapter.blocks[l].window
+                        win = adapter.stages.window(l)
                         if pooled:  # the pool's latent row
                             e = e[:, 0]
                         elif win is None:  # the mean over the query rows
