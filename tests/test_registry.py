@@ -130,7 +130,7 @@ def test_a_new_method_is_its_class_and_one_decorator():
     from captum_vit.registry import register_method, unregister_method
     from tests import test_contract
 
-    @register_method("throwaway_norm", family="gradient", quick={"scale": 2.0},
+    @register_method("throwaway_norm", kind="gradient", quick={"scale": 2.0},
                      variants={"throwaway_norm_half": {"scale": 0.5}})
     class ThrowawayNorm(ViTGradientAttribution):
         """The norm of every embedded token times ``scale`` (a test method)."""
@@ -165,10 +165,31 @@ def test_a_new_method_is_its_class_and_one_decorator():
         plus = build_method("plus:throwaway_norm", model)
         assert plus.attribute(x, target=[0, 1], output="tokens").shape == (2, 16)
         with pytest.raises(ValueError, match="taken by ThrowawayNorm"):
-            register_method("throwaway-norm", family="gradient")(GAE)
+            register_method("throwaway-norm", kind="gradient")(GAE)
     finally:
         removed = unregister_method("throwaway_norm")
     assert [e.name for e in removed] == ["throwaway_norm", "throwaway_norm_half"]
     assert "throwaway_norm" not in available_methods()
     with pytest.raises(ValueError, match="unknown method"):
         canonical_name("throwaway_norm")
+
+
+def test_a_method_registers_its_kind_not_a_family():
+    """A method's class of computation is its *kind* (``register_method(kind=...)``,
+    ``MethodEntry.kind``, :func:`method_kind`, ``KINDS``); "family" means a model family
+    only, so the registry has no ``family`` keyword, field or function."""
+    import dataclasses
+
+    import captum_vit.registry as registry
+
+    assert {f.name for f in dataclasses.fields(registry.MethodEntry)} >= {"kind"}
+    assert "family" not in {f.name for f in dataclasses.fields(registry.MethodEntry)}
+    assert registry.method_kind("GAE") == "gradient_attention"
+    assert registry.method_kind("rise") in registry.KINDS
+    assert not hasattr(registry, "method_family") and not hasattr(registry, "FAMILIES")
+    assert {"KINDS", "method_kind"} <= set(registry.__all__)
+    with pytest.raises(TypeError, match="family"):
+        registry.register_method("never_registered", family="gradient")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        registry.register_method("never_registered", kind="nope")(type("X", (), {}))
+    assert "never_registered" not in available_methods()

@@ -22,7 +22,7 @@ from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
-@register_method("attn_gradcam", family="gradient_attention")
+@register_method("attn_gradcam", kind="gradient_attention")
 class AttnGradCAM(ScoredAttribution):
     r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
     \nabla A^h[r, j]` of the last block, map

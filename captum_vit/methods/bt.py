@@ -323,7 +323,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         raise NotImplementedError  # pragma: no cover
 
 
-@register_method("bt_h", family="gradient_attention", quick={"n_steps": 5})
+@register_method("bt_h", kind="gradient_attention", quick={"n_steps": 5})
 class BTH(_BeyondIntuition):
     r"""Beyond Intuition, head-wise (BT-H; Chen et al., TMLR 2023, "Ours-H").
 
@@ -396,7 +396,7 @@ class BTH(_BeyondIntuition):
         return (ih.reshape(*ih.shape, *[1] * (a.dim() - 2)) * a).sum(1)
 
 
-@register_method("bt_t", family="gradient_attention", quick={"n_steps": 5})
+@register_method("bt_t", kind="gradient_attention", quick={"n_steps": 5})
 class BTT(_BeyondIntuition):
     r"""Beyond Intuition, token-wise (BT-T; Chen et al., TMLR 2023, "Ours-T").
 

@@ -86,7 +86,7 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
             rel[-1] if pool else None)
 
 
-@register_method("chefer21", family="decomposition")
+@register_method("chefer21", kind="decomposition")
 class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
 

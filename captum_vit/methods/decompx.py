@@ -316,7 +316,7 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
     return contrib[:, :n], contrib[:, n]
 
 
-@register_method("decompx", family="decomposition")
+@register_method("decompx", kind="decomposition")
 class DecompX(PLUSFastPath, PlainAttribution):
     r"""DecompX started at block ``s`` (rules D1-D6, see the module docstring): the signed
     contribution of every token of ``x_s`` to the target logit :math:`y_c`, without the bias

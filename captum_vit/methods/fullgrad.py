@@ -69,7 +69,7 @@ class _BiasProbeOps(Ops):
         return super().pool_attention(x, p)
 
 
-@register_method("fullgrad_plus", family="gradient", composable=False,
+@register_method("fullgrad_plus", kind="gradient", composable=False,
                  variants={"skip_fullgrad_plus": {"skip": True}})
 class FullGradPlus(ScoredAttribution):
     r"""FullGrad+ (Eq. 5-6 of SkipPLUS): the token IxG maps of the included blocks plus

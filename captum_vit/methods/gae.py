@@ -26,7 +26,7 @@ from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
-@register_method("gae", family="gradient_attention")
+@register_method("gae", kind="gradient_attention")
 class GAE(PLUSFastPath, ScoredAttribution):
     r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
 

@@ -64,7 +64,7 @@ class _LayerTerm(PLUSFastPath, ScoredAttribution):
         return getattr(grads, self.term)()[[l + self.layer for l in layers]]
 
 
-@register_method("token_ixg", family="gradient")
+@register_method("token_ixg", kind="gradient")
 class TokenIxG(_LayerTerm):
     r"""Token-level Input x Gradient at the input of block ``layer``:
     :math:`m_j = \sum_d x_l[j, d]\, \partial s_c / \partial x_l[j, d]`.
@@ -80,7 +80,7 @@ class TokenIxG(_LayerTerm):
     term, allow_end = "ixg", True
 
 
-@register_method("att_ixg", family="gradient_attention")
+@register_method("att_ixg", kind="gradient_attention")
 class AttIxG(_LayerTerm):
     r"""Attention-weighted token IxG at the input of block ``layer`` (one AttCAT term):
     :math:`m = \alpha_l \odot \mathrm{cat}_l` with

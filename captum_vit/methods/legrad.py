@@ -62,7 +62,7 @@ def min_max(maps: Tensor, num_prefix: int) -> Tensor:
     return out
 
 
-@register_method("legrad", family="gradient_attention")
+@register_method("legrad", kind="gradient_attention")
 class LeGrad(PLUSFastPath, ViTGradientAttribution):
     r"""LeGrad: the gradient of every layer's own readout w.r.t. that layer's attention
     (Bousselham et al., "LeGrad: An Explainability Method for Vision Transformers via

@@ -114,7 +114,7 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
                         device=inputs.device).reshape(b, s)
 
 
-@register_method("scorecam", family="cam", quick={"max_channels": 128})
+@register_method("scorecam", kind="cam", quick={"max_channels": 128})
 class ScoreCAM(ViTPerturbationAttribution):
     r"""Score-CAM on the tokens of block ``layer``: channel weights from the model's
     scores of the image masked by each channel (Wang et al., CVPRW 2020).

@@ -51,7 +51,7 @@ START_LAYER = 4
 """TAM's default last block of the chain (0-based, inclusive; the authors' default)."""
 
 
-@register_method("tam", family="gradient_attention", quick={"n_steps": 5})
+@register_method("tam", kind="gradient_attention", quick={"n_steps": 5})
 class TAM(PLUSFastPath, ViTGradientAttribution):
     r"""Transition Attention Maps (Yuan et al. 2021).
 

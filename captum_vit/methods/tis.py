@@ -422,7 +422,7 @@ def anytime_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tenso
     return w, used
 
 
-@register_method("tis", family="perturbation", quick={"n_masks": 128})
+@register_method("tis", kind="perturbation", quick={"n_masks": 128})
 class TIS(ViTPerturbationAttribution):
     r"""Transformer Input Sampling: the mean score of the token subsets keeping a patch.
 

@@ -219,7 +219,7 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
                               dot.permute(0, 2, 1), eps)
 
 
-@register_method("tokentm", family="gradient_attention",
+@register_method("tokentm", kind="gradient_attention",
                  variants={"tokentm_residual": {"variant": "residual"}})
 class TokenTM(PLUSFastPath, ViTGradientAttribution):
     r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).

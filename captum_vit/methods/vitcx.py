@@ -142,7 +142,7 @@ def vitcx_masks(features: Tensor, grid: tuple[int, int], size: tuple[int, int] |
     return GridMasks(sums, size or grid, up, minmax=True), labels
 
 
-@register_method("vit_cx", family="perturbation", seeded=True)
+@register_method("vit_cx", kind="perturbation", seeded=True)
 class ViTCX(ViTPerturbationAttribution):
     r"""ViT-CX (Xie et al., IJCAI 2023): masks from the model's clustered patch
     embeddings, scored by their causal impact on the target probability.
