@@ -323,12 +323,24 @@ def test_value_path_is_the_inner_norm_rule():
     assert ValuePath.of(plain.proj_weight, None).inv_std(o) is None
 
 
-def test_a_method_refuses_a_feature_by_name():
+def test_the_block_members_the_parts_module_names_are_in_use():
+    """Every ``BlockParts`` member the parts module's design note names is read somewhere
+    in the package outside ``parts.py`` (no documented refusal path nothing calls: the
+    former ``BlockParts.refuse``); ``features()`` still names a block's features."""
+    import re
+    from pathlib import Path
+
+    import captum_vit.adapters.parts as parts
+
+    named = set(re.findall(r":meth:`BlockParts\.(\w+)`", parts.__doc__ or ""))
+    assert {"value_path", "value_outputs"} <= named
+    root = Path(parts.__file__).parents[1]
+    text = "\n".join(p.read_text() for p in root.rglob("*.py") if p.name != "parts.py")
+    assert not [m for m in named if not re.search(rf"\.{m}\(", text)]
+    assert not hasattr(parts.BlockParts, "refuse")
     eva = adapt(make_model("eva02")).blocks[0]
-    with pytest.raises(TypeError, match="'inner_norm'.*scale_attn_inner"):
-        eva.refuse("MyMethod")
-    eva.refuse("MyMethod", supported=tuple(BLOCK_FEATURES))
-    adapt(make_model("vit")).blocks[0].refuse("MyMethod")  # a plain block has none
+    assert set(eva.features()) <= set(BLOCK_FEATURES) and "inner_norm" in eva.features()
+    assert adapt(make_model("vit")).blocks[0].features() == ()  # a plain block has none
 
 
 # -- public surface --------------------------------------------------------------------------
