@@ -82,6 +82,7 @@ from captum_vit.methods import (
 from captum_vit.methods.table import (
     composition_base,
     lookup,
+    refuses_windows,
     register_combinator,
     sums_blocks,
 )
@@ -177,9 +178,10 @@ class PLUS(ViTGradientAttribution):
     """
 
     @property
-    def windowed(self) -> bool:  # type: ignore[override]
-        """The base method's (:attr:`captum_vit._base.ViTFront.windowed`)."""
-        return bool(getattr(self.__dict__.get("_probe"), "windowed", True))
+    def removes_tokens(self) -> bool:  # type: ignore[override]
+        """The base method's declaration (:attr:`captum_vit._base.ViTFront.removes_tokens`;
+        False for the gradient route and Captum bases)."""
+        return refuses_windows(type(self.__dict__.get("_probe")))
 
     sums_subnetworks = True
 

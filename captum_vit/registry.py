@@ -49,6 +49,7 @@ from captum_vit.methods.table import (
     register_method,
     split_composition,
     unregister_method,
+    windowed_methods,
 )
 
 FEATURED_COMPOSITIONS = ("plus:decompx", "skipplus:decompx")
@@ -378,5 +379,5 @@ __all__ = [
     "MethodEntry", "register_combinator", "register_method", "unregister_method",
     "REPRESENTATIVE_COMPOSITIONS", "api_defaults", "available_methods", "build_method",
     "canonical_name", "composition_base", "method_factory", "method_kind", "parse_methods",
-    "quick_options", "takes_option",
+    "quick_options", "takes_option", "windowed_methods",
 ]

@@ -271,6 +271,59 @@ def method_names(baselines: bool = True, compositions: tuple[str, ...] | list[st
     return names + [e.name for e in entries if e.baseline and baselines]
 
 
+def refuses_windows(cls: type) -> bool:
+    """Whether the method class ``cls`` declares that it removes tokens from the model's
+    input (``removes_tokens = True``, :attr:`captum_vit._base.ViTFront.removes_tokens`:
+    TIS's token subsets), so that a model with windowed attention refuses it."""
+    return bool(getattr(cls, "removes_tokens", False))
+
+
+def windowed_methods(*, refused: bool = False) -> list[str]:
+    """Canonical names of the registered methods that run on models with windowed
+    attention (Swin, SAM's image encoder), in table order; with ``refused=True`` those
+    that such a model refuses by name: the methods whose class declares
+    ``removes_tokens = True`` (the window partition needs every token of its grid).
+
+    Args:
+        refused (bool, optional): list the refused methods instead. Default False.
+
+    Returns:
+        list[str]: canonical names, read from the table and each class's declaration.
+
+    Examples::
+
+        >>> from captum_vit.registry import windowed_methods
+        >>> windowed_methods(refused=True)
+        ['tis']
+        >>> "rise" in windowed_methods()
+        True
+    """
+    return [e.name for e in _ENTRIES.values() if refuses_windows(e.cls) == refused]
+
+
+def windowed_refusal(method: str, model: str) -> str:
+    """The message of a model with windowed attention refusing a method that removes
+    tokens: the registered methods that mask pixels instead (the perturbation methods
+    that keep every token) and every registered method that runs there, read from the
+    table and each class's declaration (:func:`windowed_methods`).
+
+    Args:
+        method (str): the refused method's name.
+        model (str): the model's class name.
+
+    Returns:
+        str: the message.
+    """
+    runs = [e for e in _ENTRIES.values() if e.class_alias and not e.baseline
+            and not refuses_windows(e.cls)]
+    names = list(dict.fromkeys(e.cls.__name__ for e in runs))
+    pixels = list(dict.fromkeys(e.cls.__name__ for e in runs if e.kind == "perturbation"))
+    instead = f" ({' or '.join(pixels)} mask pixels)" if pixels else ""
+    return (f"{method} removes tokens (true token removal), and this {model} attends within "
+            f"windows of a fixed token grid, which need every token: remove pixels "
+            f"instead{instead}; on windowed models run {', '.join(names)}")
+
+
 def sums_blocks(cls: type) -> bool:
     """Whether instances of ``cls`` are themselves sums over blocks (a combinator or a
     method registered with ``composable=False``), so no base of PLUS / SkipPLUS."""
@@ -400,6 +453,6 @@ def composition_base(name: str, *, seed: int = 0) -> str | type | Callable:
 __all__ = [
     "COMBINATORS", "COMBINATOR_BASES", "KINDS", "MethodEntry", "canonical_name",
     "captum_class", "composition_base", "lookup", "method_entries", "method_names",
-    "register_combinator", "register_method", "split_composition", "sums_blocks",
-    "unregister_method",
+    "refuses_windows", "register_combinator", "register_method", "split_composition",
+    "sums_blocks", "unregister_method", "windowed_methods", "windowed_refusal",
 ]

@@ -490,6 +490,7 @@ class TIS(ViTPerturbationAttribution):
     """
 
     last_masks_used: Tensor | None = None
+    removes_tokens = True  # token subsets: windowed models refuse TIS by name
 
     @log_usage()
     @fill_doc
@@ -579,7 +580,7 @@ class TIS(ViTPerturbationAttribution):
                     internal_batch_size: int | None = 128, show_progress: bool | None = None,
                     tolerance: float | None = None, round_size: int = DEFAULT_ROUND,
                     surrogate: bool = True, kmeans: str = "torch", **_: Any) -> Tensor:
-        self.adapter.check_token_removal()  # windowed models and token-row targets refuse
+        self.adapter.check_token_removal()  # token-row targets refuse (windowed: the front)
         layout = self.adapter.layout(inputs)
         p, b = layout.num_patches, inputs.shape[0]
         ratios = check_ratios(ratio, p)
