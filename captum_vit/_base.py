@@ -369,24 +369,27 @@ def resolve_target(target: Tensor | None, logits: Tensor) -> Tensor:
     return target.to(logits.device)
 
 
-def target_scores(logits: Tensor, target: Tensor, score: str = "logit") -> Tensor:
-    """Per-image score ``s_c`` [B]: the target logit or its softmax probability."""
+def target_scores(logits: Tensor, target: Tensor, score: str = "logit",
+                  probability: str = "softmax") -> Tensor:
+    """Per-image score ``s_c`` [B]: the target logit or its probability, of the kind
+    ``probability`` (the adapter's :attr:`~captum_vit.adapters.ViTAdapter.probability`:
+    ``"softmax"`` or ``"sigmoid"``)."""
     if score == "probability":
-        logits = probabilities(logits)
+        logits = probabilities(logits, probability)
     return logits.gather(1, target[:, None]).squeeze(1)
 
 
-def score_reduce(target: Tensor, score: str = "probability", dtype: torch.dtype | None = None
-                 ) -> Callable[[Tensor, Tensor], Tensor]:
+def score_reduce(target: Tensor, score: str = "probability", dtype: torch.dtype | None = None,
+                 probability: str = "softmax") -> Callable[[Tensor, Tensor], Tensor]:
     """``reduce(logits [n, classes], images [n]) -> [n]``: the score of each image's target
-    (:func:`target_scores` in ``dtype``), the form the perturbation engines
-    (:func:`~captum_vit.adapters.subsets.subset_logits`,
+    (:func:`target_scores` in ``dtype``, probabilities of the kind ``probability``), the
+    form the perturbation engines (:func:`~captum_vit.adapters.subsets.subset_logits`,
     :func:`~captum_vit.adapters.subsets.image_logits`) take, so that they keep one score
     per perturbed input instead of its logits."""
 
     def reduce(logits: Tensor, images: Tensor) -> Tensor:
         return target_scores(logits if dtype is None else logits.to(dtype),
-                             target[images.to(target.device)], score)
+                             target[images.to(target.device)], score, probability)
 
     return reduce
 

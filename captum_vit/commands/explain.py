@@ -219,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         if kind != "class" and lm.targets is not None:
             raise ValueError("--target-kind applies to classifiers; an embedding model is "
                              "explained against --target-embeddings")
-        probs = logits.sigmoid() if kind == "multilabel" else probabilities(logits[None])[0]
+        probs = logits.sigmoid() if kind == "multilabel" else probabilities(
+            logits[None], adapt(lm.model).probability)[0]
         if pair is not None and args.target is not None:
             raise ValueError("--target-kind contrastive:A,B names the classes; drop --target")
         target = pair[0] if pair is not None else parse_class(args.target, lm.class_names,

@@ -136,7 +136,8 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
         tr = adapter.trace(inputs, linearize=linearize, grad=True)
         t = resolve_target(target, tr.require_logits())
-        grads = gradients(target_scores(tr.require_logits(), t, score), tr.states)
+        scores = target_scores(tr.require_logits(), t, score, adapter.probability)
+        grads = gradients(scores, tr.states)
     return LayerGradients(tr, t, grads, adapter)
 
 
@@ -193,7 +194,7 @@ def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
             xs = [tr.blocks[l - tr.start].u for l in layers]
         else:
             xs = [tr.states[l] for l in layers]
-        gs = gradients(target_scores(tr.require_logits(), t, score), xs)
+        gs = gradients(target_scores(tr.require_logits(), t, score, adapter.probability), xs)
     return [x.detach() for x in xs], [g.detach() for g in gs], t
 
 

@@ -131,7 +131,8 @@ class FullGradPlus(ScoredAttribution):
             t = resolve_target(target, logits)
             xs = [states[l] for l in self.layers]
             probes = [p for _, p in ops.probes]
-            grads = gradients(target_scores(logits, t, score), xs + probes)
+            grads = gradients(target_scores(logits, t, score, self.adapter.probability),
+                              xs + probes)
         dt = accumulation_dtype(inputs)
         ad = self.adapter  # stages (Swin): every term shared onto the first grid
         with torch.no_grad():

@@ -308,7 +308,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                 rec = Trace(tr.layout, tr.x0)
                 if head is None:
                     return target_scores(adapter.readout_logits(z, ops, rec, **options), t,
-                                         score), rec.pool_attn
+                                         score, adapter.probability), rec.pool_attn
                 with adapter.targeting(head[0]):
                     s = target_scores(adapter.readout_logits(z, ops, rec, **options),
                                       head[1], "logit")

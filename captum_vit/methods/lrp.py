@@ -92,7 +92,7 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
             states = tr.states
             wrt = [states[l] for l in layers]
         t = resolve_target(target, tr.require_logits())
-        grads = gradients(target_scores(tr.require_logits(), t, score), wrt)
+        grads = gradients(target_scores(tr.require_logits(), t, score, adapter.probability), wrt)
     dt = accumulation_dtype(inputs)
     with torch.no_grad():
         if at == "pixels":

@@ -276,7 +276,7 @@ class RISE(ViTPerturbationAttribution):
                 forwards = b
         t = resolve_target(target, logits) if logits is not None else cast(
             Tensor, target).to(inputs.device)  # no logits: a target was given
-        reduce = score_reduce(t, score, dt)
+        reduce = score_reduce(t, score, dt, adapter.probability)
 
         if removal == "tokens":
             masks = rise_masks(n_masks, layout.grid, p, generator=gen)

@@ -275,7 +275,7 @@ class ScoreCAM(ViTPerturbationAttribution):
         masks = adapter.carry(masks, self.layer)  # stages: block l's grid onto the maps'
         b, d = masks.shape[:2]  # [B, D, P]
 
-        scores = score_reduce(t, score, dt)
+        scores = score_reduce(t, score, dt, adapter.probability)
         if self.removal == "pixels":
             s = masked_image_scores(adapter, inputs, masks, layout, scores,
                                     batch_size=self.batch_size, show_progress=self.progress)

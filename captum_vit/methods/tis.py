@@ -230,7 +230,8 @@ def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, 
     Returns:
         Tensor: ``w`` [B, M], in the accumulation dtype of ``x0``.
     """
-    scores = score_reduce(target.to(x0.device), score, accumulation_dtype(x0))
+    scores = score_reduce(target.to(x0.device), score, accumulation_dtype(x0),
+                          adapter.probability)
     return subset_logits(adapter, x0, masks.to(x0.device), batch_size=internal_batch_size,
                          full_logits=full_logits, reduce=scores, show_progress=show_progress,
                          desc="TIS", progress_delay=progress_delay,

@@ -189,8 +189,8 @@ class AttnGrad(ScoredAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.require_logits())
         attn = tr.blocks[self.layer].require_attn()
-        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
-                                                 [attn])
+        scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
+        (grad,), pool_grad = gradients_with_pool(tr, scores, [attn])
         dt = accumulation_dtype(attn)
         with torch.no_grad():
             g = grad.to(dt)

@@ -275,8 +275,8 @@ class ViTCX(ViTPerturbationAttribution):
             logits = adapter.run(h, layer + 1, ops=ops)
         features = record[0].u[:, k:]  # [B, P, D]
         t = resolve_target(target, logits)
-        reduce = score_reduce(t, score, dt)
-        clean = target_scores(logits.to(dt), t, score)  # p_c(X) [B]
+        reduce = score_reduce(t, score, dt, adapter.probability)
+        clean = target_scores(logits.to(dt), t, score, adapter.probability)  # p_c(X) [B]
         size = None if removal == "tokens" else (int(inputs.shape[-2]), int(inputs.shape[-1]))
         masks = [vitcx_masks(f, layout.grid, size, distance_threshold)[0] for f in features]
         self.num_masks = [len(m) for m in masks]
