@@ -369,24 +369,27 @@ def resolve_target(target: Tensor | None, logits: Tensor) -> Tensor:
     return target.to(logits.device)
 
 
-def target_scores(logits: Tensor, target: Tensor, score: str = "logit") -> Tensor:
-    """Per-image score ``s_c`` [B]: the target logit or its softmax probability."""
+def target_scores(logits: Tensor, target: Tensor, score: str = "logit",
+                  probability: str = "softmax") -> Tensor:
+    """Per-image score ``s_c`` [B]: the target logit or its probability, of the kind
+    ``probability`` (the adapter's :attr:`~captum_vit.adapters.ViTAdapter.probability`:
+    ``"softmax"`` or ``"sigmoid"``)."""
     if score == "probability":
-        logits = probabilities(logits)
+        logits = probabilities(logits, probability)
     return logits.gather(1, target[:, None]).squeeze(1)
 
 
-def score_reduce(target: Tensor, score: str = "probability", dtype: torch.dtype | None = None
-                 ) -> Callable[[Tensor, Tensor], Tensor]:
+def score_reduce(target: Tensor, score: str = "probability", dtype: torch.dtype | None = None,
+                 probability: str = "softmax") -> Callable[[Tensor, Tensor], Tensor]:
     """``reduce(logits [n, classes], images [n]) -> [n]``: the score of each image's target
-    (:func:`target_scores` in ``dtype``), the form the perturbation engines
-    (:func:`~captum_vit.adapters.subsets.subset_logits`,
+    (:func:`target_scores` in ``dtype``, probabilities of the kind ``probability``), the
+    form the perturbation engines (:func:`~captum_vit.adapters.subsets.subset_logits`,
     :func:`~captum_vit.adapters.subsets.image_logits`) take, so that they keep one score
     per perturbed input instead of its logits."""
 
     def reduce(logits: Tensor, images: Tensor) -> Tensor:
         return target_scores(logits if dtype is None else logits.to(dtype),
-                             target[images.to(target.device)], score)
+                             target[images.to(target.device)], score, probability)
 
     return reduce
 
@@ -505,10 +508,12 @@ class ViTFront:
     way to the first grid instead of copied to them
     (:meth:`~captum_vit.adapters.Stages.carry`)."""
 
-    windowed: bool = True
-    """Whether the method has a form for windowed attention (Swin,
-    :mod:`captum_vit.adapters.windows`); a method without one refuses such a model by
-    name."""
+    removes_tokens: bool = False
+    """Whether the method removes tokens from the model's input (true token removal: TIS's
+    token subsets). A model whose attention works in windows of a fixed token grid (Swin,
+    SAM's image encoder, :mod:`captum_vit.adapters.windows`) needs every token, so it
+    refuses such a method by name; the message names the registered methods that run
+    there (:func:`captum_vit.registry.windowed_methods`, read from this declaration)."""
 
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
@@ -533,13 +538,8 @@ class ViTFront:
         heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
         maps_of = self._token_maps if heads == "mean" else self._head_maps
         p = prepare(self.adapter, inputs, target)
-        if not self.windowed and any(b.window is not None for b in self.adapter.blocks):
-            raise TypeError(
-                f"{type(self).__name__} has no form for the windowed attention of this "
-                f"{type(self.model).__name__} yet; on windowed models use Rollout, "
-                "RawAttention, GAE, TokenTM, Chefer21, AttnGradCAM, GradSAM, TAM, BT, "
-                "DecompX, GlobEnc, ALTI, TokenIxG, AttCAT, LeGrad, the LRP methods, the "
-                "CAMs, RISE, ScoreCAM or ViT-CX")
+        if self.removes_tokens and any(b.window is not None for b in self.adapter.blocks):
+            raise ValueError(_windowed_refusal(type(self).__name__, type(self.model).__name__))
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:
@@ -648,6 +648,16 @@ class ViTFront:
     def _head_maps(self, inputs: Tensor, target: Tensor | None, **kwargs: Any) -> Tensor:
         """Per-head token maps [B, H, N] (``heads="all"``) of a ``per_head`` method."""
         raise NotImplementedError  # pragma: no cover
+
+
+def _windowed_refusal(method: str, model: str) -> str:
+    """The refusal of a method that removes tokens by a windowed model, naming the
+    registered methods that run there (:func:`captum_vit.methods.table.windowed_refusal`;
+    the table sits below the methods, imported here when a refusal is written because its
+    package imports every method, which import this module)."""
+    from captum_vit.methods.table import windowed_refusal
+
+    return windowed_refusal(method, model)
 
 
 _PER_HEAD: dict[str, None] = {}

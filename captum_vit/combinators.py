@@ -17,8 +17,8 @@ function. Where one pass serves every start block the base takes a *fast path*.
 
 Hook API (what a method class implements to compose with PLUS; all optional; the base
 class :class:`~captum_vit.methods.PLUSFastPath` declares it and gives the default
-``_token_maps``; this module knows no method class, only the protocol and the names of
-:mod:`captum_vit.methods.table`):
+``_token_maps``; the fast path is found by that type, and this module knows no method
+class, only the protocol and the names of :mod:`captum_vit.methods.table`):
 
 - ``plus_maps(inputs, target, layers, *, aggregate="subnetwork", **options) -> Tensor``:
   the maps ``A(f_l)(x_l)`` of every start block in ``layers`` (sorted distinct ints),
@@ -38,9 +38,12 @@ class :class:`~captum_vit.methods.PLUSFastPath` declares it and gives the defaul
   ``l``": it is built on a one-block window (block ``l``, the later blocks
   folded into the head), and both aggregates coincide.
 
-Token IxG, AttIxG, DecompX and the vanilla gradient (names ``"ixg"``, ``"att_ixg"``,
-``"decompx"``, ``"gradient"``) take the gradient route: one forward and ONE backward give
-every block's map.
+Token IxG, AttIxG, DecompX and the vanilla gradient take the gradient route: one forward
+and ONE backward give every block's map. The combinator base kinds ``"ixg"`` and
+``"gradient"`` (:data:`~captum_vit.methods.table.COMBINATOR_BASES`) are that route; a
+registered method whose class is a :class:`~captum_vit.methods.GradientRoute`
+(``"token_ixg"``, ``"att_ixg"``, ``"decompx"``) takes it under its registered name, with
+the kind its class declares (``gradient_kind``).
 """
 
 from __future__ import annotations
@@ -69,12 +72,21 @@ from captum_vit._base import (
     resolve_target,
 )
 from captum_vit.adapters.subnetwork import SubnetworkAdapter
-from captum_vit.methods import FullGradPlus, per_layer_fast, skip_start
-from captum_vit.methods.table import composition_base, register_combinator, sums_blocks
+from captum_vit.methods import (
+    FullGradPlus,
+    GradientRoute,
+    PLUSFastPath,
+    per_layer_fast,
+    skip_start,
+)
+from captum_vit.methods.table import (
+    composition_base,
+    lookup,
+    refuses_windows,
+    register_combinator,
+    sums_blocks,
+)
 
-# names of the one-backward bases -> per-layer map kind
-FAST_BASES = {"ixg": "ixg", "token_ixg": "ixg", "att_ixg": "att_ixg", "decompx": "decompx",
-              "gradient": "gradient"}
 _LAYER_KINDS = ("ixg", "att_ixg", "gradient")
 """Fast kinds without a layer recursion (maps at the block input): both aggregates agree."""
 
@@ -166,9 +178,10 @@ class PLUS(ViTGradientAttribution):
     """
 
     @property
-    def windowed(self) -> bool:  # type: ignore[override]
-        """The base method's (:attr:`captum_vit._base.ViTFront.windowed`)."""
-        return bool(getattr(self.__dict__.get("_probe"), "windowed", True))
+    def removes_tokens(self) -> bool:  # type: ignore[override]
+        """The base method's declaration (:attr:`captum_vit._base.ViTFront.removes_tokens`;
+        False for the gradient route and Captum bases)."""
+        return refuses_windows(type(self.__dict__.get("_probe")))
 
     sums_subnetworks = True
 
@@ -181,12 +194,12 @@ class PLUS(ViTGradientAttribution):
         self.aggregate = check_choice("aggregate", aggregate, AGGREGATES)
         self.fast = check_scalar(fast, "fast", bool)
         self.base = base
-        self.kind: str | None = None  # a fast base name
+        self.kind: str | None = None  # the gradient route's kind (per_layer_fast)
         self.route = "kind"  # "kind", "hook", "method" (package method) or "captum"
         self.layer_local = False
         resolved = self._resolve(base)
         if isinstance(resolved, str):
-            self.kind = FAST_BASES[resolved]
+            self.kind = resolved
             if aggregate == "layer" and self.kind not in _LAYER_KINDS:
                 raise ValueError("aggregate='layer' is not defined for DecompX (it decomposes "
                                  "the whole sub-network, there is no per-block matrix); use "
@@ -201,18 +214,24 @@ class PLUS(ViTGradientAttribution):
 
     # -- what the base is ----------------------------------------------------------------
     def _resolve(self, base: BaseLike) -> str | Callable[[SubnetworkAdapter], Attribution]:
-        """A fast base name (``"ixg"``, ...) or the factory building the base on a
+        """The gradient route's kind (``"ixg"``, ...: a combinator base kind, or the
+        ``gradient_kind`` of a registered :class:`~captum_vit.methods.GradientRoute`
+        named in its default configuration) or the factory building the base on a
         sub-network (with ``fast=False`` the registered methods behind the names; the
         vanilla gradient ``"gradient"`` has only its one-backward form)."""
         if isinstance(base, str):
-            if base in FAST_BASES and (self.fast or base == "gradient"):
-                return base
             try:
                 resolved = composition_base(base)
             except ValueError as e:
                 raise ValueError(f"unknown base {base!r}: {e}") from None
-            if isinstance(resolved, str) and not self.fast and resolved == "ixg":
-                return composition_base("token_ixg")  # the registered TokenIxG
+            if isinstance(resolved, str):  # a combinator base kind
+                if not self.fast and resolved == "ixg":
+                    return composition_base("token_ixg")  # the registered TokenIxG
+                return resolved
+            entry = lookup(base)
+            if self.fast and entry is not None and entry.class_alias \
+                    and issubclass(entry.cls, GradientRoute):
+                return entry.cls.gradient_kind
             return resolved
         if isinstance(base, type):
             if sums_blocks(base):
@@ -249,10 +268,8 @@ class PLUS(ViTGradientAttribution):
                                  "(no per-block matrix); use aggregate='subnetwork'")
             return
         self.layer_local = bool(getattr(method, "layer_local", False))
-        hook_aggregates = None  # the fast-path protocol (PLUSFastPath), read by duck typing
-        if callable(getattr(probe, "plus_maps", None)):
-            hook_aggregates = tuple(getattr(probe, "plus_aggregates", ("subnetwork",)))
-        if self.fast and hook_aggregates is not None:
+        if self.fast and isinstance(probe, PLUSFastPath):  # the fast-path protocol
+            hook_aggregates = tuple(probe.plus_aggregates)
             self.route = "hook"
             if self.aggregate not in hook_aggregates:
                 raise ValueError(f"aggregate={self.aggregate!r} is not defined for {name}: it "
@@ -358,7 +375,7 @@ class PLUS(ViTGradientAttribution):
 
     def _hook_maps(self, inputs: Tensor, target: Tensor | None,
                    kwargs: dict[str, Any]) -> Tensor:
-        probe = self._probe
+        probe = cast(PLUSFastPath, self._probe)  # the "hook" route: a PLUSFastPath
         maps = probe.plus_maps(inputs, target, self.layers, aggregate=self.aggregate,
                                **kwargs)
         want = (len(self.layers), inputs.shape[0], self.adapter.layout(inputs).num_tokens)
@@ -441,5 +458,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'captum_vit.combinators' has no attribute {name!r}")
 
 
-__all__ = ["FAST_BASES", "PLUS", "BaseLike", "FullGradPlus", "SkipPLUS", "check_layers",
+__all__ = ["PLUS", "BaseLike", "FullGradPlus", "SkipPLUS", "check_layers",
            "per_layer_fast", "skip_start"]

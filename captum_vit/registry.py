@@ -37,7 +37,7 @@ import captum_vit.methods  # noqa: F401  (the one import list: registers every m
 from captum_vit.methods.table import (
     COMBINATOR_BASES,
     COMBINATORS,
-    FAMILIES,
+    KINDS,
     MethodEntry,
     canonical_name,
     captum_class,
@@ -49,6 +49,7 @@ from captum_vit.methods.table import (
     register_method,
     split_composition,
     unregister_method,
+    windowed_methods,
 )
 
 FEATURED_COMPOSITIONS = ("plus:decompx", "skipplus:decompx")
@@ -258,22 +259,23 @@ def _entry(name: str) -> MethodEntry | None:
     return lookup(composed[1] if composed else canon)
 
 
-def method_family(name: str) -> str:
-    """The family of method ``name``, a key of :data:`FAMILIES`.
+def method_kind(name: str) -> str:
+    """The kind of method ``name`` (what its map is computed from), a key of
+    :data:`KINDS`.
 
     Args:
         name (str): any spelling accepted by :func:`canonical_name`.
 
     Returns:
-        str: the registered method's family; ``"composition"`` for ``plus:<name>`` and
+        str: the registered method's kind; ``"composition"`` for ``plus:<name>`` and
         ``skipplus:<name>``, ``"captum"`` for ``captum:<ClassName>``.
 
     Examples::
 
-        >>> from captum_vit.registry import FAMILIES, method_family
-        >>> method_family("GAE"), method_family("HiResCAM"), method_family("SkipPLUS(DecompX)")
+        >>> from captum_vit.registry import KINDS, method_kind
+        >>> method_kind("GAE"), method_kind("HiResCAM"), method_kind("SkipPLUS(DecompX)")
         ('gradient_attention', 'cam', 'composition')
-        >>> FAMILIES[method_family("rollout")]
+        >>> KINDS[method_kind("rollout")]
         'attention & rollout'
     """
     canon = canonical_name(name)
@@ -281,7 +283,7 @@ def method_family(name: str) -> str:
         return "captum"
     if split_composition(canon) is not None:
         return "composition"
-    return cast(MethodEntry, lookup(canon)).family  # canonical_name checked it
+    return cast(MethodEntry, lookup(canon)).kind  # canonical_name checked it
 
 
 def takes_option(name: str, option: str) -> bool:
@@ -373,9 +375,9 @@ def method_factory(name: str, *, seed: int = 0) -> Callable[[nn.Module], Attribu
 
 
 __all__ = [
-    "COMBINATORS", "COMBINATOR_BASES", "FAMILIES", "FEATURED_COMPOSITIONS", "METHODS",  # noqa: F822
+    "COMBINATORS", "COMBINATOR_BASES", "FEATURED_COMPOSITIONS", "KINDS", "METHODS",  # noqa: F822
     "MethodEntry", "register_combinator", "register_method", "unregister_method",
     "REPRESENTATIVE_COMPOSITIONS", "api_defaults", "available_methods", "build_method",
-    "canonical_name", "composition_base", "method_factory", "method_family", "parse_methods",
-    "quick_options", "takes_option",
+    "canonical_name", "composition_base", "method_factory", "method_kind", "parse_methods",
+    "quick_options", "takes_option", "windowed_methods",
 ]

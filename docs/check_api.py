@@ -4,7 +4,7 @@ Every documented object of the built ``api/*.html`` pages (``<dt ... id="captum_
 must have a public name: no part starting with ``_`` (the package's ``__version__``
 aside), none of the method classes' internal class attributes (plain class attributes,
 not methods or properties, that the package reads: ``examples_doc``, ``conserves``,
-``windowed``, ...: :func:`internal_class_attributes`), and none of the members Captum
+``removes_tokens``, ...: :func:`internal_class_attributes`), and none of the members Captum
 documents itself (``attribute_future``, ...). A page with a napoleon ``TYPE:`` field (what
 those attributes' docstrings turned into) fails too.
 

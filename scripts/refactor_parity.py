@@ -45,6 +45,15 @@ def model_embedding(model, x):
     return adapt(model).model_logits(x)
 
 
+def target_kinds(target: torch.Tensor) -> list[tuple[str, object]]:
+    """The other target kinds of the contract suite: a plain callable on the logits, a
+    contrast of two classes and a multi-label sum."""
+    from captum_vit.targets import Contrastive, MultiLabel
+
+    return [("callable", lambda z: z[:, 3]), ("contrastive", Contrastive(target, 2)),
+            ("multilabel", MultiLabel([0, 3]))]
+
+
 def families() -> list[str]:
     """The contract suite's classifier families whose libraries are installed."""
     try:
@@ -63,8 +72,13 @@ def run() -> dict[str, torch.Tensor]:
         x = make_inputs(fam, batch=3)
         for name in available_methods(compositions=True) + EXTRA:
             kw = FAST.get(name, {})
-            out[f"map/{name}/{fam}"] = build_method(name, model).attribute(
-                x, target=target, output="tokens", **kw).detach()
+            method = build_method(name, model)
+            for kind, tgt in [("map", target), *target_kinds(target)]:
+                try:
+                    out[f"{kind}/{name}/{fam}"] = method.attribute(
+                        x, target=tgt, output="tokens", **kw).detach()
+                except ValueError:  # a stated refusal (TIS on windows) is a result too
+                    out[f"{kind}/{name}/{fam}"] = torch.tensor([-1.0])
         if fam in METRIC_FAMILIES:
             g = torch.Generator().manual_seed(3)
             masks = torch.rand(x.shape[0], x.shape[2], x.shape[3], generator=g) > 0.6

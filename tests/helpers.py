@@ -325,9 +325,11 @@ HF_FAMILIES["hf_sam"] = ("SamVisionModel", "SamVisionConfig",
                           "mlp_dim": 64}, (32, 32))
 
 
-WINDOW_REFUSERS = {"tis"}
-"""Methods that refuse windowed models (Swin, SAM) by name: TIS removes tokens (use RISE or
-ViT-CX)."""
+from captum_vit.registry import windowed_methods  # noqa: E402
+
+WINDOW_REFUSERS = set(windowed_methods(refused=True))
+"""Methods that refuse windowed models (Swin, SAM) by name: those declaring
+``removes_tokens`` (TIS; use RISE or ViT-CX), read from the registry."""
 
 
 def family_marks(family: str, method: str | None = None) -> tuple:

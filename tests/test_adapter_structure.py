@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 import captum_vit
-import captum_vit.adapters as adapters_pkg
 from captum_vit._base import ViTFront, format_output
 from captum_vit.adapters import (
     BLOCK_FEATURES,
@@ -81,20 +80,56 @@ def test_adapt_holds_neither_model_nor_adapter():
 
 
 # -- settings are adapter state -------------------------------------------------------------
-def test_no_module_level_context_variable_keyed_by_model():
-    names = ["captum_vit.adapters", *(f"captum_vit.adapters.{m.name}" for m in
-                                      pkgutil.iter_modules(adapters_pkg.__path__))]
-    found = {}
+def test_no_module_level_context_variable_anywhere():
+    """Settings are adapter state: no module of the package holds a context variable
+    (the last one, how scores become probabilities, is ``ViTAdapter.probability``)."""
+    import captum_vit
+
+    names = ["captum_vit", *(m.name for m in pkgutil.walk_packages(captum_vit.__path__,
+                                                                  "captum_vit."))]
+    found = []
     for name in names:
         module = importlib.import_module(name)
-        for attr, value in vars(module).items():
-            if isinstance(value, contextvars.ContextVar):
-                found[f"{name}.{attr}"] = value
-    # the only one left says how scores become probabilities; it holds a string
-    assert set(found) == {"captum_vit.adapters.scoring._PROBABILITY"}
-    assert isinstance(found["captum_vit.adapters.scoring._PROBABILITY"].get(), str)
-    for gone in ("_TARGETS", "_ALPHAS", "_FROZEN", "_CHECKED"):
-        assert not any(hasattr(importlib.import_module(n), gone) for n in names)
+        found += [f"{name}.{attr}" for attr, value in vars(module).items()
+                  if isinstance(value, contextvars.ContextVar)]
+    assert not found
+    adapter_modules = [n for n in names if n.startswith("captum_vit.adapters")]
+    for gone in ("_TARGETS", "_ALPHAS", "_FROZEN", "_CHECKED", "_PROBABILITY"):
+        assert not any(hasattr(importlib.import_module(n), gone) for n in adapter_modules)
+
+
+def test_the_probability_kind_is_state_of_each_model():
+    """How scores become probabilities travels as adapter state: the target's kind under
+    ``targeting``, ``probability_kind`` for a multi-label head; another model, another
+    thread and the code after the block keep softmax; the functions take it explicitly."""
+    import threading
+
+    from captum_vit.adapters import TargetHead, log_probabilities, probabilities
+
+    a, other = adapt(make_model("vit")), adapt(make_model("vit"))
+    z = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64)
+    assert a.probability == "softmax"
+    seen = {}
+    with a.probability_kind("sigmoid"):
+        assert a.probability == "sigmoid" and adapt(a.model).probability == "sigmoid"
+        assert other.probability == "softmax"
+        worker = threading.Thread(target=lambda: seen.update(kind=a.probability))
+        worker.start()
+        worker.join()
+        assert_close_scaled(probabilities(z, a.probability), torch.sigmoid(z), 1e-15)
+        assert_close_scaled(log_probabilities(z, a.probability),
+                            torch.nn.functional.logsigmoid(z), 1e-15)
+        with pytest.raises(ValueError, match="probability_kind|kind"):
+            with a.probability_kind("tanh"):
+                pass
+    assert seen == {"kind": "softmax"} and a.probability == "softmax"
+    assert_close_scaled(probabilities(z), z.softmax(-1), 1e-15)
+    head = TargetHead(torch.randn(1, 8, dtype=torch.float64), probability="sigmoid")
+    with a.targeting(head):
+        assert a.probability == "sigmoid" and other.probability == "softmax"
+    assert a.probability == "softmax"
+    with pytest.raises(ValueError, match="kind must be 'softmax' or 'sigmoid'"):
+        probabilities(z, "tanh")
 
 
 def test_settings_are_restored_after_an_exception():
@@ -323,12 +358,24 @@ def test_value_path_is_the_inner_norm_rule():
     assert ValuePath.of(plain.proj_weight, None).inv_std(o) is None
 
 
-def test_a_method_refuses_a_feature_by_name():
+def test_the_block_members_the_parts_module_names_are_in_use():
+    """Every ``BlockParts`` member the parts module's design note names is read somewhere
+    in the package outside ``parts.py`` (no documented refusal path nothing calls: the
+    former ``BlockParts.refuse``); ``features()`` still names a block's features."""
+    import re
+    from pathlib import Path
+
+    import captum_vit.adapters.parts as parts
+
+    named = set(re.findall(r":meth:`BlockParts\.(\w+)`", parts.__doc__ or ""))
+    assert {"value_path", "value_outputs"} <= named
+    root = Path(parts.__file__).parents[1]
+    text = "\n".join(p.read_text() for p in root.rglob("*.py") if p.name != "parts.py")
+    assert not [m for m in named if not re.search(rf"\.{m}\(", text)]
+    assert not hasattr(parts.BlockParts, "refuse")
     eva = adapt(make_model("eva02")).blocks[0]
-    with pytest.raises(TypeError, match="'inner_norm'.*scale_attn_inner"):
-        eva.refuse("MyMethod")
-    eva.refuse("MyMethod", supported=tuple(BLOCK_FEATURES))
-    adapt(make_model("vit")).blocks[0].refuse("MyMethod")  # a plain block has none
+    assert set(eva.features()) <= set(BLOCK_FEATURES) and "inner_norm" in eva.features()
+    assert adapt(make_model("vit")).blocks[0].features() == ()  # a plain block has none
 
 
 # -- public surface --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The API pages (``docs/source/api/*.rst``) are built alone with the site's autodo
 and hooks (``docs/source/conf.py``: :func:`setup_autodoc`; no notebooks, no support
 matrix), and every documented object's name is read from the HTML: none may start with
 ``_``, none may be one of the method classes' internal class attributes (flags and
-docstring pieces the package reads: ``examples_doc``, ``conserves``, ``windowed``, ...),
+docstring pieces the package reads: ``examples_doc``, ``conserves``, ``removes_tokens``, ...),
 and none may be a member Captum documents itself (``attribute_future``, which Captum's
 own methods do not implement either), and no napoleon "TYPE:" field. The one underscore
 name allowed is the package's ``__version__``. The checks are ``docs/check_api.py``'s,
@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "docs" / "source"
 
-NAMED_IN_THE_ISSUE = ("examples_doc", "returns_doc", "score_doc", "conserves", "windowed",
+NAMED_IN_THE_ISSUE = ("examples_doc", "returns_doc", "score_doc", "conserves", "removes_tokens",
                       "class_agnostic", "per_head", "layer_local", "attribute_future")
 """Internal names the API reference once published (issue 42, item 7)."""
 
@@ -63,7 +63,7 @@ def test_documented_names_are_read_from_a_page():
 
 def test_internal_attributes_are_found():
     found = internal_class_attributes()
-    assert {"examples_doc", "conserves", "windowed", "class_agnostic", "per_head",
+    assert {"examples_doc", "conserves", "removes_tokens", "class_agnostic", "per_head",
             "layer_local"} <= found
 
 

@@ -1,5 +1,5 @@
 """The ``captum-vit explain`` figure: near-zero maps drawn flat and marked, panels grouped
-by method family, the settings said on the figure and in ``--help``, ``--full``,
+by method kind, the settings said on the figure and in ``--help``, ``--full``,
 ``--n-masks`` and ``--tolerance``."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from captum_vit import viz  # noqa: E402
 from captum_vit.cli import main  # noqa: E402
 from captum_vit.commands import explain  # noqa: E402
 from captum_vit.registry import (  # noqa: E402
-    FAMILIES,
+    KINDS,
     METHODS,
     available_methods,
-    method_family,
+    method_kind,
     quick_options,
 )
 from captum_vit.viz import NEAR_ZERO_NOTE, near_zero, plot_grid  # noqa: E402
@@ -75,7 +75,7 @@ def test_grid_groups_panels_and_starts_each_group_on_a_new_row():
     g = torch.Generator().manual_seed(2)
     names = ["gae", "rollout", "gradcam", "tokentm", "hirescam", "layercam"]
     maps = {n: torch.rand(1, 64, generator=g) for n in names}
-    groups = {n: FAMILIES[method_family(n)] for n in names}
+    groups = {n: KINDS[method_kind(n)] for n in names}
     fig = plot_grid(torch.rand(1, 1, 56, 56), maps, groups=groups, max_cols=2, note="footnote")
     cols = fig.axes[0].get_gridspec().get_geometry()[1]
     where = {ax.get_title(): divmod(ax.get_subplotspec().num1, cols) for ax in fig.axes
@@ -91,19 +91,19 @@ def test_grid_groups_panels_and_starts_each_group_on_a_new_row():
     plt.close(fig)
 
 
-def test_every_registered_method_has_a_family():
+def test_every_registered_method_has_a_kind():
     for e in METHODS:
-        assert e.family in FAMILIES, e.name
-    assert method_family("SkipPLUS(DecompX)") == "composition"
-    assert method_family("captum:Saliency") == "captum"
-    assert {method_family(n) for n in ("vanilla_grad", "hirescam", "rollout", "rise",
+        assert e.kind in KINDS, e.name
+    assert method_kind("SkipPLUS(DecompX)") == "composition"
+    assert method_kind("captum:Saliency") == "captum"
+    assert {method_kind(n) for n in ("vanilla_grad", "hirescam", "rollout", "rise",
                                        "attnlrp")} == {"gradient", "cam", "attention",
                                                        "perturbation", "decomposition"}
-    with pytest.raises(ValueError, match="family"):
-        type(METHODS[0])("x", object, lambda m, s: None, family="nope")
+    with pytest.raises(ValueError, match="kind"):
+        type(METHODS[0])("x", object, lambda m, s: None, kind="nope")
 
 
-def test_explain_groups_by_family_flattens_zero_maps_and_notes_the_settings(tmp_path, capsys,
+def test_explain_groups_by_kind_flattens_zero_maps_and_notes_the_settings(tmp_path, capsys,
                                                                             monkeypatch):
     seen = {}
     real = viz.plot_grid
@@ -118,9 +118,9 @@ def test_explain_groups_by_family_flattens_zero_maps_and_notes_the_settings(tmp_
             "vanilla_grad,gradcam,gae,rollout,tis", "--out", str(out)]
     assert main(argv) == 0
     order = list(seen["maps"])
-    assert order == ["rollout", "gae", "vanilla_grad", "gradcam", "tis"]  # by family
-    assert seen["groups"]["rollout"] == FAMILIES["attention"]
-    assert seen["groups"]["gradcam"] == FAMILIES["cam"]
+    assert order == ["rollout", "gae", "vanilla_grad", "gradcam", "tis"]  # by method kind
+    assert seen["groups"]["rollout"] == KINDS["attention"]
+    assert seen["groups"]["gradcam"] == KINDS["cam"]
     assert "tis n_masks=128 (API default 1024)" in seen["note"] and "--full" in seen["note"]
     assert seen["reference"] > 0
     panels = _panels(seen["fig"])
@@ -254,7 +254,7 @@ def test_explain_fails_when_every_method_refuses(tmp_path, capsys, monkeypatch):
     assert main(["explain", "--model", "random:vit_tiny", "--methods", "gae,rollout",
                  "--out", str(out)]) != 0
     assert not out.exists()
-    assert "rollout refuses this model" in capsys.readouterr().err  # the first (by family)
+    assert "rollout refuses this model" in capsys.readouterr().err  # the first (by method kind)
 
 
 def test_explain_on_a_swin_with_tis_draws_the_refusal(tmp_path, capsys):

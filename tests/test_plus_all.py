@@ -17,6 +17,7 @@ from captum_vit import (
     AttCAT,
     AttnGradCAM,
     GlobEnc,
+    PLUSFastPath,
     RawAttention,
     Rollout,
     SkipPLUS,
@@ -291,7 +292,7 @@ def test_captum_base_runs_on_token_states():
     close(tokens(PLUS(model, "gradient"), x), ref[:, 1:])
 
 
-class _FastRawAttention(RawAttention):
+class _FastRawAttention(RawAttention, PLUSFastPath):
     """A new method plugging into PLUS through the hook API (one trace for all blocks)."""
 
     plus_aggregates = ("subnetwork", "layer")
@@ -301,7 +302,7 @@ class _FastRawAttention(RawAttention):
         return torch.stack([tr.blocks[l].attn.mean(1)[:, 0] for l in layers])
 
 
-class _BrokenHook(RawAttention):
+class _BrokenHook(RawAttention, PLUSFastPath):
     def plus_maps(self, inputs, target, layers, *, aggregate="subnetwork"):
         return torch.zeros(2)
 
@@ -314,6 +315,44 @@ def test_hook_api_for_new_methods():
     close(tokens(PLUS(model, _FastRawAttention, fast=False), x), tokens(fast, x))
     with pytest.raises(RuntimeError, match="plus_maps returned"):
         tokens(PLUS(model, _BrokenHook), x)
+
+
+class _UndeclaredHook(RawAttention):
+    """``plus_maps`` without the protocol's type: not a fast path (no duck typing)."""
+
+    plus_aggregates = ("subnetwork", "layer")
+
+    def plus_maps(self, inputs, target, layers, *, aggregate="subnetwork"):
+        raise AssertionError("an undeclared plus_maps must not be called")
+
+
+def test_the_fast_path_is_found_by_type():
+    """PLUS takes a base's fast path when its class is a ``PLUSFastPath`` (a method with
+    ``plus_maps`` but not that type runs on every sub-network), and the gradient route of a
+    registered name when its class is a ``GradientRoute`` (its declared
+    ``gradient_kind``); no table of names is kept."""
+    import captum_vit.combinators as combinators
+    from captum_vit import DecompX, TokenIxG
+    from captum_vit.methods import GradientRoute
+    from captum_vit.registry import METHODS
+
+    assert not hasattr(combinators, "FAST_BASES")
+    assert "FAST_BASES" not in combinators.__all__
+    model, x = model_of("vit"), make_inputs("vit")
+    undeclared = PLUS(model, _UndeclaredHook)
+    assert undeclared.route == "method" and undeclared.layer_local
+    close(tokens(undeclared, x), tokens(PLUS(model, RawAttention), x))
+    route = {e.name: e.cls.gradient_kind for e in METHODS
+             if e.class_alias and issubclass(e.cls, GradientRoute)}
+    assert route == {"token_ixg": "ixg", "att_ixg": "att_ixg", "decompx": "decompx"}
+    for name, kind in route.items():
+        for spelling in (name, type(build_method(name, model)).__name__):
+            plus = PLUS(model, spelling)
+            assert (plus.route, plus.kind) == ("kind", kind), spelling
+        assert PLUS(model, name, fast=False).route == "method"
+    # the class itself (not its registered name) takes its plus_maps
+    assert PLUS(model, DecompX).route == PLUS(model, TokenIxG).route == "hook"
+    assert (PLUS(model, "ixg").kind, PLUS(model, "gradient").kind) == ("ixg", "gradient")
 
 
 # -- clear errors ------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def test_a_new_method_is_its_class_and_one_decorator():
     from captum_vit.registry import register_method, unregister_method
     from tests import test_contract
 
-    @register_method("throwaway_norm", family="gradient", quick={"scale": 2.0},
+    @register_method("throwaway_norm", kind="gradient", quick={"scale": 2.0},
                      variants={"throwaway_norm_half": {"scale": 0.5}})
     class ThrowawayNorm(ViTGradientAttribution):
         """The norm of every embedded token times ``scale`` (a test method)."""
@@ -165,10 +165,93 @@ def test_a_new_method_is_its_class_and_one_decorator():
         plus = build_method("plus:throwaway_norm", model)
         assert plus.attribute(x, target=[0, 1], output="tokens").shape == (2, 16)
         with pytest.raises(ValueError, match="taken by ThrowawayNorm"):
-            register_method("throwaway-norm", family="gradient")(GAE)
+            register_method("throwaway-norm", kind="gradient")(GAE)
     finally:
         removed = unregister_method("throwaway_norm")
     assert [e.name for e in removed] == ["throwaway_norm", "throwaway_norm_half"]
     assert "throwaway_norm" not in available_methods()
     with pytest.raises(ValueError, match="unknown method"):
         canonical_name("throwaway_norm")
+
+
+def test_a_method_registers_its_kind_not_a_family():
+    """A method's class of computation is its *kind* (``register_method(kind=...)``,
+    ``MethodEntry.kind``, :func:`method_kind`, ``KINDS``); "family" means a model family
+    only, so the registry has no ``family`` keyword, field or function."""
+    import dataclasses
+
+    import captum_vit.registry as registry
+
+    assert {f.name for f in dataclasses.fields(registry.MethodEntry)} >= {"kind"}
+    assert "family" not in {f.name for f in dataclasses.fields(registry.MethodEntry)}
+    assert registry.method_kind("GAE") == "gradient_attention"
+    assert registry.method_kind("rise") in registry.KINDS
+    assert not hasattr(registry, "method_family") and not hasattr(registry, "FAMILIES")
+    assert {"KINDS", "method_kind"} <= set(registry.__all__)
+    with pytest.raises(TypeError, match="family"):
+        registry.register_method("never_registered", family="gradient")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        registry.register_method("never_registered", kind="nope")(type("X", (), {}))
+    assert "never_registered" not in available_methods()
+
+
+def test_the_windowed_refusal_is_derived_from_each_methods_declaration():
+    """A windowed model (Swin) refuses a method whose class declares ``removes_tokens``;
+    the registry lists the refused and running methods from those declarations
+    (``windowed_methods``) and the message names every registered method that runs, a
+    method registered later included; no hand-kept list."""
+    from captum.log import log_usage
+
+    from captum_vit._base import ViTFront, ViTGradientAttribution
+    from captum_vit.registry import register_method, unregister_method, windowed_methods
+    from tests.helpers import WINDOW_REFUSERS, assert_unchanged, make_swin_model, snapshot
+
+    assert not hasattr(ViTFront, "windowed")  # the flag no method set
+    assert windowed_methods(refused=True) == ["tis"] == sorted(WINDOW_REFUSERS)
+    assert TIS.removes_tokens and not GAE.removes_tokens
+    assert set(windowed_methods()) | {"tis"} == set(available_methods())
+
+    class _Norm(ViTGradientAttribution):
+        @log_usage()
+        def attribute(self, inputs, target=None, *, output: str = "pixels"):
+            return self._attribute(inputs, target, output)
+
+        def _token_maps(self, inputs, target, **_):
+            return self.adapter.embed(inputs).norm(dim=-1)
+
+    @register_method("throwaway_keeper", kind="gradient")
+    class ThrowawayKeeper(_Norm):
+        """Keeps every token: runs on windowed models."""
+
+    @register_method("throwaway_remover", kind="perturbation")
+    class ThrowawayRemover(_Norm):
+        """Declares token removal: refused by windowed models."""
+
+        removes_tokens = True
+
+    model = make_swin_model("timm_swin")
+    before = snapshot(model)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    try:
+        assert windowed_methods(refused=True) == ["tis", "throwaway_remover"]
+        assert "throwaway_keeper" in windowed_methods()
+        assert build_method("throwaway_keeper", model).attribute(x, output="tokens").shape[0] == 2
+        with pytest.raises(ValueError, match="within windows") as e:
+            build_method("throwaway_remover", model).attribute(x, target=[0, 1])
+        text = str(e.value)
+        assert text.startswith("ThrowawayRemover removes tokens")
+        assert "(RISE or ViTCX mask pixels)" in text  # the perturbations that keep tokens
+        ran = text.split("on windowed models run ")[1].split(", ")
+        assert "ThrowawayKeeper" in ran and "Rollout" in ran and "DecompX" in ran
+        assert "TIS" not in ran and "ThrowawayRemover" not in ran and "RandomMap" not in ran
+        with pytest.raises(ValueError, match="TIS removes tokens.*within windows"):
+            TIS(model).attribute(x, target=[0, 1], n_masks=8)
+        with pytest.warns(UserWarning, match="once per included block"):
+            plus = build_method("plus:tis", model)
+        with pytest.raises(ValueError, match="PLUS removes tokens"):
+            plus.attribute(x, target=[0, 1], n_masks=8)
+    finally:
+        unregister_method("throwaway_keeper")
+        unregister_method("throwaway_remover")
+    assert windowed_methods(refused=True) == ["tis"]
+    assert_unchanged(model, before)

@@ -175,7 +175,7 @@ def test_token_removal_is_refused_by_name():
     x0 = a.embed(images())
     with pytest.raises(ValueError, match="remove pixels"):
         a.run(x0, keep=torch.arange(10)[None].expand(2, -1))
-    with pytest.raises((TypeError, ValueError), match="RISE or ViT-CX"):
+    with pytest.raises(ValueError, match="RISE or ViTCX"):
         build_method("tis", model).attribute(images(), target=0, n_masks=8)
 
 
@@ -338,7 +338,7 @@ def test_mask_target_refusals():
     other = hf_vision()
     with pytest.raises(ValueError, match="same SamModel"):
         build_method("gae", other).attribute(x, target=SamMaskTarget(model, points=POINTS))
-    with pytest.raises((TypeError, ValueError), match="remove pixels|RISE or ViT-CX"):
+    with pytest.raises((TypeError, ValueError), match="remove pixels"):
         build_method("tis", model).attribute(x, target=SamMaskTarget(model, points=POINTS),
                                              n_masks=8)
 

@@ -147,16 +147,17 @@ def test_wrong_size_and_token_removal_refused():
 
 @pytest.mark.parametrize("name", sorted(WINDOW_REFUSERS))
 def test_methods_without_a_windowed_form_refuse_by_name(name):
-    """TIS (token subsets) names pixel removal and RISE / ViT-CX; the methods without a
-    windowed form name the ones that have one; the model is unchanged."""
+    """A method declaring ``removes_tokens`` (TIS's token subsets) names pixel removal,
+    the perturbation methods that mask pixels (RISE, ViT-CX) and every registered method
+    that runs on windowed models; the model is unchanged."""
     from captum_vit.registry import build_method
 
     model = make_swin_model("timm_swin")
     before = snapshot(model)
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     kw = {"n_masks": 16} if name == "tis" else {}
-    match = "RISE or ViT-CX" if name == "tis" else "no form for the windowed attention.*Rollout"
-    with pytest.raises((TypeError, ValueError), match=match):
+    match = "within windows.*RISE or ViTCX.*on windowed models run .*Rollout"
+    with pytest.raises(ValueError, match=match):
         build_method(name, model).attribute(x, target=[0, 1], **kw)
     assert_unchanged(model, before)
 

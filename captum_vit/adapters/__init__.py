@@ -16,7 +16,9 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
   :func:`tokens_to_grid`
   (:mod:`~captum_vit.adapters.layout`);
 - what a score is: :class:`TargetHead`, :func:`probabilities`, :func:`log_probabilities`,
-  :func:`scores_are_classes`, :func:`probability_kind` (:mod:`~captum_vit.adapters.scoring`);
+  :func:`scores_are_classes`, the kind in force being adapter state
+  (:attr:`ViTAdapter.probability`, :meth:`ViTAdapter.probability_kind`)
+  (:mod:`~captum_vit.adapters.scoring`);
 - canonical parameters and the one attention: :class:`BlockParts`, :class:`AttentionParts`,
   :class:`PoolParts`, :class:`HeadParts`, :class:`PreLogitsHeadParts` (a head
   with a representation layer), :class:`NormParts`, :class:`Heads`,
@@ -120,7 +122,6 @@ from captum_vit.adapters.scoring import (
     TargetHead,
     log_probabilities,
     probabilities,
-    probability_kind,
     scores_are_classes,
 )
 from captum_vit.adapters.stages import Stages
@@ -391,7 +392,6 @@ __all__ = [
     "key_padding_bias",
     "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
-    "probability_kind",
     "readout_alpha", "scale_gradient", "scores_are_classes", "stabilized_divide",
     "subset_forwards", "subset_logits", "tokens_to_grid",
 ]

@@ -12,8 +12,8 @@ bias) and modified backward rules side by side.
 
 A family feature that changes what a method reads (EVA-02's inner norms) is exposed here
 once as a derived view (:meth:`BlockParts.value_path`, :meth:`BlockParts.value_outputs`),
-so no method re-implements a family's rule; a method without a rule for a feature refuses
-it by name (:meth:`BlockParts.refuse`).
+so no method re-implements a family's rule (:data:`BLOCK_FEATURES` lists the features a
+block can have beyond the plain pre-LN block).
 
 Block ``l`` maps its input ``x_l`` to ``u_l = LN1(x_l)``, the attention probabilities
 ``A_l`` [B, H, N, N] (row = query, column = key), ``x_mid,l = x_l + ls1(a_l)`` and
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -498,26 +498,6 @@ class BlockParts(AttentionParts):
             "qk_norm": not (_is_identity(self.q_norm) and _is_identity(self.k_norm)),
         }
         return tuple(f for f in BLOCK_FEATURES if present[f])
-
-    def refuse(self, method: str, supported: Sequence[str] = ()) -> None:
-        """Refuse a block with a feature ``method`` has no rule for.
-
-        Args:
-            method (str): the method's name, for the message.
-            supported (Sequence[str], optional): the features of :data:`BLOCK_FEATURES`
-                the method has a rule for.
-
-        Raises:
-            TypeError: naming the first feature of this block not in ``supported``.
-
-        Examples::
-
-            >>> adapter.blocks[0].refuse("MyMethod", supported=("layer_scale",))
-        """
-        for feature in self.features():
-            if feature not in supported:
-                raise TypeError(f"{method} has no rule for the block feature {feature!r} "
-                                f"({BLOCK_FEATURES[feature]}) of this model")
 
 
 BLOCK_FEATURES: dict[str, str] = {

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts, PoolParts, _detached
-from captum_vit.adapters.scoring import Outputs, Target, TargetHead, probability_kind
+from captum_vit.adapters.scoring import Outputs, Target, TargetHead, check_probability_kind
 from captum_vit.adapters.state import AdapterState
 from captum_vit.adapters.trace import Trace
 
@@ -131,12 +131,43 @@ class Readout:
         if target is None:
             yield
             return
-        changes: dict[str, Any] = {"target": target, "grid": grid}
+        changes: dict[str, Any] = {"target": target, "grid": grid,
+                                   "probability": target.probability}
         if isinstance(target, Target):
             layers = target.readout_layers(len(self.blocks))
             changes["hidden"] = (dict.fromkeys(layers) if layers is not None
                                  and len(layers) > 1 else None)
-        with probability_kind(target.probability), self.state.override(**changes):
+        with self.state.override(**changes):
+            yield
+
+    @property
+    def probability(self) -> str:
+        """How this model's scores become probabilities in the current context:
+        ``"softmax"`` (competing classes, the default) or ``"sigmoid"`` (independent
+        scores), the target's in force (:meth:`targeting`) or :meth:`probability_kind`'s.
+        Pass it to :func:`~captum_vit.adapters.probabilities`."""
+        return self.state.settings.probability
+
+    @contextlib.contextmanager
+    def probability_kind(self, kind: str) -> Iterator[None]:
+        """Within the block this model's scores (every adapter of the same model object)
+        are probabilities of ``kind``: ``"softmax"`` (competing classes) or ``"sigmoid"``
+        (independent scores: a multi-label head); the previous kind is restored on exit.
+        The setting is adapter state (a context variable of this model's), so threads and
+        other models are not affected.
+
+        Args:
+            kind (str): ``"softmax"`` or ``"sigmoid"``.
+
+        Raises:
+            ValueError: another ``kind``.
+
+        Examples::
+
+            >>> with adapt(model).probability_kind("sigmoid"):
+            ...     deletion(model, images, GAE(model))
+        """
+        with self.state.override(probability=check_probability_kind(kind)):
             yield
 
     def target_layout(self, layout: Layout) -> Layout:

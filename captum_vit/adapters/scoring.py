@@ -10,10 +10,7 @@ targets on it.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,59 +18,62 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_PROBABILITY: contextvars.ContextVar[str] = contextvars.ContextVar("probability",
-                                                                  default="softmax")
-"""How scores become probabilities in the current call: ``"softmax"`` over the classes
-(or over a set of target embeddings), ``"sigmoid"`` per score (one target vector)."""
+PROBABILITY_KINDS = ("softmax", "sigmoid")
+"""How scores become probabilities: ``"softmax"`` over the classes (or over a set of target
+embeddings), ``"sigmoid"`` per score (independent scores: one target vector, multi-label
+heads). The kind in force for a model is adapter state
+(:attr:`~captum_vit.adapters.ViTAdapter.probability`: the target head's, or
+:meth:`~captum_vit.adapters.ViTAdapter.probability_kind`), passed to the functions below."""
 
 
-
-@contextlib.contextmanager
-def probability_kind(kind: str) -> Iterator[None]:
-    """Within the block :func:`probabilities` (and :func:`log_probabilities`,
-    :func:`scores_are_classes`) treat scores as ``kind``: ``"softmax"`` (competing classes)
-    or ``"sigmoid"`` (independent scores); the previous kind is restored on exit.
-
-    Args:
-        kind (str): ``"softmax"`` or ``"sigmoid"``.
+def check_probability_kind(kind: str) -> str:
+    """``kind`` if it is one of :data:`PROBABILITY_KINDS`.
 
     Raises:
         ValueError: another ``kind``.
+    """
+    if kind not in PROBABILITY_KINDS:
+        raise ValueError(f"kind must be 'softmax' or 'sigmoid'; got {kind!r}")
+    return kind
+
+
+def probabilities(logits: Tensor, kind: str = "softmax") -> Tensor:
+    """The probabilities of ``logits`` [B, classes]: softmax over the classes, or, for
+    ``kind="sigmoid"`` (an embedding target with single target vectors, a multi-label
+    head; :mod:`captum_vit.targets`), the sigmoid of each score (a softmax over one score
+    would be constant).
+
+    Args:
+        logits (Tensor): scores [..., classes].
+        kind (str, optional): ``"softmax"`` (default) or ``"sigmoid"``: the adapter's
+            :attr:`~captum_vit.adapters.ViTAdapter.probability`.
+
+    Returns:
+        Tensor: probabilities, shaped as ``logits``.
 
     Examples::
 
-        >>> with probability_kind("sigmoid"):
-        ...     probabilities(torch.zeros(1, 1))
-        tensor([[0.5000]])
+        >>> probabilities(torch.zeros(1, 1), adapter.probability)
+        tensor([[1.]])
     """
-    if kind not in ("softmax", "sigmoid"):
-        raise ValueError(f"kind must be 'softmax' or 'sigmoid'; got {kind!r}")
-    token = _PROBABILITY.set(kind)
-    try:
-        yield
-    finally:
-        _PROBABILITY.reset(token)
+    return logits.sigmoid() if check_probability_kind(kind) == "sigmoid" \
+        else logits.softmax(-1)
 
 
-def probabilities(logits: Tensor) -> Tensor:
-    """The probabilities of ``logits`` [B, classes]: softmax over the classes, or, inside
-    an embedding-target call with single target vectors, the sigmoid of each score
-    (a softmax over one score would be constant; :mod:`captum_vit.targets`)."""
-    return logits.sigmoid() if _PROBABILITY.get() == "sigmoid" else logits.softmax(-1)
-
-
-def log_probabilities(logits: Tensor) -> Tensor:
-    """``log`` of :func:`probabilities`, computed stably (log-softmax or log-sigmoid)."""
-    if _PROBABILITY.get() == "sigmoid":
+def log_probabilities(logits: Tensor, kind: str = "softmax") -> Tensor:
+    """``log`` of :func:`probabilities` ``(logits, kind)``, computed stably (log-softmax or
+    log-sigmoid)."""
+    if check_probability_kind(kind) == "sigmoid":
         return F.logsigmoid(logits)
     return logits.log_softmax(-1)
 
 
-def scores_are_classes() -> bool:
-    """Whether the current scores compete like classes (a classifier or a set of target
-    embeddings under a softmax), so that an arg-max "prediction" and accuracies mean
-    something; ``False`` for independent scores against single target vectors."""
-    return _PROBABILITY.get() != "sigmoid"
+def scores_are_classes(kind: str = "softmax") -> bool:
+    """Whether scores whose probabilities are of ``kind`` compete like classes (a
+    classifier or a set of target embeddings under a softmax), so that an arg-max
+    "prediction" and accuracies mean something; ``False`` for independent scores
+    (``"sigmoid"``: single target vectors, multi-label heads)."""
+    return check_probability_kind(kind) != "sigmoid"
 
 
 @dataclass(frozen=True)

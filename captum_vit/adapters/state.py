@@ -42,6 +42,10 @@ class AdapterSettings:
     forward it reads, filled by :meth:`~captum_vit.adapters.ViTAdapter.block`."""
     grid: tuple[int, int] | None = None
     """The patch grid of the images explained under a target (its :class:`Outputs`)."""
+    probability: str = "softmax"
+    """How the outputs' scores become probabilities, one of
+    :data:`~captum_vit.adapters.scoring.PROBABILITY_KINDS` (the target's, or
+    :meth:`~captum_vit.adapters.ViTAdapter.probability_kind`'s)."""
 
 
 class AdapterState:

@@ -193,7 +193,7 @@ class SubnetworkAdapter(ViTAdapter):
         if x.dim() == 4:
             x = self.base.run(self.base.embed(x), 0, self.start)
         out = self.run(x)
-        return probabilities(out) if self.score == "probability" else out
+        return probabilities(out, self.probability) if self.score == "probability" else out
 
     # -- stages (Swin): the model's grids, this view's block indices ----------------------------
     @property

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from captum_vit.adapters import adapt, probability_kind
+from captum_vit.adapters import adapt
 from captum_vit.commands.options import (
     add_target_embedding_arguments,
     add_target_kind_argument,
@@ -256,7 +256,7 @@ def _target_kind(args: argparse.Namespace, lm: Any, model: Any
         raise ValueError("--target-kind applies to classifiers; an embedding model is "
                          "evaluated against --target-embeddings")
     if kind == "multilabel":
-        return probability_kind("sigmoid")
+        return adapt(model).probability_kind("sigmoid")
     if args.target != "predicted":
         raise ValueError("--target-kind contrastive:A,B explains the same contrast in every "
                          "image; drop --target label")

@@ -1,4 +1,4 @@
-"""``captum-vit explain``: a figure of the input and every method's map, grouped by family.
+"""``captum-vit explain``: a figure of the input and every method's map, grouped by method kind.
 
 Models (``--model``): :mod:`captum_vit.models`; methods (``--methods``):
 :mod:`captum_vit.registry`; image reading: :mod:`captum_vit.data.images`; drawing:
@@ -28,12 +28,12 @@ from captum_vit.data.images import conform, read_image
 from captum_vit.metrics.report import ensure_file_location
 from captum_vit.models import SPEC_HELP, load_model
 from captum_vit.registry import (
-    FAMILIES,
+    KINDS,
     METHODS,
     api_defaults,
     available_methods,
     build_method,
-    method_family,
+    method_kind,
     parse_methods,
     quick_options,
     takes_option,
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """
     p.description = (
         "Explain one image with every requested method and save a figure: the input and "
-        "one panel per method, grouped by method family. A map that is numerically zero "
+        "one panel per method, grouped by method kind. A map that is numerically zero "
         "(e.g. the plain gradient of a class-token ViT) is marked and drawn flat.\n\n"
         "The slow methods run with quick settings: "
         f"{describe_settings({e.name: e.quick for e in METHODS})}. --full runs every method "
@@ -208,9 +208,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         image = read_image(args.image)
     x = lm.preprocess(image)[None]
-    family = {n: method_family(n) for n in names}
-    order = list(FAMILIES)
-    names = sorted(names, key=lambda n: order.index(family[n]))  # stable within a family
+    kinds = {n: method_kind(n) for n in names}
+    order = list(KINDS)
+    names = sorted(names, key=lambda n: order.index(kinds[n]))  # stable within a kind
     options = {n: method_options(n, args) for n in names}
     with scoring:
         with torch.no_grad():
@@ -219,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         if kind != "class" and lm.targets is not None:
             raise ValueError("--target-kind applies to classifiers; an embedding model is "
                              "explained against --target-embeddings")
-        probs = logits.sigmoid() if kind == "multilabel" else probabilities(logits[None])[0]
+        probs = logits.sigmoid() if kind == "multilabel" else probabilities(
+            logits[None], adapt(lm.model).probability)[0]
         if pair is not None and args.target is not None:
             raise ValueError("--target-kind contrastive:A,B names the classes; drop --target")
         target = pair[0] if pair is not None else parse_class(args.target, lm.class_names,
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
               "flat", file=sys.stderr)
     shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
     viz.plot_grid(shown[None], maps, path=out, display=args.display,
-                  groups={n: FAMILIES[family[n]] for n in names}, reference=scale,
+                  groups={n: KINDS[kinds[n]] for n in names}, reference=scale,
                   note=settings_note(options, args.full), refused=refused,
                   row_titles=[_title(probs, target, lm.class_names, pair, "\n")])
     count = count_noun(len(maps), "method") + (f" ({len(refused)} more refused)"

@@ -37,6 +37,7 @@ from captum_vit.methods.fullgrad import FullGradPlus
 from captum_vit.methods.random_map import RandomMap
 # isort: on
 from captum_vit.methods._engines import (
+    GradientRoute,
     PLUSFastPath,
     layer_gradients,
     per_layer_fast,

@@ -6,6 +6,9 @@
 - :class:`PLUSFastPath`: the protocol a method implements to give PLUS / SkipPLUS
   (Mehri et al., CVPRW 2024) every start block's map from one pass, with the default
   ``_token_maps`` (the map of the whole model is the start block 0 of the fast path).
+- :class:`GradientRoute`: a fast path whose every start block's map is one term of
+  :func:`layer_gradients` (token IxG, AttIxG, DecompX): PLUS / SkipPLUS over the method's
+  registered name take :func:`per_layer_fast` of its :attr:`~GradientRoute.gradient_kind`.
 - :func:`block_gradients`: the inputs (or first LayerNorm outputs) of some blocks and their
   gradients from one backward (the token CAMs, the vanilla and attention gradients).
 - :func:`skip_start`: SkipPLUS's first block.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -135,7 +138,8 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
         tr = adapter.trace(inputs, linearize=linearize, grad=True)
         t = resolve_target(target, tr.require_logits())
-        grads = gradients(target_scores(tr.require_logits(), t, score), tr.states)
+        scores = target_scores(tr.require_logits(), t, score, adapter.probability)
+        grads = gradients(scores, tr.states)
     return LayerGradients(tr, t, grads, adapter)
 
 
@@ -192,7 +196,7 @@ def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
             xs = [tr.blocks[l - tr.start].u for l in layers]
         else:
             xs = [tr.states[l] for l in layers]
-        gs = gradients(target_scores(tr.require_logits(), t, score), xs)
+        gs = gradients(target_scores(tr.require_logits(), t, score, adapter.probability), xs)
     return [x.detach() for x in xs], [g.detach() for g in gs], t
 
 
@@ -248,9 +252,9 @@ class PLUSFastPath:
     ``layers`` from ONE trace / backward, equal to building the method on every
     sub-network. It inherits the default ``_token_maps``: the map of the whole model is
     the map of the sub-network :math:`f_0`, ``plus_maps(inputs, target, [0], **options)[0]``,
-    where ``options`` are the keywords its ``attribute`` passes on. The combinators only
-    read the protocol (a class with a callable ``plus_maps`` and ``plus_aggregates`` takes
-    the fast path even without this base).
+    where ``options`` are the keywords its ``attribute`` passes on. The combinators find
+    the fast path by this type: a class that defines ``plus_maps`` without deriving from
+    this class is run on every sub-network.
 
     Attributes:
         plus_aggregates (tuple of str): the ``aggregate`` values :meth:`plus_maps`
@@ -293,3 +297,29 @@ class PLUSFastPath:
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **options: Any) -> Tensor:
         return self.plus_maps(inputs, target, [0], **options)[0]
+
+
+class GradientRoute(PLUSFastPath):
+    """A :class:`PLUSFastPath` on the gradient route: the map of every sub-network
+    :math:`f_l` is one per-block term of :func:`layer_gradients` (one forward and ONE
+    backward give every block), the term :attr:`gradient_kind` names.
+
+    PLUS / SkipPLUS over the method's registered name in its default configuration
+    (``"token_ixg"``, ``"att_ixg"``, ``"decompx"``) compute it with
+    :func:`per_layer_fast` ``(gradient_kind, ...)`` on the whole model; a method class or
+    factory given as base takes :meth:`~PLUSFastPath.plus_maps`. The combinators find the
+    route by this type (no table of names).
+
+    Attributes:
+        gradient_kind (str): the kind of :func:`per_layer_fast`: ``"ixg"``,
+            ``"att_ixg"`` or ``"decompx"``.
+
+    Examples::
+
+        >>> from captum_vit import DecompX, TokenIxG
+        >>> from captum_vit.methods import GradientRoute
+        >>> TokenIxG.gradient_kind, issubclass(DecompX, GradientRoute)
+        ('ixg', True)
+    """
+
+    gradient_kind: ClassVar[str]

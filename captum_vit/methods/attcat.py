@@ -11,7 +11,7 @@ from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 
-@register_method("attcat", family="gradient_attention")
+@register_method("attcat", kind="gradient_attention")
 class AttCAT(ScoredAttribution):
     r"""Attentive Class Activation Tokens.
 

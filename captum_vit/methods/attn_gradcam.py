@@ -22,7 +22,7 @@ from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
-@register_method("attn_gradcam", family="gradient_attention")
+@register_method("attn_gradcam", kind="gradient_attention")
 class AttnGradCAM(ScoredAttribution):
     r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
     \nabla A^h[r, j]` of the last block, map
@@ -82,8 +82,8 @@ class AttnGradCAM(ScoredAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.require_logits())
         attn = tr.blocks[-1].require_attn()
-        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
-                                                 [attn])
+        scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
+        (grad,), pool_grad = gradients_with_pool(tr, scores, [attn])
         dt = accumulation_dtype(attn)
         k = tr.layout.num_prefix
         with torch.no_grad():

@@ -145,7 +145,8 @@ def integrated_attention_gradient(adapter: ViTAdapter, inputs: Tensor, target: T
             if L > 1:
                 x = adapter.run(x, 0, L - 1, ops=FusedOps())
         tr = adapter.trace(scaled, x=x, start=L - 1, grad=True)
-        (g,) = gradients(target_scores(tr.require_logits(), target[img], score),
+        (g,) = gradients(target_scores(tr.require_logits(), target[img], score,
+                                       adapter.probability),
                          [tr.blocks[-1].require_attn()])
         g = g.detach().to(dt)
         if total is None:
@@ -281,7 +282,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         t = resolve_target(target, tr.require_logits())
         attns = [rec.require_attn() for rec in tr.blocks]
         first = min(starts.values())
-        scores = target_scores(tr.require_logits(), t, score)
+        scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
         if self.variant == "head":  # ∇A_l for l ≥ first, ∇A_{L-1} and ∇A_p: one backward
             need = sorted(set(range(first, L)) | {L - 1})
             grads, pool_grad = gradients_with_pool(tr, scores, [attns[k] for k in need])
@@ -324,7 +325,7 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         raise NotImplementedError  # pragma: no cover
 
 
-@register_method("bt_h", family="gradient_attention", quick={"n_steps": 5})
+@register_method("bt_h", kind="gradient_attention", quick={"n_steps": 5})
 class BTH(_BeyondIntuition):
     r"""Beyond Intuition, head-wise (BT-H; Chen et al., TMLR 2023, "Ours-H").
 
@@ -397,7 +398,7 @@ class BTH(_BeyondIntuition):
         return (ih.reshape(*ih.shape, *[1] * (a.dim() - 2)) * a).sum(1)
 
 
-@register_method("bt_t", family="gradient_attention", quick={"n_steps": 5})
+@register_method("bt_t", kind="gradient_attention", quick={"n_steps": 5})
 class BTT(_BeyondIntuition):
     r"""Beyond Intuition, token-wise (BT-T; Chen et al., TMLR 2023, "Ours-T").
 

@@ -204,7 +204,7 @@ class _ChannelWeightCAM(_TokenCAM):
         raise NotImplementedError  # pragma: no cover
 
 
-@register_method("gradcam", family="cam")
+@register_method("gradcam", kind="cam")
 class GradCAM(_ChannelWeightCAM):
     r"""Grad-CAM (Selvaraju et al. 2017) on the tokens of block ``layer``:
     :math:`w_c = \mathrm{mean}_{t \in T} G[t, c]`, :math:`m_j = \sum_c w_c X[j, c]`, with
@@ -245,7 +245,7 @@ class GradCAM(_ChannelWeightCAM):
         return g.mean(1)
 
 
-@register_method("gradcam_pp", family="cam")
+@register_method("gradcam_pp", kind="cam")
 class GradCAMPlusPlus(_ChannelWeightCAM):
     r"""Grad-CAM++ (Chattopadhyay et al. 2018) on the tokens of block ``layer``, in the
     closed form of pytorch-grad-cam (exponential score, second and third powers of the
@@ -301,7 +301,7 @@ class GradCAMPlusPlus(_ChannelWeightCAM):
         return (alpha * g.clamp(min=0)).sum(1)
 
 
-@register_method("xgradcam", family="cam", variants={"xgradcam_plus": {"plus": True}})
+@register_method("xgradcam", kind="cam", variants={"xgradcam_plus": {"plus": True}})
 class XGradCAM(_ChannelWeightCAM):
     r"""XGrad-CAM (Fu et al. 2020) on the tokens of block ``layer``, and XGradCAM+
     (SkipPLUS) with ``plus=True``:
@@ -349,7 +349,7 @@ class XGradCAM(_ChannelWeightCAM):
         return (g * a).sum(1) / (a.sum(1) + self.eps)
 
 
-@register_method("layercam", family="cam")
+@register_method("layercam", kind="cam")
 class LayerCAM(_TokenCAM):
     r"""LayerCAM (Jiang et al. 2021) at one block: :math:`m_j = \sum_c \mathrm{ReLU}(G[j,
     c])\, X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
@@ -375,7 +375,7 @@ class LayerCAM(_TokenCAM):
         return (g.clamp(min=0) * x).sum(-1)
 
 
-@register_method("hirescam", family="cam")
+@register_method("hirescam", kind="cam")
 class HiResCAM(_TokenCAM):
     r"""HiResCAM (Draelos & Carin 2020) at one block: :math:`m_j = \sum_c G[j, c]\,
     X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
@@ -401,7 +401,7 @@ class HiResCAM(_TokenCAM):
         return (x * g).sum(-1)
 
 
-@register_method("gradcam_elementwise", family="cam")
+@register_method("gradcam_elementwise", kind="cam")
 class GradCAMElementWise(_TokenCAM):
     r"""Element-wise Grad-CAM (pytorch-grad-cam's ``GradCAMElementWise``) at one block:
     :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c]\, X[j, c])`. Never below

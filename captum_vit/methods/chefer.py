@@ -74,7 +74,8 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
         if tr.pool_attn is not None:
             wrt.append(tr.pool_attn)
         ops.mode.lrp = False  # the true gradient through the same graph
-        grads = gradients(target_scores(logits, t, score), wrt, trace=tr, retain_graph=True)
+        grads = gradients(target_scores(logits, t, score, adapter.probability), wrt, trace=tr,
+                          retain_graph=True)
         ops.mode.lrp = True
         onehot = torch.zeros_like(logits).scatter_(1, t.to(logits.device)[:, None], 1.0)
         # relevance as gradient: the head's relevance y ⊙ g̃ is the one-hot vector
@@ -86,7 +87,7 @@ def chefer_pass(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
             rel[-1] if pool else None)
 
 
-@register_method("chefer21", family="decomposition")
+@register_method("chefer21", kind="decomposition")
 class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     r"""Chefer'21 Transformer Attribution (Chefer, Gur & Wolf, CVPR 2021, §3).
 

@@ -72,7 +72,7 @@ from captum_vit.adapters import (
     activation_gate,
 )
 from captum_vit.adapters.scoring import Outputs
-from captum_vit.methods._engines import PLUSFastPath, layer_gradients
+from captum_vit.methods._engines import GradientRoute, layer_gradients
 from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.table import register_method
 
@@ -316,8 +316,8 @@ def decompose_explicit(adapter: ViTAdapter, x: Tensor, start: int, target: Tenso
     return contrib[:, :n], contrib[:, n]
 
 
-@register_method("decompx", family="decomposition")
-class DecompX(PLUSFastPath, PlainAttribution):
+@register_method("decompx", kind="decomposition")
+class DecompX(GradientRoute, PlainAttribution):
     r"""DecompX started at block ``s`` (rules D1-D6, see the module docstring): the signed
     contribution of every token of ``x_s`` to the target logit :math:`y_c`, without the bias
     source.
@@ -351,6 +351,7 @@ class DecompX(PLUSFastPath, PlainAttribution):
     """
 
     conserves = True
+    gradient_kind = "decompx"  # PLUS / SkipPLUS: IxG with the linearised backward
 
     def __init__(self, model: nn.Module, start_layer: int = 0, route: str = "gradient",
                  max_memory: int | None = DEFAULT_MAX_MEMORY) -> None:

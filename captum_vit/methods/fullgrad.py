@@ -69,7 +69,7 @@ class _BiasProbeOps(Ops):
         return super().pool_attention(x, p)
 
 
-@register_method("fullgrad_plus", family="gradient", composable=False,
+@register_method("fullgrad_plus", kind="gradient", composable=False,
                  variants={"skip_fullgrad_plus": {"skip": True}})
 class FullGradPlus(ScoredAttribution):
     r"""FullGrad+ (Eq. 5-6 of SkipPLUS): the token IxG maps of the included blocks plus
@@ -131,7 +131,8 @@ class FullGradPlus(ScoredAttribution):
             t = resolve_target(target, logits)
             xs = [states[l] for l in self.layers]
             probes = [p for _, p in ops.probes]
-            grads = gradients(target_scores(logits, t, score), xs + probes)
+            grads = gradients(target_scores(logits, t, score, self.adapter.probability),
+                              xs + probes)
         dt = accumulation_dtype(inputs)
         st = self.adapter.stages  # stages (Swin): every term shared onto the first grid
         with torch.no_grad():

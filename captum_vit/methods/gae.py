@@ -26,7 +26,7 @@ from captum_vit.methods._front import ScoredAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
-@register_method("gae", family="gradient_attention")
+@register_method("gae", kind="gradient_attention")
 class GAE(PLUSFastPath, ScoredAttribution):
     r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
 
@@ -174,7 +174,7 @@ class GAE(PLUSFastPath, ScoredAttribution):
                                 last_rows=self.adapter.readout_row_count)
         t = resolve_target(target, tr.require_logits())
         grads, pool_grad = gradients_with_pool(
-            tr, target_scores(tr.require_logits(), t, score),
+            tr, target_scores(tr.require_logits(), t, score, self.adapter.probability),
             [kept[k] if explicit else kept[k].o for k in need])
         grad_of = dict(zip(need, grads, strict=True))
         dt = accumulation_dtype(tr.x0)

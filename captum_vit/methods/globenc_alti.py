@@ -593,7 +593,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         return torch.stack([st.carry(rows[l], l, split=True) for l in layers])
 
 
-@register_method("globenc", family="decomposition")
+@register_method("globenc", kind="decomposition")
 class GlobEnc(_GlobALTI):
     r"""GlobEnc (Modarressi et al., NAACL 2022) for ViTs, as in SkipPLUS
     (Mehri et al. 2024, §5.1, App. E.2).
@@ -639,7 +639,7 @@ class GlobEnc(_GlobALTI):
     measure = "globenc"
 
 
-@register_method("alti", family="decomposition")
+@register_method("alti", kind="decomposition")
 class ALTI(_GlobALTI):
     r"""ALTI (Ferrando, Gállego and Costa-jussà, EMNLP 2022) for ViTs, as in SkipPLUS
     (Mehri et al. 2024, §5.1, App. E.2).

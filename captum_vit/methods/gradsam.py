@@ -15,7 +15,7 @@ from captum_vit.methods.gae import GAE
 from captum_vit.methods.table import register_method
 
 
-@register_method("gradsam", family="gradient_attention")
+@register_method("gradsam", kind="gradient_attention")
 class GradSAM(ScoredAttribution):
     r"""Gradient Self-Attention Maps: gradient-weighted attention of every block, read at
     the classifier's readout row and **summed over the blocks** (not rolled out):

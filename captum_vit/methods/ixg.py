@@ -19,16 +19,16 @@ from captum_vit._base import (
     check_choice,
     check_layer,
 )
-from captum_vit.methods._engines import LayerGradients, PLUSFastPath, layer_gradients
+from captum_vit.methods._engines import GradientRoute, LayerGradients, layer_gradients
 from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
 
-class _LayerTerm(PLUSFastPath, ScoredAttribution):
+class _LayerTerm(GradientRoute, ScoredAttribution):
     """One per-block term of :func:`layer_gradients` (``term``) at block ``layer``; for
     PLUS / SkipPLUS a layer-local gradient-route base (one backward gives every block)."""
 
-    term = "ixg"
+    term = gradient_kind = "ixg"
     allow_end = True  # whether ``layer = L`` (the last block's output) is allowed
     plus_aggregates = ("subnetwork", "layer")
     layer_local = True
@@ -64,7 +64,7 @@ class _LayerTerm(PLUSFastPath, ScoredAttribution):
         return getattr(grads, self.term)()[[l + self.layer for l in layers]]
 
 
-@register_method("token_ixg", family="gradient")
+@register_method("token_ixg", kind="gradient")
 class TokenIxG(_LayerTerm):
     r"""Token-level Input x Gradient at the input of block ``layer``:
     :math:`m_j = \sum_d x_l[j, d]\, \partial s_c / \partial x_l[j, d]`.
@@ -77,10 +77,11 @@ class TokenIxG(_LayerTerm):
         layer (int, optional): block index ``l`` in ``[0, L]``. Default 0.
     """
 
-    term, allow_end = "ixg", True
+    term = gradient_kind = "ixg"  # the PLUS gradient route's kind (GradientRoute)
+    allow_end = True
 
 
-@register_method("att_ixg", family="gradient_attention")
+@register_method("att_ixg", kind="gradient_attention")
 class AttIxG(_LayerTerm):
     r"""Attention-weighted token IxG at the input of block ``layer`` (one AttCAT term):
     :math:`m = \alpha_l \odot \mathrm{cat}_l` with
@@ -91,7 +92,8 @@ class AttIxG(_LayerTerm):
         layer (int, optional): block index ``l`` in ``[0, L-1]``. Default 0.
     """
 
-    term, allow_end = "att_ixg", False
+    term = gradient_kind = "att_ixg"  # the PLUS gradient route's kind (GradientRoute)
+    allow_end = False
 
 
 __all__ = ["AttIxG", "LayerGradients", "TokenIxG", "layer_gradients"]

@@ -62,7 +62,7 @@ def min_max(maps: Tensor, num_prefix: int) -> Tensor:
     return out
 
 
-@register_method("legrad", family="gradient_attention")
+@register_method("legrad", kind="gradient_attention")
 class LeGrad(PLUSFastPath, ViTGradientAttribution):
     r"""LeGrad: the gradient of every layer's own readout w.r.t. that layer's attention
     (Bousselham et al., "LeGrad: An Explainability Method for Vision Transformers via
@@ -308,7 +308,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                 rec = Trace(tr.layout, tr.x0)
                 if head is None:
                     return target_scores(adapter.readout_logits(z, ops, rec, **options), t,
-                                         score), rec.pool_attn
+                                         score, adapter.probability), rec.pool_attn
                 with adapter.targeting(head[0]):
                     s = target_scores(adapter.readout_logits(z, ops, rec, **options),
                                       head[1], "logit")

@@ -92,7 +92,7 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
             states = tr.states
             wrt = [states[l] for l in layers]
         t = resolve_target(target, tr.require_logits())
-        grads = gradients(target_scores(tr.require_logits(), t, score), wrt)
+        grads = gradients(target_scores(tr.require_logits(), t, score, adapter.probability), wrt)
     dt = accumulation_dtype(inputs)
     with torch.no_grad():
         if at == "pixels":
@@ -166,7 +166,7 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
         return maps
 
 
-@register_method("cp_lrp", family="decomposition")
+@register_method("cp_lrp", kind="decomposition")
 class CPLRP(_LRPAttribution):
     r"""CP-LRP, conservative propagation for Transformers (Ali et al., ICML 2022, the
     "AH-rule" and "LN-rule").
@@ -236,7 +236,7 @@ class CPLRP(_LRPAttribution):
         self.act_rule, self.epsilon = act_rule, float(epsilon)
 
 
-@register_method("attnlrp", family="decomposition")
+@register_method("attnlrp", kind="decomposition")
 class AttnLRP(_LRPAttribution):
     r"""AttnLRP, attention-aware LRP (Achtibat et al., ICML 2024; efficient
     Gradient × Input form of Arras et al. 2025 / LXT).

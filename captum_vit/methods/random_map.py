@@ -13,7 +13,7 @@ from captum_vit._base import TargetLike, ViTPerturbationAttribution
 from captum_vit.methods.table import register_method
 
 
-@register_method("random", family="baseline", baseline=True, seeded=True)
+@register_method("random", kind="baseline", baseline=True, seeded=True)
 class RandomMap(ViTPerturbationAttribution):
     r"""Uniform random patch scores: the chance level of every metric table.
 

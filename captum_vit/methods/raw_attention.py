@@ -20,7 +20,7 @@ from captum_vit.methods.table import register_method
 SOURCES = ("pool", "last_block")
 
 
-@register_method("raw_attention", family="attention")
+@register_method("raw_attention", kind="attention")
 class RawAttention(PlainAttribution):
     r"""Attention probabilities of the last block, averaged over heads, read at the
     classifier's readout row: :math:`m = \mathrm{mean}_h A_{L-1}^h[r, :]`.

@@ -114,7 +114,7 @@ def _check_fill(fill: Any, inputs: Tensor) -> Tensor | None:
     return None if fill == 0 else torch.full_like(inputs, fill)
 
 
-@register_method("rise", family="perturbation", quick={"n_masks": 500}, seeded=True)
+@register_method("rise", kind="perturbation", quick={"n_masks": 500}, seeded=True)
 class RISE(ViTPerturbationAttribution):
     r"""RISE (Petsiuk et al., BMVC 2018): the expected target probability of the image
     seen through random soft masks, given that a pixel is kept.
@@ -276,7 +276,7 @@ class RISE(ViTPerturbationAttribution):
                 forwards = b
         t = resolve_target(target, logits) if logits is not None else cast(
             Tensor, target).to(inputs.device)  # no logits: a target was given
-        reduce = score_reduce(t, score, dt)
+        reduce = score_reduce(t, score, dt, adapter.probability)
 
         if removal == "tokens":
             masks = rise_masks(n_masks, layout.grid, p, generator=gen)

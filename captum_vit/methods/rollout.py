@@ -25,7 +25,7 @@ from captum_vit.methods._front import fill_doc
 from captum_vit.methods.table import register_method
 
 
-@register_method("rollout", family="attention")
+@register_method("rollout", kind="attention")
 class Rollout(PLUSFastPath, ViTGradientAttribution):
     r"""Attention rollout: :math:`M_l = (\bar A_l + I) / \mathrm{rowsum}(\bar A_l + I)`,
     :math:`R = M_{L-1} \cdots M_s`, map = readout row of :math:`R`.

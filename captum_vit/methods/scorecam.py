@@ -114,7 +114,7 @@ def masked_image_scores(adapter: ViTAdapter, inputs: Tensor, masks: Tensor, layo
                         device=inputs.device).reshape(b, s)
 
 
-@register_method("scorecam", family="cam", quick={"max_channels": 128})
+@register_method("scorecam", kind="cam", quick={"max_channels": 128})
 class ScoreCAM(ViTPerturbationAttribution):
     r"""Score-CAM on the tokens of block ``layer``: channel weights from the model's
     scores of the image masked by each channel (Wang et al., CVPRW 2020).
@@ -275,7 +275,7 @@ class ScoreCAM(ViTPerturbationAttribution):
         masks = adapter.stages.carry(masks, self.layer)  # stages: block l's grid onto the maps'
         b, d = masks.shape[:2]  # [B, D, P]
 
-        scores = score_reduce(t, score, dt)
+        scores = score_reduce(t, score, dt, adapter.probability)
         if self.removal == "pixels":
             s = masked_image_scores(adapter, inputs, masks, layout, scores,
                                     batch_size=self.batch_size, show_progress=self.progress)

@@ -3,7 +3,7 @@
 A method registers itself where it is defined (as timm's ``@register_model`` and zennit's
 ``@register_composite``)::
 
-    @register_method("tokentm", family="gradient_attention",
+    @register_method("tokentm", kind="gradient_attention",
                      variants={"tokentm_residual": {"variant": "residual"}})
     class TokenTM(ViTGradientAttribution):
         ...
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from captum.attr import Attribution
 from torch import nn
 
-FAMILIES: dict[str, str] = {
+KINDS: dict[str, str] = {
     "attention": "attention & rollout",
     "gradient_attention": "gradient × attention",
     "gradient": "gradient & input × gradient",
@@ -48,9 +48,10 @@ FAMILIES: dict[str, str] = {
     "captum": "Captum",
     "baseline": "baseline",
 }
-"""Method families, key -> label, in the order ``captum-vit explain`` groups its panels.
+"""Method kinds, key -> label, in the order ``captum-vit explain`` groups its panels.
 Every :class:`MethodEntry` names one; compositions (``plus:<name>``) and
-``captum:<Class>`` have their own."""
+``captum:<Class>`` have their own. (A *kind* of method: what its map is computed from;
+"family" always means a model family.)"""
 
 COMBINATOR_BASES = ("ixg", "gradient")
 """Base kinds the combinators take that are not methods of their own: token IxG and the
@@ -72,7 +73,7 @@ class MethodEntry:
         quick (dict): ``attribute`` options for a quick look (``captum-vit explain``);
             the method's own defaults are the paper's.
         composable (bool): whether ``plus:<name>`` / ``skipplus:<name>`` exist.
-        family (str): a key of :data:`FAMILIES` (keyword only, required): what the
+        kind (str): a key of :data:`KINDS` (keyword only, required): what the
             method computes its map from (attention, gradients and attention, CAM, a
             decomposition or relevance propagation, perturbations).
     """
@@ -86,13 +87,13 @@ class MethodEntry:
     composable: bool = True
     """Whether PLUS / SkipPLUS may take it as a base (False for FullGrad+, itself a sum
     over blocks)."""
-    family: str = field(kw_only=True)
-    """The method's family, a key of :data:`FAMILIES`."""
+    kind: str = field(kw_only=True)
+    """The method's kind, a key of :data:`KINDS`."""
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"{self.name}: family must be one of "
-                             f"{', '.join(map(repr, FAMILIES))}, got {self.family!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind must be one of "
+                             f"{', '.join(map(repr, KINDS))}, got {self.kind!r}")
 
 
 _ENTRIES: dict[str, MethodEntry] = {}
@@ -132,7 +133,7 @@ def _same_class(a: type, b: type) -> bool:
     return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
-def register_method(name: str, *, family: str,
+def register_method(name: str, *, kind: str,
                     variants: Mapping[str, Mapping[str, Any]] | None = None,
                     quick: Mapping[str, Any] | None = None, baseline: bool = False,
                     composable: bool = True, seeded: bool = False) -> Callable[[T], T]:
@@ -141,7 +142,7 @@ def register_method(name: str, *, family: str,
     Args:
         name (str): the canonical snake_case name (``"tokentm"``); the class name is an
             alias of it.
-        family (str): a key of :data:`FAMILIES`.
+        kind (str): a key of :data:`KINDS`: what the method computes its map from.
         variants (dict, optional): further names of non-default configurations, name ->
             constructor keywords (``{"tokentm_residual": {"variant": "residual"}}``);
             their class name is no alias. Registered right after ``name``.
@@ -158,14 +159,14 @@ def register_method(name: str, *, family: str,
         Callable: the decorator; it returns the class unchanged.
 
     Raises:
-        ValueError: an unknown family, or a name (or its normalised spelling) that
+        ValueError: an unknown kind, or a name (or its normalised spelling) that
             another class registered already.
 
     Examples::
 
         >>> from captum_vit._base import ViTGradientAttribution
         >>> from captum_vit.methods.table import register_method
-        >>> @register_method("my_method", family="gradient", quick={"n_steps": 4})
+        >>> @register_method("my_method", kind="gradient", quick={"n_steps": 4})
         ... class MyMethod(ViTGradientAttribution):
         ...     ...
     """
@@ -174,7 +175,7 @@ def register_method(name: str, *, family: str,
     def decorate(cls: T) -> T:
         entries = [MethodEntry(n, cls, _builder(cls, dict(opts), seeded),
                                class_alias=n == name, baseline=baseline,
-                               quick=dict(quick or {}), composable=composable, family=family)
+                               quick=dict(quick or {}), composable=composable, kind=kind)
                    for n, opts in configs.items()]
         for e in entries:
             old = _LOOKUP.get(_key(e.name))
@@ -268,6 +269,59 @@ def method_names(baselines: bool = True, compositions: tuple[str, ...] | list[st
     entries = _ENTRIES.values()
     names = [e.name for e in entries if not e.baseline] + list(compositions)
     return names + [e.name for e in entries if e.baseline and baselines]
+
+
+def refuses_windows(cls: type) -> bool:
+    """Whether the method class ``cls`` declares that it removes tokens from the model's
+    input (``removes_tokens = True``, :attr:`captum_vit._base.ViTFront.removes_tokens`:
+    TIS's token subsets), so that a model with windowed attention refuses it."""
+    return bool(getattr(cls, "removes_tokens", False))
+
+
+def windowed_methods(*, refused: bool = False) -> list[str]:
+    """Canonical names of the registered methods that run on models with windowed
+    attention (Swin, SAM's image encoder), in table order; with ``refused=True`` those
+    that such a model refuses by name: the methods whose class declares
+    ``removes_tokens = True`` (the window partition needs every token of its grid).
+
+    Args:
+        refused (bool, optional): list the refused methods instead. Default False.
+
+    Returns:
+        list[str]: canonical names, read from the table and each class's declaration.
+
+    Examples::
+
+        >>> from captum_vit.registry import windowed_methods
+        >>> windowed_methods(refused=True)
+        ['tis']
+        >>> "rise" in windowed_methods()
+        True
+    """
+    return [e.name for e in _ENTRIES.values() if refuses_windows(e.cls) == refused]
+
+
+def windowed_refusal(method: str, model: str) -> str:
+    """The message of a model with windowed attention refusing a method that removes
+    tokens: the registered methods that mask pixels instead (the perturbation methods
+    that keep every token) and every registered method that runs there, read from the
+    table and each class's declaration (:func:`windowed_methods`).
+
+    Args:
+        method (str): the refused method's name.
+        model (str): the model's class name.
+
+    Returns:
+        str: the message.
+    """
+    runs = [e for e in _ENTRIES.values() if e.class_alias and not e.baseline
+            and not refuses_windows(e.cls)]
+    names = list(dict.fromkeys(e.cls.__name__ for e in runs))
+    pixels = list(dict.fromkeys(e.cls.__name__ for e in runs if e.kind == "perturbation"))
+    instead = f" ({' or '.join(pixels)} mask pixels)" if pixels else ""
+    return (f"{method} removes tokens (true token removal), and this {model} attends within "
+            f"windows of a fixed token grid, which need every token: remove pixels "
+            f"instead{instead}; on windowed models run {', '.join(names)}")
 
 
 def sums_blocks(cls: type) -> bool:
@@ -397,8 +451,8 @@ def composition_base(name: str, *, seed: int = 0) -> str | type | Callable:
 
 
 __all__ = [
-    "COMBINATORS", "COMBINATOR_BASES", "FAMILIES", "MethodEntry", "canonical_name",
+    "COMBINATORS", "COMBINATOR_BASES", "KINDS", "MethodEntry", "canonical_name",
     "captum_class", "composition_base", "lookup", "method_entries", "method_names",
-    "register_combinator", "register_method", "split_composition", "sums_blocks",
-    "unregister_method",
+    "refuses_windows", "register_combinator", "register_method", "split_composition",
+    "sums_blocks", "unregister_method", "windowed_methods", "windowed_refusal",
 ]

@@ -51,7 +51,7 @@ START_LAYER = 4
 """TAM's default last block of the chain (0-based, inclusive; the authors' default)."""
 
 
-@register_method("tam", family="gradient_attention", quick={"n_steps": 5})
+@register_method("tam", kind="gradient_attention", quick={"n_steps": 5})
 class TAM(PLUSFastPath, ViTGradientAttribution):
     r"""Transition Attention Maps (Yuan et al. 2021).
 
@@ -202,8 +202,8 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
         tr = ad.trace(inputs, grad=True)
         t = resolve_target(target, tr.require_logits())
         last = tr.blocks[-1].require_attn()
-        (g,) = gradients(target_scores(tr.require_logits(), t, score), [last],
-                         trace=tr)  # last block
+        (g,) = gradients(target_scores(tr.require_logits(), t, score, self.adapter.probability),
+                         [last], trace=tr)  # last block
         if integ:
             feedback = reasoning_feedback(ad, inputs, t, n_steps=n, score=score,
                                           internal_batch_size=ibs, grad_at_input=g)

@@ -230,7 +230,8 @@ def mask_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tensor, 
     Returns:
         Tensor: ``w`` [B, M], in the accumulation dtype of ``x0``.
     """
-    scores = score_reduce(target.to(x0.device), score, accumulation_dtype(x0))
+    scores = score_reduce(target.to(x0.device), score, accumulation_dtype(x0),
+                          adapter.probability)
     return subset_logits(adapter, x0, masks.to(x0.device), batch_size=internal_batch_size,
                          full_logits=full_logits, reduce=scores, show_progress=show_progress,
                          desc="TIS", progress_delay=progress_delay,
@@ -422,7 +423,7 @@ def anytime_scores(adapter: ViTAdapter, x0: Tensor, target: Tensor, masks: Tenso
     return w, used
 
 
-@register_method("tis", family="perturbation", quick={"n_masks": 128})
+@register_method("tis", kind="perturbation", quick={"n_masks": 128})
 class TIS(ViTPerturbationAttribution):
     r"""Transformer Input Sampling: the mean score of the token subsets keeping a patch.
 
@@ -490,6 +491,7 @@ class TIS(ViTPerturbationAttribution):
     """
 
     last_masks_used: Tensor | None = None
+    removes_tokens = True  # token subsets: windowed models refuse TIS by name
 
     @log_usage()
     @fill_doc
@@ -579,7 +581,7 @@ class TIS(ViTPerturbationAttribution):
                     internal_batch_size: int | None = 128, show_progress: bool | None = None,
                     tolerance: float | None = None, round_size: int = DEFAULT_ROUND,
                     surrogate: bool = True, kmeans: str = "torch", **_: Any) -> Tensor:
-        self.adapter.check_token_removal()  # windowed models and token-row targets refuse
+        self.adapter.check_token_removal()  # token-row targets refuse (windowed: the front)
         layout = self.adapter.layout(inputs)
         p, b = layout.num_patches, inputs.shape[0]
         ratios = check_ratios(ratio, p)

@@ -57,7 +57,7 @@ DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
 
 
-def default_score(variant: str) -> str:
+def default_score(variant: str, probability: str = "softmax") -> str:
     """The score TokenTM differentiates when ``score=None``, read from the scores in
     force (:func:`~captum_vit.adapters.scoring.scores_are_classes`): the variant's own
     (:data:`DEFAULT_SCORE`) where they compete like classes (a classifier's classes,
@@ -73,11 +73,14 @@ def default_score(variant: str) -> str:
 
     Args:
         variant (str): ``"paper"`` or ``"residual"``.
+        probability (str, optional): the kind of the scores' probabilities, the
+            adapter's :attr:`~captum_vit.adapters.ViTAdapter.probability` (default
+            ``"softmax"``).
 
     Returns:
         str: ``"probability"`` or ``"logit"``.
     """
-    return DEFAULT_SCORE[variant] if scores_are_classes() else "logit"
+    return DEFAULT_SCORE[variant] if scores_are_classes(probability) else "logit"
 
 
 def transformation_weights(e: Tensor, e_t: Tensor, eps: float = EPS) -> Tensor:
@@ -219,7 +222,7 @@ def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor
                               dot.permute(0, 2, 1), eps)
 
 
-@register_method("tokentm", family="gradient_attention",
+@register_method("tokentm", kind="gradient_attention",
                  variants={"tokentm_residual": {"variant": "residual"}})
 class TokenTM(PLUSFastPath, ViTGradientAttribution):
     r"""TokenTM: attention weighted by token transformation effects (Wu et al., 2024).
@@ -365,7 +368,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         backward) and keeps per block only its weights and its heads; ``A_l`` and
         ``∇A_l`` are recomputed one block at a time in the propagation."""
         if score is None:  # the target is in force here (ViTFront, the combinators)
-            score = default_score(self.variant)
+            score = default_score(self.variant, self.adapter.probability)
         L = self.adapter.num_blocks
         first = min(layers)
         terms: dict[int, _Terms] = {}
@@ -381,7 +384,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep)
         t = resolve_target(target, tr.require_logits())
         # ∇o_l of every needed block (and ∇A_p of an attention-pool head), one backward
-        grads, pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
+        scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
+        grads, pool_grad = gradients_with_pool(tr, scores,
                                                [terms[l].heads.o for l in range(first, L)])
         with torch.no_grad():
             dt = accumulation_dtype(tr.x0)

@@ -62,7 +62,7 @@ def reduce_channels(grad: Tensor, reduce: str = "sum") -> Tensor:
     return grad.clamp(min=0).sum(-1)
 
 
-@register_method("vanilla_grad", family="gradient")
+@register_method("vanilla_grad", kind="gradient")
 class VanillaGrad(PLUSFastPath, ScoredAttribution):
     r"""Vanilla token gradient at the input of block ``layer`` (SkipPLUS App. E.1):
     :math:`m_j = \sum_c g_l[j, c]` with :math:`g_l = \partial s_c / \partial x_l`.
@@ -130,7 +130,7 @@ class VanillaGrad(PLUSFastPath, ScoredAttribution):
                                 for g in gs])
 
 
-@register_method("attn_grad", family="gradient_attention")
+@register_method("attn_grad", kind="gradient_attention")
 class AttnGrad(ScoredAttribution):
     r"""Gradient of the score w.r.t. the attention probabilities of block ``layer``, read
     at the classifier's readout row (SkipPLUS App. E.1, Fig. 8):
@@ -189,8 +189,8 @@ class AttnGrad(ScoredAttribution):
         tr = self.adapter.trace(inputs, grad=True)
         t = resolve_target(target, tr.require_logits())
         attn = tr.blocks[self.layer].require_attn()
-        (grad,), pool_grad = gradients_with_pool(tr, target_scores(tr.require_logits(), t, score),
-                                                 [attn])
+        scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
+        (grad,), pool_grad = gradients_with_pool(tr, scores, [attn])
         dt = accumulation_dtype(attn)
         with torch.no_grad():
             g = grad.to(dt)

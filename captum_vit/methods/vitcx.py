@@ -142,7 +142,7 @@ def vitcx_masks(features: Tensor, grid: tuple[int, int], size: tuple[int, int] |
     return GridMasks(sums, size or grid, up, minmax=True), labels
 
 
-@register_method("vit_cx", family="perturbation", seeded=True)
+@register_method("vit_cx", kind="perturbation", seeded=True)
 class ViTCX(ViTPerturbationAttribution):
     r"""ViT-CX (Xie et al., IJCAI 2023): masks from the model's clustered patch
     embeddings, scored by their causal impact on the target probability.
@@ -275,8 +275,8 @@ class ViTCX(ViTPerturbationAttribution):
             logits = adapter.run(h, layer + 1, ops=ops)
         features = record[0].u[:, k:]  # [B, P, D]
         t = resolve_target(target, logits)
-        reduce = score_reduce(t, score, dt)
-        clean = target_scores(logits.to(dt), t, score)  # p_c(X) [B]
+        reduce = score_reduce(t, score, dt, adapter.probability)
+        clean = target_scores(logits.to(dt), t, score, adapter.probability)  # p_c(X) [B]
         size = None if removal == "tokens" else (int(inputs.shape[-2]), int(inputs.shape[-1]))
         masks = [vitcx_masks(f, layout.grid, size, distance_threshold)[0] for f in features]
         self.num_masks = [len(m) for m in masks]

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import TargetLike, check_choice, check_scalar, check_target
-from captum_vit.adapters import log_probabilities, probabilities, scores_are_classes
+from captum_vit.adapters import adapt, log_probabilities, probabilities, scores_are_classes
 from captum_vit.metrics.maps import AttributionLike, patch_maps, ranking
 from captum_vit.metrics.removal import (
     RemovalEngine,
@@ -78,7 +78,9 @@ class _Setup:
         self.rounding = rounding
         # the "prediction" of AOPC/LOdds: the arg-max class, or, for independent scores
         # against single target vectors (captum_vit.targets), the explained vector itself
-        self.pred = self.logits.argmax(-1) if scores_are_classes() else self.target
+        self.probability = adapter.probability  # how scores become probabilities
+        self.pred = (self.logits.argmax(-1) if scores_are_classes(self.probability)
+                     else self.target)
         self.scores = patch_maps(attribution, self.inputs, self.target, self.layout,
                                  pixel_reduce=pixel_reduce, attribute_kwargs=attribute_kwargs)
         ranked = self.scores
@@ -161,7 +163,7 @@ def perturbation_test(model: nn.Module, inputs: Tensor, attribution: Attribution
     """
     check_choice("order", order, ("positive", "negative"))
     x = check_fractions("fractions", fractions, closed=True)
-    if not scores_are_classes():
+    if not scores_are_classes(adapt(model).probability):
         raise ValueError("perturbation_test measures top-1 accuracy, which needs competing "
                          "classes; this target's scores are independent (a single target "
                          "vector, a multi-label, contrastive or token target): pass classes "
@@ -182,8 +184,8 @@ def _log_prob_curves(st: _Setup, x: Tensor, *, lerf: bool = False, mode: str = "
                      ) -> tuple[Tensor, Tensor]:
     """``log p(y|x)`` [B] and ``log p(y|x_k)`` [B, S] for the predicted class y."""
     y = st.pred
-    lp0 = log_probabilities(st.logits.double()).gather(1, y[:, None]).squeeze(1)
-    lpk = log_probabilities(st.run(x, lerf=lerf, mode=mode).double())
+    lp0 = log_probabilities(st.logits.double(), st.probability).gather(1, y[:, None]).squeeze(1)
+    lpk = log_probabilities(st.run(x, lerf=lerf, mode=mode).double(), st.probability)
     return lp0, lpk.gather(2, y[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
 
 
@@ -257,7 +259,7 @@ def _deletion_insertion(mode: str, model: nn.Module, inputs: Tensor,
         step = math.ceil(st.num_units / n_steps)
         x = torch.arange(1, n_steps + 1, dtype=torch.float64) / n_steps
         counts = [min(s * step, st.num_units) for s in range(1, n_steps + 1)]
-    probs = probabilities(st.run(x, mode=mode, counts=counts).double())
+    probs = probabilities(st.run(x, mode=mode, counts=counts).double(), st.probability)
     p = probs.gather(2, st.target[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
     return MetricResult("deletion" if mode == "delete" else "insertion",
                         trapezoid_auc(p, x), mode == "insert", x, p)
@@ -355,7 +357,7 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
         logits = st.run(x, mode=mode)
         keep = proto == "keep"
         name = f"token_ratio_{proto}"
-        if scores_are_classes():  # accuracies: not for single target vectors
+        if scores_are_classes(st.probability):  # accuracies: not for single target vectors
             acc = (logits.argmax(-1) == ref[:, None]).double()
             one = (st.logits.argmax(-1) == ref).double()[:, None]  # the unmasked image
             if keep:
@@ -365,8 +367,9 @@ def token_ratio(model: nn.Module, inputs: Tensor, attribution: AttributionLike, 
             out[f"{name}_accuracy"] = MetricResult(f"{name}_accuracy",
                                                    100 * trapezoid_auc(acc, xs), keep, xs, acc)
         if keep or remove_scores:
-            lp0 = log_probabilities(st.logits.double()).gather(1, ref[:, None]).squeeze(1)
-            lpk = log_probabilities(logits.double()).gather(
+            lp0 = log_probabilities(st.logits.double(), st.probability).gather(
+                1, ref[:, None]).squeeze(1)
+            lpk = log_probabilities(logits.double(), st.probability).gather(
                 2, ref[:, None, None].expand(-1, x.numel(), 1)).squeeze(2)
             drop = lp0.exp()[:, None] - lpk.exp()
             lo = lpk - lp0[:, None]

@@ -142,8 +142,9 @@ def saco(model: nn.Module, inputs: Tensor, attribution: AttributionLike, *,
                                   seeds=example_seeds(example_ids, b, seed))
     # prepare_metric resolves the target and runs the model
     y = cast(Tensor, prep.target).to(logits.device)
-    p0 = probabilities(cast(Tensor, prep.logits).double()).gather(1, y[:, None])
-    pk = probabilities(logits.double()).gather(2, y[:, None, None].expand(-1, n_groups, 1))
+    kind = adapter.probability
+    p0 = probabilities(cast(Tensor, prep.logits).double(), kind).gather(1, y[:, None])
+    pk = probabilities(logits.double(), kind).gather(2, y[:, None, None].expand(-1, n_groups, 1))
     delta = p0 - pk.squeeze(2)
     x = torch.arange(1, n_groups + 1, dtype=torch.float64) / n_groups
     return MetricResult("saco", saco_coefficient(salience, delta.to(salience.device)), True,

@@ -103,7 +103,9 @@ def randomization(model: nn.Module, inputs: Tensor, method: MethodLike, *,
     g = torch.Generator().manual_seed(seed)
     curves = []
     radapter = adapt(rmodel)
-    with radapter.targeting(adapter.head.target):  # the copy scores like the model
+    # the copy scores like the model (its target, its kind of probabilities)
+    with radapter.probability_kind(adapter.probability), \
+            radapter.targeting(adapter.head.target):
         for tensors in radapter.parameter_stages():
             with torch.no_grad():
                 for w in tensors:

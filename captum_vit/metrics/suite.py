@@ -133,7 +133,7 @@ def evaluate_batch(model: nn.Module, inputs: Tensor, method: MethodFactory,
         raise ValueError(f"this {type(model).__name__} outputs an image embedding: evaluate it "
                          "against target vectors (evaluate(..., targets=vectors [T, D′]), or "
                          "inside captum_vit.targets.scoring(model, vectors))")
-    if not scores_are_classes():  # a single target vector defines no top-1 accuracy
+    if not scores_are_classes(adapter.probability):  # a single target vector: no top-1
         skipped = [m for m in metrics if table[m].needs_classes]
         if skipped:
             warnings.warn(f"{', '.join(skipped)} skipped: a single target vector defines no "

@@ -116,10 +116,10 @@ def internal_member(owner: object, name: str, obj: object) -> bool:
       member defined in a ``captum`` module);
     * on a method class (a Captum ``Attribution``), a name that some class of its MRO
       defines as a plain class attribute: data, not a method or a property
-      (``examples_doc``, ``conserves``, ``windowed``, ``per_head``, ``layer_local``, ...:
-      flags and docstring pieces the package reads, not the user's options, which are
-      ``__init__``'s and ``attribute``'s arguments), also where a subclass turns it into
-      a property.
+      (``examples_doc``, ``conserves``, ``removes_tokens``, ``per_head``,
+      ``layer_local``, ...: flags and docstring pieces the package reads, not the user's
+      options, which are ``__init__``'s and ``attribute``'s arguments), also where a
+      subclass turns it into a property.
     """
     import inspect
 
