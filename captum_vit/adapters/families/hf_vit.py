@@ -3,258 +3,53 @@
 ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,
 ``Dinov2WithRegistersForImageClassification``).
 
-Only this file knows their attribute names, in both layouts transformers has used:
-transformers 5 (``layers[l]`` or ``encoder.layer[l]``, ``attention.{q,k,v,o}_proj``,
-``mlp.{fc1, fc2}``) and transformers 4 (``encoder.layer[l].attention.attention.{query, key,
-value}``, ``attention.output.dense``, ``intermediate.dense`` / ``mlp.fc1``, ``output.dense``
-/ ``mlp.fc2``); ViT/DeiT name the norms ``layernorm_before``/``layernorm_after``, DINOv2
-``norm1``/``norm2`` with LayerScale ``layer_scale{1,2}.lambda1``. All are pre-LN ViTs with
-separate q, k, v projections, which :class:`BlockParts` takes as they are. DINOv2's
-classifier reads ``[CLS ; mean of the patch tokens]`` (registers excluded): its weight
-splits into a CLS head and a patch-mean head whose outputs add (``readout="cls_mean"``).
-DINOv2's gated MLP (``use_swiglu_ffn``) is read as
-``gate_proj``/``up_proj``/``down_proj`` (transformers >= 5; the packed ``weights_in`` of
-transformers 4 is refused). Verified in the installed transformers: in
-``Dinov2WithRegistersEmbeddings`` the position embeddings are added to CLS and the patches
-before the register tokens are inserted after CLS, so registers carry no position; the
-adapter calls the model's own ``embeddings`` and reproduces its forward (tested at two
-sizes).
-The attention implementation (``sdpa``, ``eager``, ...) does not matter: the
-adapter recomputes attention from the parameters and never asks for an eager reload.
-
-The embedding is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``:
-inputs of another size than ``config.image_size`` use the model's own interpolation of the
-position embeddings, exactly as ``model(pixel_values, interpolate_pos_encoding=True)``.
-``embed(inputs, ops)`` routes the pixel gradient through the patch projection as an
-:class:`Ops` linear map (:meth:`HFViTAdapter.embed`).
+The reading of their modules is :class:`~captum_vit.adapters.families._hf.HFViTBase`
+(shared with BEiT, the head-less backbones and CLIP/SigLIP); this file declares the family.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts
-from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import hf_builder
+from captum_vit.adapters.families._hf import HFViTBase, is_transformers_model
 
 CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
            "DeiTForImageClassificationWithTeacher", "Dinov2ForImageClassification",
            "Dinov2WithRegistersForImageClassification")
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
-
-
-
-
-def _first(m: ModelTree, *names: str) -> ModelTree:
-    """The first of the dotted attribute paths ``names`` that ``m`` has."""
-    for name in names:
-        obj: object = m
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-        if obj is not None:
-            return obj
-    raise TypeError(f"{type(m).__name__} has none of {', '.join(names)}: this layer layout is "
-                    "not supported")
-
-
-def _layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
-    """The canonical parts of one ViT / DeiT / DINOv2 layer (either naming)."""
-    att = _first(layer, "attention", "self_attn")
-    if hasattr(att, "q_proj"):  # transformers >= 5; CLIP and SigLIP name it out_proj
-        q, k, v, o = att.q_proj, att.k_proj, att.v_proj, _first(att, "o_proj", "out_proj")
-    else:  # transformers 4
-        q, k, v = att.attention.query, att.attention.key, att.attention.value
-        o = att.output.dense
-    mlp = getattr(layer, "mlp", None)
-    gate = getattr(mlp, "gate_proj", None)
-    if gate is None and "swiglu" in type(mlp).__name__.lower():
-        raise TypeError(f"{where}.mlp is a packed SwiGLU (transformers 4 `weights_in`); "
-                        "captum_vit reads the gated MLP of transformers >= 5 (gate_proj, "
-                        "up_proj, down_proj): upgrade transformers")
-    fc1 = _first(layer, "mlp.up_proj", "mlp.fc1", "intermediate.dense")
-    act = _first(layer, "mlp.act_fn", "mlp.activation_fn", "mlp.activation",
-                 "intermediate.intermediate_act_fn")
-    fc2 = _first(layer, "mlp.down_proj", "mlp.fc2", "output.dense")
-    ls1, ls2 = (getattr(getattr(layer, n, None), "lambda1", None)
-                for n in ("layer_scale1", "layer_scale2"))
-    head_dim = q.weight.shape[0] // num_heads
-    return BlockParts(
-        norm1=_norm(_first(layer, "layernorm_before", "norm1", "layer_norm1"), f"{where}.norm1"),
-        q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
-        q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
-        num_heads=num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
-        q_norm=nn.Identity(), k_norm=nn.Identity(),
-        proj_weight=o.weight, proj_bias=o.bias, ls1=ls1,
-        norm2=_norm(_first(layer, "layernorm_after", "norm2", "layer_norm2"),
-                    f"{where}.norm2"),
-        fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
-        fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=ls2,
-        gate_weight=None if gate is None else gate.weight,
-        gate_bias=None if gate is None else gate.bias,
-    )
-
-
-class HFViTAdapter(ViTAdapter):
-    """Canonical view of a Hugging Face ViT / DeiT image classifier (never modified)."""
-
-    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
-    backbone: ModelTree
-
-    def __init__(self, model: ModelTree) -> None:
-        self.model = model
-        name = type(model).__name__
-        # a classifier holds its backbone under base_model_prefix; a backbone is its own
-        self.backbone = getattr(model, model.base_model_prefix, model)
-        cfg = model.config
-        layers = getattr(self.backbone, "layers", None)
-        self.layers = self.backbone.encoder.layer if layers is None else layers
-        if len(self.layers) == 0:
-            raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
-                       for i, layer in enumerate(self.layers)]
-        self.in_chans = int(cfg.num_channels)
-        emb = self.backbone.embeddings
-        self.num_prefix = 1 + hasattr(emb, "distillation_token") + int(
-            getattr(cfg, "num_register_tokens", 0) or 0)
-        self.interpolates = "interpolate_pos_encoding" in inspect.signature(
-            emb.forward).parameters  # DINOv2 always interpolates
-        heads = [getattr(model, n, None) for n in ("classifier", "cls_classifier",
-                                                    "distillation_classifier")]
-        for head in heads:
-            if head is not None and not isinstance(head, nn.Linear):
-                raise TypeError(f"{name} has no linear classifier head (num_labels=0?); "
-                                "captum_vit needs a classifier returning logits, or pass "
-                                f"its backbone model.{model.base_model_prefix} (an "
-                                "embedding model) with vector targets")
-        self.head = self._head()
-
-    def _head(self) -> HeadParts:
-        """Final norm and classifier(s); sets :attr:`readout`."""
-        model, cfg = self.model, self.model.config
-        norm = _norm(self.backbone.layernorm, f"{type(model).__name__}.layernorm")
-        combine = "mean"
-        rows: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
-        if hasattr(model, "cls_classifier"):  # DeiT with teacher: mean of the two heads
-            self.readout = "distilled"
-            rows = ((0, model.cls_classifier.weight, model.cls_classifier.bias),
-                    (1, model.distillation_classifier.weight,
-                     model.distillation_classifier.bias))
-        elif model.classifier.in_features == 2 * cfg.hidden_size:  # DINOv2: [CLS ; mean]
-            self.readout, combine = "cls_mean", "sum"
-            w, d = model.classifier.weight, cfg.hidden_size
-            rows = ((0, w[:, :d], model.classifier.bias), ("avg", w[:, d:], None))
-        else:
-            self.readout = "token"
-            rows = ((0, model.classifier.weight, model.classifier.bias),)
-        return HeadParts(norm, None, rows, combine)
-
-    def refresh(self) -> None:
-        """DINOv2's two head halves are slices of ``classifier.weight``: re-slice them when
-        ``model.to(...)`` replaced its storage."""
-        if self.readout == "cls_mean" and (cast(Tensor, self.head.heads[0][1]).data_ptr()
-                                           != self.model.classifier.weight.data_ptr()):
-            self.head = self._head()
-
-    @property
-    def config(self) -> Any:
-        """The configuration of the vision transformer (image and patch size, heads)."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.config.image_size)
-
-    def _size_kwargs(self, inputs: Tensor) -> dict[str, bool]:
-        """``interpolate_pos_encoding`` for another size than the config's (ViT, DeiT)."""
-        if not self.interpolates:
-            return {}
-        return {"interpolate_pos_encoding": tuple(inputs.shape[-2:]) != self.input_shape[1]}
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        self.check_patch_multiple(inputs, _pair(self.config.patch_size))
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        h, w = inputs.shape[-2:]
-        ph, pw = _pair(self.config.patch_size)
-        return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
-                      patch_size=(ph, pw), readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)),
-                      alpha=self.cls_alpha if self.readout == "cls_mean" else 0.5)
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
-
-        With ``ops`` (:meth:`ViTAdapter.embed`) the patch rows (the last ``P`` rows, after
-        CLS, distillation and register tokens) are the model's projection plus terms that
-        do not depend on the pixels (position embeddings; no mask tokens here), so the
-        model's embedding of the detached images is kept as the value and the patch
-        projection ``p`` as ``ops.linear`` of the unfolded patches is added as
-        ``p - p.detach()`` (exactly 0): the forward is exactly the model's, every pixel
-        gradient runs through ``ops.linear``'s backward.
-        """
-        kwargs = self._size_kwargs(inputs)
-        emb = self.backbone.embeddings
-        if ops is None:
-            return emb(inputs, **kwargs)
-        x = emb(inputs.detach(), **kwargs)  # prefix tokens, positions: the model's code
-        name = f"{type(self.model).__name__}.embeddings"
-        conv = _first(emb, "patch_embedding", "patch_embeddings.projection")
-        p = patch_projection(inputs, conv, ops, f"{name} patch projection").flatten(1, 2)
-        k = x.shape[1] - p.shape[1]
-        if k != self.num_prefix:
-            raise TypeError(f"{name} returned {x.shape[1]} tokens for {p.shape[1]} patches "
-                            f"and {self.num_prefix} prefix tokens; this embedding layout is "
-                            "not supported by the LRP rules (explain at='tokens')")
-        return x + F.pad(p - p.detach(), (0, 0, k, 0))
-
-    def model_outputs(self, inputs: Tensor) -> Tensor:
-        return self.model(pixel_values=inputs, **self._size_kwargs(inputs)).logits
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        m = self.model
-        heads = [getattr(m, n, None) for n in ("classifier", "cls_classifier",
-                                                "distillation_classifier")]
-        stages = [[p for mod in [self.backbone.layernorm, *heads] if mod is not None
-                   for p in mod.parameters()]]
-        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
-        return stages
-
-
-def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:
-    """Whether ``model`` is an instance of one of the transformers classes ``names`` (those
-    the installed version has); transformers is never imported for other models.
-
-    Examples::
-
-        >>> is_transformers_model(torch.nn.Linear(2, 2), ["ViTModel"])
-        False
-    """
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in names
-                                   if hasattr(transformers, n)))
-
-
 def is_hf_vit(model: nn.Module) -> bool:
     """``True`` for the Hugging Face classifiers in :data:`CLASSES` (transformers optional)."""
     return is_transformers_model(model, CLASSES)
+
+
+def _hf(cls_name: str, cfg_name: str, size: tuple[int, int] = (32, 32),
+        **extra: Any) -> Example:
+    return Example(hf_builder(cls_name, cfg_name, **extra), size, library="transformers")
+
+
+@register_family(
+    is_hf_vit,
+    supports="Hugging Face transformers ViTForImageClassification, "
+             "DeiTForImageClassification(WithTeacher), "
+             "Dinov2(WithRegisters)ForImageClassification",
+    tags=("classifier", "variable-size"),
+    examples={
+        "hf_vit": _hf("ViTForImageClassification", "ViTConfig"),
+        # a non-native size: the model's own interpolation of the position embeddings
+        "hf_deit_teacher": _hf("DeiTForImageClassificationWithTeacher", "DeiTConfig",
+                               (24, 40)),
+        "hf_dinov2": _hf("Dinov2ForImageClassification", "Dinov2Config",
+                         layerscale_value=0.5),
+        "hf_dinov2_reg": _hf("Dinov2WithRegistersForImageClassification",
+                             "Dinov2WithRegistersConfig", (24, 40), num_register_tokens=2),
+        "hf_dinov2_swiglu": _hf("Dinov2ForImageClassification", "Dinov2Config",
+                                use_swiglu_ffn=True),
+    })
+class HFViTAdapter(HFViTBase):
+    """Canonical view of a Hugging Face ViT / DeiT / DINOv2 image classifier (never
+    modified)."""

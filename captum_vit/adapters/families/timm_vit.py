@@ -1,360 +1,63 @@
 """Adapter for timm's ``VisionTransformer`` family (ViT, DeiT, distilled DeiT, registers,
-avg-pool, LayerScale, qk-norm, dynamic image size).
+avg-pool, attention-pool heads, LayerScale, qk-norm, dynamic image size).
 
-Only this file knows timm's attribute names. It reads (never changes) the model's
-modules and parameters and runs the embedding through the model's own code (with an
-:class:`Ops` rule set, the patch projection and the embedding norms through it).
+The reading of timm's modules is :class:`~captum_vit.adapters.families._timm.TimmViTBase`
+(shared with BEiT and Eva); this file declares the family: its predicate, its catalogue
+entry and its example models.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
-from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import timm_builder
+from captum_vit.adapters.families._timm import TimmViTBase
+from captum_vit.adapters.families._torch import loaded_class
 
-
-def _optional_norm(m: ModelTree, what: str) -> NormParts | None:
-    return None if isinstance(m, nn.Identity) else _norm_parts(m, what)
+_VIT = ("timm.models.vision_transformer", "VisionTransformer")
+_SQUARE = (32, 32)
 
 
-def _layer_scale(m: ModelTree) -> Tensor | None:
-    return None if isinstance(m, nn.Identity) else m.gamma
+def is_timm_vit(model: nn.Module) -> bool:
+    """``True`` for timm's ``VisionTransformer`` and its subclasses (DeiT distilled)."""
+    vit = loaded_class(*_VIT)
+    return vit is not None and isinstance(model, vit)
 
 
-def timm_head(head: nn.Module, where: str) -> tuple[Tensor | None, Tensor | None]:
-    """A timm classifier's ``(weight, bias)``, or ``(None, None)`` for a model built with
-    ``num_classes=0`` (``nn.Identity``): it outputs its pooled embedding and is explained
-    with vector targets (:mod:`captum_vit.targets`)."""
-    if isinstance(head, nn.Identity):
-        return None, None
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"{where} is {type(head).__name__}; captum_vit needs a linear "
-                        "classifier head, or none (num_classes=0, explained with vector "
-                        "targets)")
-    return head.weight, head.bias
+def _vit(size: tuple[int, int] = _SQUARE, **extra: Any) -> Example:
+    """A timm ``VisionTransformer`` example read by the per-method references."""
+    return Example(timm_builder(*_VIT, size, **extra), size, tags=("reference",))
 
 
-def _has_active_dropout(model: ModelTree) -> bool:
-    from timm.layers import DropPath, PatchDropout
-
-    for m in model.modules():
-        if m.training and ((isinstance(m, nn.Dropout) and m.p > 0)
-                           or (isinstance(m, DropPath) and m.drop_prob > 0)
-                           or (isinstance(m, PatchDropout) and m.prob > 0)):
-            return True
-    return False
-
-
-class TimmViTAdapter(ViTAdapter):
+@register_family(
+    is_timm_vit,
+    supports="timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
+             "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size; not the "
+             "hybrid CNN-stem ViTs)",
+    tags=("classifier", "embedding", "variable-size"),
+    examples={
+        "vit": _vit(),
+        "distilled": Example(timm_builder("timm.models.deit", "VisionTransformerDistilled",
+                                          _SQUARE), _SQUARE, tags=("reference",)),
+        "registers": _vit(reg_tokens=2),
+        "avgpool": _vit(class_token=False, global_pool="avg"),
+        "layerscale": _vit(init_values=0.5, qk_norm=True, no_embed_class=True),
+        "nonsquare": _vit((24, 40), dynamic_img_size=True),
+        # attention-pool heads (global_pool='map', SigLIP-style; SPEC_NEXT §7.3)
+        "map": Example(timm_builder(*_VIT, _SQUARE, class_token=False, global_pool="map"),
+                       _SQUARE),
+        "map_cls_reg": Example(timm_builder(*_VIT, _SQUARE, global_pool="map", reg_tokens=2),
+                               _SQUARE),
+        # num_classes=0: the pooled embedding, vector targets (SPEC_NEXT §7.5)
+        "vit_headless": Example(timm_builder(*_VIT, _SQUARE, num_classes=0, reg_tokens=1),
+                                _SQUARE, target="embedding"),
+    })
+class TimmViTAdapter(TimmViTBase):
     """Canonical view of a timm ``VisionTransformer`` (or ``VisionTransformerDistilled``).
 
     The q/k/v parts of every block are views (row slices) of timm's fused ``qkv``
     parameter; they are re-read when the model's parameters are replaced (``model.to``).
     """
-
-    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
-
-    def __init__(self, model: ModelTree) -> None:
-        super().__init__()
-        from timm.layers import Attention, Mlp
-        from timm.models.vision_transformer import Block
-
-        self.model = model
-        name = type(model).__name__
-        _refuse_cnn_stem(model.patch_embed, name)
-        for i, blk in enumerate(model.blocks):
-            where = f"{name}.blocks[{i}]"
-            if type(blk) is not Block:
-                raise TypeError(f"{where} is {type(blk).__name__}; captum_vit supports timm's "
-                                "pre-LN `Block` (not ResPostBlock, parallel or custom blocks)")
-            attn, mlp = blk.attn, blk.mlp
-            if type(attn) is not Attention or getattr(attn, "gate", None) is not None \
-                    or not isinstance(attn.norm, nn.Identity):
-                raise TypeError(f"{where}.attn is not timm's plain `Attention` (no gate, no "
-                                "scale_norm); this attention variant is not supported")
-            if type(mlp) is not Mlp or not isinstance(mlp.norm, nn.Identity) \
-                    or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
-                raise TypeError(f"{where}.mlp must be timm's `Mlp` with a GELU activation and "
-                                "no hidden norm (GLU/SwiGLU MLPs are not supported)")
-        if len(model.blocks) == 0:
-            raise TypeError(f"{name} has no transformer blocks")
-        self.blocks = [self._parts(blk, f"{name}.blocks[{i}]")
-                       for i, blk in enumerate(model.blocks)]
-        self.num_prefix = int(model.num_prefix_tokens)
-        self.in_chans = int(model.patch_embed.proj.in_channels)
-
-        head = timm_head(model.head, f"{name}.head")
-        self.embedding = head[0] is None
-        head_norm = _optional_norm(model.norm, f"{name}.norm")
-        fc_norm = _optional_norm(model.fc_norm, f"{name}.fc_norm")
-        heads: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
-        if hasattr(model, "head_dist"):  # timm.models.deit.VisionTransformerDistilled
-            self.readout = "distilled"
-            heads = ((0, *head), (1, *timm_head(model.head_dist, f"{name}.head_dist")))
-        elif getattr(model, "attn_pool", None) is not None:  # global_pool='map'
-            self.readout = "map"
-            heads = (("map", *head),)
-        elif model.global_pool == "token":
-            self.readout = "token"
-            heads = ((0, *head),)
-        elif model.global_pool == "avg" and not getattr(model, "pool_include_prefix", False):
-            self.readout = "avg"
-            heads = (("avg", *head),)
-        else:
-            raise TypeError(f"global_pool={model.global_pool!r} is not supported; captum_vit "
-                            "supports 'token' (class token) and 'avg' (mean of patch tokens)")
-        pool = getattr(model, "attn_pool", None)
-        self.head = HeadParts(head_norm, fc_norm, heads, attn_pool=None if pool is None
-                              else pool_parts(pool, f"{name}.attn_pool", 0 if getattr(
-                                  model, "pool_include_prefix", False) else self.num_prefix))
-
-    def refresh(self) -> None:
-        name = type(self.model).__name__
-        for i, (p, blk) in enumerate(zip(self.blocks, self.model.blocks, strict=True)):
-            # storage replaced (a block's q_weight is never None)
-            if cast(Tensor, p.q_weight).data_ptr() != blk.attn.qkv.weight.data_ptr():
-                self.blocks[i] = self._parts(blk, f"{name}.blocks[{i}]")
-
-    def _parts(self, blk: ModelTree, where: str) -> BlockParts:
-        """The canonical parts of one block (families with other blocks override this)."""
-        return _block_parts(blk, where)
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        size = self.model.patch_embed.img_size
-        return self.in_chans, (int(size[0]), int(size[1]))
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        m = self.model
-        head = [m.norm, getattr(m, "attn_pool", None), m.fc_norm, m.head,
-                getattr(m, "head_dist", None)]
-        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
-        stages += [list(blk.parameters()) for blk in reversed(m.blocks)]
-        return stages
-
-    # ------------------------------------------------------------------------------------
-    def _grid(self, h: int, w: int) -> tuple[int, int]:
-        pe = self.model.patch_embed
-        if getattr(self.model, "dynamic_img_size", False):
-            return tuple(pe.dynamic_feat_size((h, w)))
-        return tuple(pe.grid_size)
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        pe = self.model.patch_embed
-        h, w = inputs.shape[-2:]
-        ph, pw = pe.patch_size
-        if getattr(self.model, "dynamic_img_size", False):
-            if not getattr(pe, "dynamic_img_pad", False) and (h % ph or w % pw):
-                raise ValueError(
-                    f"inputs size {(h, w)} is not divisible by the patch size {(ph, pw)}; "
-                    "resize or crop the images to a multiple of the patch size")
-        elif (h, w) != tuple(pe.img_size):
-            hint = (" or build the model with dynamic_img_size=True"
-                    if hasattr(self.model, "dynamic_img_size") else "")
-            raise ValueError(
-                f"inputs size {(h, w)} does not match the model's fixed img_size "
-                f"{tuple(pe.img_size)}; resize the images{hint}")
-
-    def is_random(self) -> bool:
-        return _has_active_dropout(self.model)
-
-    def layout(self, inputs: Tensor) -> Layout:
-        self.refresh()
-        h, w = inputs.shape[-2:]
-        return Layout(
-            num_prefix=self.num_prefix,
-            grid=self._grid(h, w),
-            patch_size=tuple(self.model.patch_embed.patch_size),
-            readout=self.readout,
-            num_blocks=self.num_blocks,
-            num_heads=self.blocks[0].num_heads,
-            image_size=(int(h), int(w)),
-        )
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``patch_embed``, ``_pos_embed``, ``patch_drop`` and ``norm_pre``;
-        with ``ops`` the patch projection and the norms through it
-        (:meth:`ViTAdapter.embed`)."""
-        self.refresh()
-        m = self.model
-        x = self._patch_embed(inputs, ops)
-        x = m._pos_embed(x)
-        x = m.patch_drop(x)
-        return self._norm_pre(x, ops)
-
-    def _patch_embed(self, inputs: Tensor, ops: Ops | None) -> Tensor:
-        """timm's ``PatchEmbed`` (also BEiT's and Eva's): ``ops=None`` is the module
-        itself; with ``ops`` its forward with the projection as ``ops.linear`` of the
-        unfolded patches and its ``norm`` as ``ops.norm`` (timm's own padding and output
-        format)."""
-        from timm.layers import PatchEmbed
-        from timm.layers.format import Format, nchw_to
-
-        pe = self.model.patch_embed
-        if ops is None:
-            return pe(inputs)
-        name = type(self.model).__name__
-        if not isinstance(pe, PatchEmbed):
-            raise TypeError(f"{name}.patch_embed is {type(pe).__name__}; the LRP rules of "
-                            "the embedding need timm's PatchEmbed (explain at='tokens')")
-        x = inputs
-        if pe.dynamic_img_pad:  # as PatchEmbed.forward
-            ph, pw = pe.patch_size
-            x = F.pad(x, (0, (pw - x.shape[-1] % pw) % pw, 0, (ph - x.shape[-2] % ph) % ph))
-        x = patch_projection(x, pe.proj, ops, f"{name}.patch_embed.proj").permute(0, 3, 1, 2)
-        if pe.flatten:  # NCHW -> NLC, as PatchEmbed.forward
-            x = x.flatten(2).transpose(1, 2)
-        elif pe.output_fmt != Format.NCHW:
-            x = nchw_to(x, pe.output_fmt)
-        if isinstance(pe.norm, nn.Identity):
-            return x
-        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
-
-    def _norm_pre(self, x: Tensor, ops: Ops | None) -> Tensor:
-        """The model's ``norm_pre`` (``ops=None``), or ``ops.norm`` with its parameters."""
-        norm = getattr(self.model, "norm_pre", None)
-        if norm is None or isinstance(norm, nn.Identity):
-            return x
-        if ops is None:
-            return norm(x)
-        return ops.norm(x, _norm_parts(norm, f"{type(self.model).__name__}.norm_pre"))
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        """The non-identity ``patch_embed.norm`` and ``norm_pre`` (e.g. timm's CLIP ViTs,
-        ``pre_norm=True``); the same for BEiT and Eva, which subclass this adapter.
-        ``embed(inputs, ops)`` runs them through ``ops.norm`` (LayerNorm only)."""
-        m = self.model
-        found = (("patch_embed.norm", getattr(m.patch_embed, "norm", None)),
-                 ("norm_pre", getattr(m, "norm_pre", None)))
-        return tuple(name for name, mod in found
-                     if mod is not None and not isinstance(mod, nn.Identity))
-
-
-def _refuse_cnn_stem(pe: ModelTree, name: str) -> None:
-    """Refuse a hybrid ViT (``timm.models.vision_transformer_hybrid``, ViTamin): its
-    ``HybridEmbed`` runs a CNN (ResNet) stem and puts tokens on the CNN's feature grid,
-    not on pixel patches; the adapter explains a ViT whose tokens are linear projections
-    of pixel patches."""
-    from timm.layers import HybridEmbed
-
-    if isinstance(pe, HybridEmbed) or hasattr(pe, "backbone"):
-        stem = type(getattr(pe, "backbone", None)).__name__
-        raise TypeError(
-            f"{name}.patch_embed is {type(pe).__name__} with a CNN stem ({stem}): a hybrid "
-            "ViT (e.g. vit_small_r26_s32_224) makes its tokens from the CNN's feature map, "
-            "not from pixel patches, and captum_vit does not explain the stem. Use a plain "
-            "ViT (e.g. vit_small_patch16_224), or Captum's LayerGradCam on a layer of the "
-            "hybrid's CNN stem (LayerGradCam(model, model.patch_embed.backbone))")
-
-
-def timm_attention_fields(blk: ModelTree, where: str) -> dict:
-    """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,
-    BEiT and Eva blocks).
-
-    q/k/v are row slices of the fused ``qkv`` parameters taken through ``detach()``: views
-    of the same storage (in-place changes of the model show, ``copy.deepcopy`` keeps them
-    views of the copy), never traced by autograd (no gradient is taken w.r.t. parameters).
-    Without a ``qkv`` bias, BEiT's and EVA's separate ``q_bias``/``v_bias`` are used (their
-    ``k_bias`` is a zero buffer: ``None`` here); Eva's unfused attention has separate
-    ``q_proj``/``k_proj``/``v_proj``.
-    """
-    attn = blk.attn
-    qkv = getattr(attn, "qkv", None)
-    if qkv is not None:
-        w = qkv.weight.detach()
-        a = w.shape[0] // 3
-        weights = (w[:a], w[a:2 * a], w[2 * a:])
-        if qkv.bias is not None:
-            b = qkv.bias.detach()
-            biases = (b[:a], b[a:2 * a], b[2 * a:])
-        else:
-            biases = (getattr(attn, "q_bias", None), None, getattr(attn, "v_bias", None))
-    else:
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        weights = tuple(m.weight for m in projs)
-        biases = tuple(m.bias for m in projs)
-    identity = nn.Identity()
-    return dict(
-        norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-        q_weight=weights[0], k_weight=weights[1], v_weight=weights[2],
-        q_bias=biases[0], k_bias=biases[1], v_bias=biases[2],
-        num_heads=attn.num_heads, head_dim=weights[0].shape[0] // attn.num_heads,
-        scale=attn.scale, q_norm=getattr(attn, "q_norm", identity),
-        k_norm=getattr(attn, "k_norm", identity),
-        proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-        norm2=_norm_parts(blk.norm2, f"{where}.norm2"),
-    )
-
-
-def _block_parts(blk: ModelTree, where: str) -> BlockParts:
-    """The canonical parts of a (validated) timm ``Block``."""
-    mlp = blk.mlp
-    return BlockParts(
-        **timm_attention_fields(blk, where), ls1=_layer_scale(blk.ls1),
-        fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
-        fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias,
-        ls2=_layer_scale(blk.ls2),
-    )
-
-
-def pool_parts(pool: ModelTree, where: str, skip_prefix: int = 0) -> PoolParts:
-    """The canonical parts of timm's ``AttentionPoolLatent`` (``global_pool='map'``)
-    whose keys are the tokens after the first ``skip_prefix``.
-
-    ``k``/``v`` are row views of the fused ``kv`` projection; the pool's GELU ``Mlp``
-    follows ``norm``. Position embeddings inside the pool, several pooled latents and a
-    pre-logits pool (``out_features=0``) are refused.
-    """
-    from timm.layers import Mlp
-
-    if getattr(pool, "pos_embed", None) is not None:
-        raise TypeError(f"{where} adds its own position embedding; not supported")
-    if pool.latent.shape[1] != 1 and pool.pool != "token":
-        raise TypeError(f"{where} averages {pool.latent.shape[1]} latent queries; captum_vit "
-                        "supports one pooled latent (pool_type='token' or latent_len=1)")
-    mlp = pool.mlp
-    if mlp is None or type(mlp) is not Mlp or not isinstance(mlp.norm, nn.Identity) \
-            or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
-        raise TypeError(f"{where} needs timm's GELU `Mlp` after its projection "
-                        "(a pre-logits pool with out_features=0 is not supported)")
-    w = pool.kv.weight.detach()
-    b = None if pool.kv.bias is None else pool.kv.bias.detach()
-    a = w.shape[0] // 2
-    q = None if isinstance(pool.q, nn.Identity) else pool.q
-    return PoolParts(
-        latent=pool.latent[0],
-        q_weight=None if q is None else q.weight, q_bias=None if q is None else q.bias,
-        k_weight=w[:a], k_bias=None if b is None else b[:a],
-        v_weight=w[a:], v_bias=None if b is None else b[a:],
-        num_heads=pool.num_heads, head_dim=pool.head_dim, scale=pool.scale,
-        q_norm=pool.q_norm, k_norm=pool.k_norm,
-        proj_weight=pool.proj.weight, proj_bias=pool.proj.bias,
-        norm=_optional_norm(pool.norm, f"{where}.norm"),
-        fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
-        fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, skip_prefix=skip_prefix,
-    )
-
-
-def _timm_gelus() -> tuple[type, ...]:
-    from timm.layers import activations
-
-    names = ("GELU", "GELUTanh", "QuickGELU")
-    return tuple(getattr(activations, n) for n in names if hasattr(activations, n))
-
-
-def is_timm_vit(model: nn.Module) -> bool:
-    """``True`` for timm's ``VisionTransformer`` and its subclasses (DeiT distilled)."""
-    try:
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError:  # pragma: no cover - timm is a dependency
-        return False
-    return isinstance(model, VisionTransformer)
