@@ -7,6 +7,7 @@ it is written."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -33,7 +34,9 @@ def family_files() -> list[str]:
 def test_every_family_file_is_imported_once_and_registers_its_adapters():
     """The import list of ``families/__init__.py`` names every family file once, in the
     order of the catalogue (the dispatch order), and each file registers a family."""
-    tree = ast.parse((FAMILIES_DIR / "__init__.py").read_text(encoding="utf-8"))
+    source = (FAMILIES_DIR / "__init__.py").read_text(encoding="utf-8")
+    assert "# isort: skip_file" in source  # no formatter reorders the dispatch order
+    tree = ast.parse(source)
     imported = [a.name for node in tree.body if isinstance(node, ast.ImportFrom)
                 for a in node.names]
     assert sorted(imported) == family_files() and len(set(imported)) == len(imported)
@@ -74,6 +77,17 @@ def test_the_catalogue_generates_the_tables():
     for name in helpers.WINDOWED_FAMILIES:
         fam, _ = catalog.example(name)
         assert "windowed" in fam.example_tags(name)
+
+
+def test_the_api_page_lists_every_family():
+    """The families section of the API reference is rendered from the catalogue
+    (``python docs/families_api.py`` rewrites it)."""
+    spec = importlib.util.spec_from_file_location("families_api",
+                                                  ROOT / "docs" / "families_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = module.PAGE.read_text(encoding="utf-8")
+    assert module.section(page) == module.render(), "run python docs/families_api.py"
 
 
 def test_register_family_refuses_what_it_cannot_file():

@@ -1,3 +1,4 @@
+# isort: skip_file
 """The model families: one file each, registered beside its adapter class with
 :func:`~captum_vit.adapters.catalog.register_family`.
 
@@ -9,20 +10,17 @@ Hugging Face's), ``_examples`` (the example builders' shared parts); no family i
 another family.
 """
 
-# isort: off  (the order is the dispatch order)
-from captum_vit.adapters.families import (
-    hf_backbone,  # noqa: F401
-    hf_beit,  # noqa: F401
-    hf_clip,  # noqa: F401
-    hf_videomae,  # noqa: F401
-    hf_vit,  # noqa: F401
-    hf_yolos,  # noqa: F401
-    open_clip,  # noqa: F401
-    sam,  # noqa: F401
-    swin,  # noqa: F401
-    timm_beit,  # noqa: F401
-    timm_eva,  # noqa: F401
-    timm_vit,  # noqa: F401
-    torchvision_vit,  # noqa: F401
-)
-# isort: on
+# The order of these lines is the dispatch order (no import sorting: isort: skip_file).
+from captum_vit.adapters.families import timm_vit  # noqa: F401
+from captum_vit.adapters.families import timm_beit  # noqa: F401
+from captum_vit.adapters.families import timm_eva  # noqa: F401
+from captum_vit.adapters.families import hf_vit  # noqa: F401
+from captum_vit.adapters.families import hf_clip  # noqa: F401
+from captum_vit.adapters.families import hf_beit  # noqa: F401
+from captum_vit.adapters.families import hf_backbone  # noqa: F401
+from captum_vit.adapters.families import hf_yolos  # noqa: F401
+from captum_vit.adapters.families import torchvision_vit  # noqa: F401
+from captum_vit.adapters.families import open_clip  # noqa: F401
+from captum_vit.adapters.families import hf_videomae  # noqa: F401
+from captum_vit.adapters.families import swin  # noqa: F401
+from captum_vit.adapters.families import sam  # noqa: F401
