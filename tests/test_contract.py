@@ -17,7 +17,7 @@ import torch
 from captum.attr import NoiseTunnel
 from captum.metrics import sensitivity_max
 
-from captum_vit.adapters import adapt
+from captum_vit.adapters import adapt, catalog
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
     WINDOW_REFUSERS,
@@ -134,8 +134,10 @@ def test_outputs_batch_and_targets(name, family):
     assert_unchanged(model, before)
 
 
-TARGET_FAMILIES = ["vit", "hf_vit"]
-"""The families of the target axis (a timm and a Hugging Face classifier)."""
+TARGET_FAMILIES = [next(f for f in classifier_families() if catalog.example(f)[1].library == lib)
+                   for lib in ("timm", "transformers")]
+"""The families of the target axis: the first timm and the first Hugging Face classifier
+example of the catalogue."""
 TARGET_CASES = [pytest.param(m, f, k, marks=family_marks(f)) for m in METHODS
                 for f in TARGET_FAMILIES for k in ("callable", "token")]
 TOKEN_REFUSERS = {"tis"}

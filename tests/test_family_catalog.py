@@ -154,6 +154,8 @@ def test_the_contributing_walk_through_is_a_whole_family():
         rows = {f.name: f for f in sm.family_list()}
         assert rows["wrapped_vit"].example == "wrapped_vit"
         assert rows["wrapped_vit"].kinds == ("class",)
+        assert ("WrappedViT (a timm VisionTransformer in a user's module)",
+                ("wrapped_vit",)) in sm.readme_rows()
         assert "WrappedViT (a timm VisionTransformer" in catalog.supported()
         with pytest.raises(TypeError, match=r"WrappedViT \(a timm VisionTransformer"):
             adapt(nn.Linear(2, 2))
