@@ -58,6 +58,8 @@ PACKAGE = ROOT / "captum_vit"
 PAGE = ROOT / "docs" / "source" / "support_matrix.md"
 CACHE = ROOT / "docs" / "_build" / "support_matrix"
 COMMAND = "python docs/support_matrix.py"
+if __name__ == "__main__":  # this checkout's package (the family list reads its catalogue)
+    sys.path.insert(0, str(ROOT))
 
 BATCH = 2
 DTYPE = torch.float32
@@ -163,72 +165,13 @@ def _images(size: tuple[int, ...], seed: int = 1) -> Tensor:
                                 (size[0], 3, *size[1:])), generator=g).to(DTYPE)
 
 
-def _timm(cls_path: str, size: tuple[int, int] = (32, 32), **extra: Any) -> nn.Module:
-    module, _, name = cls_path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    kwargs = dict(img_size=size, patch_size=8, in_chans=3, embed_dim=WIDTH, depth=DEPTH,
-                  num_heads=4, mlp_ratio=2.0, num_classes=CLASSES, qkv_bias=True)
-    torch.manual_seed(0)
-    return cls(**{**kwargs, **extra})
-
-
-def _hf(cls_name: str, cfg_name: str, dual: str | None = None, **extra: Any) -> nn.Module:
+def _sam() -> nn.Module:
+    """SAM (``SamModel``): its image encoder at 32 px, patch 4 (an 8 x 8 grid), 3 x 3
+    windows padded to whole windows, one global block, decomposed relative positions, the
+    conv neck; a small prompt encoder and mask decoder."""
     import transformers
 
-    cfg = getattr(transformers, cfg_name)(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=WIDTH,
-        num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=2 * WIDTH,
-        num_labels=CLASSES, layer_norm_eps=1e-6, **extra)
-    if dual is not None:  # a classifier over the vision tower of a dual config
-        cfg = getattr(transformers, dual)(vision_config=cfg.to_dict(), num_labels=CLASSES)
     torch.manual_seed(0)
-    return getattr(transformers, cls_name)(cfg)
-
-
-def _videomae(cls_name: str = "VideoMAEForVideoClassification", pooling: bool = True
-              ) -> nn.Module:
-    import transformers
-
-    cfg = transformers.VideoMAEConfig(
-        image_size=16, patch_size=8, num_channels=3, num_frames=4, tubelet_size=2,
-        hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=4,
-        intermediate_size=2 * WIDTH, num_labels=CLASSES, qv_bias=True, layer_norm_eps=1e-6,
-        use_mean_pooling=pooling)
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(cfg)
-
-
-def _swin(library: str, cls_name: str = "SwinForImageClassification") -> nn.Module:
-    """A two-stage Swin (32 px, patch 4: an 8 x 8 first grid, 4 x 4 windows, shifted in
-    every second block, one merge)."""
-    torch.manual_seed(0)
-    if library == "timm":
-        from timm.models.swin_transformer import SwinTransformer
-
-        return SwinTransformer(img_size=32, patch_size=4, embed_dim=WIDTH // 2, depths=(2, 2),
-                               num_heads=(2, 4), window_size=4, mlp_ratio=2.0,
-                               num_classes=CLASSES)
-    import transformers
-
-    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=WIDTH // 2,
-                                  depths=[2, 2], num_heads=[2, 4], window_size=4,
-                                  mlp_ratio=2.0, num_labels=CLASSES)
-    return getattr(transformers, cls_name)(cfg)
-
-
-def _sam(library: str) -> nn.Module:
-    """SAM's image encoder: 32 px, patch 4 (an 8 x 8 grid), 3 x 3 windows padded to whole
-    windows, one global block, decomposed relative positions, the conv neck."""
-    torch.manual_seed(0)
-    if library == "timm":
-        from timm.models.vision_transformer_sam import VisionTransformerSAM
-
-        return VisionTransformerSAM(img_size=32, patch_size=4, embed_dim=WIDTH, depth=3,
-                                    num_heads=4, mlp_ratio=2.0, window_size=3,
-                                    global_attn_indexes=(1,), use_rel_pos=True,
-                                    neck_chans=16, num_classes=CLASSES, global_pool="avg")
-    import transformers
-
     return transformers.SamModel(transformers.SamConfig(
         vision_config=dict(hidden_size=WIDTH, num_hidden_layers=3, num_attention_heads=4,
                            image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
@@ -309,28 +252,6 @@ def _depth(cls_name: str) -> nn.Module:
     return getattr(transformers, cls_name)(cfg)
 
 
-def _torchvision(**extra: Any) -> nn.Module:
-    from torchvision.models import VisionTransformer
-
-    torch.manual_seed(0)
-    return VisionTransformer(image_size=32, patch_size=8, num_layers=DEPTH, num_heads=2,
-                             hidden_dim=16, mlp_dim=32, num_classes=CLASSES, **extra)
-
-
-def _open_clip(tower: bool = False, quick_gelu: bool = False, **vision: Any) -> nn.Module:
-    """The dual ``open_clip.CLIP`` (or its ``visual`` tower alone)."""
-    import open_clip
-
-    cfg = dict(image_size=32, patch_size=8, width=WIDTH, head_width=8, layers=DEPTH,
-               mlp_ratio=2.0)
-    embed_dim = vision.pop("embed_dim", 16)
-    text = dict(context_length=8, vocab_size=49408, width=WIDTH, heads=4, layers=1)
-    torch.manual_seed(0)
-    model = open_clip.CLIP(embed_dim=embed_dim, vision_cfg={**cfg, **vision}, text_cfg=text,
-                           quick_gelu=quick_gelu)
-    return model.visual if tower else model
-
-
 @dataclass
 class Setup:
     """A family ready to run: the model explained, its inputs and its targets."""
@@ -352,7 +273,8 @@ class Family:
         group (str): one of :data:`GROUPS`.
         kinds (tuple of str): its target kinds, keys of :data:`KINDS`.
         requires (tuple of str): the modules it needs (missing: "not installed").
-        build (Callable): ``() -> nn.Module``, the random model (before randomising).
+        build (Callable): ``() -> nn.Module``, the random model (before randomising, unless
+            it is a catalogue ``example``).
         size (tuple of int): input size ``(H, W)`` (videos: ``(T, H, W)``).
         model_class (str): what the cell ran, for the families table.
     """
@@ -365,6 +287,9 @@ class Family:
     build: Callable[[], nn.Module]
     size: tuple[int, ...] = (32, 32)
     model_class: str = ""
+    example: str = ""
+    """The catalogue example it runs (its weights are the example's, not re-initialised
+    by :func:`_randomize`); ``""``: a model built here."""
 
 
 CLASSIFIER = ("class",)
@@ -382,138 +307,147 @@ _BEIT = "timm.models.beit.Beit"
 _NONSQUARE = (24, 40)
 HF_ = ("transformers",)
 
-FAMILY_LIST: tuple[Family, ...] = (
-    Family("timm_vit", "ViT", _TV, (*RICH, "head"), ("timm",), lambda: _timm(_VIT),
-           model_class="VisionTransformer (CLS token)"),
-    Family("timm_deit", "DeiT", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm("timm.models.deit.VisionTransformerDistilled"),
-           model_class="VisionTransformerDistilled (CLS + distillation token)"),
-    Family("timm_registers", "registers", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm(_VIT, reg_tokens=2), model_class="VisionTransformer, 2 registers"),
-    Family("timm_avgpool", "avg-pool", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm(_VIT, class_token=False, global_pool="avg"),
-           model_class="VisionTransformer, no CLS, mean pooling"),
-    Family("timm_layerscale", "LayerScale", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm(_VIT, init_values=0.5, qk_norm=True, no_embed_class=True),
-           model_class="VisionTransformer, LayerScale, q/k norm, no position on CLS"),
-    Family("timm_nonsquare", "24×40", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm(_VIT, _NONSQUARE, dynamic_img_size=True), size=_NONSQUARE,
-           model_class="VisionTransformer, dynamic_img_size"),
-    Family("timm_map", "MAP", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm(_VIT, class_token=False, global_pool="map"),
-           model_class="VisionTransformer, attention-pool head (SigLIP-style)"),
-    Family("timm_map_cls_reg", "MAP + CLS, registers", _TV, CLASSIFIER, ("timm",),
-           lambda: _timm(_VIT, global_pool="map", reg_tokens=2),
-           model_class="VisionTransformer, attention pool over CLS, registers, patches"),
-    Family("timm_eva02", "EVA-02", _TE, RICH, ("timm",),
-           lambda: _timm(_EVA, use_rot_pos_emb=True, rope_type="cat", swiglu_mlp=True,
-                         scale_mlp=True, scale_attn_inner=True, global_pool="avg"),
-           model_class="Eva (RoPE, SwiGLU)"),
-    Family("timm_eva_dinov3", "DINOv3-style Eva", _TE, CLASSIFIER, ("timm",),
-           lambda: _timm(_EVA, _NONSQUARE, use_rot_pos_emb=True, rope_type="dinov3",
-                         rope_rotate_half=True, rope_temperature=100, use_abs_pos_emb=False,
-                         num_reg_tokens=4, init_values=1e-5, global_pool="token",
-                         use_fc_norm=False, dynamic_img_size=True), size=_NONSQUARE,
-           model_class="Eva, DINOv3 RoPE, 4 registers"),
-    Family("timm_eva_map", "Eva MAP", _TE, CLASSIFIER, ("timm",),
-           lambda: _timm(_EVA, use_rot_pos_emb=True, swiglu_mlp=True, scale_attn_inner=True,
-                         global_pool="map"),
-           model_class="Eva, attention-pool head"),
-    Family("timm_beit", "BEiT", _TE, CLASSIFIER, ("timm",),
-           lambda: _timm(_BEIT, use_rel_pos_bias=True, use_abs_pos_emb=False,
-                         global_pool="avg", init_values=0.5),
-           model_class="Beit (relative position bias, LayerScale)"),
-    Family("timm_beit_shared", "BEiT shared bias", _TE, CLASSIFIER, ("timm",),
-           lambda: _timm(_BEIT, use_shared_rel_pos_bias=True, global_pool="token"),
-           model_class="Beit, one shared relative position bias, CLS readout"),
-    Family("timm_beit_swiglu", "BEiT SwiGLU", _TE, CLASSIFIER, ("timm",),
-           lambda: _timm(_BEIT, use_rel_pos_bias=True, swiglu_mlp=True, scale_mlp=True,
-                         global_pool="avg"),
-           model_class="Beit, SwiGLU MLP"),
-    Family("timm_headless", "ViT head-less", _TV, ("embedding",), ("timm",),
-           lambda: _timm(_VIT, num_classes=0, reg_tokens=1),
-           model_class="VisionTransformer, num_classes=0 (pooled embedding)"),
-    Family("timm_eva_headless_map", "Eva MAP head-less", _TE, ("embedding",), ("timm",),
-           lambda: _timm(_EVA, num_classes=0, use_rot_pos_emb=True, swiglu_mlp=True,
-                         global_pool="map"),
-           model_class="Eva, num_classes=0, attention pool"),
-    Family("hf_vit", "ViT", _HF, (*RICH, "head"), HF_,
-           lambda: _hf("ViTForImageClassification", "ViTConfig"),
-           model_class="ViTForImageClassification"),
-    Family("hf_deit", "DeiT", _HF, CLASSIFIER, HF_,
-           lambda: _hf("DeiTForImageClassificationWithTeacher", "DeiTConfig"),
-           size=_NONSQUARE, model_class="DeiTForImageClassificationWithTeacher (interpolated "
-           "positions)"),
-    Family("hf_dinov2", "DINOv2", _HF, RICH, HF_,
-           lambda: _hf("Dinov2ForImageClassification", "Dinov2Config", layerscale_value=0.5),
-           model_class="Dinov2ForImageClassification"),
-    Family("hf_dinov2_reg", "DINOv2 registers", _HF, CLASSIFIER, HF_,
-           lambda: _hf("Dinov2WithRegistersForImageClassification",
-                       "Dinov2WithRegistersConfig", num_register_tokens=2),
-           size=_NONSQUARE, model_class="Dinov2WithRegistersForImageClassification"),
-    Family("hf_dinov2_swiglu", "DINOv2 SwiGLU", _HF, CLASSIFIER, HF_,
-           lambda: _hf("Dinov2ForImageClassification", "Dinov2Config", use_swiglu_ffn=True),
-           model_class="Dinov2ForImageClassification, SwiGLU"),
-    Family("hf_clip_cls", "CLIP", _HF, CLASSIFIER, HF_,
-           lambda: _hf("CLIPForImageClassification", "CLIPVisionConfig", dual="CLIPConfig"),
-           size=_NONSQUARE, model_class="CLIPForImageClassification"),
-    Family("hf_siglip_cls", "SigLIP", _HF, CLASSIFIER, HF_,
-           lambda: _hf("SiglipForImageClassification", "SiglipVisionConfig",
-                       dual="SiglipConfig"),
-           model_class="SiglipForImageClassification"),
-    Family("hf_beit", "BEiT", _HF, CLASSIFIER, HF_,
-           lambda: _hf("BeitForImageClassification", "BeitConfig",
-                       use_relative_position_bias=True, use_mean_pooling=True,
-                       layer_scale_init_value=0.5),
-           model_class="BeitForImageClassification"),
-    Family("hf_data2vec", "data2vec", _HF, CLASSIFIER, HF_,
-           lambda: _hf("Data2VecVisionForImageClassification", "Data2VecVisionConfig",
-                       use_shared_relative_position_bias=True,
-                       use_absolute_position_embeddings=True, use_mean_pooling=False,
-                       layer_scale_init_value=0.0),
-           model_class="Data2VecVisionForImageClassification"),
-    Family("hf_clip", "CLIP tower", _HF, ("embedding",), HF_,
-           lambda: _hf("CLIPVisionModelWithProjection", "CLIPVisionConfig",
-                       projection_dim=16),
-           model_class="CLIPVisionModelWithProjection"),
-    Family("hf_clip_noproj", "CLIP tower, no projection", _HF, ("embedding",), HF_,
-           lambda: _hf("CLIPVisionModel", "CLIPVisionConfig"), size=_NONSQUARE,
-           model_class="CLIPVisionModel"),
-    Family("hf_siglip", "SigLIP tower", _HF, ("embedding",), HF_,
-           lambda: _hf("SiglipVisionModel", "SiglipVisionConfig"),
-           model_class="SiglipVisionModel"),
-    Family("hf_vit_model", "ViT backbone", _HF, ("embedding",), HF_,
-           lambda: _hf("ViTModel", "ViTConfig"), size=_NONSQUARE,
-           model_class="ViTModel (tanh pooler on CLS)"),
-    Family("hf_deit_model", "DeiT backbone", _HF, ("embedding",), HF_,
-           lambda: _hf("DeiTModel", "DeiTConfig"), model_class="DeiTModel"),
-    Family("hf_dinov2_model", "DINOv2 backbone", _HF, ("embedding", "token"), HF_,
-           lambda: _hf("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig",
-                       num_register_tokens=2),
-           model_class="Dinov2WithRegistersModel (head-less, registers)"),
-    Family("torchvision", "torchvision ViT", _TO, RICH, ("torchvision",), _torchvision,
-           model_class="torchvision.models.VisionTransformer"),
-    Family("torchvision_representation", "torchvision pre-logits", _TO, CLASSIFIER,
-           ("torchvision",), lambda: _torchvision(representation_size=7),
-           model_class="torchvision VisionTransformer, representation_size=7 (tanh)"),
-    Family("open_clip", "OpenCLIP", _TO, ("embedding",), ("open_clip",), _open_clip,
-           model_class="open_clip.CLIP (CLS pooling)"),
-    Family("open_clip_avg", "OpenCLIP avg tower", _TO, ("embedding",), ("open_clip",),
-           lambda: _open_clip(tower=True, quick_gelu=True, pool_type="avg",
-                              ls_init_value=0.5, final_ln_after_pool=True),
-           model_class="open_clip.CLIP.visual: mean pooling, LayerScale, QuickGELU"),
-    Family("open_clip_coca", "OpenCLIP attention pool", _TO, ("embedding",), ("open_clip",),
-           lambda: _open_clip(attentional_pool=True, attn_pooler_queries=4,
-                              attn_pooler_heads=4, embed_dim=WIDTH),
-           model_class="open_clip.CLIP, CoCa-style attention pool"),
-    Family("hf_videomae", "VideoMAE", _OT, CLASSIFIER, HF_, _videomae, size=(4, 16, 16),
-           model_class="VideoMAEForVideoClassification, mean pooling (videos "
-           "[B, T, C, H, W])"),
-    Family("hf_videomae_token", "VideoMAE first token", _OT, CLASSIFIER, HF_,
-           lambda: _videomae(pooling=False), size=(4, 16, 16),
-           model_class="VideoMAEForVideoClassification, first-tubelet readout"),
-    Family("hf_videomae_model", "VideoMAE backbone", _OT, ("embedding",), HF_,
-           lambda: _videomae("VideoMAEModel"), size=(4, 16, 16), model_class="VideoMAEModel"),
+@dataclass(frozen=True)
+class Info:
+    """What the matrix says about a catalogue example: its ``--families`` name, column
+    header, group, target kinds and model description."""
+
+    name: str
+    label: str
+    group: str
+    kinds: tuple[str, ...]
+    model_class: str
+
+
+EXAMPLE_INFO: dict[str, Info] = {
+    "vit": Info("timm_vit", "ViT", _TV, (*RICH, "head"),
+                 "VisionTransformer (CLS token)"),
+    "distilled": Info("timm_deit", "DeiT", _TV, CLASSIFIER,
+                 "VisionTransformerDistilled (CLS + distillation token)"),
+    "registers": Info("timm_registers", "registers", _TV, CLASSIFIER,
+                 "VisionTransformer, 2 registers"),
+    "avgpool": Info("timm_avgpool", "avg-pool", _TV, CLASSIFIER,
+                 "VisionTransformer, no CLS, mean pooling"),
+    "layerscale": Info("timm_layerscale", "LayerScale", _TV, CLASSIFIER,
+                 "VisionTransformer, LayerScale, q/k norm, no position on CLS"),
+    "nonsquare": Info("timm_nonsquare", "24×40", _TV, CLASSIFIER,
+                 "VisionTransformer, dynamic_img_size"),
+    "map": Info("timm_map", "MAP", _TV, CLASSIFIER,
+                 "VisionTransformer, attention-pool head (SigLIP-style)"),
+    "map_cls_reg": Info("timm_map_cls_reg", "MAP + CLS, registers", _TV, CLASSIFIER,
+                 "VisionTransformer, attention pool over CLS, registers, patches"),
+    "eva02": Info("timm_eva02", "EVA-02", _TE, RICH,
+                 "Eva (RoPE, SwiGLU)"),
+    "eva_dinov3": Info("timm_eva_dinov3", "DINOv3-style Eva", _TE, CLASSIFIER,
+                 "Eva, DINOv3 RoPE, 4 registers"),
+    "eva_map": Info("timm_eva_map", "Eva MAP", _TE, CLASSIFIER,
+                 "Eva, attention-pool head"),
+    "beit": Info("timm_beit", "BEiT", _TE, CLASSIFIER,
+                 "Beit (relative position bias, LayerScale)"),
+    "beit_shared_token": Info("timm_beit_shared", "BEiT shared bias", _TE, CLASSIFIER,
+                 "Beit, one shared relative position bias, CLS readout"),
+    "beit_swiglu": Info("timm_beit_swiglu", "BEiT SwiGLU", _TE, CLASSIFIER,
+                 "Beit, SwiGLU MLP"),
+    "vit_headless": Info("timm_headless", "ViT head-less", _TV, ('embedding',),
+                 "VisionTransformer, num_classes=0 (pooled embedding)"),
+    "eva_headless_map": Info("timm_eva_headless_map", "Eva MAP head-less", _TE, ('embedding',),
+                 "Eva, num_classes=0, attention pool"),
+    "hf_vit": Info("hf_vit", "ViT", _HF, (*RICH, "head"),
+                 "ViTForImageClassification"),
+    "hf_deit_teacher": Info("hf_deit", "DeiT", _HF, CLASSIFIER,
+                 "DeiTForImageClassificationWithTeacher (interpolated positions)"),
+    "hf_dinov2": Info("hf_dinov2", "DINOv2", _HF, RICH,
+                 "Dinov2ForImageClassification"),
+    "hf_dinov2_reg": Info("hf_dinov2_reg", "DINOv2 registers", _HF, CLASSIFIER,
+                 "Dinov2WithRegistersForImageClassification"),
+    "hf_dinov2_swiglu": Info("hf_dinov2_swiglu", "DINOv2 SwiGLU", _HF, CLASSIFIER,
+                 "Dinov2ForImageClassification, SwiGLU"),
+    "hf_clip_cls": Info("hf_clip_cls", "CLIP", _HF, CLASSIFIER,
+                 "CLIPForImageClassification"),
+    "hf_siglip_cls": Info("hf_siglip_cls", "SigLIP", _HF, CLASSIFIER,
+                 "SiglipForImageClassification"),
+    "hf_beit": Info("hf_beit", "BEiT", _HF, CLASSIFIER,
+                 "BeitForImageClassification"),
+    "hf_data2vec": Info("hf_data2vec", "data2vec", _HF, CLASSIFIER,
+                 "Data2VecVisionForImageClassification"),
+    "hf_clip": Info("hf_clip", "CLIP tower", _HF, ('embedding',),
+                 "CLIPVisionModelWithProjection"),
+    "hf_clip_noproj": Info("hf_clip_noproj", "CLIP tower, no projection", _HF, ('embedding',),
+                 "CLIPVisionModel"),
+    "hf_siglip": Info("hf_siglip", "SigLIP tower", _HF, ('embedding',),
+                 "SiglipVisionModel"),
+    "hf_vit_model": Info("hf_vit_model", "ViT backbone", _HF, ('embedding',),
+                 "ViTModel (tanh pooler on CLS)"),
+    "hf_deit_model": Info("hf_deit_model", "DeiT backbone", _HF, ('embedding',),
+                 "DeiTModel"),
+    "hf_dinov2_reg_model": Info("hf_dinov2_model", "DINOv2 backbone", _HF, ('embedding', 'token'),
+                 "Dinov2WithRegistersModel (head-less, registers)"),
+    "torchvision": Info("torchvision", "torchvision ViT", _TO, RICH,
+                 "torchvision.models.VisionTransformer"),
+    "torchvision_representation": Info("torchvision_representation", "torchvision pre-logits",
+                                       _TO, CLASSIFIER,
+                 "torchvision VisionTransformer, representation_size=7 (tanh)"),
+    "open_clip": Info("open_clip", "OpenCLIP", _TO, ('embedding',),
+                 "open_clip.CLIP (CLS pooling)"),
+    "open_clip_avg": Info("open_clip_avg", "OpenCLIP avg tower", _TO, ('embedding',),
+                 "open_clip.CLIP.visual: mean pooling, LayerScale, QuickGELU"),
+    "open_clip_coca": Info("open_clip_coca", "OpenCLIP attention pool", _TO, ('embedding',),
+                 "open_clip.CLIP, CoCa-style attention pool"),
+    "hf_videomae": Info("hf_videomae", "VideoMAE", _OT, CLASSIFIER,
+                 "VideoMAEForVideoClassification, mean pooling (videos [B, T, C, H, W])"),
+    "hf_videomae_token": Info("hf_videomae_token", "VideoMAE first token", _OT, CLASSIFIER,
+                 "VideoMAEForVideoClassification, first-tubelet readout"),
+    "hf_videomae_model": Info("hf_videomae_model", "VideoMAE backbone", _OT, ('embedding',),
+                 "VideoMAEModel"),
+    "timm_swin": Info("timm_swin", "Swin", _WI, ('class', 'multilabel', 'contrastive'),
+                 "timm SwinTransformer (two stages, 2×2 windows)"),
+    "hf_swin": Info("hf_swin", "HF Swin", _WI, CLASSIFIER,
+                 "SwinForImageClassification (two stages, 2×2 windows; the timm model's twin)"),
+    "timm_sam": Info("timm_sam", "timm SAM", _WI, CLASSIFIER,
+                 "timm VisionTransformerSAM (2×2 windows on a 5×5 grid, a global block, neck, "
+                 "head)"),
+
+    "timm_swin_pad": Info("timm_swin_pad", "Swin (padded)", _WI, CLASSIFIER,
+                          "timm SwinTransformer (a 10×10 grid padded to whole 3×3 windows, "
+                          "an odd 5×5 second stage)"),
+    "hf_swin_pad": Info("hf_swin_pad", "HF Swin (padded)", _WI, CLASSIFIER,
+                        "SwinForImageClassification (the timm_swin_pad example's twin)"),
+    "hf_sam": Info("hf_sam_vision", "SAM vision encoder", _WI, ("embedding",),
+                   "SamVisionModel (windows of 3 padded on a 4×4 grid, a global block, the "
+                   "neck's grid mean)"),
+}
+"""The matrix's names, labels, groups and target kinds of the family catalogue's examples
+(:mod:`captum_vit.adapters.catalog`); an example without an entry gets a column from its
+tags (:func:`family_list`)."""
+
+
+def _example_row(name: str) -> Family:
+    """The matrix row of the catalogue example ``name`` (its builder, size and library)."""
+    from captum_vit.adapters import catalog
+
+    fam, ex = catalog.example(name)
+    tags = fam.example_tags(name)
+    info = EXAMPLE_INFO.get(name) or Info(
+        name, name, _WI if "windowed" in tags else _OT if "video" in tags else _HF
+        if ex.library == "transformers" else _TO if ex.library in ("torchvision", "open_clip")
+        else _TV, ("embedding",) if ex.target == "embedding" else CLASSIFIER,
+        f"{fam.adapter.__name__} example `{name}`")
+    return Family(info.name, info.label, info.group, info.kinds, (ex.library,),
+                  lambda: ex.model(seed=0, depth=DEPTH, dtype=DTYPE, num_classes=CLASSES),
+                  size=ex.size, model_class=info.model_class, example=name)
+
+
+def _hf_swin_model() -> nn.Module:
+    """The head-less Hugging Face twin (``SwinModel``) of the catalogue's ``timm_swin``."""
+    from captum_vit.adapters import catalog
+    from captum_vit.adapters.families.swin import hf_swin_twin
+
+    timm_swin = catalog.example("timm_swin")[1]
+    return hf_swin_twin(timm_swin.model(seed=0, dtype=DTYPE, num_classes=CLASSES),
+                        pooled=True)
+
+
+OWN_FAMILIES: tuple[Family, ...] = (
     Family("hf_yolos", "YOLOS", _OT, ("detection",), HF_, _yolos, size=(32, 48),
            model_class="YolosForObjectDetection"),
     Family("hf_yolos_mid", "YOLOS mid-positions", _OT, ("detection",), HF_,
@@ -530,18 +464,28 @@ FAMILY_LIST: tuple[Family, ...] = (
            lambda: _depth("DepthAnythingForDepthEstimation"), size=(28, 28),
            model_class="DepthAnythingForDepthEstimation (its 4-block DINOv2 backbone, "
            "patch 7)"),
-    Family("timm_swin", "Swin", _WI, ("class", "multilabel", "contrastive"), ("timm",),
-           lambda: _swin("timm"), model_class="timm SwinTransformer (two stages, 4×4 windows)"),
-    Family("hf_swin", "HF Swin", _WI, CLASSIFIER, HF_, lambda: _swin("hf"),
-           model_class="SwinForImageClassification (two stages, 4×4 windows)"),
-    Family("hf_swin_model", "HF Swin backbone", _WI, ("embedding",), HF_,
-           lambda: _swin("hf", "SwinModel"), model_class="SwinModel (pooler output)"),
-    Family("timm_sam", "timm SAM", _WI, CLASSIFIER, ("timm",), lambda: _sam("timm"),
-           model_class="timm VisionTransformerSAM (3×3 windows, a global block, neck, head)"),
-    Family("hf_sam", "SAM", _WI, ("embedding", "sam_mask"), HF_, lambda: _sam("hf"),
+    Family("hf_swin_model", "HF Swin backbone", _WI, ("embedding",), HF_, _hf_swin_model,
+           model_class="SwinModel (pooler output; the timm_swin example's twin)",
+           example="timm_swin"),
+    Family("hf_sam", "SAM", _WI, ("embedding", "sam_mask"), HF_, _sam,
            model_class="SamModel (its image encoder; the prompt encoder and mask decoder "
            "for SamMaskTarget)"),
 )
+"""The matrix's rows of models that are not catalogue examples: whole detectors, VLMs,
+depth models and SAM with its prompt encoder and mask decoder, whose targets read more than
+the explained tower."""
+
+
+def family_list() -> tuple[Family, ...]:
+    """Every family of the matrix, read from the family catalogue now (a family registered
+    later takes part): a column per catalogue example, then :data:`OWN_FAMILIES`."""
+    from captum_vit.adapters import catalog
+
+    return tuple(_example_row(name) for name, _, _ in catalog.examples()) + OWN_FAMILIES
+
+
+FAMILY_LIST: tuple[Family, ...] = family_list()
+"""The families of the matrix when it was imported (:func:`family_list`)."""
 FAMILIES: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 """Every family of the matrix, by name."""
 
@@ -575,7 +519,8 @@ def setup(family: Family) -> Setup:
         VLMAnswer,
     )
 
-    full = _randomize(family.build()).to(DTYPE).eval()
+    built = family.build()
+    full = (built if family.example else _randomize(built)).to(DTYPE).eval()
     x = _images(family.size)
     model = full
     targets: dict[str, Callable[[], Any]] = {}
@@ -1097,13 +1042,28 @@ README_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Hugging Face VideoMAE (videos: maps per tubelet)",
      ("hf_videomae", "hf_videomae_token", "hf_videomae_model")),
     ("timm `SwinTransformer`, Hugging Face `SwinForImageClassification` / `SwinModel`",
-     ("timm_swin", "hf_swin", "hf_swin_model")),
+     ("timm_swin", "timm_swin_pad", "hf_swin", "hf_swin_pad", "hf_swin_model")),
     ("torchvision `VisionTransformer`", ("torchvision", "torchvision_representation")),
     ("OpenCLIP image towers, CLIP / CoCa", ("open_clip", "open_clip_avg", "open_clip_coca")),
-    ("SAM's image encoder: Hugging Face `SamModel`, timm `VisionTransformerSAM`",
-     ("timm_sam", "hf_sam")),
+    ("SAM's image encoder: Hugging Face `SamModel` / `SamVisionModel`, timm "
+     "`VisionTransformerSAM`", ("timm_sam", "hf_sam", "hf_sam_vision")),
 )
-"""The README's family table: a row's label and the matrix families it summarises."""
+"""The README's family table: a row's label and the matrix families it summarises (a
+catalogue family whose examples no row names gets a row of its own: :func:`readme_rows`)."""
+
+
+def readme_rows() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """:data:`README_ROWS`, then a row per catalogue family whose examples no row names
+    (labelled with the family's ``supports`` line), so a new family needs no row here."""
+    from captum_vit.adapters import catalog
+
+    named = {f for _, names in README_ROWS for f in names}
+    extra = []
+    for fam in catalog.families():
+        columns = tuple(_example_row(e).name for e in fam.examples)
+        if columns and not set(columns) & named:
+            extra.append((fam.supports, columns))
+    return README_ROWS + tuple(extra)
 
 README_REFUSED_ROWS = (
     "| Hugging Face YOLOS with mid-position embeddings, timm hybrid (CNN stem), anything "
@@ -1222,7 +1182,7 @@ def readme_table(st: dict[str, Any]) -> str:
     """The README's family table (Markdown), from :func:`statuses`."""
     lines = ["| family | " + " | ".join(h for h, _ in README_COLUMNS) + " | targets |",
              "|---" * (len(README_COLUMNS) + 2) + "|"]
-    for label, names in README_ROWS:
+    for label, names in readme_rows():
         present = [f for f in names if f in st["families"]]
         where = [(f, k) for f in present for k in KINDS if k in st["families"][f]]
         cells = [_cell(st, [m for m in st["methods"] if take(m)], where, by="kind")
@@ -1413,5 +1373,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

@@ -1,9 +1,10 @@
 """The API contract every registered method owes users, on every supported model family.
 
 Generated from the registry (``available_methods(compositions=True)``, ``random``
-included) × ``tests.helpers.ALL_FAMILIES`` (timm and Hugging Face): a new method or family
-is covered by registering it, not by copying tests. Per-method files keep only their
-references and parity checks.
+included) × the classifier examples of the family catalogue
+(``tests.helpers.classifier_families()``): a new method or family is covered by registering
+it, not by copying tests; what a family is expected to do comes from its tags. Per-method
+files keep only their references and parity checks.
 """
 
 from __future__ import annotations
@@ -16,19 +17,17 @@ import torch
 from captum.attr import NoiseTunnel
 from captum.metrics import sensitivity_max
 
-from captum_vit.adapters import adapt
+from captum_vit.adapters import adapt, catalog
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
-    ALL_FAMILIES,
-    HF_SWIN_FAMILIES,
-    SAM_FAMILIES,
-    SWIN_FAMILIES,
     WINDOW_REFUSERS,
     assert_unchanged,
+    classifier_families,
     family_marks,
     make_inputs,
     make_model,
     snapshot,
+    windowed_families,
 )
 
 
@@ -41,9 +40,11 @@ def contract_methods() -> list[str]:
 
 def contract_cases() -> list:
     """The ``(name, family)`` parameters of the contract tests: every name of
-    :func:`contract_methods` on every family of ``tests.helpers.ALL_FAMILIES``."""
+    :func:`contract_methods` on every classifier example of the catalogue (read at each
+    call)."""
+    families = classifier_families()
     return [pytest.param(m, f, marks=family_marks(f, m)) for m in contract_methods()
-            for f in ALL_FAMILIES]
+            for f in families]
 
 
 METHODS = contract_methods()
@@ -133,8 +134,10 @@ def test_outputs_batch_and_targets(name, family):
     assert_unchanged(model, before)
 
 
-TARGET_FAMILIES = ["vit", "hf_vit"]
-"""The families of the target axis (a timm and a Hugging Face classifier)."""
+TARGET_FAMILIES = [next(f for f in classifier_families() if catalog.example(f)[1].library == lib)
+                   for lib in ("timm", "transformers")]
+"""The families of the target axis: the first timm and the first Hugging Face classifier
+example of the catalogue."""
 TARGET_CASES = [pytest.param(m, f, k, marks=family_marks(f)) for m in METHODS
                 for f in TARGET_FAMILIES for k in ("callable", "token")]
 TOKEN_REFUSERS = {"tis"}
@@ -256,14 +259,14 @@ def test_captum_noise_tunnel_and_sensitivity(name, family):
 # the refusal of a windowed model is expected in the test itself (its bad-input checks
 # pass on those models too): the family's marks without the method's xfail
 CLEAR_ERROR_CASES = [pytest.param(m, f, marks=family_marks(f)) for m in METHODS
-                     for f in ALL_FAMILIES]
+                     for f in classifier_families()]
 
 
 def test_window_refusal_marks_are_strict_and_narrow():
     """The expected refusals of windowed models are strict xfails (an XPASS fails) that
     expect the refusal's ValueError, and the clear-errors test, which passes on those
     models, does not take them (issue 42: four XPASSes of TIS on Swin)."""
-    for family in ("timm_swin", "hf_swin", "timm_sam"):
+    for family in [f for f in windowed_families() if f in classifier_families()]:
         xfails = [m for m in family_marks(family, "tis") if m.name == "xfail"]
         assert len(xfails) == 1, family
         assert xfails[0].kwargs["strict"] is True and xfails[0].kwargs["raises"] is ValueError
@@ -311,8 +314,7 @@ def test_clear_errors_leave_the_model_unchanged(name, family, monkeypatch):
     except RuntimeError as e:
         assert "injected failure" in str(e)
     except ValueError as e:  # TIS refuses a windowed model by name
-        windowed = (*SWIN_FAMILIES, *HF_SWIN_FAMILIES, *SAM_FAMILIES)
-        assert name in WINDOW_REFUSERS and family in windowed, e
+        assert name in WINDOW_REFUSERS and family in windowed_families(), e
         assert "within windows" in str(e) and "RISE" in str(e)
     monkeypatch.undo()
     assert_unchanged(model, before)

@@ -7,7 +7,8 @@ module -> modules it names. Two checks:
 * no cycle (Tarjan's strongly connected components); a package's ``__init__`` naming its
   own submodules (re-exports) is not an edge of a cycle with them;
 * the layers, top to bottom: commands -> metrics (with viz, interop) -> registry ->
-  combinators -> methods -> targets / front (``_base``) -> adapters; data, cards, models
+  combinators -> methods -> targets / front (``_base``) -> the model families
+  (``adapters.families``) -> the adapter engine (the rest of ``adapters``); data, cards, models
   and zoo sit beside (they may import adapters and the front, never methods, combinators,
   registry, metrics or commands; among themselves data < cards < zoo < models), ``_text``
   below everything. A module may import its own layer or lower ones.
@@ -33,6 +34,7 @@ LAYERS = {
     "captum_vit.methods": 30,
     "captum_vit.targets": 20, "captum_vit._base": 20,
     "captum_vit.methods.table": 20,  # the method table imports nothing of the package
+    "captum_vit.adapters.families": 15,
     "captum_vit.adapters": 10,
     "captum_vit._text": 0,
 }
@@ -224,9 +226,12 @@ def test_the_layer_rules():
              "captum_vit.combinators": {"captum_vit.registry"},       # up
              "captum_vit.models": {"captum_vit.methods.gae"},         # beside into methods
              "captum_vit.adapters.base": {"captum_vit.data.images"},  # adapters into data
+             "captum_vit.adapters.parts": {"captum_vit.adapters.families.swin"},  # engine up
+             "captum_vit.adapters.families.sam": {"captum_vit.adapters.windows"},  # down
              "captum_vit.cards": {"captum_vit.adapters", "captum_vit.targets"}}
     assert [e.split(" (")[0] for e in upward(edges)] == [
         "captum_vit.adapters.base -> captum_vit.data.images",
+        "captum_vit.adapters.parts -> captum_vit.adapters.families.swin",
         "captum_vit.combinators -> captum_vit.registry",
         "captum_vit.data.transforms -> captum_vit.models",
         "captum_vit.models -> captum_vit.methods.gae"]

@@ -34,7 +34,7 @@ Public (everything in ``__all__``, imported from ``captum_vit.adapters``):
 - windows and merges of models made of stages (Swin): :class:`Windows`,
   :class:`MergeParts`, :data:`MERGE_ORDER` (:mod:`~captum_vit.adapters.windows`), the Swin
   adapters :class:`TimmSwinAdapter` and :class:`HFSwinAdapter` with :func:`is_timm_swin`
-  and :func:`is_hf_swin` (:mod:`~captum_vit.adapters.swin`);
+  and :func:`is_hf_swin` (:mod:`~captum_vit.adapters.families.swin`);
 - the subset engine: :func:`subset_logits`, :func:`subset_forwards`, :func:`image_logits`,
   :func:`pools_patches` (:mod:`~captum_vit.adapters.subsets`).
 
@@ -52,6 +52,7 @@ from typing import Any
 
 from torch import nn
 
+from captum_vit.adapters import catalog, families
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import (
     FAMILY_CONTRACT,
@@ -60,17 +61,6 @@ from captum_vit.adapters.base import (
     AdapterState,
     ViTAdapter,
 )
-from captum_vit.adapters.hf_backbone import HFBackboneAdapter, is_hf_backbone
-from captum_vit.adapters.hf_beit import HFBeitAdapter, is_hf_beit
-from captum_vit.adapters.hf_clip import (
-    HFCLIPClassifierAdapter,
-    HFEmbeddingAdapter,
-    is_hf_clip_classifier,
-    is_hf_embedding,
-)
-from captum_vit.adapters.hf_videomae import HFVideoMAEAdapter, is_hf_videomae
-from captum_vit.adapters.hf_vit import HFViTAdapter, is_hf_vit
-from captum_vit.adapters.hf_yolos import HFYolosAdapter, is_hf_yolos
 from captum_vit.adapters.layout import (
     GRID_MODES,
     READOUTS,
@@ -79,7 +69,6 @@ from captum_vit.adapters.layout import (
     grid_to_video,
     tokens_to_grid,
 )
-from captum_vit.adapters.open_clip import OpenCLIPAdapter, is_open_clip
 from captum_vit.adapters.ops import (
     FusedOps,
     HeadsOps,
@@ -117,7 +106,6 @@ from captum_vit.adapters.rules import (
     scale_gradient,
     stabilized_divide,
 )
-from captum_vit.adapters.sam import HFSamAdapter, TimmSamAdapter, is_hf_sam, is_timm_sam
 from captum_vit.adapters.scoring import (
     TargetHead,
     log_probabilities,
@@ -132,60 +120,25 @@ from captum_vit.adapters.subsets import (
     subset_forwards,
     subset_logits,
 )
-from captum_vit.adapters.swin import HFSwinAdapter, TimmSwinAdapter, is_hf_swin, is_timm_swin
-from captum_vit.adapters.timm_beit import TimmBeitAdapter, is_timm_beit
-from captum_vit.adapters.timm_eva import TimmEvaAdapter, is_timm_eva
-from captum_vit.adapters.timm_vit import TimmViTAdapter, is_timm_vit
-from captum_vit.adapters.torchvision_vit import TorchvisionViTAdapter, is_torchvision_vit
 from captum_vit.adapters.trace import BlockRecord, Trace, TraceOptions
 from captum_vit.adapters.windows import MERGE_ORDER, MergeParts, Windows
 
-ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = (
-    (is_timm_vit, TimmViTAdapter),
-    (is_timm_beit, TimmBeitAdapter),
-    (is_timm_eva, TimmEvaAdapter),
-    (is_hf_vit, HFViTAdapter),
-    (is_hf_embedding, HFEmbeddingAdapter),
-    (is_hf_clip_classifier, HFCLIPClassifierAdapter),
-    (is_hf_beit, HFBeitAdapter),
-    (is_hf_backbone, HFBackboneAdapter),
-    (is_hf_yolos, HFYolosAdapter),
-    (is_torchvision_vit, TorchvisionViTAdapter),
-    (is_open_clip, OpenCLIPAdapter),
-    (is_hf_videomae, HFVideoMAEAdapter),
-    (is_timm_swin, TimmSwinAdapter),
-    (is_hf_swin, HFSwinAdapter),
-    (is_hf_sam, HFSamAdapter),
-    (is_timm_sam, TimmSamAdapter),
-)
-"""``(predicate, adapter class)`` rows, tried in order: a new model family is one row."""
+for _family in catalog.families():  # the family part of the public names
+    globals()[_family.adapter.__name__] = _family.adapter
+    globals()[_family.predicate.__name__] = _family.predicate
+FAMILY_NAMES: tuple[str, ...] = tuple(
+    n for f in catalog.families() for n in (f.adapter.__name__, f.predicate.__name__))
+"""The adapter classes and predicates of the registered families (in ``__all__``)."""
 
-SUPPORTED = (
-    "timm VisionTransformer family (ViT, DeiT, distilled DeiT, register tokens, "
-    "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size; not the "
-    "hybrid CNN-stem ViTs), timm Beit "
-    "(relative position bias, GELU or SwiGLU MLP), timm Eva (EVA, EVA-02, DINOv3: RoPE, gated "
-    "MLP) and Hugging Face transformers ViTForImageClassification, "
-    "DeiTForImageClassification(WithTeacher), Dinov2(WithRegisters)ForImageClassification, "
-    "CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, SiglipModel, "
-    "CLIPForImageClassification, SiglipForImageClassification, "
-    "timm SwinTransformer (v1; not SwinTransformerV2) and Hugging Face "
-    "SwinForImageClassification and SwinModel (at the configured size), "
-    "BeitForImageClassification, Data2VecVisionForImageClassification (at the configured "
-    "image_size), the "
-    "head-less ViTModel, DeiTModel, Dinov2(WithRegisters)Model, Dinov2Backbone (DPT and "
-    "Depth Anything's backbone), "
-    "YolosForObjectDetection (use_mid_position_embeddings=False; explained through "
-    "DetectionTarget), "
-    "torchvision VisionTransformer (every vit_* builder, representation_size head included; "
-    "not conv_stem_configs), OpenCLIP image towers (open_clip VisionTransformer with "
-    "pool_type 'tok' or 'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or "
-    "CoCa), and Hugging Face VideoMAEForVideoClassification and VideoMAEModel (videos "
-    "[B, T, C, H, W])"
-    "; SAM's image encoder: Hugging Face SamModel, SamVisionModel and "
-    "SamVisionEncoder, timm "
-    "VisionTransformerSAM"
-)
+ADAPTERS: tuple[tuple[Callable[[nn.Module], bool], type[ViTAdapter]], ...] = \
+    catalog.adapters()
+"""``(predicate, adapter class)`` rows of the families registered when the package was
+imported, in dispatch order (:func:`captum_vit.adapters.catalog.adapters`; :func:`adapt`
+reads the catalogue itself, so a family registered later takes part too)."""
+
+SUPPORTED = catalog.supported()
+"""What :func:`adapt` supports: every family's ``supports`` line
+(:func:`captum_vit.adapters.catalog.supported`)."""
 
 
 _ADAPTED: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[ViTAdapter], tuple[Any, ...]]] \
@@ -243,11 +196,12 @@ def adapt(model: nn.Module | ViTAdapter, *, refresh: bool = False) -> ViTAdapter
         return model
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for applies, adapter_class in ADAPTERS:
+    rows = catalog.adapters()
+    for applies, adapter_class in rows:
         if applies(model):
             return _memoised(model, adapter_class, refresh)
     for name, sub in model.named_modules():
-        if name and any(applies(sub) for applies, _ in ADAPTERS):
+        if name and any(applies(sub) for applies, _ in rows):
             path = _module_path(name)
             raise TypeError(
                 f"{type(model).__name__} wraps a supported ViT at `{path}` "
@@ -257,11 +211,11 @@ def adapt(model: nn.Module | ViTAdapter, *, refresh: bool = False) -> ViTAdapter
     kind = type(model).__name__
     raise TypeError(
         f"captum_vit cannot explain {_article(kind)} {kind}: supported models are the "
-        f"{SUPPORTED}"
+        f"{catalog.supported()}"
     )
 
 
-def _memoised(model: nn.Module, adapter_class: type[ViTAdapter], refresh: bool) -> ViTAdapter:
+def _memoised(model: nn.Module, adapter_class: type, refresh: bool) -> ViTAdapter:
     """The memoised adapter of ``model`` (:data:`_ADAPTED`), built anew when there is
     none alive, the parameters were replaced, or ``refresh``."""
     fingerprint = _fingerprint(model)
@@ -271,7 +225,7 @@ def _memoised(model: nn.Module, adapter_class: type[ViTAdapter], refresh: bool) 
         if entry is not None and old is not None and not refresh and entry[1] == fingerprint \
                 and type(old) is adapter_class:
             return old
-        adapter = adapter_class(model)  # type: ignore[call-arg]  # a family adapter takes its model
+        adapter: ViTAdapter = adapter_class(model)  # a family adapter takes its model
         if old is not None:  # the settings in force stay in force
             adapter.__dict__["_state"] = old.state.renewed()
         _ADAPTED[model] = (weakref.ref(adapter), fingerprint)
@@ -372,26 +326,21 @@ def readout_alpha(model: nn.Module, alpha: float | str) -> Iterator[None]:
 
 __all__ = [
     "ACT_RULES", "ADAPTERS", "ATTENTION_RULES", "BLOCK_FEATURES", "CHEFER_STABILIZER",
-    "FAMILY_CONTRACT",
-    "FAMILY_HOOKS", "Readout", "Stages",
+    "FAMILY_CONTRACT", "FAMILY_HOOKS", "FAMILY_NAMES", "Readout", "Stages",
     "GRID_MODES", "LRP_METHODS", "READOUTS", "SUPPORTED",
     "AdapterSettings", "AdapterState", "AttentionParts", "AttentionRules", "BackwardMode",
-    "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HFBackboneAdapter",
-    "HFBeitAdapter", "HFCLIPClassifierAdapter", "HFEmbeddingAdapter", "HFVideoMAEAdapter",
-    "HFSwinAdapter", "HFViTAdapter", "HFYolosAdapter", "HeadParts", "Heads", "HeadsOps",
-    "MERGE_ORDER", "MergeParts", "TimmSwinAdapter", "Windows", "is_hf_swin", "is_timm_swin",
-    "HFSamAdapter", "TimmSamAdapter", "is_hf_sam", "is_timm_sam", "ModelTree",
-    "LRPOps", "Layout", "NormParts", "OpenCLIPAdapter", "Ops",
-    "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "TimmBeitAdapter",
-    "TimmEvaAdapter", "TimmViTAdapter", "TorchvisionViTAdapter", "Trace", "TraceOptions",
+    "BlockParts", "BlockRecord", "CheferOps", "FusedOps", "HeadParts", "Heads", "HeadsOps",
+    "MERGE_ORDER", "MergeParts", "Windows", "ModelTree",
+    "LRPOps", "Layout", "NormParts", "Ops",
+    "PoolParts", "PreLogitsHeadParts", "SubnetworkAdapter", "TargetHead", "Trace", "TraceOptions",
     "ValuePath", "ViTAdapter",
     "activation_gate", "activation_gate_detached", "adapt", "divide", "grid_to_pixels",
     "grid_to_video",
-    "identity_rule", "image_logits", "is_hf_backbone", "is_hf_videomae", "is_open_clip",
-    "is_torchvision_vit",
-    "key_padding_bias",
+    "identity_rule", "image_logits", "key_padding_bias",
     "layer_norm_frozen_variance",
     "log_probabilities", "lrp_linear", "patch_projection", "pools_patches", "probabilities",
     "readout_alpha", "scale_gradient", "scores_are_classes", "stabilized_divide",
     "subset_forwards", "subset_logits", "tokens_to_grid",
+    "catalog", "families",
+    *FAMILY_NAMES,
 ]

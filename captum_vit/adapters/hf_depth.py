@@ -2,7 +2,7 @@
 ``DPTForDepthEstimation`` and ``DepthAnythingForDepthEstimation`` with a ``Dinov2Backbone``
 (``config.backbone_config`` a ``Dinov2Config``). :class:`captum_vit.targets.DepthTarget`
 reads it; the backbone itself is explained by
-:class:`~captum_vit.adapters.hf_backbone.HFBackboneAdapter`.
+:class:`~captum_vit.adapters.families.hf_backbone.HFBackboneAdapter`.
 
 Verified in the installed transformers (5.x, ``modeling_dinov2.py``, ``modeling_dpt.py``,
 ``modeling_depth_anything.py``, ``backbone_utils.py``):

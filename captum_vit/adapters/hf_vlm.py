@@ -2,7 +2,7 @@
 tower: ``LlavaForConditionalGeneration`` (CLIP tower) and
 ``PaliGemmaForConditionalGeneration`` (SigLIP tower).
 
-The methods explain the vision tower (:mod:`captum_vit.adapters.hf_clip` runs it); the
+The methods explain the vision tower (:mod:`captum_vit.adapters.families.hf_clip` runs it); the
 score, :class:`captum_vit.targets.VLMAnswer`, continues from the tower's token states
 through what the VLM does with them:
 

@@ -179,7 +179,7 @@ class BlockParts(AttentionParts):
     mlp_norm: NormParts | None = None
     """LayerNorm on the MLP's hidden units before ``fc2`` (timm's ``scale_mlp``)."""
     rotary: Callable[[Tensor, Tensor | None], Tensor] | None = None
-    """Rotary position embedding (timm's Eva family, :mod:`captum_vit.adapters.timm_eva`),
+    """Rotary position embedding (timm's Eva family, :mod:`captum_vit.adapters.families.timm_eva`),
     ``(heads, positions) -> heads``: applied
     to ``q`` and to ``k`` [B, H, n, d] after ``q_norm``/``k_norm`` (the order of the
     installed timm's ``EvaAttention.forward``, verified) and before any detaching. It
@@ -203,7 +203,7 @@ class BlockParts(AttentionParts):
     """A logit term computed from the queries, ``q [B', H, n, d] -> [B', H, n, n]``
     (after the q/k norms, before any scaling), added to the logits like
     :attr:`attn_bias` (SAM's decomposed relative position of MViTv2, Li et al., CVPR
-    2022: :class:`~captum_vit.adapters.sam.DecomposedRelPos`); a windowed block calls it
+    2022: :class:`~captum_vit.adapters.families.sam.DecomposedRelPos`); a windowed block calls it
     on each window's queries. It sees ``q`` after ``detach_qk`` and the rules' ``heads``,
     so a linearised backward treats it as a constant of the logits. ``None`` = none."""
 
@@ -729,7 +729,7 @@ class NeckHeadParts(HeadParts):
     function ``neck(x, ops) -> x'`` of the token states ``[B, N, D] -> [B, N, D']`` built
     from the ops (``ops.linear``, ``ops.norm``, ``ops.gather``), so every rule set passes
     it. Its output is what :class:`~captum_vit.adapters.scoring.Outputs` reports as the
-    tokens. SAM's convolutional neck (:class:`~captum_vit.adapters.sam.SamNeck`) is one.
+    tokens. SAM's convolutional neck (:class:`~captum_vit.adapters.families.sam.SamNeck`) is one.
 
     Attributes:
         neck: an object with ``__call__(x, ops)`` and ``weight`` (its last projection

@@ -1,6 +1,6 @@
 """Text prompts as the target of a CLIP-style model's image embedding: one helper for
-OpenCLIP and Hugging Face dual models (the model side: :mod:`captum_vit.adapters.open_clip`
-and :mod:`captum_vit.adapters.hf_clip`)."""
+OpenCLIP and Hugging Face dual models (the model side: :mod:`captum_vit.adapters.families.open_clip`
+and :mod:`captum_vit.adapters.families.hf_clip`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A mask of the Segment Anything Model as the target of a map of its image encoder (the
-model side: :mod:`captum_vit.adapters.sam`)."""
+model side: :mod:`captum_vit.adapters.families.sam`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters import ModelTree
-from captum_vit.adapters.sam import sam_mask_logits, sam_model
+from captum_vit.adapters.families.sam import sam_mask_logits, sam_model
 from captum_vit.adapters.scoring import Outputs, Target, per_image
 
 
@@ -41,7 +41,7 @@ class SamMaskTarget(Target):
     ICCV 2023).
 
     Any method explains SAM's **image encoder** (pass the ``SamModel`` itself: its
-    ``vision_encoder`` is what the methods see, :mod:`captum_vit.adapters.sam`); this
+    ``vision_encoder`` is what the methods see, :mod:`captum_vit.adapters.families.sam`); this
     target continues from the encoder's output (the neck's ``image_embeddings``) through
     SAM's own prompt encoder and mask decoder (``SamModel.forward`` with
     ``image_embeddings``), picks mask ``k`` of the decoder's outputs for the prompt, and

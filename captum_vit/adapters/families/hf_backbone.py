@@ -36,7 +36,7 @@ They output an image embedding (``embedding = True``): their targets are vectors
   :class:`captum_vit.targets.DepthTarget`, which reads the ``out_features`` block outputs.
 
 The blocks, embeddings and input sizes are those of the classifiers
-(:mod:`captum_vit.adapters.hf_vit`): the model's own ``embeddings`` (position embeddings
+(:mod:`captum_vit.adapters.families._hf`): the model's own ``embeddings`` (position embeddings
 interpolated by the model's code at other sizes), both transformers layouts, any
 attention implementation.
 """
@@ -45,14 +45,46 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from captum_vit.adapters.hf_vit import HFViTAdapter, _norm, is_transformers_model
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import hf_builder
+from captum_vit.adapters.families._hf import HFViTBase, is_transformers_model
 from captum_vit.adapters.parts import HeadParts, PreLogitsHeadParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("ViTModel", "DeiTModel", "Dinov2Model", "Dinov2WithRegistersModel",
            "Dinov2Backbone")
 
 
-class HFBackboneAdapter(HFViTAdapter):
+def is_hf_backbone(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face backbones in :data:`CLASSES` (transformers is never
+    imported for other models).
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`HFBackboneAdapter` applies.
+    """
+    return is_transformers_model(model, CLASSES)
+
+
+@register_family(
+    is_hf_backbone,
+    supports="the head-less Hugging Face ViTModel, DeiTModel, Dinov2(WithRegisters)Model, "
+             "Dinov2Backbone (DPT and Depth Anything's backbone)",
+    tags=("embedding", "dense", "variable-size"),
+    examples={
+        # ViTModel's tanh pooler on CLS at a non-native size (interpolated positions)
+        "hf_vit_model": Example(hf_builder("ViTModel", "ViTConfig"), (24, 40),
+                                library="transformers", target="embedding"),
+        "hf_deit_model": Example(hf_builder("DeiTModel", "DeiTConfig"), (32, 32),
+                                 library="transformers", target="embedding"),
+        "hf_dinov2_reg_model": Example(hf_builder("Dinov2WithRegistersModel",
+                                                  "Dinov2WithRegistersConfig",
+                                                  num_register_tokens=2), (32, 32),
+                                       library="transformers", target="embedding"),
+    })
+class HFBackboneAdapter(HFViTBase):
     """Canonical view of a Hugging Face ``ViTModel`` / ``DeiTModel`` / ``Dinov2Model`` /
     ``Dinov2WithRegistersModel`` / ``Dinov2Backbone`` (never modified).
 
@@ -115,16 +147,3 @@ class HFBackboneAdapter(HFViTAdapter):
         stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
-
-
-def is_hf_backbone(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face backbones in :data:`CLASSES` (transformers is never
-    imported for other models).
-
-    Args:
-        model (nn.Module): any model.
-
-    Returns:
-        bool: whether :class:`HFBackboneAdapter` applies.
-    """
-    return is_transformers_model(model, CLASSES)

@@ -20,7 +20,7 @@ Only this file knows VideoMAE's attribute names. Verified in the installed trans
   ``layernorm_after``, ``intermediate.dense``, ``output.dense``): pre-LayerNorm, the key
   projection without bias and query / value biases only when ``qv_bias`` (the canonical
   parts take ``k_bias=None``); no LayerScale (``init_values`` is not read by
-  ``VideoMAELayer``). The parts are read by :func:`captum_vit.adapters.hf_vit._layer_parts`.
+  ``VideoMAELayer``). The parts are read by :func:`captum_vit.adapters.families._hf.layer_parts`.
 - **Head** (``VideoMAEForVideoClassification``): with ``use_mean_pooling`` the backbone
   has no final LayerNorm and the classifier reads ``fc_norm(mean of all tokens)``
   (``fc_norm`` built with LayerNorm's default eps 1e-5): readout ``"avg"``; without it
@@ -39,18 +39,75 @@ gw] and pixels shaped like the video [B, T, C, H, W] (:mod:`captum_vit.adapters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
-from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import library, randomize_
+from captum_vit.adapters.families._hf import is_transformers_model, layer_parts, pair
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("VideoMAEForVideoClassification", "VideoMAEModel")
 
 
+def is_hf_videomae(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face VideoMAE models in :data:`CLASSES` (transformers is
+    never imported for other models).
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`HFVideoMAEAdapter` applies.
+    """
+    return is_transformers_model(model, CLASSES)
+
+
+def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
+    """A builder of a small Hugging Face VideoMAE (4 frames of 16x16, 2 frame slices of
+    2 x 2 tubelets: t = 2, p = 8; width 32, 4 heads); ``extra`` and build-time
+    ``overrides`` go to the ``VideoMAEConfig`` (e.g. ``tubelet_size=1``)."""
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        transformers = library("transformers")
+        kwargs: dict[str, Any] = dict(
+            image_size=16, patch_size=8, num_channels=3, num_frames=4, tubelet_size=2,
+            hidden_size=32, num_hidden_layers=depth, num_attention_heads=4,
+            intermediate_size=64, num_labels=num_classes, qv_bias=True, layer_norm_eps=1e-6)
+        kwargs.update(extra)
+        kwargs.update(overrides)
+        torch.manual_seed(seed)
+        model = getattr(transformers, cls_name)(transformers.VideoMAEConfig(**kwargs))
+        return randomize_(model, seed).to(dtype).eval()
+
+    return build
+
+
+@register_family(
+    is_hf_videomae,
+    supports="Hugging Face VideoMAEForVideoClassification and VideoMAEModel (videos "
+             "[B, T, C, H, W])",
+    tags=("classifier", "embedding", "video"),
+    examples={
+        "hf_videomae": Example(_example("VideoMAEForVideoClassification",
+                                        use_mean_pooling=True), (4, 16, 16),
+                               library="transformers"),
+        # first-tubelet readout after the final LayerNorm; the head-less backbone
+        "hf_videomae_token": Example(_example("VideoMAEForVideoClassification",
+                                              use_mean_pooling=False), (4, 16, 16),
+                                     library="transformers", suite=False),
+        "hf_videomae_model": Example(_example("VideoMAEModel", use_mean_pooling=True),
+                                     (4, 16, 16), library="transformers", target="embedding",
+                                     suite=False),
+    })
 class HFVideoMAEAdapter(ViTAdapter):
     """Canonical view of a Hugging Face ``VideoMAEForVideoClassification`` or
     ``VideoMAEModel`` (never modified): the ViT on tubelet tokens.
@@ -91,13 +148,13 @@ class HFVideoMAEAdapter(ViTAdapter):
         self.layers = self.backbone.encoder.layer
         if len(self.layers) == 0:
             raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads),
+        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads),
                                     f"{name}.encoder.layer[{i}]")
                        for i, layer in enumerate(self.layers)]
         self.in_chans = int(cfg.num_channels)
         self.num_prefix = 0
         self.tubelet = int(cfg.tubelet_size)
-        self.patch_size = _pair(cfg.patch_size)
+        self.patch_size = pair(cfg.patch_size)
         classifier = getattr(model, "classifier", None)
         self.embedding = classifier is None or isinstance(classifier, nn.Identity)
         if classifier is not None and not isinstance(classifier, nn.Linear | nn.Identity):
@@ -130,7 +187,7 @@ class HFVideoMAEAdapter(ViTAdapter):
     def input_shape(self) -> tuple[int, tuple[int, int]]:
         """``(channels, (H, W))`` of one frame (the frame count is
         :attr:`num_frames`)."""
-        return self.in_chans, _pair(self.config.image_size)
+        return self.in_chans, pair(self.config.image_size)
 
     @property
     def num_frames(self) -> int:
@@ -225,21 +282,3 @@ def tubelet_projection(inputs: Tensor, conv: ModelTree, ops: Ops, what: str) -> 
     x = inputs[:, :f * t, :, :gh * ph, :gw * pw].reshape(b, f, t, c, gh, ph, gw, pw)
     x = x.permute(0, 1, 4, 6, 3, 2, 5, 7).reshape(b, f * gh * gw, c * t * ph * pw)
     return ops.linear(x, conv.weight.reshape(conv.out_channels, -1), conv.bias)
-
-
-def is_hf_videomae(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face VideoMAE models in :data:`CLASSES` (transformers is
-    never imported for other models).
-
-    Args:
-        model (nn.Module): any model.
-
-    Returns:
-        bool: whether :class:`HFVideoMAEAdapter` applies.
-    """
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    import transformers
-
-    return isinstance(model, tuple(getattr(transformers, n) for n in CLASSES
-                                   if hasattr(transformers, n)))

@@ -8,7 +8,7 @@ LayerNorm two MLPs (three linear layers, ReLU between them) read every detection
 ``bbox_predictor`` (a sigmoid of four numbers: centre x, centre y, width, height,
 normalised to the image). Verified in the installed transformers
 (``models/yolos/modeling_yolos.py``): the layers are ViT layers with separate q/k/v
-projections (read as :func:`~captum_vit.adapters.hf_vit._layer_parts` reads ViT's); the
+projections (read as :func:`~captum_vit.adapters.families._hf.layer_parts` reads ViT's); the
 embedding always resamples the patch position embeddings to the input size (bicubic,
 ``InterpolateInitialPositionEmbeddings``; the identity at the configured size), so inputs
 of any size divisible by the patch size are taken as the model takes them; with
@@ -53,10 +53,12 @@ from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
-from captum_vit.adapters.hf_vit import _layer_parts, _norm, _pair, is_transformers_model
+from captum_vit.adapters.catalog import register_family
+from captum_vit.adapters.families._hf import is_transformers_model, layer_parts, pair
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts, NormParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("YolosForObjectDetection",)
 
@@ -86,6 +88,16 @@ def _run_mlp(x: Tensor, layers: tuple[tuple[Tensor, Tensor | None], ...]) -> Ten
     return x
 
 
+def is_hf_yolos(model: nn.Module) -> bool:
+    """``True`` for Hugging Face ``YolosForObjectDetection`` (transformers optional)."""
+    return is_transformers_model(model, CLASSES)
+
+
+@register_family(
+    is_hf_yolos,
+    supports="Hugging Face YolosForObjectDetection (use_mid_position_embeddings=False; "
+             "explained through DetectionTarget)",
+    tags=("detection",))
 class HFYolosAdapter(ViTAdapter):
     """Canonical view of a Hugging Face ``YolosForObjectDetection`` (never modified).
 
@@ -119,7 +131,7 @@ class HFYolosAdapter(ViTAdapter):
         self.layers = self.backbone.encoder.layer
         if len(self.layers) == 0:
             raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
                        for i, layer in enumerate(self.layers)]
         self.in_chans = int(cfg.num_channels)
         self.num_queries = int(cfg.num_detection_tokens)
@@ -143,11 +155,11 @@ class HFYolosAdapter(ViTAdapter):
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.config.image_size)
+        return self.in_chans, pair(self.config.image_size)
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        self.check_patch_multiple(inputs, _pair(self.config.patch_size))
+        self.check_patch_multiple(inputs, pair(self.config.patch_size))
 
     def is_random(self) -> bool:
         cfg = self.config
@@ -156,7 +168,7 @@ class HFYolosAdapter(ViTAdapter):
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]
-        ph, pw = _pair(self.config.patch_size)
+        ph, pw = pair(self.config.patch_size)
         return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
                       patch_size=(ph, pw), readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
@@ -234,8 +246,3 @@ class HFYolosAdapter(ViTAdapter):
                                  m.bbox_predictor) for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
-
-
-def is_hf_yolos(model: nn.Module) -> bool:
-    """``True`` for Hugging Face ``YolosForObjectDetection`` (transformers optional)."""
-    return is_transformers_model(model, CLASSES)

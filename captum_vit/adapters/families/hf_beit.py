@@ -4,7 +4,7 @@
 Only this file knows their attribute names. Verified in the installed transformers:
 
 - **Blocks**: pre-LN layers (``layernorm_before`` / ``layernorm_after``) with separate q, k,
-  v projections (``k`` without bias), read as in :mod:`~captum_vit.adapters.hf_vit`
+  v projections (``k`` without bias), read as in :mod:`~captum_vit.adapters.families._hf`
   (BEiT: ``attention.{q,k,v,o}_proj`` and ``mlp.{fc1,fc2}``; data2vec-vision keeps the
   transformers-4 names ``attention.attention.{query,key,value}``, ``attention.output.dense``,
   ``intermediate.dense``, ``output.dense``). LayerScale is ``lambda_1`` / ``lambda_2``
@@ -15,7 +15,7 @@ Only this file knows their attribute names. Verified in the installed transforme
   ``encoder.relative_position_bias``), added to the attention logits before the softmax.
   The bias is the model's own module called as the model calls it for the configured
   image size; it enters :meth:`BlockParts.attention` as ``attn_bias``, as for timm's
-  BEiT (:mod:`~captum_vit.adapters.timm_beit`): a constant inside the softmax, and a kept
+  BEiT (:mod:`~captum_vit.adapters.families.timm_beit`): a constant inside the softmax, and a kept
   subset ``S`` under token removal uses the sub-matrix ``B[:, S, S]``.
 - **Readout**: with ``use_mean_pooling`` (the fine-tuning default) the backbone's
   ``layernorm`` is the identity and the pooler averages the patch rows (CLS excluded)
@@ -36,9 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.hf_vit import HFViTAdapter, _norm, _pair, is_transformers_model
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import hf_builder
+from captum_vit.adapters.families._hf import HFViTBase, is_transformers_model, pair
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("BeitForImageClassification", "Data2VecVisionForImageClassification")
 
@@ -72,7 +75,31 @@ def _layer_scale(v: object) -> Tensor | None:
     return v if isinstance(v, Tensor) else None  # absent or the float 1.0
 
 
-class HFBeitAdapter(HFViTAdapter):
+def is_hf_beit(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face classifiers in :data:`CLASSES`."""
+    return is_transformers_model(model, CLASSES)
+
+
+@register_family(
+    is_hf_beit,
+    supports="Hugging Face BeitForImageClassification, Data2VecVisionForImageClassification "
+             "(at the configured image_size)",
+    tags=("classifier",),
+    examples={
+        # each layer's relative position bias, LayerScale, patch mean + pooler norm
+        "hf_beit": Example(hf_builder("BeitForImageClassification", "BeitConfig",
+                                      use_relative_position_bias=True, use_mean_pooling=True,
+                                      layer_scale_init_value=0.5), (32, 32),
+                           library="transformers"),
+        # one shared bias, absolute positions, CLS after the final norm
+        "hf_data2vec": Example(hf_builder("Data2VecVisionForImageClassification",
+                                          "Data2VecVisionConfig",
+                                          use_shared_relative_position_bias=True,
+                                          use_absolute_position_embeddings=True,
+                                          use_mean_pooling=False, layer_scale_init_value=0.0),
+                               (32, 32), library="transformers"),
+    })
+class HFBeitAdapter(HFViTBase):
     """Canonical view of a Hugging Face BEiT / data2vec-vision classifier (never
     modified)."""
 
@@ -83,7 +110,7 @@ class HFBeitAdapter(HFViTAdapter):
                             "classifier (build the model with num_labels > 0)")
         super().__init__(model)
         bb, cfg = self.backbone, self.config
-        ph, pw = _pair(cfg.patch_size)
+        ph, pw = pair(cfg.patch_size)
         h, w = self.input_shape[1]
         window, n = (h // ph, w // pw), (h // ph) * (w // pw) + 1
         shared = getattr(bb, "shared_position_bias", None)
@@ -123,7 +150,7 @@ class HFBeitAdapter(HFViTAdapter):
         """The model's own ``embeddings`` (data2vec-vision's returns ``(tokens, grid)``:
         the tokens); with ``ops`` the patch projection as ``ops.linear`` added as
         ``p - p.detach()`` to the embedding of the detached images (exactly the model's
-        values, every pixel gradient through ``ops.linear``; :meth:`HFViTAdapter.embed`)."""
+        values, every pixel gradient through ``ops.linear``; :meth:`HFViTBase.embed`)."""
         emb = self.backbone.embeddings
         if ops is None:
             out = emb(inputs)
@@ -143,8 +170,3 @@ class HFBeitAdapter(HFViTAdapter):
         head = [bb.layernorm, getattr(bb, "pooler", None), self.model.classifier]
         stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
         return stages + [list(layer.parameters()) for layer in reversed(self.layers)]
-
-
-def is_hf_beit(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face classifiers in :data:`CLASSES`."""
-    return is_transformers_model(model, CLASSES)

@@ -1,9 +1,14 @@
-"""Adapter for Hugging Face transformers' ViT, DeiT and DINOv2 image classifiers
+"""Readers of Hugging Face transformers' ViT-like modules, written once for the
+Hugging Face families: the layer reader :func:`layer_parts` (ViT, DeiT, DINOv2, CLIP,
+SigLIP, VideoMAE and YOLOS layers), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
+backbone and CLIP/SigLIP adapters extend, and :func:`is_transformers_model`.
+
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
 ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,
 ``Dinov2WithRegistersForImageClassification``).
 
-Only this file knows their attribute names, in both layouts transformers has used:
+With the family files, only this file knows their attribute names, in both layouts
+transformers has used:
 transformers 5 (``layers[l]`` or ``encoder.layer[l]``, ``attention.{q,k,v,o}_proj``,
 ``mlp.{fc1, fc2}``) and transformers 4 (``encoder.layer[l].attention.attention.{query, key,
 value}``, ``attention.output.dense``, ``intermediate.dense`` / ``mlp.fc1``, ``output.dense``
@@ -32,6 +37,7 @@ position embeddings, exactly as ``model(pixel_values, interpolate_pos_encoding=T
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -45,18 +51,14 @@ from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
-CLASSES = ("ViTForImageClassification", "DeiTForImageClassification",
-           "DeiTForImageClassificationWithTeacher", "Dinov2ForImageClassification",
-           "Dinov2WithRegistersForImageClassification")
 
-
-def _pair(v: Any) -> tuple[int, int]:
+def pair(v: Any) -> tuple[int, int]:
     return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
 
 
 
 
-def _first(m: ModelTree, *names: str) -> ModelTree:
+def first_attribute(m: ModelTree, *names: str) -> ModelTree:
     """The first of the dotted attribute paths ``names`` that ``m`` has."""
     for name in names:
         obj: object = m
@@ -68,11 +70,11 @@ def _first(m: ModelTree, *names: str) -> ModelTree:
                     "not supported")
 
 
-def _layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
+def layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
     """The canonical parts of one ViT / DeiT / DINOv2 layer (either naming)."""
-    att = _first(layer, "attention", "self_attn")
+    att = first_attribute(layer, "attention", "self_attn")
     if hasattr(att, "q_proj"):  # transformers >= 5; CLIP and SigLIP name it out_proj
-        q, k, v, o = att.q_proj, att.k_proj, att.v_proj, _first(att, "o_proj", "out_proj")
+        q, k, v, o = att.q_proj, att.k_proj, att.v_proj, first_attribute(att, "o_proj", "out_proj")
     else:  # transformers 4
         q, k, v = att.attention.query, att.attention.key, att.attention.value
         o = att.output.dense
@@ -82,21 +84,22 @@ def _layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
         raise TypeError(f"{where}.mlp is a packed SwiGLU (transformers 4 `weights_in`); "
                         "captum_vit reads the gated MLP of transformers >= 5 (gate_proj, "
                         "up_proj, down_proj): upgrade transformers")
-    fc1 = _first(layer, "mlp.up_proj", "mlp.fc1", "intermediate.dense")
-    act = _first(layer, "mlp.act_fn", "mlp.activation_fn", "mlp.activation",
+    fc1 = first_attribute(layer, "mlp.up_proj", "mlp.fc1", "intermediate.dense")
+    act = first_attribute(layer, "mlp.act_fn", "mlp.activation_fn", "mlp.activation",
                  "intermediate.intermediate_act_fn")
-    fc2 = _first(layer, "mlp.down_proj", "mlp.fc2", "output.dense")
+    fc2 = first_attribute(layer, "mlp.down_proj", "mlp.fc2", "output.dense")
     ls1, ls2 = (getattr(getattr(layer, n, None), "lambda1", None)
                 for n in ("layer_scale1", "layer_scale2"))
     head_dim = q.weight.shape[0] // num_heads
     return BlockParts(
-        norm1=_norm(_first(layer, "layernorm_before", "norm1", "layer_norm1"), f"{where}.norm1"),
+        norm1=_norm(first_attribute(layer, "layernorm_before", "norm1", "layer_norm1"),
+                    f"{where}.norm1"),
         q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
         q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
         num_heads=num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
         q_norm=nn.Identity(), k_norm=nn.Identity(),
         proj_weight=o.weight, proj_bias=o.bias, ls1=ls1,
-        norm2=_norm(_first(layer, "layernorm_after", "norm2", "layer_norm2"),
+        norm2=_norm(first_attribute(layer, "layernorm_after", "norm2", "layer_norm2"),
                     f"{where}.norm2"),
         fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
         fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=ls2,
@@ -105,8 +108,9 @@ def _layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
     )
 
 
-class HFViTAdapter(ViTAdapter):
-    """Canonical view of a Hugging Face ViT / DeiT image classifier (never modified)."""
+class HFViTBase(ViTAdapter):
+    """Canonical view of a Hugging Face ViT / DeiT image classifier (never modified): the
+    engine of :class:`~captum_vit.adapters.HFViTAdapter` and its kin."""
 
     model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
     backbone: ModelTree
@@ -121,7 +125,7 @@ class HFViTAdapter(ViTAdapter):
         self.layers = self.backbone.encoder.layer if layers is None else layers
         if len(self.layers) == 0:
             raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
                        for i, layer in enumerate(self.layers)]
         self.in_chans = int(cfg.num_channels)
         emb = self.backbone.embeddings
@@ -173,7 +177,7 @@ class HFViTAdapter(ViTAdapter):
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.config.image_size)
+        return self.in_chans, pair(self.config.image_size)
 
     def _size_kwargs(self, inputs: Tensor) -> dict[str, bool]:
         """``interpolate_pos_encoding`` for another size than the config's (ViT, DeiT)."""
@@ -183,7 +187,7 @@ class HFViTAdapter(ViTAdapter):
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        self.check_patch_multiple(inputs, _pair(self.config.patch_size))
+        self.check_patch_multiple(inputs, pair(self.config.patch_size))
 
     def is_random(self) -> bool:
         cfg = self.config
@@ -192,7 +196,7 @@ class HFViTAdapter(ViTAdapter):
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]
-        ph, pw = _pair(self.config.patch_size)
+        ph, pw = pair(self.config.patch_size)
         return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
                       patch_size=(ph, pw), readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
@@ -216,7 +220,7 @@ class HFViTAdapter(ViTAdapter):
             return emb(inputs, **kwargs)
         x = emb(inputs.detach(), **kwargs)  # prefix tokens, positions: the model's code
         name = f"{type(self.model).__name__}.embeddings"
-        conv = _first(emb, "patch_embedding", "patch_embeddings.projection")
+        conv = first_attribute(emb, "patch_embedding", "patch_embeddings.projection")
         p = patch_projection(inputs, conv, ops, f"{name} patch projection").flatten(1, 2)
         k = x.shape[1] - p.shape[1]
         if k != self.num_prefix:
@@ -249,12 +253,6 @@ def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:
     """
     if not type(model).__module__.startswith("transformers."):
         return False
-    import transformers
-
+    transformers = sys.modules["transformers"]  # imported: the model's class is from it
     return isinstance(model, tuple(getattr(transformers, n) for n in names
                                    if hasattr(transformers, n)))
-
-
-def is_hf_vit(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face classifiers in :data:`CLASSES` (transformers optional)."""
-    return is_transformers_model(model, CLASSES)

@@ -53,6 +53,7 @@ norms compute in the input's dtype (the same in float32).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -60,6 +61,9 @@ from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import library, randomize_
+from captum_vit.adapters.families._torch import multihead_attention_fields
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, PoolParts
@@ -69,10 +73,6 @@ from captum_vit.adapters.parts import linear_module as _linear
 CUSTOM_BLOCK_OPTIONS = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
                         "scale_attn", "scale_fc")
 """OpenCLIP options that build ``CustomResidualAttentionBlock`` towers (refused)."""
-
-
-
-
 
 
 def _layer_scale(m: ModelTree, where: str) -> Tensor | None:
@@ -102,29 +102,15 @@ def _block_parts(blk: ModelTree, where: str) -> BlockParts:
         raise TypeError(f"{where} is {type(blk).__name__}; captum_vit supports OpenCLIP's "
                         "plain ResidualAttentionBlock (towers built without "
                         f"{', '.join(CUSTOM_BLOCK_OPTIONS)})")
-    attn, mlp = blk.attn, blk.mlp
-    if not isinstance(attn, nn.MultiheadAttention) or attn.in_proj_weight is None \
-            or attn.bias_k is not None or attn.add_zero_attn:
-        raise TypeError(f"{where}.attn must be nn.MultiheadAttention with a packed "
-                        "in-projection, no bias_k/bias_v and no zero attention")
+    mlp = blk.mlp
+    attention = multihead_attention_fields(blk.attn, f"{where}.attn")
     children = dict(mlp.named_children()) if isinstance(mlp, nn.Sequential) else {}
     if list(children) != ["c_fc", "gelu", "c_proj"]:
         raise TypeError(f"{where}.mlp must be OpenCLIP's (c_fc, gelu, c_proj) MLP")
-    w = attn.in_proj_weight.detach()
-    a = w.shape[0] // 3
-    b = None if attn.in_proj_bias is None else attn.in_proj_bias.detach()
-    bias = (None, None, None) if b is None else (b[:a], b[a:2 * a], b[2 * a:])
     fc1 = _linear(children["c_fc"], f"{where}.mlp.c_fc")
     fc2 = _linear(children["c_proj"], f"{where}.mlp.c_proj")
-    head_dim = attn.head_dim
-    identity = nn.Identity()
     return BlockParts(
-        norm1=_norm(blk.ln_1, f"{where}.ln_1"),
-        q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
-        q_bias=bias[0], k_bias=bias[1], v_bias=bias[2],
-        num_heads=attn.num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
-        q_norm=identity, k_norm=identity,
-        proj_weight=attn.out_proj.weight, proj_bias=attn.out_proj.bias,
+        norm1=_norm(blk.ln_1, f"{where}.ln_1"), **attention,
         ls1=_layer_scale(blk.ls_1, f"{where}.ls_1"),
         norm2=_norm(blk.ln_2, f"{where}.ln_2"),
         fc1_weight=fc1.weight, fc1_bias=fc1.bias,
@@ -169,6 +155,85 @@ def _vision_transformer_class() -> Any:  # open_clip.transformer.VisionTransform
     return None if module is None else module.VisionTransformer
 
 
+def is_open_clip(model: nn.Module) -> bool:
+    """``True`` for OpenCLIP's ``VisionTransformer`` and for OpenCLIP models with an image
+    tower (``visual``; :class:`OpenCLIPAdapter` refuses towers it cannot explain by name);
+    ``open_clip`` is never imported for other models.
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`OpenCLIPAdapter` applies.
+    """
+    if not type(model).__module__.startswith("open_clip."):
+        return False
+    vt = _vision_transformer_class()
+    if vt is not None and isinstance(model, vt):
+        return True
+    return isinstance(getattr(model, "visual", None), nn.Module) \
+        and hasattr(model, "encode_image")
+
+
+def _example(*, dual: bool = False, quick_gelu: bool = False,
+             **extra: Any) -> Callable[..., nn.Module]:
+    """A builder of a small OpenCLIP model (32x32 inputs, patch 8, width 32, 4 heads,
+    embedding 16 unless ``extra`` says, a one-block text tower with OpenCLIP's own
+    vocabulary size): the dual ``open_clip.CLIP`` (``dual``) or its ``visual`` tower.
+    ``extra`` and build-time ``overrides`` go to the vision config (``embed_dim`` to the
+    model); ``num_classes`` is not used (an embedding model)."""
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        open_clip = library("open_clip")
+        vision: dict[str, Any] = dict(image_size=32, patch_size=8, width=32, head_width=8,
+                                      layers=depth, mlp_ratio=2.0, embed_dim=16)
+        vision.update(extra)
+        vision.update(overrides)
+        embed_dim = vision.pop("embed_dim")
+        text = dict(context_length=8, vocab_size=49408, width=32, heads=4, layers=1)
+        torch.manual_seed(seed)
+        model: Any = open_clip.CLIP(embed_dim=embed_dim, vision_cfg=vision, text_cfg=text,
+                                    quick_gelu=quick_gelu)
+        logit_scale = model.logit_scale.detach().clone()
+        model = randomize_(model, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():  # the names randomize_ does not know
+            model.logit_scale.copy_(logit_scale)  # CLIP's initial temperature, 1/0.07
+            for name, p in model.named_parameters():
+                if name.endswith("in_proj_weight"):  # q and k rows: sharper attention
+                    p[:2 * p.shape[1]] *= 1.5
+                elif (".ln" in name or "attn_pool.ln" in name) and name.endswith("weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                elif name.startswith("visual.") and name.endswith(("class_embedding",
+                                                                  "positional_embedding",
+                                                                  "attn_pool.query")):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        model = model.to(dtype).eval()
+        return cast(nn.Module, model if dual else model.visual)
+
+    return build
+
+
+@register_family(
+    is_open_clip,
+    supports="OpenCLIP image towers (open_clip VisionTransformer with pool_type 'tok' or "
+             "'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or CoCa)",
+    tags=("embedding", "vlm-tower", "packed"),
+    examples={
+        # CLS pooling, GELU, the dual model
+        "open_clip": Example(_example(dual=True), (32, 32), library="open_clip",
+                             target="embedding"),
+        # mean pooling, LayerScale, QuickGELU, the tower alone
+        "open_clip_avg": Example(_example(quick_gelu=True, pool_type="avg",
+                                          ls_init_value=0.5, final_ln_after_pool=True),
+                                 (32, 32), library="open_clip", target="embedding"),
+        # CoCa's attention pool (4 learned queries, ln_q/ln_k, the first query read out);
+        # the pool's width is the embedding's (embed_dim 32 = width: one packed projection)
+        "open_clip_coca": Example(_example(dual=True, attentional_pool=True,
+                                           attn_pooler_queries=4, attn_pooler_heads=4,
+                                           embed_dim=32),
+                                  (32, 32), library="open_clip", target="embedding"),
+    })
 class OpenCLIPAdapter(ViTAdapter):
     """Canonical view of an OpenCLIP image tower (never modified).
 
@@ -335,23 +400,3 @@ class OpenCLIPAdapter(ViTAdapter):
         else:
             out = self.model(inputs)
         return out[0] if isinstance(out, tuple) else out  # output_tokens: (pooled, tokens)
-
-
-def is_open_clip(model: nn.Module) -> bool:
-    """``True`` for OpenCLIP's ``VisionTransformer`` and for OpenCLIP models with an image
-    tower (``visual``; :class:`OpenCLIPAdapter` refuses towers it cannot explain by name);
-    ``open_clip`` is never imported for other models.
-
-    Args:
-        model (nn.Module): any model.
-
-    Returns:
-        bool: whether :class:`OpenCLIPAdapter` applies.
-    """
-    if not type(model).__module__.startswith("open_clip."):
-        return False
-    vt = _vision_transformer_class()
-    if vt is not None and isinstance(model, vt):
-        return True
-    return isinstance(getattr(model, "visual", None), nn.Module) \
-        and hasattr(model, "encode_image")

@@ -38,9 +38,12 @@ from typing import Any, cast
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.hf_vit import HFViTAdapter, _layer_parts, _norm, is_transformers_model
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import hf_builder
+from captum_vit.adapters.families._hf import HFViTBase, is_transformers_model, layer_parts
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PoolParts
+from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
            "CLIPModel", "SiglipModel")
@@ -77,7 +80,33 @@ def _siglip_pool(head: ModelTree, where: str) -> PoolParts:
     )
 
 
-class HFEmbeddingAdapter(HFViTAdapter):
+def is_hf_clip_classifier(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face CLIP / SigLIP image classifiers in
+    :data:`CLASSIFIERS`."""
+    return is_transformers_model(model, CLASSIFIERS)
+
+
+def is_hf_embedding(model: nn.Module) -> bool:
+    """``True`` for the Hugging Face vision towers in :data:`CLASSES`."""
+    return is_transformers_model(model, CLASSES)
+
+
+@register_family(
+    is_hf_embedding,
+    name="hf_embedding",
+    supports="Hugging Face CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, "
+             "SiglipModel (image embeddings)",
+    tags=("embedding", "vlm-tower", "variable-size"),
+    examples={
+        "hf_clip": Example(hf_builder("CLIPVisionModelWithProjection", "CLIPVisionConfig",
+                                      projection_dim=16), (32, 32), library="transformers",
+                           target="embedding"),
+        "hf_clip_noproj": Example(hf_builder("CLIPVisionModel", "CLIPVisionConfig"),
+                                  (24, 40), library="transformers", target="embedding"),
+        "hf_siglip": Example(hf_builder("SiglipVisionModel", "SiglipVisionConfig"), (32, 32),
+                             library="transformers", target="embedding"),
+    })
+class HFEmbeddingAdapter(HFViTBase):
     """Canonical view of a Hugging Face CLIP / SigLIP vision tower (never modified).
 
     Its output is the image embedding (:attr:`embedding` is ``True``); explain it with a
@@ -94,7 +123,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
         self.layers = self.backbone.encoder.layers
         if len(self.layers) == 0:
             raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [_layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
                        for i, layer in enumerate(self.layers)]
         self.in_chans = int(cfg.num_channels)
         self.siglip = not hasattr(self.backbone.embeddings, "class_embedding")
@@ -129,7 +158,7 @@ class HFEmbeddingAdapter(HFViTAdapter):
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's ``embeddings`` then CLIP's ``pre_layrnorm``; with ``ops`` the patch
-        projection as in :meth:`HFViTAdapter.embed` and ``pre_layrnorm`` as ``ops.norm``."""
+        projection as in :meth:`HFViTBase.embed` and ``pre_layrnorm`` as ``ops.norm``."""
         x = super().embed(inputs, ops)
         pre = getattr(self.backbone, "pre_layrnorm", None)
         if pre is None:
@@ -175,6 +204,20 @@ class HFEmbeddingAdapter(HFViTAdapter):
 CLASSIFIERS = ("CLIPForImageClassification", "SiglipForImageClassification")
 
 
+@register_family(
+    is_hf_clip_classifier,
+    name="hf_clip_classifier",
+    supports="Hugging Face CLIPForImageClassification, SiglipForImageClassification",
+    tags=("classifier", "vlm-tower", "variable-size"),
+    examples={
+        # a vision config wrapped in the dual config; CLIP's at a non-native size
+        "hf_clip_cls": Example(hf_builder("CLIPForImageClassification", "CLIPVisionConfig",
+                                          dual="CLIPConfig"), (24, 40),
+                               library="transformers"),
+        "hf_siglip_cls": Example(hf_builder("SiglipForImageClassification",
+                                            "SiglipVisionConfig", dual="SiglipConfig"),
+                                 (32, 32), library="transformers"),
+    })
 class HFCLIPClassifierAdapter(HFEmbeddingAdapter):
     """Canonical view of a Hugging Face ``CLIPForImageClassification`` or
     ``SiglipForImageClassification``: the vision tower, its mean pooling and the linear
@@ -224,14 +267,3 @@ class HFCLIPClassifierAdapter(HFEmbeddingAdapter):
                                           else [])
         stages = [[p for mod in head for p in mod.parameters()]]
         return stages + [list(layer.parameters()) for layer in reversed(self.layers)]
-
-
-def is_hf_clip_classifier(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face CLIP / SigLIP image classifiers in
-    :data:`CLASSIFIERS`."""
-    return is_transformers_model(model, CLASSIFIERS)
-
-
-def is_hf_embedding(model: nn.Module) -> bool:
-    """``True`` for the Hugging Face vision towers in :data:`CLASSES`."""
-    return is_transformers_model(model, CLASSES)

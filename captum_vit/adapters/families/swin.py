@@ -17,40 +17,91 @@ pre-LN canonical block and is refused by name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import library, randomize_
+from captum_vit.adapters.families._hf import is_transformers_model
+from captum_vit.adapters.families._timm import (
+    has_active_dropout,
+    timm_attention_fields,
+    timm_classes,
+    timm_gelus,
+    timm_head,
+)
+from captum_vit.adapters.families._torch import loaded_class
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 from captum_vit.adapters.windows import MergeParts, Windows
 
+TIMM_SWIN_V2_CLASSES = (("timm.models.swin_transformer_v2", "SwinTransformerV2"),
+                        ("timm.models.swin_transformer_v2_cr", "SwinTransformerV2Cr"))
+"""timm's Swin V2 classes, refused by name (see the module docstring)."""
 
-def _timm_swin_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(timm's Swin v1 class, the Swin v2 classes it refuses)."""
-    from timm.models import swin_transformer, swin_transformer_v2, swin_transformer_v2_cr
 
-    return ((swin_transformer.SwinTransformer,),
-            (swin_transformer_v2.SwinTransformerV2, swin_transformer_v2_cr.SwinTransformerV2Cr))
+def _timm_swin_v2(model: nn.Module) -> bool:
+    """Whether ``model`` is one of timm's Swin V2 classes."""
+    v2 = tuple(c for c in (loaded_class(m, n) for m, n in TIMM_SWIN_V2_CLASSES) if c)
+    return bool(v2) and isinstance(model, v2)
 
 
 def is_timm_swin(model: nn.Module) -> bool:
     """``True`` for timm's ``SwinTransformer`` (and, to refuse them by name, its V2
     classes)."""
-    try:
-        v1, v2 = _timm_swin_classes()
-    except ImportError:  # pragma: no cover - timm is a dependency
-        return False
-    return isinstance(model, v1 + v2)
+    v1 = loaded_class("timm.models.swin_transformer", "SwinTransformer")
+    return (v1 is not None and isinstance(model, v1)) or _timm_swin_v2(model)
 
 
+def is_hf_swin(model: nn.Module) -> bool:
+    """``True`` for Hugging Face ``SwinForImageClassification`` / ``SwinModel`` (and, to
+    refuse them by name, the Swin V2 classes); transformers is never imported for other
+    models."""
+
+    return is_transformers_model(model, HF_SWIN_CLASSES + HF_SWIN_V2_CLASSES)
+
+
+def _example(**extra: Any) -> Callable[..., nn.Module]:
+    """A builder of a small timm ``SwinTransformer`` (32x32 unless ``extra`` says, patch 4,
+    width 16, heads (2, 4), two stages of two blocks unless ``depths=``); ``extra`` and
+    build-time ``overrides`` go to the constructor. Its depth is ``depths``, so ``depth``
+    is not used."""
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, depths: tuple[int, ...] = (2, 2),
+              **overrides: Any) -> nn.Module:
+        heads = (2, 4)[:len(depths)] if len(depths) <= 2 else (2,) * len(depths)
+        kwargs: dict[str, Any] = dict(img_size=(32, 32), patch_size=4, in_chans=3,
+                                      embed_dim=16, depths=depths, num_heads=heads,
+                                      mlp_ratio=2.0, num_classes=num_classes,
+                                      drop_path_rate=0.0)
+        kwargs.update(extra)
+        kwargs.update(overrides)
+        torch.manual_seed(seed)
+        model = library("timm.models.swin_transformer").SwinTransformer(**kwargs)
+        return randomize_(model, seed).to(dtype).eval()
+
+    return build
+
+
+@register_family(
+    is_timm_swin,
+    name="timm_swin",
+    supports="timm SwinTransformer (v1; not SwinTransformerV2)",
+    tags=("classifier", "windowed", "hierarchical"),
+    examples={
+        "timm_swin": Example(_example(window_size=2), (32, 32)),
+        # a 10x10 grid padded to whole windows of 3, an odd 5x5 second stage
+        "timm_swin_pad": Example(_example(window_size=3, img_size=(40, 40)), (40, 40)),
+    })
 class TimmSwinAdapter(ViTAdapter):
     """Canonical view of a timm ``SwinTransformer`` (v1): windowed blocks, merges between
-    stages, mean readout (:mod:`captum_vit.adapters.swin`).
+    stages, mean readout (:mod:`captum_vit.adapters.families.swin`).
 
     The q/k/v parts are row views of each block's fused ``qkv`` parameter and the relative
     position bias is the model's own ``WindowAttention._get_rel_pos_bias``; the model is
@@ -65,13 +116,12 @@ class TimmSwinAdapter(ViTAdapter):
 
     def __init__(self, model: ModelTree) -> None:
         super().__init__()
-        from timm.models.swin_transformer import SwinTransformerBlock
-
-        v1, v2 = _timm_swin_classes()
+        SwinTransformer, SwinTransformerBlock = timm_classes(
+            "timm.models.swin_transformer", "SwinTransformer", "SwinTransformerBlock")
         name = type(model).__name__
         require_timm((1, 0, 31), name, "sizes a stage's windows differently where its grid is "
                      "smaller than the window (timm 1.0.31 resolves one window size per stage)")
-        if isinstance(model, v2) or not isinstance(model, v1):
+        if _timm_swin_v2(model) or not isinstance(model, SwinTransformer):
             raise TypeError(
                 f"captum_vit cannot explain timm's {name}: Swin V2's cosine attention with "
                 "a learned logit scale, continuous position bias (an MLP over log-spaced "
@@ -99,7 +149,6 @@ class TimmSwinAdapter(ViTAdapter):
 
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
-        from captum_vit.adapters.timm_vit import _timm_gelus, timm_attention_fields, timm_head
 
         m = self.model
         name = type(m).__name__
@@ -110,7 +159,7 @@ class TimmSwinAdapter(ViTAdapter):
                 where = f"{name}.layers[{s}].blocks[{j}]"
                 mlp = blk.mlp
                 if not isinstance(mlp.norm, nn.Identity) \
-                        or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
+                        or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
                     raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
                 merge = None
                 if nxt is not None and j == len(stage.blocks) - 1:
@@ -160,9 +209,8 @@ class TimmSwinAdapter(ViTAdapter):
                               type(self.model).__name__)
 
     def is_random(self) -> bool:
-        from captum_vit.adapters.timm_vit import _has_active_dropout
 
-        return _has_active_dropout(self.model)
+        return has_active_dropout(self.model)
 
     def layout(self, inputs: Tensor) -> Layout:
         self.refresh()
@@ -200,7 +248,7 @@ def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
 
 def _timm_merge(down: ModelTree, grid: tuple[int, int], where: str) -> MergeParts:
     """The :class:`MergeParts` of timm's ``PatchMerging`` on the ``grid`` before it."""
-    from timm.models.swin_transformer import PatchMerging
+    (PatchMerging,) = timm_classes("timm.models.swin_transformer", "PatchMerging")
 
     if type(down) is not PatchMerging:
         raise TypeError(f"{where} is {type(down).__name__}; captum_vit supports timm's "
@@ -215,15 +263,87 @@ HF_SWIN_V2_CLASSES = ("Swinv2ForImageClassification", "Swinv2Model")
 """Hugging Face Swin V2 classes, refused by name (see the module docstring)."""
 
 
-def is_hf_swin(model: nn.Module) -> bool:
-    """``True`` for Hugging Face ``SwinForImageClassification`` / ``SwinModel`` (and, to
-    refuse them by name, the Swin V2 classes); transformers is never imported for other
-    models."""
-    from captum_vit.adapters.hf_vit import is_transformers_model
+def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
+    """The Hugging Face ``SwinForImageClassification`` (``pooled``: ``SwinModel``) with the
+    weights of a timm ``SwinTransformer`` (same shapes, same dtype), eval mode.
 
-    return is_transformers_model(model, HF_SWIN_CLASSES + HF_SWIN_V2_CLASSES)
+    Args:
+        timm_model (nn.Module): a timm ``SwinTransformer`` (no absolute positions).
+        pooled (bool, optional): build the head-less ``SwinModel``. Default ``False``.
+
+    Returns:
+        nn.Module: the twin.
+    """
+    transformers = library("transformers")
+    m = cast(ModelTree, timm_model)
+    depths = [len(st.blocks) for st in m.layers]
+    cfg = transformers.SwinConfig(
+        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
+        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim, depths=depths,
+        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
+        window_size=m.layers[0].blocks[0].attn.window_size[0],
+        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+        use_absolute_embeddings=False, num_labels=m.num_classes, layer_norm_eps=1e-5)
+    cls = transformers.SwinModel if pooled else transformers.SwinForImageClassification
+    hf = cls(cfg).to(next(timm_model.parameters()).dtype).eval()
+    src = timm_model.state_dict()
+    pre = "" if pooled else "swin."
+    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
+           for k in ("weight", "bias")}
+    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
+                for k in ("weight", "bias")})
+    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
+    if not pooled:
+        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    for s, st in enumerate(m.layers):
+        for j in range(len(st.blocks)):
+            a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
+            for k in ("weight", "bias"):
+                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
+                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
+                out[f"{b}mlp.fc1.{k}"] = src[f"{a}mlp.fc1.{k}"]
+                out[f"{b}mlp.fc2.{k}"] = src[f"{a}mlp.fc2.{k}"]
+                out[f"{b}attention.o_proj.{k}"] = src[f"{a}attn.proj.{k}"]
+                for name, t in zip(("q", "k", "v"), src[f"{a}attn.qkv.{k}"].chunk(3),
+                                   strict=True):
+                    out[f"{b}attention.{name}_proj.{k}"] = t
+            out[f"{b}attention.relative_position_bias.relative_position_bias_table"] = \
+                src[f"{a}attn.relative_position_bias_table"]
+        if s > 0:
+            for k in ("reduction.weight", "norm.weight", "norm.bias"):
+                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
+                    src[f"layers.{s}.downsample.{k}"]
+    missing, unexpected = hf.load_state_dict(out, strict=False)
+    if unexpected or not all("relative_position_index" in k for k in missing):
+        raise ValueError(f"the timm weights do not map onto {cls.__name__}: missing "
+                         f"{missing}, unexpected {unexpected}")
+    return hf
 
 
+def _twin_example(**extra: Any) -> Callable[..., nn.Module]:
+    """A builder of the Hugging Face twin (:func:`hf_swin_twin`) of a timm Swin example."""
+    timm_build = _example(**extra)
+
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        return hf_swin_twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes,
+                                       **overrides))
+
+    return build
+
+
+@register_family(
+    is_hf_swin,
+    name="hf_swin",
+    supports="Hugging Face SwinForImageClassification and SwinModel (at the configured size)",
+    tags=("classifier", "embedding", "windowed", "hierarchical"),
+    examples={
+        # the timm examples' twins (weights mapped)
+        "hf_swin": Example(_twin_example(window_size=2), (32, 32), library="transformers"),
+        "hf_swin_pad": Example(_twin_example(window_size=3, img_size=(40, 40)), (40, 40),
+                               library="transformers"),
+    })
 class HFSwinAdapter(TimmSwinAdapter):
     """Canonical view of a Hugging Face ``SwinForImageClassification`` or ``SwinModel``
     (an image embedding: its ``pooler_output``), the second reader of the same canonical

@@ -1,14 +1,19 @@
-"""Adapter for timm's ``VisionTransformer`` family (ViT, DeiT, distilled DeiT, registers,
-avg-pool, LayerScale, qk-norm, dynamic image size).
+"""Readers of timm's modules, written once for the timm families (ViT, BEiT, Eva, Swin,
+SAM): the ``VisionTransformer`` engine :class:`TimmViTBase` that the ViT, BEiT and Eva
+adapters extend, the attention, head, attention-pool and dropout readers, and
+:func:`timm_classes` (timm's classes, imported when first read: ``import captum_vit``
+stays light).
 
-Only this file knows timm's attribute names. It reads (never changes) the model's
+With :mod:`~captum_vit.adapters.families.timm_vit`, only these files know timm's
+attribute names. It reads (never changes) the model's
 modules and parameters and runs the embedding through the model's own code (with an
 :class:`Ops` rule set, the patch projection and the embedding norms through it).
 """
 
 from __future__ import annotations
 
-from typing import cast
+import importlib
+from typing import Any, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,7 +26,7 @@ from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolPart
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 
 
-def _optional_norm(m: ModelTree, what: str) -> NormParts | None:
+def optional_norm(m: ModelTree, what: str) -> NormParts | None:
     return None if isinstance(m, nn.Identity) else _norm_parts(m, what)
 
 
@@ -42,7 +47,7 @@ def timm_head(head: nn.Module, where: str) -> tuple[Tensor | None, Tensor | None
     return head.weight, head.bias
 
 
-def _has_active_dropout(model: ModelTree) -> bool:
+def has_active_dropout(model: ModelTree) -> bool:
     from timm.layers import DropPath, PatchDropout
 
     for m in model.modules():
@@ -53,8 +58,9 @@ def _has_active_dropout(model: ModelTree) -> bool:
     return False
 
 
-class TimmViTAdapter(ViTAdapter):
-    """Canonical view of a timm ``VisionTransformer`` (or ``VisionTransformerDistilled``).
+class TimmViTBase(ViTAdapter):
+    """Canonical view of a timm ``VisionTransformer`` (or ``VisionTransformerDistilled``):
+    the engine of :class:`~captum_vit.adapters.TimmViTAdapter` and its BEiT and Eva kin.
 
     The q/k/v parts of every block are views (row slices) of timm's fused ``qkv``
     parameter; they are re-read when the model's parameters are replaced (``model.to``).
@@ -81,7 +87,7 @@ class TimmViTAdapter(ViTAdapter):
                 raise TypeError(f"{where}.attn is not timm's plain `Attention` (no gate, no "
                                 "scale_norm); this attention variant is not supported")
             if type(mlp) is not Mlp or not isinstance(mlp.norm, nn.Identity) \
-                    or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
+                    or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
                 raise TypeError(f"{where}.mlp must be timm's `Mlp` with a GELU activation and "
                                 "no hidden norm (GLU/SwiGLU MLPs are not supported)")
         if len(model.blocks) == 0:
@@ -93,8 +99,8 @@ class TimmViTAdapter(ViTAdapter):
 
         head = timm_head(model.head, f"{name}.head")
         self.embedding = head[0] is None
-        head_norm = _optional_norm(model.norm, f"{name}.norm")
-        fc_norm = _optional_norm(model.fc_norm, f"{name}.fc_norm")
+        head_norm = optional_norm(model.norm, f"{name}.norm")
+        fc_norm = optional_norm(model.fc_norm, f"{name}.fc_norm")
         heads: tuple[tuple[int | str, Tensor | None, Tensor | None], ...]
         if hasattr(model, "head_dist"):  # timm.models.deit.VisionTransformerDistilled
             self.readout = "distilled"
@@ -165,7 +171,7 @@ class TimmViTAdapter(ViTAdapter):
                 f"{tuple(pe.img_size)}; resize the images{hint}")
 
     def is_random(self) -> bool:
-        return _has_active_dropout(self.model)
+        return has_active_dropout(self.model)
 
     def layout(self, inputs: Tensor) -> Layout:
         self.refresh()
@@ -256,6 +262,18 @@ def _refuse_cnn_stem(pe: ModelTree, name: str) -> None:
             "hybrid's CNN stem (LayerGradCam(model, model.patch_embed.backbone))")
 
 
+def mlp_fields(mlp: ModelTree, where: str) -> dict:
+    """BlockParts fields of timm's ``Mlp`` or ``SwiGLU`` (gate ``fc1_g``, value ``fc1_x``,
+    hidden norm when ``scale_mlp``)."""
+    if hasattr(mlp, "fc1_g"):
+        return dict(fc1_weight=mlp.fc1_x.weight, fc1_bias=mlp.fc1_x.bias, act=mlp.act,
+                    gate_weight=mlp.fc1_g.weight, gate_bias=mlp.fc1_g.bias,
+                    mlp_norm=optional_norm(mlp.norm, f"{where}.mlp.norm"),
+                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
+    return dict(fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
+
+
 def timm_attention_fields(blk: ModelTree, where: str) -> dict:
     """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,
     BEiT and Eva blocks).
@@ -323,7 +341,7 @@ def pool_parts(pool: ModelTree, where: str, skip_prefix: int = 0) -> PoolParts:
                         "supports one pooled latent (pool_type='token' or latent_len=1)")
     mlp = pool.mlp
     if mlp is None or type(mlp) is not Mlp or not isinstance(mlp.norm, nn.Identity) \
-            or not isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
+            or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
         raise TypeError(f"{where} needs timm's GELU `Mlp` after its projection "
                         "(a pre-logits pool with out_features=0 is not supported)")
     w = pool.kv.weight.detach()
@@ -338,23 +356,33 @@ def pool_parts(pool: ModelTree, where: str, skip_prefix: int = 0) -> PoolParts:
         num_heads=pool.num_heads, head_dim=pool.head_dim, scale=pool.scale,
         q_norm=pool.q_norm, k_norm=pool.k_norm,
         proj_weight=pool.proj.weight, proj_bias=pool.proj.bias,
-        norm=_optional_norm(pool.norm, f"{where}.norm"),
+        norm=optional_norm(pool.norm, f"{where}.norm"),
         fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
         fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, skip_prefix=skip_prefix,
     )
 
 
-def _timm_gelus() -> tuple[type, ...]:
+def timm_gelus() -> tuple[type, ...]:
     from timm.layers import activations
 
     names = ("GELU", "GELUTanh", "QuickGELU")
     return tuple(getattr(activations, n) for n in names if hasattr(activations, n))
 
 
-def is_timm_vit(model: nn.Module) -> bool:
-    """``True`` for timm's ``VisionTransformer`` and its subclasses (DeiT distilled)."""
-    try:
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError:  # pragma: no cover - timm is a dependency
-        return False
-    return isinstance(model, VisionTransformer)
+def timm_classes(module: str, *names: str) -> tuple[Any, ...]:
+    """timm's classes ``names`` of ``module`` (timm is a dependency; imported when first
+    read, so ``import captum_vit`` does not import timm).
+
+    Args:
+        module (str): e.g. ``"timm.layers"``.
+        *names (str): class names there, e.g. ``"Mlp", "SwiGLU"``.
+
+    Returns:
+        tuple: the classes, in the order of ``names``.
+
+    Examples::
+
+        >>> (Mlp,) = timm_classes("timm.layers", "Mlp")
+    """
+    mod = importlib.import_module(module)
+    return tuple(getattr(mod, n) for n in names)

@@ -6,7 +6,7 @@ code (``Attention._get_rel_pos_bias`` / ``RelativePositionBias``) and enters
 :meth:`BlockParts.attention` as ``attn_bias``; under true token removal a kept subset
 ``S`` uses the sub-matrix ``B[:, S, S]`` of the original positions (the index is never
 rebuilt for a smaller grid). The MLP is timm's GELU ``Mlp`` or ``SwiGLU`` (gated, read as in
-:mod:`~captum_vit.adapters.timm_eva`; with ``scale_mlp`` a hidden LayerNorm). q/k/v are
+:mod:`~captum_vit.adapters.families.timm_eva`; with ``scale_mlp`` a hidden LayerNorm). q/k/v are
 views of the fused ``qkv`` weight with timm's separate ``q_bias``, zero ``k_bias`` and
 ``v_bias``; LayerScale is ``gamma_1``/``gamma_2``; the readout is the class token after
 ``norm``, or the patch mean and ``fc_norm`` (``global_pool='avg'``, BEiT's fine-tuning
@@ -27,15 +27,20 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.ops import Ops
-from captum_vit.adapters.parts import BlockParts, HeadParts
-from captum_vit.adapters.timm_vit import (
-    TimmViTAdapter,
-    _optional_norm,
-    _timm_gelus,
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import timm_builder
+from captum_vit.adapters.families._timm import (
+    TimmViTBase,
+    mlp_fields,
+    optional_norm,
     timm_attention_fields,
+    timm_classes,
+    timm_gelus,
     timm_head,
 )
+from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts
 
 
 def _bias_of(model: ModelTree, blk: ModelTree) -> Callable[[], Tensor] | None:
@@ -54,23 +59,36 @@ def _bias_of(model: ModelTree, blk: ModelTree) -> Callable[[], Tensor] | None:
     return bias
 
 
-def _mlp_fields(mlp: ModelTree, where: str) -> dict:
-    """BlockParts fields of timm's ``Mlp`` or ``SwiGLU`` (gate ``fc1_g``, value ``fc1_x``,
-    hidden norm when ``scale_mlp``)."""
-    if hasattr(mlp, "fc1_g"):
-        return dict(fc1_weight=mlp.fc1_x.weight, fc1_bias=mlp.fc1_x.bias, act=mlp.act,
-                    gate_weight=mlp.fc1_g.weight, gate_bias=mlp.fc1_g.bias,
-                    mlp_norm=_optional_norm(mlp.norm, f"{where}.mlp.norm"),
-                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
-    return dict(fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
-                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
+_BEIT = ("timm.models.beit", "Beit")
+_SQUARE = (32, 32)
 
 
-class TimmBeitAdapter(TimmViTAdapter):
+def is_timm_beit(model: nn.Module) -> bool:
+    """``True`` for timm's ``Beit``."""
+    beit = loaded_class(*_BEIT)
+    return beit is not None and isinstance(model, beit)
+
+
+@register_family(
+    is_timm_beit,
+    supports="timm Beit (relative position bias, GELU or SwiGLU MLP)",
+    tags=("classifier",),
+    examples={
+        "beit": Example(timm_builder(*_BEIT, _SQUARE, use_rel_pos_bias=True,
+                                     use_abs_pos_emb=False, global_pool="avg",
+                                     init_values=0.5), _SQUARE),
+        "beit_shared_token": Example(timm_builder(*_BEIT, _SQUARE,
+                                                  use_shared_rel_pos_bias=True,
+                                                  global_pool="token"), _SQUARE),
+        "beit_swiglu": Example(timm_builder(*_BEIT, _SQUARE, use_rel_pos_bias=True,
+                                            swiglu_mlp=True, scale_mlp=True,
+                                            global_pool="avg"), _SQUARE),
+    })
+class TimmBeitAdapter(TimmViTBase):
     """Canonical view of a timm ``Beit`` classifier (never modified)."""
 
     def __init__(self, model: ModelTree) -> None:
-        from timm.layers import Mlp, SwiGLU
+        Mlp, SwiGLU = timm_classes("timm.layers", "Mlp", "SwiGLU")
 
         self.model = model
         name = type(model).__name__
@@ -78,7 +96,7 @@ class TimmBeitAdapter(TimmViTAdapter):
             raise TypeError(f"{name} has no transformer blocks")
         for i, blk in enumerate(model.blocks):
             mlp = blk.mlp
-            plain = type(mlp) is Mlp and isinstance(mlp.act, (nn.GELU, *_timm_gelus()))
+            plain = type(mlp) is Mlp and isinstance(mlp.act, (nn.GELU, *timm_gelus()))
             if not (plain or type(mlp) is SwiGLU):
                 raise TypeError(f"{name}.blocks[{i}].mlp is {type(mlp).__name__}; captum_vit "
                                 "supports BEiT's GELU `Mlp` and `SwiGLU`")
@@ -93,14 +111,14 @@ class TimmBeitAdapter(TimmViTAdapter):
                             "use 'avg' or 'token'")
         self.readout = model.global_pool
         row = "avg" if model.global_pool == "avg" else 0
-        self.head = HeadParts(_optional_norm(model.norm, f"{name}.norm"),
-                              _optional_norm(model.fc_norm, f"{name}.fc_norm"),
+        self.head = HeadParts(optional_norm(model.norm, f"{name}.norm"),
+                              optional_norm(model.fc_norm, f"{name}.fc_norm"),
                               ((row, *head),))
 
     def _parts(self, blk: ModelTree, where: str) -> BlockParts:
         return BlockParts(
             **timm_attention_fields(blk, where), ls1=blk.gamma_1,
-            **_mlp_fields(blk.mlp, where), ls2=blk.gamma_2,
+            **mlp_fields(blk.mlp, where), ls2=blk.gamma_2,
             attn_bias=_bias_of(self.model, blk),
         )
 
@@ -122,10 +140,3 @@ class TimmBeitAdapter(TimmViTAdapter):
         m = self.model
         stages = [[p for mod in (m.norm, m.fc_norm, m.head) for p in mod.parameters()]]
         return stages + [list(blk.parameters()) for blk in reversed(m.blocks)]
-
-
-def is_timm_beit(model: nn.Module) -> bool:
-    """``True`` for timm's ``Beit``."""
-    from timm.models.beit import Beit
-
-    return isinstance(model, Beit)

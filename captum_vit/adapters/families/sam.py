@@ -68,6 +68,18 @@ from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import hf_builder, timm_builder
+from captum_vit.adapters.families._hf import is_transformers_model
+from captum_vit.adapters.families._timm import (
+    TimmViTBase,
+    has_active_dropout,
+    timm_attention_fields,
+    timm_classes,
+    timm_gelus,
+    timm_head,
+)
+from captum_vit.adapters.families._torch import loaded_class
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, NeckHeadParts, NormParts, require_timm
@@ -203,6 +215,23 @@ def _windows(grid: tuple[int, int], window: int) -> Windows:
     return Windows(grid=grid, size=grid if window == 0 else (window, window))
 
 
+def is_hf_sam(model: nn.Module) -> bool:
+    """``True`` for Hugging Face's ``SamModel``, ``SamVisionModel`` and
+    ``SamVisionEncoder``."""
+    if is_transformers_model(model, HF_CLASSES[:2]):
+        return True
+    if not type(model).__module__.startswith("transformers.models.sam."):
+        return False
+    encoder = loaded_class("transformers.models.sam.modeling_sam", "SamVisionEncoder")
+    return encoder is not None and isinstance(model, encoder)  # not at transformers' top
+
+
+def is_timm_sam(model: nn.Module) -> bool:
+    """``True`` for timm's ``VisionTransformerSAM``."""
+    sam = loaded_class("timm.models.vision_transformer_sam", "VisionTransformerSAM")
+    return sam is not None and isinstance(model, sam)
+
+
 class _SamAdapter(ViTAdapter):
     """What the two readers share: one grid, no prefix, mean readout, fixed image size,
     the encoder's blocks and neck."""
@@ -246,9 +275,21 @@ class _SamAdapter(ViTAdapter):
         self.check_fixed_size(inputs, self.image_size, type(self.model).__name__)
 
 
+@register_family(
+    is_hf_sam,
+    name="hf_sam",
+    supports="SAM's image encoder: Hugging Face SamModel, SamVisionModel and SamVisionEncoder",
+    tags=("embedding", "windowed"),
+    examples={
+        # windows of 3 padded on the 4x4 grid, a global block, decomposed relative
+        # positions; the embedding is the grid mean of the neck's output (its own tests)
+        "hf_sam": Example(hf_builder("SamVisionModel", "SamVisionConfig", window_size=3,
+                                     global_attn_indexes=[1], output_channels=16, mlp_dim=64),
+                          (32, 32), library="transformers", target="embedding", suite=False),
+    })
 class HFSamAdapter(_SamAdapter):
     """Canonical view of the image encoder of a Hugging Face ``SamModel`` or
-    ``SamVisionModel`` (or a ``SamVisionEncoder`` itself; :mod:`captum_vit.adapters.sam`);
+    ``SamVisionModel`` (or a ``SamVisionEncoder`` itself; :mod:`captum_vit.adapters.families.sam`);
     never modified.
 
     Its output is the image embedding ``[B, output_channels]``, the grid mean of the
@@ -367,8 +408,21 @@ class HFSamAdapter(_SamAdapter):
         return enc.training and float(enc.config.attention_dropout) > 0
 
 
+@register_family(
+    is_timm_sam,
+    name="timm_sam",
+    supports="SAM's image encoder in timm: VisionTransformerSAM",
+    tags=("classifier", "windowed"),
+    examples={
+        # windowed blocks padded on a 5x5 grid, one global block, decomposed relative
+        # positions, the conv neck, a linear head
+        "timm_sam": Example(timm_builder("timm.models.vision_transformer_sam",
+                                         "VisionTransformerSAM", (40, 40), window_size=2,
+                                         global_attn_indexes=(1,), use_rel_pos=True,
+                                         neck_chans=16), (40, 40)),
+    })
 class TimmSamAdapter(_SamAdapter):
-    """Canonical view of a timm ``VisionTransformerSAM`` (:mod:`captum_vit.adapters.sam`);
+    """Canonical view of a timm ``VisionTransformerSAM`` (:mod:`captum_vit.adapters.families.sam`);
     never modified: the neck (or the final LayerNorm2d of a model built with
     ``neck_chans=None``), average pooling and the classifier ``head.fc`` (``num_classes=0``:
     the pooled embedding, explained with vector targets).
@@ -380,8 +434,9 @@ class TimmSamAdapter(_SamAdapter):
 
     def __init__(self, model: ModelTree) -> None:
         super().__init__()
-        from timm.layers import ClassifierHead
-        from timm.models.vision_transformer_sam import Block, VisionTransformerSAM
+        (ClassifierHead,) = timm_classes("timm.layers", "ClassifierHead")
+        Block, VisionTransformerSAM = timm_classes("timm.models.vision_transformer_sam",
+                                                   "Block", "VisionTransformerSAM")
 
         name = type(model).__name__
         if not isinstance(model, VisionTransformerSAM):
@@ -415,10 +470,8 @@ class TimmSamAdapter(_SamAdapter):
         self._read_parts()
 
     def _read_parts(self) -> None:
-        from timm.layers import LayerScale
-        from timm.models.vision_transformer_sam import get_rel_pos
-
-        from captum_vit.adapters.timm_vit import _timm_gelus, timm_attention_fields, timm_head
+        (LayerScale,) = timm_classes("timm.layers", "LayerScale")
+        (get_rel_pos,) = timm_classes("timm.models.vision_transformer_sam", "get_rel_pos")
 
         m = self.model
         name = type(m).__name__
@@ -427,7 +480,7 @@ class TimmSamAdapter(_SamAdapter):
             where = f"{name}.blocks[{i}]"
             mlp = blk.mlp
             if not isinstance(getattr(mlp, "norm", None), nn.Identity) \
-                    or not isinstance(getattr(mlp, "act", None), (nn.GELU, *_timm_gelus())):
+                    or not isinstance(getattr(mlp, "act", None), (nn.GELU, *timm_gelus())):
                 raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
             ls = []
             for k in ("ls1", "ls2"):
@@ -459,12 +512,11 @@ class TimmSamAdapter(_SamAdapter):
         """``patch_embed``, ``pos_embed`` and ``norm_pre`` as in ``forward_features``, as
         tokens [B, N, D]; with ``ops`` the patch projection and ``norm_pre`` through them
         (:meth:`ViTAdapter.embed`)."""
-        from captum_vit.adapters.timm_vit import TimmViTAdapter
 
         self.refresh()
         m = self.model
-        # timm's PatchEmbed read as TimmViTAdapter reads it (it only uses self.model)
-        x = TimmViTAdapter._patch_embed(self, inputs, ops)  # type: ignore[arg-type]
+        # timm's PatchEmbed read as TimmViTBase reads it (it only uses self.model)
+        x = TimmViTBase._patch_embed(self, inputs, ops)  # type: ignore[arg-type]
         if m.pos_embed is not None:
             x = x + m.pos_embed
         x = x.reshape(x.shape[0], -1, x.shape[-1])
@@ -483,32 +535,8 @@ class TimmSamAdapter(_SamAdapter):
             [list(blk.parameters()) for blk in reversed(m.blocks)]
 
     def is_random(self) -> bool:
-        from captum_vit.adapters.timm_vit import _has_active_dropout
 
-        return _has_active_dropout(self.model)
-
-
-def is_hf_sam(model: nn.Module) -> bool:
-    """``True`` for Hugging Face's ``SamModel``, ``SamVisionModel`` and
-    ``SamVisionEncoder``."""
-    from captum_vit.adapters.hf_vit import is_transformers_model
-
-    if is_transformers_model(model, HF_CLASSES[:2]):
-        return True
-    if not type(model).__module__.startswith("transformers.models.sam."):
-        return False
-    from transformers.models.sam.modeling_sam import SamVisionEncoder
-
-    return isinstance(model, SamVisionEncoder)  # not exported at transformers' top level
-
-
-def is_timm_sam(model: nn.Module) -> bool:
-    """``True`` for timm's ``VisionTransformerSAM``."""
-    try:
-        from timm.models.vision_transformer_sam import VisionTransformerSAM
-    except ImportError:  # pragma: no cover - timm is a dependency
-        return False
-    return isinstance(model, VisionTransformerSAM)
+        return has_active_dropout(self.model)
 
 
 def sam_model(model: object) -> nn.Module:
@@ -519,8 +547,6 @@ def sam_model(model: object) -> nn.Module:
         TypeError: another model (a ``SamVisionModel`` or timm's ``VisionTransformerSAM``
             has no mask decoder).
     """
-    from captum_vit.adapters.hf_vit import is_transformers_model
-
     if not isinstance(model, nn.Module) or not is_transformers_model(model, ("SamModel",)):
         raise TypeError(f"model must be a Hugging Face SamModel (image encoder, prompt "
                         f"encoder and mask decoder), got {type(model).__name__}; an image "

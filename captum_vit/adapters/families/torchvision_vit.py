@@ -20,13 +20,17 @@ A convolutional stem (``conv_stem_configs``) is refused by name.
 from __future__ import annotations
 
 import sys
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import library, randomize_
+from captum_vit.adapters.families._torch import multihead_attention_fields
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, PreLogitsHeadParts
@@ -37,35 +41,81 @@ from captum_vit.adapters.parts import linear_module as _linear
 def _block_parts(blk: ModelTree, where: str) -> BlockParts:
     """The canonical parts of one ``EncoderBlock``; q/k/v are row views (through
     ``detach()``) of the packed ``in_proj_weight`` / ``in_proj_bias``."""
-    attn, mlp = blk.self_attention, blk.mlp
-    if not isinstance(attn, nn.MultiheadAttention) or attn.in_proj_weight is None \
-            or attn.bias_k is not None or attn.add_zero_attn or not attn.batch_first:
-        raise TypeError(f"{where}.self_attention must be nn.MultiheadAttention with a packed "
-                        "in-projection, batch_first, no bias_k/bias_v and no zero attention")
+    mlp = blk.mlp
+    attention = multihead_attention_fields(blk.self_attention, f"{where}.self_attention",
+                                           batch_first=True)
     if not isinstance(mlp, nn.Sequential) or len(mlp) != 5 \
             or not isinstance(mlp[1], nn.GELU) or mlp[1].approximate != "none":
         raise TypeError(f"{where}.mlp must be torchvision's MLPBlock (Linear, exact GELU, "
                         "Dropout, Linear, Dropout)")
-    w = attn.in_proj_weight.detach()
-    a = w.shape[0] // 3
-    b = None if attn.in_proj_bias is None else attn.in_proj_bias.detach()
-    bias = (None, None, None) if b is None else (b[:a], b[a:2 * a], b[2 * a:])
     fc1, fc2 = _linear(mlp[0], f"{where}.mlp[0]"), _linear(mlp[3], f"{where}.mlp[3]")
-    head_dim = attn.head_dim
-    identity = nn.Identity()
     return BlockParts(
-        norm1=_norm(blk.ln_1, f"{where}.ln_1"),
-        q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
-        q_bias=bias[0], k_bias=bias[1], v_bias=bias[2],
-        num_heads=attn.num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
-        q_norm=identity, k_norm=identity,
-        proj_weight=attn.out_proj.weight, proj_bias=attn.out_proj.bias, ls1=None,
+        norm1=_norm(blk.ln_1, f"{where}.ln_1"), **attention, ls1=None,
         norm2=_norm(blk.ln_2, f"{where}.ln_2"),
         fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=mlp[1],
         fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=None,
     )
 
 
+def is_torchvision_vit(model: nn.Module) -> bool:
+    """``True`` for torchvision's ``VisionTransformer`` (and subclasses); torchvision is
+    never imported for other models.
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`TorchvisionViTAdapter` applies.
+
+    Examples::
+
+        >>> import torchvision
+        >>> is_torchvision_vit(torchvision.models.vit_b_32())
+        True
+    """
+    module = sys.modules.get("torchvision.models.vision_transformer")
+    if module is None:
+        return False  # a torchvision model would have imported it
+    return isinstance(model, module.VisionTransformer)
+
+
+def _example(**extra: Any) -> Callable[..., nn.Module]:
+    """A builder of a small torchvision ``VisionTransformer`` (32x32 inputs, patch 8, width
+    16, 2 heads) with ``extra`` constructor options; ``overrides`` at build time too."""
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        kwargs: dict[str, Any] = dict(image_size=32, patch_size=8, num_layers=depth,
+                                      num_heads=2, hidden_dim=16, mlp_dim=32,
+                                      num_classes=num_classes)
+        kwargs.update(extra)
+        kwargs.update(overrides)
+        torch.manual_seed(seed)
+        model = randomize_(library("torchvision.models").VisionTransformer(**kwargs), seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():  # the names randomize_ does not know
+            for name, p in model.named_parameters():
+                if name.endswith("in_proj_weight"):  # q and k rows: sharper attention
+                    p[:2 * p.shape[1]] *= 1.5
+                elif ".ln" in name and name.endswith("weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                elif name in ("class_token", "encoder.pos_embedding"):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        return model.to(dtype).eval()
+
+    return build
+
+
+@register_family(
+    is_torchvision_vit,
+    supports="torchvision VisionTransformer (every vit_* builder, representation_size head "
+             "included; not conv_stem_configs)",
+    tags=("classifier", "packed"),
+    examples={
+        "torchvision": Example(_example(), (32, 32), library="torchvision"),
+        # pre_logits + Tanh
+        "torchvision_representation": Example(_example(representation_size=7), (32, 32),
+                                              library="torchvision"),
+    })
 class TorchvisionViTAdapter(ViTAdapter):
     """Canonical view of a torchvision ``VisionTransformer`` (never modified).
 
@@ -178,25 +228,3 @@ class TorchvisionViTAdapter(ViTAdapter):
                                  f"{type(m).__name__}.conv_proj").flatten(1, 2)
         x = torch.cat([m.class_token.expand(x.shape[0], -1, -1), x], dim=1)
         return m.encoder.dropout(x + m.encoder.pos_embedding)
-
-
-def is_torchvision_vit(model: nn.Module) -> bool:
-    """``True`` for torchvision's ``VisionTransformer`` (and subclasses); torchvision is
-    never imported for other models.
-
-    Args:
-        model (nn.Module): any model.
-
-    Returns:
-        bool: whether :class:`TorchvisionViTAdapter` applies.
-
-    Examples::
-
-        >>> import torchvision
-        >>> is_torchvision_vit(torchvision.models.vit_b_32())
-        True
-    """
-    module = sys.modules.get("torchvision.models.vision_transformer")
-    if module is None:
-        return False  # a torchvision model would have imported it
-    return isinstance(model, module.VisionTransformer)

@@ -62,28 +62,32 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.ops import Ops
-from captum_vit.adapters.parts import BlockParts, HeadParts
-from captum_vit.adapters.timm_beit import _mlp_fields
-from captum_vit.adapters.timm_vit import (
-    TimmViTAdapter,
-    _has_active_dropout,
-    _optional_norm,
-    _timm_gelus,
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import timm_builder
+from captum_vit.adapters.families._timm import (
+    TimmViTBase,
+    has_active_dropout,
+    mlp_fields,
+    optional_norm,
     pool_parts,
     timm_attention_fields,
+    timm_classes,
+    timm_gelus,
     timm_head,
 )
+from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts
 
 
 def _gated_acts() -> tuple[type, ...]:
-    return (nn.SiLU, nn.Sigmoid, nn.GELU, *_timm_gelus())
+    return (nn.SiLU, nn.Sigmoid, nn.GELU, *timm_gelus())
 
 
 def _eva_mlp_fields(mlp: ModelTree, where: str) -> dict:
     """BlockParts fields of an Eva MLP: ``Mlp`` (with its hidden norm), ``SwiGLU`` or the
     packed ``GluMlp`` (gate and value as row views of ``fc1``)."""
-    from timm.layers import GluMlp, Mlp, SwiGLU
+    GluMlp, Mlp, SwiGLU = timm_classes("timm.layers", "GluMlp", "Mlp", "SwiGLU")
 
     if type(mlp) is GluMlp:
         if not isinstance(mlp.fc1, nn.Linear) or not isinstance(mlp.act, _gated_acts()):
@@ -96,13 +100,13 @@ def _eva_mlp_fields(mlp: ModelTree, where: str) -> dict:
             else (slice(None, h), slice(h, None))  # gate_last=False: act(first half) * second
         return dict(fc1_weight=w[value], fc1_bias=None if b is None else b[value],
                     gate_weight=w[gate], gate_bias=None if b is None else b[gate],
-                    act=mlp.act, mlp_norm=_optional_norm(mlp.norm, f"{where}.mlp.norm"),
+                    act=mlp.act, mlp_norm=optional_norm(mlp.norm, f"{where}.mlp.norm"),
                     fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
     if type(mlp) is SwiGLU and isinstance(mlp.act, _gated_acts()):
-        return _mlp_fields(mlp, where)
-    if type(mlp) is Mlp and isinstance(mlp.act, (nn.GELU, *_timm_gelus())):
-        return dict(_mlp_fields(mlp, where),
-                    mlp_norm=_optional_norm(mlp.norm, f"{where}.mlp.norm"))
+        return mlp_fields(mlp, where)
+    if type(mlp) is Mlp and isinstance(mlp.act, (nn.GELU, *timm_gelus())):
+        return dict(mlp_fields(mlp, where),
+                    mlp_norm=optional_norm(mlp.norm, f"{where}.mlp.norm"))
     raise TypeError(f"{where}.mlp is {type(mlp).__name__} with {type(mlp.act).__name__}; "
                     "captum_vit supports Eva's GELU `Mlp`, `SwiGLU` and `GluMlp`")
 
@@ -119,7 +123,36 @@ def _views_of(blk: ModelTree) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-class TimmEvaAdapter(TimmViTAdapter):
+_EVA = ("timm.models.eva", "Eva")
+_SQUARE = (32, 32)
+
+
+def is_timm_eva(model: nn.Module) -> bool:
+    """``True`` for timm's ``Eva`` (EVA, EVA-02, DINOv3, ...)."""
+    eva = loaded_class(*_EVA)
+    return eva is not None and isinstance(model, eva)
+
+
+@register_family(
+    is_timm_eva,
+    supports="timm Eva (EVA, EVA-02, DINOv3: RoPE, gated MLP)",
+    tags=("classifier", "embedding", "variable-size"),
+    examples={
+        "eva02": Example(timm_builder(*_EVA, _SQUARE, use_rot_pos_emb=True, rope_type="cat",
+                                      swiglu_mlp=True, scale_mlp=True, scale_attn_inner=True,
+                                      global_pool="avg"), _SQUARE),
+        "eva_dinov3": Example(timm_builder(
+            *_EVA, (24, 40), use_rot_pos_emb=True, rope_type="dinov3", rope_rotate_half=True,
+            rope_temperature=100, use_abs_pos_emb=False, num_reg_tokens=4, init_values=1e-5,
+            global_pool="token", use_fc_norm=False, dynamic_img_size=True), (24, 40)),
+        "eva_map": Example(timm_builder(*_EVA, _SQUARE, use_rot_pos_emb=True, swiglu_mlp=True,
+                                        scale_attn_inner=True, global_pool="map"), _SQUARE),
+        "eva_headless_map": Example(timm_builder(*_EVA, _SQUARE, num_classes=0,
+                                                 use_rot_pos_emb=True, swiglu_mlp=True,
+                                                 global_pool="map"),
+                                    _SQUARE, target="embedding"),
+    })
+class TimmEvaAdapter(TimmViTBase):
     """Canonical view of a timm ``Eva`` classifier (never modified).
 
     Supports ``EvaBlock`` with ``EvaAttention`` (fused ``qkv`` with ``q_bias``/``v_bias``,
@@ -138,9 +171,11 @@ class TimmEvaAdapter(TimmViTAdapter):
     """
 
     def __init__(self, model: ModelTree) -> None:
-        from timm.layers import AttentionRope
-        from timm.layers.pos_embed_sincos import RotaryEmbeddingCat, RotaryEmbeddingDinoV3
-        from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
+        (AttentionRope,) = timm_classes("timm.layers", "AttentionRope")
+        RotaryEmbeddingCat, RotaryEmbeddingDinoV3 = timm_classes(
+            "timm.layers.pos_embed_sincos", "RotaryEmbeddingCat", "RotaryEmbeddingDinoV3")
+        EvaAttention, EvaBlock, EvaBlockPostNorm = timm_classes(
+            "timm.models.eva", "EvaAttention", "EvaBlock", "EvaBlockPostNorm")
 
         self.model = model
         name = type(model).__name__
@@ -195,8 +230,8 @@ class TimmEvaAdapter(TimmViTAdapter):
         self.readout = "map" if pool is not None else model.global_pool
         row: int | str = 0 if self.readout == "token" else self.readout  # or "avg", "map"
         # Eva's attention pool attends over every token, prefix included (Eva.pool)
-        self.head = HeadParts(_optional_norm(model.norm, f"{name}.norm"),
-                              _optional_norm(model.fc_norm, f"{name}.fc_norm"),
+        self.head = HeadParts(optional_norm(model.norm, f"{name}.norm"),
+                              optional_norm(model.fc_norm, f"{name}.fc_norm"),
                               ((row, *head),),
                               attn_pool=None if pool is None
                               else pool_parts(pool, f"{name}.attn_pool"))
@@ -211,7 +246,7 @@ class TimmEvaAdapter(TimmViTAdapter):
         return BlockParts(
             **timm_attention_fields(blk, where), ls1=blk.gamma_1,
             **_eva_mlp_fields(blk.mlp, where), ls2=blk.gamma_2, rotary=rotary,
-            inner_norm=_optional_norm(attn.norm, f"{where}.attn.norm"),
+            inner_norm=optional_norm(attn.norm, f"{where}.attn.norm"),
         )
 
     def refresh(self) -> None:
@@ -241,7 +276,8 @@ class TimmEvaAdapter(TimmViTAdapter):
     def _rotate(self, h: Tensor, positions: Tensor | None, *, half: bool) -> Tensor:
         """timm's RoPE on the patch rows of ``h`` [B, H, n, d] (prefix rows unrotated): the rows of
         the tokens' original ``positions`` [B, n] (``None``: the full sequence)."""
-        from timm.layers import apply_keep_indices_nlc, apply_rot_embed_cat
+        apply_keep_indices_nlc, apply_rot_embed_cat = timm_classes(
+            "timm.layers", "apply_keep_indices_nlc", "apply_rot_embed_cat")
 
         k = self.num_prefix
         num, table = self._table()
@@ -294,7 +330,7 @@ class TimmEvaAdapter(TimmViTAdapter):
         m = self.model
         drop = getattr(m, "patch_drop", None)
         rope = getattr(m, "rope", None)
-        return (_has_active_dropout(m)
+        return (has_active_dropout(m)
                 or (drop is not None and drop.training and drop.prob > 0)
                 or (rope is not None and rope.training and getattr(rope, "aug_active", False)))
 
@@ -306,10 +342,3 @@ class TimmEvaAdapter(TimmViTAdapter):
         head = (m.norm, m.attn_pool, m.fc_norm, m.head)
         stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
         return stages + [list(blk.parameters()) for blk in reversed(m.blocks)]
-
-
-def is_timm_eva(model: nn.Module) -> bool:
-    """``True`` for timm's ``Eva`` (EVA, EVA-02, DINOv3, ...)."""
-    from timm.models.eva import Eva
-
-    return isinstance(model, Eva)
