@@ -55,7 +55,8 @@ def _timm_release() -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", timm.__version__)[:3])
 
 
-WINDOWED_FILES = ("test_swin", "test_sam", "test_globenc_alti_windowed")
+WINDOWED_FILES = ("test_timm_swin", "test_hf_swin", "test_swin_methods", "test_sam",
+                  "test_globenc_alti_windowed")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 """GPU and many processes: ``autocast="bf16"`` / ``--autocast bf16`` (tested with CPU autocast).
 
 torchrun with 2 processes equals one process exactly (float64):
-``tests/test_evaluate_cli.py::test_torchrun_two_processes_equals_one``.
+``tests/commands/test_evaluate.py::test_torchrun_two_processes_equals_one``.
 """
 
 from __future__ import annotations

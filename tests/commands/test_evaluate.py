@@ -18,7 +18,7 @@ from captum_vit.data.specs import SyntheticLoc
 from captum_vit.metrics.suite import parse_metrics
 from captum_vit.registry import parse_methods
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["evaluate", "--model", "random:vit_tiny", "--data", "synthetic", "--n", "5",
         "--batch-size", "2", "--methods", "gae,random", "--dtype", "float64"]
 FILES = ("results.csv", "results.json", "results.md")

@@ -14,7 +14,7 @@ from captum_vit.cli import main
 
 pytestmark = pytest.mark.lower_bounds  # also run against the oldest supported versions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # import name -> distribution name where they differ
 DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml",
                 "open_clip": "open_clip_torch"}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "captum_vit"
+ROOT = Path(__file__).resolve().parents[2] / "captum_vit"
 PACKAGE = "captum_vit"
 
 LAYERS = {

@@ -16,7 +16,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from tests.helpers import needs_fashion_mnist
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_zoo.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_zoo.py"
 
 
 @pytest.fixture(scope="module")

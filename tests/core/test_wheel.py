@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # what the package needs at run time besides its modules (pyproject's package-data)
 DATA = ("captum_vit/py.typed", "captum_vit/data/sample.safetensors",
         "captum_vit/zoo/vit_fmnist_loc.safetensors", "captum_vit/zoo/vit_fmnist_loc.json")

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "docs" / "source"
 
 NAMED_IN_THE_ISSUE = ("examples_doc", "returns_doc", "score_doc", "conserves", "windowed",

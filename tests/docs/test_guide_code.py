@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parents[1] / "docs" / "source"
+SOURCE = Path(__file__).resolve().parents[2] / "docs" / "source"
 PAGES = sorted([*(SOURCE / "guide" / "methods").glob("*.md"),
                 SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md",
                 SOURCE / "guide" / "families.md"])

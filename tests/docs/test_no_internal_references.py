@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FORBIDDEN = re.compile(
     r"\bSPEC(?:_NEXT|_REACH)?\b"  # the specs (public names such as SPEC_HELP do not match)

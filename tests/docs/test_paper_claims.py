@@ -16,7 +16,7 @@ import torch
 from captum_vit.metrics.report import VERDICTS
 from captum_vit.metrics.results import MetricResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "paper_claims.py"
 CLAIMS_DIR = ROOT / "docs" / "paper_claims"
 RESULTS_PAGE = ROOT / "docs" / "source" / "results.md"

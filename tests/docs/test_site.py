@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "docs" / "source"
 PUBLIC_MODULES = ("captum_vit", "captum_vit.targets", "captum_vit.metrics",
                   "captum_vit.methods", "captum_vit.adapters", "captum_vit.data",

@@ -16,7 +16,7 @@ import pytest
 # a 1x1 PNG the browser decodes
 PIXEL = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJ"
          "RU5ErkJggg==")
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def load(name: str) -> ModuleType:

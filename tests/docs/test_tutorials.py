@@ -16,7 +16,7 @@ from captum_vit import zoo
 nbformat = pytest.importorskip("nbformat")  # the test extra (absent in the lower-bounds venv)
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "tutorials").glob("*.ipynb"))
 MACHINE_PATH = re.compile(r"(?:/home/|/root/|/work/|/Users/|/tmp/|[A-Za-z]:\\Users|"
                           r"site-packages|dist-packages|\.venv/lib)")

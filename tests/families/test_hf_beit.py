@@ -13,6 +13,7 @@ from torch import nn
 from captum_vit import GAE
 from captum_vit.adapters import HFBeitAdapter, Ops, adapt
 from captum_vit.registry import available_methods, build_method
+from tests.contract.test_contract import FAST
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -22,7 +23,6 @@ from tests.helpers import (
     randomize_,
     snapshot,
 )
-from tests.test_contract import FAST
 
 pytestmark = needs_transformers
 METHODS = available_methods(compositions=True)

@@ -15,7 +15,7 @@
 
 The contract over every method (vector targets, NoiseTunnel, errors) runs on the
 ``hf_vit_model``, ``hf_deit_model`` and ``hf_dinov2_reg_model`` families of
-``tests.helpers.EMBED_FAMILIES`` (tests/test_embedding_targets.py).
+``tests.helpers.EMBED_FAMILIES`` (tests/targets/test_embedding_targets.py).
 """
 
 from __future__ import annotations

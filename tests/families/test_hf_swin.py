@@ -9,6 +9,7 @@ import torch
 
 from captum_vit.adapters import HFSwinAdapter, adapt
 from captum_vit.registry import build_method
+from tests.families.test_swin_methods import REDUCTION_METHODS
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -19,7 +20,6 @@ from tests.helpers import (
     needs_transformers,
     snapshot,
 )
-from tests.test_swin_methods import REDUCTION_METHODS
 
 pytestmark = needs_transformers
 

@@ -27,6 +27,7 @@ from captum_vit.metrics import (
     sparseness,
 )
 from captum_vit.registry import available_methods, build_method
+from tests.contract.test_contract import FAST
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -35,7 +36,6 @@ from tests.helpers import (
     needs_transformers,
     snapshot,
 )
-from tests.test_contract import FAST
 
 pytestmark = needs_transformers
 METHODS = available_methods(compositions=True)

@@ -29,7 +29,7 @@ from tests.helpers import (
 pytestmark = needs_transformers
 FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16},
         "bt_h": {"n_steps": 3, "start_layer": 1}, "bt_t": {"n_steps": 3, "start_layer": 1},
-        "tam": {"n_steps": 3, "start_layer": 0}}  # as tests/test_contract.py
+        "tam": {"n_steps": 3, "start_layer": 0}}  # as tests/contract/test_contract.py
 METHODS = available_methods(compositions=True)
 
 

@@ -21,6 +21,7 @@ from captum_vit import GAE, DecompX, EmbeddingTarget
 from captum_vit.adapters import OpenCLIPAdapter, Ops, adapt
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import clip_text_target
+from tests.contract.test_contract import FAST
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -30,7 +31,6 @@ from tests.helpers import (
     needs_transformers,
     snapshot,
 )
-from tests.test_contract import FAST
 
 pytestmark = [needs_open_clip, pytest.mark.lower_bounds]
 METHODS = available_methods(compositions=True)

@@ -13,6 +13,7 @@ from torch import nn
 from captum_vit import GAE, DecompX
 from captum_vit.adapters import PreLogitsHeadParts, TorchvisionViTAdapter, adapt
 from captum_vit.registry import available_methods, build_method
+from tests.contract.test_contract import FAST
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -21,7 +22,6 @@ from tests.helpers import (
     needs_torchvision,
     snapshot,
 )
-from tests.test_contract import FAST
 
 pytestmark = [needs_torchvision, pytest.mark.lower_bounds]
 METHODS = available_methods(compositions=True)

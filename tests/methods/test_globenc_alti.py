@@ -209,7 +209,7 @@ def test_batch_and_chunk_invariance(cls):
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=family_marks(f))
                                     for f in [*TOKEN_FAMILIES, *EMBEDDING_FAMILIES]])
-def test_every_family(family):  # windowed models (Swin): refused by name, tests/test_swin
+def test_every_family(family):  # Swin: refused by name (tests/families/test_timm_swin.py)
     """Every supported family: rows sum to 1, the exact block decomposition is complete,
     and the map is finite (embedding models with a vector target)."""
     model = model_of(family, depth=1)

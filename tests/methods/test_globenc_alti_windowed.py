@@ -12,6 +12,7 @@ import torch
 from captum_vit import ALTI, GlobEnc
 from captum_vit.adapters import adapt
 from captum_vit.methods.globenc_alti import decompose_block, token_scores, window_scores
+from tests.families.test_swin_methods import DenseSwin
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -22,7 +23,6 @@ from tests.helpers import (
     needs_transformers,
     snapshot,
 )
-from tests.test_swin_methods import DenseSwin
 
 CLASSES = {"globenc": GlobEnc, "alti": ALTI}
 
@@ -104,7 +104,7 @@ def test_sam_chains_equal_dense_references():
 @needs_transformers
 def test_hf_sam_chains_equal_dense_references():
     """Hugging Face SAM encoder (an embedding model: the target is a vector)."""
-    from tests.test_sam import hf_vision, images
+    from tests.families.test_sam import hf_vision, images
 
     _check_chains(hf_vision(), images(), {}, target=torch.ones(16, dtype=torch.float64))
 

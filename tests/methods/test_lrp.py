@@ -528,7 +528,7 @@ def test_options_are_checked():
 @pytest.mark.skipif(not have_transformers(), reason="the hf extra is not installed")
 def test_pixels_through_a_normalised_embedding():
     """``at="pixels"`` on CLIP (``pre_layrnorm`` in the embedding) runs the LN rule there
-    (it used to be refused; references in test_lrp_pixels.py)."""
+    (it used to be refused; references in tests/methods/test_lrp_pixels.py)."""
     model, x = make_model("hf_clip", depth=1), make_inputs("hf_clip", batch=2)
     target = torch.randn(2, 16, dtype=torch.float64)
     before = snapshot(model)

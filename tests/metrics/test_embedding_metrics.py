@@ -24,7 +24,7 @@ from captum_vit.metrics.suite import METRICS, evaluate, evaluate_batch
 from captum_vit.registry import method_factory
 from captum_vit.targets import read_target_embeddings, scoring
 from tests.helpers import make_inputs, make_model, needs_transformers
-from tests.test_embedding_targets import timm_twin, vectors
+from tests.targets.test_embedding_targets import timm_twin, vectors
 
 pytestmark = needs_transformers
 

@@ -113,8 +113,8 @@ def test_decompx_routes_agree_on_a_sam_mask():
     the target reads): the same tokens, bias and linearised score on both routes, which
     sum to each other; ``score`` is SAM's own."""
     from captum_vit.targets import SamMaskTarget
-    from tests.test_sam import POINTS, hf_sam
-    from tests.test_sam import images as sam_images
+    from tests.families.test_sam import POINTS, hf_sam
+    from tests.families.test_sam import images as sam_images
 
     model = hf_sam()
     x = sam_images()
@@ -134,8 +134,8 @@ def test_a_box_of_python_floats_is_scored_in_a_float64_model_to_float64_precisio
     was off by ~1.5e-8)."""
     from captum_vit.adapters import adapt
     from captum_vit.targets import DetectionTarget
-    from tests.test_yolos import images as yolos_images
-    from tests.test_yolos import make_yolos
+    from tests.families.test_hf_yolos import images as yolos_images
+    from tests.families.test_hf_yolos import make_yolos
 
     model = make_yolos()
     ad = adapt(model)
@@ -231,7 +231,7 @@ def test_the_targets_guide_lists_the_linear_methods():
     import re
     from pathlib import Path
 
-    page = (Path(__file__).parents[1] / "docs/source/guide/targets.md").read_text()
+    page = (Path(__file__).parents[2] / "docs/source/guide/targets.md").read_text()
     para = page[page.index("**Linear in the score**"):]
     para = para[:para.index("\n\n")]
     names = set(re.findall(r"`([a-z_]+)`", para)) & set(available_methods(compositions=True))
@@ -246,9 +246,9 @@ def test_the_targets_guide_lists_the_linear_methods():
 def test_a_sam_point_outside_the_image_is_refused():
     from captum_vit import GAE
     from captum_vit.targets import SamMaskTarget
+    from tests.families.test_sam import hf_sam
+    from tests.families.test_sam import images as sam_images
     from tests.helpers import assert_unchanged, snapshot
-    from tests.test_sam import hf_sam
-    from tests.test_sam import images as sam_images
 
     model = hf_sam()
     x = sam_images()  # 32 x 32
@@ -265,7 +265,7 @@ def test_a_sam_point_outside_the_image_is_refused():
 @needs_transformers
 def test_a_depth_target_whose_region_is_empty_is_refused():
     from captum_vit.targets import DepthTarget
-    from tests.test_depth import depth_model
+    from tests.families.test_hf_depth import depth_model
 
     model = depth_model("depth_anything")
     with pytest.raises(ValueError, match=r"select selects no pixel.*non-zero"):
@@ -328,8 +328,8 @@ def test_clip_text_target_refuses_a_tokenizer_without_ids():
 @needs_transformers
 def test_a_vlm_answer_outside_the_vocabulary_is_refused():
     from captum_vit.targets import VLMAnswer
+    from tests.families.test_hf_vlm import llava, prompt
     from tests.helpers import assert_unchanged, snapshot
-    from tests.test_vlm import llava, prompt
 
     model = llava()
     before = snapshot(model)
