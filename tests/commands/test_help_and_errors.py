@@ -1,21 +1,17 @@
-"""Command-line and API papercuts: class names as --target, --help with defaults and
-examples, the file --out really wrote, plurals and articles, a quick --help that imports
-no torch, and errors that name the fix (grayscale inputs, wrappers, non-tensor inputs,
-TokenTM's variant in any case)."""
+"""The command line's help and messages: class names as --target, --help with defaults and
+examples, a quick --help that imports no torch, the file --out really wrote, plurals and
+articles (in the front's errors too). The front's errors that name the fix:
+tests/core/test_input_errors.py."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections import UserDict
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
 from torch import nn
 
-from captum_vit import GAE, TokenTM, zoo
+from captum_vit import GAE, zoo
 from captum_vit._base import check_target
 from captum_vit.adapters import adapt
 from captum_vit.cli import main
@@ -89,16 +85,6 @@ def test_help_is_quick_and_imports_no_torch():
     assert result.stdout.strip() == "[]"
 
 
-def test_lazy_package_exports_every_public_name():
-    import captum_vit
-
-    for name in captum_vit.__all__:
-        assert getattr(captum_vit, name) is not None
-    assert "GAE" in dir(captum_vit)
-    with pytest.raises(AttributeError):
-        captum_vit.no_such_name  # noqa: B018
-
-
 # -- --out without suffix ---------------------------------------------------------------------
 def test_out_without_suffix_reports_the_file_written(tmp_path, capsys):
     out = tmp_path / "maps"
@@ -129,60 +115,3 @@ def test_messages_use_singular_and_the_right_article(tmp_path, capsys):
         adapt(Sequential2())
     with pytest.raises(ValueError, match="a tuple of 2 items"):
         GAE(make_model()).attribute((make_inputs(), make_inputs()))
-
-
-# -- errors that name the fix -----------------------------------------------------------------
-def test_grayscale_inputs_error_names_the_fix():
-    model = make_model()
-    gray = make_inputs(batch=1)[:, :1]
-    with pytest.raises(ValueError) as info:
-        GAE(model).attribute(gray)
-    message = str(info.value)
-    assert "1 channel (grayscale)" in message and "expects 3 channels" in message
-    assert "expand(-1, 3, -1, -1)" in message and "repeat(1, 3, 1, 1)" in message
-    assert "1-channel" in message
-    GAE(model).attribute(gray.expand(-1, 3, -1, -1))  # the fix works
-
-
-def test_tokentm_variant_is_case_insensitive():
-    model = make_model()
-    assert TokenTM(model, variant="Paper").variant == "paper"
-    assert TokenTM(model, variant="RESIDUAL").variant == "residual"
-    x = make_inputs(batch=1)
-    torch.testing.assert_close(TokenTM(model, variant="Residual").attribute(x, output="tokens"),
-                               TokenTM(model, variant="residual").attribute(x, output="tokens"))
-    with pytest.raises(ValueError, match="variant must be one of"):
-        TokenTM(model, variant="papers")
-
-
-def test_wrapper_hint_is_valid_python():
-    vit = make_model()
-    for wrapper, path in [
-        (nn.Sequential(nn.Identity(), vit), "model[1]"),
-        (nn.Sequential(nn.ModuleDict({"back-bone": nn.Sequential(vit)})),
-         "model[0]['back-bone'][0]"),
-    ]:
-        with pytest.raises(TypeError) as info:
-            GAE(wrapper)
-        message = str(info.value)
-        assert f"`{path}`" in message and f"GAE({path})" in message
-        assert eval(path, {"model": wrapper}) is vit  # noqa: S307 - the hint runs as written
-
-
-class BatchFeature(UserDict):
-    """Stands in for transformers' BatchFeature (a UserDict of tensors)."""
-
-
-@pytest.mark.parametrize("inputs,fix", [
-    (np.zeros((1, 3, 32, 32), np.float32), "torch.from_numpy"),
-    (Image.new("RGB", (32, 32)), "preprocess"),
-    ([torch.zeros(3, 32, 32), torch.zeros(3, 32, 32)], "torch.stack"),
-    # a processor's output stands for its pixel_values (checked as such)
-    (BatchFeature(pixel_values=np.zeros((1, 3, 32, 32), np.float32)), "torch.from_numpy"),
-    ({"images": torch.zeros(1, 3, 32, 32)}, "the image tensor [B, C, H, W] it holds"),
-    ([[0.0]], "[B, C, H, W]"),
-])
-def test_non_tensor_inputs_get_a_type_error_with_the_fix(inputs, fix):
-    with pytest.raises(TypeError, match="inputs must be a torch.Tensor") as info:
-        GAE(make_model()).attribute(inputs)
-    assert fix in str(info.value)

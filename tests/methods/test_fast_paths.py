@@ -1,8 +1,9 @@
-"""Issue 21's fast paths equal the exact computations (float64), never by timing.
+"""The fast paths of the trace equal the exact computations (float64), never by timing.
 
-- Rollout's streamed vector chain == the full matrix chain (SPEC §1.2), 1e-12.
-- GAE and TokenTM on the streamed fused-attention trace == the same recursions on an
-  explicit trace (every ``[B, H, N, N]`` kept, autograd through the explicit softmax).
+- TokenTM on the streamed fused-attention trace == the same recursion on an explicit
+  trace (every ``[B, H, N, N]`` kept, autograd through the explicit softmax); Rollout's,
+  RawAttention's and GAE's fast paths are checked in their own modules
+  (tests/methods/test_rollout.py, test_raw_attention.py, test_gae.py).
 - The fused trace's recomputed probabilities and their gradients are the explicit ones;
   ``on_block`` streams records; gradient traces never reach the model's parameters.
 """
@@ -12,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_vit import GAE, DecompX, RawAttention, Rollout, TokenTM
+from captum_vit import GAE, DecompX, Rollout, TokenTM
 from captum_vit._base import gradients, readout_rows, target_scores
 from captum_vit.adapters import adapt
 from tests.helpers import (
-    FAMILIES,
     TOKEN_FAMILIES,
     assert_close_scaled,
     assert_close_to_reference,
@@ -37,47 +37,6 @@ def _explicit(model, x, target=TARGET):
         tr = ad.trace(x, grad=True)
         grads = gradients(target_scores(tr.logits, target), [r.attn for r in tr.blocks])
     return ad, tr, grads
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("start", [0, 1])
-def test_rollout_vector_chain_equals_matrix_chain(family, start):
-    model, x = make_model(family), make_inputs(family, batch=2)
-    ad = adapt(model)
-    tr = ad.trace(x)
-    n = tr.x0.shape[1]
-    eye = torch.eye(n, dtype=x.dtype)
-    joint = eye.expand(x.shape[0], n, n)
-    for rec in tr.blocks[start:]:  # R = M_{L-1} ... M_s, full N x N products
-        m = rec.attn.mean(1) + eye
-        joint = (m / m.sum(-1, keepdim=True)) @ joint
-    ref = torch.einsum("bn,bnm->bm", readout_rows(tr), joint)[:, tr.layout.num_prefix:]
-    out = Rollout(model, start_layer=start).attribute(x, output="tokens")
-    assert_close_to_reference(out, ref, rel=1e-12)
-
-
-@pytest.mark.parametrize("family", ["vit", "avgpool", "layerscale", "registers"])
-def test_raw_attention_streams_the_last_block(family):
-    model, x = make_model(family), make_inputs(family, batch=2)
-    tr = adapt(model).trace(x)
-    ref = torch.einsum("bn,bnm->bm", readout_rows(tr), tr.blocks[-1].attn.mean(1))
-    out = RawAttention(model).attribute(x, output="tokens")
-    # the same product written another way (another einsum, a streamed trace): last bits
-    assert_close_scaled(out, ref[:, tr.layout.num_prefix:])
-
-
-@pytest.mark.parametrize("family", ["vit", "avgpool", "layerscale", "distilled", "registers",
-                                    "nonsquare"])
-def test_gae_streamed_equals_explicit_trace(family):
-    model, x = make_model(family), make_inputs(family, batch=2)
-    _, tr, grads = _explicit(model, x)
-    w = readout_rows(tr)
-    v = w
-    for rec, g in zip(reversed(tr.blocks), reversed(grads), strict=True):
-        abar = (g * rec.attn.detach()).clamp(min=0).mean(1)
-        v = v + torch.einsum("bn,bnm->bm", v, abar)
-    out = GAE(model).attribute(x, target=TARGET, output="tokens")
-    assert_close_to_reference(out, v.detach()[:, tr.layout.num_prefix:], rel=1e-12)
 
 
 def test_fused_trace_recomputes_probabilities_and_their_gradients():

@@ -230,3 +230,14 @@ def test_zero_attention_gradients_leave_only_ffn_weights():
         w = w * (1 + transformation_weights(rec.mid, rec.ffn_out)[:, 0])
     expected[:, 0] = w * norms[:, 0]
     assert_close_scaled(r, expected)
+
+
+def test_tokentm_variant_is_case_insensitive():
+    model = make_model()
+    assert TokenTM(model, variant="Paper").variant == "paper"
+    assert TokenTM(model, variant="RESIDUAL").variant == "residual"
+    x = make_inputs(batch=1)
+    torch.testing.assert_close(TokenTM(model, variant="Residual").attribute(x, output="tokens"),
+                               TokenTM(model, variant="residual").attribute(x, output="tokens"))
+    with pytest.raises(ValueError, match="variant must be one of"):
+        TokenTM(model, variant="papers")

@@ -1,4 +1,4 @@
-"""Max-Sensitivity, sparseness, randomisation check, RandomMap, results and Captum interop."""
+"""Max-Sensitivity, sparseness, the randomisation check, results and Captum interop."""
 
 from __future__ import annotations
 
@@ -85,18 +85,6 @@ def test_max_sensitivity_is_seeded_per_example_and_batch_invariant():
         max_sensitivity(model, x, torch.rand(3, 16))
 
 
-def test_random_map_is_seeded_and_batch_invariant():
-    model, x = make_model("vit"), make_inputs("vit", 3)
-    before = snapshot(model)
-    rnd = RandomMap(model, seed=3)
-    a = rnd.attribute(x, output="tokens")
-    assert torch.equal(a, RandomMap(model, seed=3).attribute(x, output="tokens"))
-    assert torch.equal(a[1:2], rnd.attribute(x[1:2], output="tokens"))
-    assert not torch.equal(a, RandomMap(model, seed=4).attribute(x, output="tokens"))
-    assert rnd.attribute(x).shape == x.shape
-    assert_unchanged(model, before)
-
-
 def test_randomization_check_on_a_copy():
     model, x = make_model("vit"), make_inputs("vit", 2)
     before = snapshot(model)
@@ -129,21 +117,6 @@ def test_results_cat_dict_and_plot(tmp_path):
         plot_curves({"a": a})
     with pytest.raises(ValueError):
         MetricResult.cat([])
-
-
-def test_random_map_captum_interop():
-    from captum.metrics import sensitivity_max
-
-    model, x = make_model("vit"), make_inputs("vit", 2)
-    before = snapshot(model)
-    nt = NoiseTunnel(RandomMap(model)).attribute(x, nt_type="smoothgrad", nt_samples=2,
-                                                 stdevs=0.1, target=[0, 1])
-    assert nt.shape == x.shape
-    sens = sensitivity_max(RandomMap(model).attribute, x, target=[0, 1], n_perturb_samples=2)
-    assert sens.shape == (2,)
-    with pytest.raises(ValueError, match="channels"):
-        RandomMap(model).attribute(x[:, :1])
-    assert_unchanged(model, before)
 
 
 def test_plot_curves_keeps_many_methods_apart():
