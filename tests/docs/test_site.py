@@ -137,6 +137,7 @@ def test_every_tutorial_is_on_the_site():
         assert re.search(rf"^{re.escape(nb.stem)}$", toc, re.MULTILINE), nb.stem
 
 
+@pytest.mark.docs_build  # minutes: run by CI's docs step (.ci/docs), not the default run
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_nb")
