@@ -60,13 +60,14 @@ WINDOWED_FILES = ("test_timm_swin", "test_hf_swin", "test_swin_methods", "test_s
 
 
 DOCS_BUILD_SKIP = pytest.mark.skip(
-    reason="builds the whole documentation site (minutes): selected with -m docs_build, which "
-           "CI's docs step runs after installing the docs extra (.ci/docs)")
+    reason="builds the documentation (minutes): selected with -m docs_build, which CI's docs "
+           "step runs after installing the docs extra (.ci/docs)")
 
 
 def pytest_collection_modifyitems(config, items):
-    # The site build is collected (counted) by every run but runs only when selected by
-    # marker, in CI's docs step; the README's test command stays within minutes.
+    # The documentation builds (the site, the API pages, the tutorials executed) are collected
+    # (counted) by every run but run only when selected by marker, in CI's docs step; the
+    # README's test command stays within minutes.
     if "docs_build" not in (config.getoption("markexpr") or ""):
         for item in items:
             if item.get_closest_marker("docs_build"):

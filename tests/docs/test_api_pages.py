@@ -119,6 +119,7 @@ def api_site(tmp_path_factory):
             for p in pages}
 
 
+@pytest.mark.docs_build  # a Sphinx build of the API pages (a minute): CI's docs step runs it
 def test_the_api_pages_show_only_public_names(api_site):
     names, bad = check_api.check_pages(api_site)
     assert len(names) > 150  # the pages were built with their autodoc entries

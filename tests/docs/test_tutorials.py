@@ -57,6 +57,7 @@ def test_a_machine_path_is_found():
     assert machine_paths(nb) == []
 
 
+@pytest.mark.docs_build  # minutes (a kernel each): run by CI's docs step (.ci/docs)
 @pytest.mark.skipif("vit_fmnist_loc" not in zoo.available(), reason="bundled model missing")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
