@@ -128,7 +128,7 @@ def test_a_new_method_is_its_class_and_one_decorator():
 
     from captum_vit._base import ViTGradientAttribution
     from captum_vit.registry import register_method, unregister_method
-    from tests import test_contract
+    from tests.contract import test_contract
 
     @register_method("throwaway_norm", family="gradient", quick={"scale": 2.0},
                      variants={"throwaway_norm_half": {"scale": 0.5}})

@@ -385,7 +385,7 @@ def test_chefer_on_12_blocks_agrees_with_the_reference_as_documented(monkeypatch
     1.6e-5 of the largest map value, in proportion to that stabiliser, and equal the
     transcription with exact LRP-0 divisions to about 2.3e-11."""
     from captum_vit import TransformerAttribution
-    from tests import test_lrp
+    from tests.methods import test_chefer
 
     model, x = make_model("vit", depth=12), make_inputs("vit", batch=2)
     target = torch.tensor([1, 3])
@@ -394,8 +394,8 @@ def test_chefer_on_12_blocks_agrees_with_the_reference_as_documented(monkeypatch
     def rel(ref):
         return ((ours - ref).abs().max() / ref.abs().max()).item()
 
-    faithful = rel(test_lrp.reference_chefer(model, x, target, faithful=True))
-    exact = rel(test_lrp.reference_chefer(model, x, target))
+    faithful = rel(test_chefer.reference_chefer(model, x, target, faithful=True))
+    exact = rel(test_chefer.reference_chefer(model, x, target))
     assert 1e-7 < faithful <= 2e-5  # the documented bound, and not far below it
     assert exact <= 1e-10
 
@@ -404,8 +404,8 @@ def test_chefer_on_12_blocks_agrees_with_the_reference_as_documented(monkeypatch
         den = den + den.eq(0).to(den.dtype) * eps
         return a / den * b.ne(0).to(b.dtype)
 
-    monkeypatch.setattr(test_lrp, "_exact", stabilised)
-    small = rel(test_lrp.reference_chefer(model, x, target))
+    monkeypatch.setattr(test_chefer, "_exact", stabilised)
+    small = rel(test_chefer.reference_chefer(model, x, target))
     assert small <= 2e-3 * faithful  # the difference is the stabiliser's
 
 
