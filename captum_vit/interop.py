@@ -23,7 +23,7 @@ copied to their pixels (``mode="nearest"``, the exact map) or upsampled bilinear
 channels (Quantus's default ``reduce_axes=(1,)``). ``s_batch`` is ``[B, 1, H, W]``
 (bool).
 
-**Agreement with captum_vit's metrics** (tested in ``tests/test_interop.py``):
+**Agreement with captum_vit's metrics** (tested in ``tests/metrics/test_quantus_interop.py``):
 
 * ``quantus.MaxSensitivity`` equals :func:`captum_vit.metrics.robustness.max_sensitivity`
   (to rounding, in float64) when it draws the same noise: ``nr_samples=n_samples``,

@@ -3,7 +3,7 @@
 ``docs/source/api/adapters.rst`` holds, between its ``begin-generated:families`` and
 ``end-generated:families`` comments, one entry per registered family (its supported-models
 line, tags and examples, the adapter class and the predicate), rendered by :func:`render`
-from :mod:`captum_vit.adapters.catalog`; ``tests/test_family_catalog.py`` checks that the
+from :mod:`captum_vit.adapters.catalog`; ``tests/families/test_catalog.py`` checks that the
 committed page is what :func:`render` gives. Regenerate with::
 
     python docs/families_api.py

@@ -35,7 +35,7 @@ KERNEL_WARNINGS = "ignore:IProgress not found"
 """The notebooks' kernels ignore tqdm's warning that ipywidgets is missing (tqdm.auto,
 imported by Captum, warns at import in a kernel without widgets): it carried the path of
 the builder's venv into the rendered page, and no page shows a machine path
-(``tests/test_tutorials.py`` executes the notebooks the same way and checks their outputs;
+(``tests/docs/test_tutorials.py`` executes the notebooks the same way and checks their outputs;
 ``docs/check_links.py`` checks the built pages)."""
 os.environ["PYTHONWARNINGS"] = ",".join(
     p for p in (os.environ.get("PYTHONWARNINGS", ""), KERNEL_WARNINGS) if p)
