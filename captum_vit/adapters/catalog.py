@@ -1,6 +1,6 @@
 """The family catalogue: ``@register_family`` beside every adapter class fills one table
 that dispatch (:func:`captum_vit.adapters.adapt`), the refusal's supported-models text, the
-tests, the support matrix and the docs' family table read.
+tests, the support matrix and the docs' families table (its ``notes``) read.
 
 A model family is one file in :mod:`captum_vit.adapters.families` plus one import line in
 that package's ``__init__`` (whose order is the dispatch order)::
@@ -20,6 +20,7 @@ matrix and the docs iterate over them. Tags say what a family or an example is
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -131,6 +132,7 @@ class Family:
     supports: str
     tags: tuple[str, ...]
     examples: Mapping[str, Example]
+    notes: str = ""
 
     def example_tags(self, example: str) -> frozenset[str]:
         """The tags of ``example``: its family's and its own."""
@@ -143,7 +145,7 @@ _CATALOG: dict[str, Family] = {}
 def register_family(predicate: Callable[[nn.Module], bool], *, supports: str,
                     tags: tuple[str, ...] = (),
                     examples: Mapping[str, Example] | None = None,
-                    name: str | None = None) -> Callable[[A], A]:
+                    name: str | None = None, notes: str = "") -> Callable[[A], A]:
     """Class decorator: register an adapter class as a model family.
 
     Families are tried in the order they are registered (the import order of
@@ -159,6 +161,9 @@ def register_family(predicate: Callable[[nn.Module], bool], *, supports: str,
             unique over the catalogue.
         name (str, optional): the family's name. Default: the defining module's last
             name (``timm_vit``).
+        notes (str, optional): what works on the family and what is refused, one line of
+            Markdown: the "what works" cell of the docs' families table
+            (``python docs/families_api.py`` renders it). Default ``""``.
 
     Returns:
         Callable: the decorator; it returns the class unchanged.
@@ -177,6 +182,9 @@ def register_family(predicate: Callable[[nn.Module], bool], *, supports: str,
         raise ValueError(f"unknown tags {unknown}: add them to TAGS with what they say")
     if not supports or "\n" in supports:
         raise ValueError("supports must be one non-empty line")
+    if "\n" in notes or re.search(r"(?<!\\)\|", notes):
+        raise ValueError("notes must be one line with no unescaped '|' (a Markdown table "
+                         "cell): write '\\|' for a literal bar")
 
     def decorate(cls: A) -> A:
         family = name or cls.__module__.rsplit(".", 1)[-1]
@@ -188,7 +196,7 @@ def register_family(predicate: Callable[[nn.Module], bool], *, supports: str,
         if clash:
             raise ValueError(f"example names {clash} are taken by another family")
         _CATALOG[family] = Family(family, cls, predicate, supports, tuple(tags),
-                                  dict(examples or {}))
+                                  dict(examples or {}), notes)
         return cls
 
     return decorate

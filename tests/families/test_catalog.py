@@ -79,15 +79,57 @@ def test_the_catalogue_generates_the_tables():
         assert "windowed" in fam.example_tags(name)
 
 
-def test_the_api_page_lists_every_family():
-    """The families section of the API reference is rendered from the catalogue
-    (``python docs/families_api.py`` rewrites it)."""
+def _families_api():
+    """``docs/families_api.py``, the renderer of the docs' family sections."""
     spec = importlib.util.spec_from_file_location("families_api",
                                                   ROOT / "docs" / "families_api.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_api_page_lists_every_family():
+    """The families section of the API reference is rendered from the catalogue
+    (``python docs/families_api.py`` rewrites it)."""
+    module = _families_api()
     page = module.PAGE.read_text(encoding="utf-8")
     assert module.section(page) == module.render(), "run python docs/families_api.py"
+
+
+def test_the_guide_families_table_is_rendered_from_the_catalogue():
+    """The families table of ``guide/families.md`` is one row per registered family (its
+    name, supported-models line, adapter file and ``notes``) and a closing row, rendered by
+    ``python docs/families_api.py``; every family says what works in its ``notes``."""
+    module = _families_api()
+    page = module.GUIDE.read_text(encoding="utf-8")
+    committed = module.section(page, module.TABLE_BEGIN, module.TABLE_END)
+    assert committed == module.render_table(), "stale families table: run python " \
+        "docs/families_api.py"
+    rows = committed.split("\n")
+    assert rows[-1] == module.LAST_ROW and len(rows) == 2 + len(catalog.families()) + 1
+    for fam, row in zip(catalog.families(), rows[2:-1], strict=True):
+        assert fam.notes, f"family {fam.name!r} has no notes= (its row of the docs' table)"
+        file = f"adapters/families/{fam.adapter.__module__.rsplit('.', 1)[-1]}.py"
+        assert (ROOT / "captum_vit" / file).is_file()
+        assert row == f"| `{fam.name}`: {fam.supports} | `{file}` | {fam.notes} |"
+        assert row.count(" | ") == 2  # three cells: no bar inside a cell
+
+
+def test_the_docs_renderer_is_idempotent(tmp_path, monkeypatch):
+    """Rendering a page twice gives the page once: ``main`` rewrites only what changed and
+    keeps the text around the markers."""
+    module = _families_api()
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    for page, begin, end, renderer in module.SECTIONS:
+        copy = tmp_path / page.name
+        copy.write_text(f"head\n{begin}\nstale\n{end}\ntail\n", encoding="utf-8")
+        monkeypatch.setattr(module, "SECTIONS", ((copy, begin, end, renderer),))
+        module.main()
+        once = copy.read_text(encoding="utf-8")
+        module.main()
+        assert copy.read_text(encoding="utf-8") == once
+        assert once.startswith(f"head\n{begin}\n\n") and once.endswith(f"\n\n{end}\ntail\n")
+        assert module.section(once, begin, end) == renderer()
 
 
 def test_register_family_refuses_what_it_cannot_file():
@@ -95,6 +137,10 @@ def test_register_family_refuses_what_it_cannot_file():
         catalog.register_family(lambda m: False, supports="x", tags=("resnet",))
     with pytest.raises(ValueError, match="one non-empty line"):
         catalog.register_family(lambda m: False, supports="two\nlines")
+    with pytest.raises(ValueError, match=r"notes must be one line with no unescaped '\|'"):
+        catalog.register_family(lambda m: False, supports="x", notes="a | b")
+    with pytest.raises(ValueError, match="notes must be one line"):
+        catalog.register_family(lambda m: False, supports="x", notes="two\nlines")
     with pytest.raises(ValueError, match="registered already"):
         catalog.register_family(lambda m: False, supports="x", name="timm_vit")(type("A", (), {}))
     with pytest.raises(ValueError, match="taken by another family"):
@@ -131,7 +177,8 @@ def _walk_through() -> str:
 def test_the_contributing_walk_through_is_a_whole_family():
     """The guide's family, registered as written (a throw-away family), is found by
     ``adapt``, in the contract suite's cases (one of which it passes), in the test tables,
-    the support matrix and the refusal text; it is removed afterwards."""
+    the support matrix, the docs' families table and the refusal text; it is removed
+    afterwards."""
     from tests.contract import test_contract
 
     namespace: dict = {"__name__": "walk_through"}
@@ -157,6 +204,9 @@ def test_the_contributing_walk_through_is_a_whole_family():
         assert ("WrappedViT (a timm VisionTransformer in a user's module)",
                 ("wrapped_vit",)) in sm.readme_rows()
         assert "WrappedViT (a timm VisionTransformer" in catalog.supported()
+        wrapped = catalog.family("wrapped_vit")
+        assert (f"| `wrapped_vit`: {wrapped.supports} | `walk_through.py` | {wrapped.notes} |"
+                in _families_api().render_table().split("\n"))
         with pytest.raises(TypeError, match=r"WrappedViT \(a timm VisionTransformer"):
             adapt(nn.Linear(2, 2))
     finally:

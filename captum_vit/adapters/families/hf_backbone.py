@@ -73,6 +73,17 @@ def is_hf_backbone(model: nn.Module) -> bool:
     supports="the head-less Hugging Face ViTModel, DeiTModel, Dinov2(WithRegisters)Model, "
              "Dinov2Backbone (DPT and Depth Anything's backbone)",
     tags=("embedding", "dense", "variable-size"),
+    notes=("Head-less `ViTModel`, `DeiTModel`, `Dinov2Model`, `Dinov2WithRegistersModel` (also "
+           "via `AutoModel`): ✅ with vector targets on the model's own `pooler_output`: ViT/DeiT "
+           "`tanh(dense(CLS))` (their pooler, `add_pooling_layer=True` by default), else — and "
+           "for DINOv2 — the CLS row after the final norm; a `ViTModel` with a classifier's "
+           "backbone and `EmbeddingTarget(W[c], similarity=\"dot\", bias=b[c])` gives the "
+           "classifier's maps of class `c` (1e-10, every method). `Dinov2Backbone` (the backbone "
+           "of `DPTForDepthEstimation`, `DepthAnythingForDepthEstimation`; the depth target in "
+           "`adapters/hf_depth.py`): ✅ with vector targets on Dinov2Model's `pooler_output` (CLS "
+           "after the final norm), and `DepthTarget` (depth of a region through the model's own "
+           "neck and head: PLUS, SkipPLUS, FullGrad+ refuse its several blocks, TIS its token "
+           "rows)"),
     examples={
         # ViTModel's tanh pooler on CLS at a non-native size (interpolated positions)
         "hf_vit_model": Example(hf_builder("ViTModel", "ViTConfig"), (24, 40),

@@ -85,6 +85,10 @@ def is_hf_beit(model: nn.Module) -> bool:
     supports="Hugging Face BeitForImageClassification, Data2VecVisionForImageClassification "
              "(at the configured image_size)",
     tags=("classifier",),
+    notes=("Relative position bias per layer and/or shared, absolute positions or none, "
+           "LayerScale `lambda_1`/`lambda_2` or none, patch mean + `pooler.layernorm` or CLS; "
+           "the configured `image_size`: ✅ (maps equal a timm `Beit` twin's to 1e-10, every "
+           "method) — refused: other input sizes"),
     examples={
         # each layer's relative position bias, LayerScale, patch mean + pooler norm
         "hf_beit": Example(hf_builder("BeitForImageClassification", "BeitConfig",

@@ -97,6 +97,12 @@ def is_hf_embedding(model: nn.Module) -> bool:
     supports="Hugging Face CLIPVisionModel(WithProjection), SiglipVisionModel, CLIPModel, "
              "SiglipModel (image embeddings)",
     tags=("embedding", "vlm-tower", "variable-size"),
+    notes=("`CLIPVisionModel`, `CLIPVisionModelWithProjection`, `SiglipVisionModel` "
+           "(attention-pool head, or none: PaliGemma's tower), and the image side of `CLIPModel` "
+           "/ `SiglipModel`; the towers of `LlavaForConditionalGeneration` and "
+           "`PaliGemmaForConditionalGeneration` with `VLMAnswer`: ✅ with vector targets (a CLIP "
+           "tower's maps equal a timm twin's whose logit is `⟨e, t⟩`, 1e-10, every method; so "
+           "does every metric of the suite, 1e-9), in the metrics and both commands too"),
     examples={
         "hf_clip": Example(hf_builder("CLIPVisionModelWithProjection", "CLIPVisionConfig",
                                       projection_dim=16), (32, 32), library="transformers",
@@ -209,6 +215,10 @@ CLASSIFIERS = ("CLIPForImageClassification", "SiglipForImageClassification")
     name="hf_clip_classifier",
     supports="Hugging Face CLIPForImageClassification, SiglipForImageClassification",
     tags=("classifier", "vlm-tower", "variable-size"),
+    notes=("`CLIPForImageClassification` (patch mean of the tower's last tokens, no final norm), "
+           "`SiglipForImageClassification` (mean of every token after `post_layernorm`): ✅ class "
+           "targets through the model's own pooling and `classifier` (forward equals the model's "
+           "to 1e-12, CLIP's at other sizes through its interpolated positions)"),
     examples={
         # a vision config wrapped in the dual config; CLIP's at a non-native size
         "hf_clip_cls": Example(hf_builder("CLIPForImageClassification", "CLIPVisionConfig",

@@ -96,6 +96,16 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
     supports="Hugging Face VideoMAEForVideoClassification and VideoMAEModel (videos "
              "[B, T, C, H, W])",
     tags=("classifier", "embedding", "video"),
+    notes=("Videos `[B, T, C, H, W]`: tubelet tokens of `tubelet_size` frames × `patch_size`², "
+           "the fixed sinusoid table, mean pooling + `fc_norm` or the first-tubelet row; fixed "
+           "`num_frames` and `image_size`: ✅ maps per tubelet: `output=\"tokens\"` `[B, "
+           "F·gh·gw]`, `\"grid\"` `[B, 1, F, gh, gw]`, pixels shaped like the video (a one-slice "
+           "video's maps equal a timm twin's to 1e-10, every method; token removal equals the "
+           "model's own `bool_masked_pos`); RISE and ViT-CX mask tubelets (token removal); "
+           "deletion/insertion with token removal or pixel baselines over tubelets; LRP "
+           "`at=\"pixels\"` through the tubelet projection; `viz.plot_video` writes a GIF/MP4 — "
+           "refused: RISE/ViT-CX pixel masks, the localisation metrics, the removal metrics' "
+           "`unit=\"pixel\"`"),
     examples={
         "hf_videomae": Example(_example("VideoMAEForVideoClassification",
                                         use_mean_pooling=True), (4, 16, 16),

@@ -38,6 +38,14 @@ def _hf(cls_name: str, cfg_name: str, size: tuple[int, int] = (32, 32),
              "DeiTForImageClassification(WithTeacher), "
              "Dinov2(WithRegisters)ForImageClassification",
     tags=("classifier", "variable-size"),
+    notes=("`ViTForImageClassification`, `DeiTForImageClassification`, "
+           "`DeiTForImageClassificationWithTeacher`: ✅ (maps equal a timm twin's to 1e-10). "
+           "`Dinov2ForImageClassification`, `Dinov2WithRegistersForImageClassification` (GELU "
+           "MLP, or SwiGLU with transformers ≥ 5): ✅ (the classifier's `[CLS ; patch mean]` is "
+           "followed exactly by DecompX/IxG; attention maps read `α CLS + (1 − α) patch mean`: "
+           "`α = ½` by default (the CLS-plus-patch-mean readout of BT and txv for DINO), any `α` "
+           "or `\"logit\"` — the CLS share of the explained logit, per image — inside "
+           "`captum_vit.adapters.readout_alpha(model, alpha)`)"),
     examples={
         "hf_vit": _hf("ViTForImageClassification", "ViTConfig"),
         # a non-native size: the model's own interpolation of the position embeddings

@@ -97,7 +97,13 @@ def is_hf_yolos(model: nn.Module) -> bool:
     is_hf_yolos,
     supports="Hugging Face YolosForObjectDetection (use_mid_position_embeddings=False; "
              "explained through DetectionTarget)",
-    tags=("detection",))
+    tags=("detection",),
+    notes=("`use_mid_position_embeddings=False`, e.g. `hustvl/yolos-tiny`; any input size "
+           "divisible by the patch: ✅ with `DetectionTarget` (detection tokens are prefix rows "
+           "`[CLS, det, patches]`, kept by token removal; the chosen token is read out as a "
+           "class token: maps equal a DeiT twin's to 1e-12, every method but Chefer'21, whose "
+           "LRP treats a model's linear head by its own rule) — refused: class-index targets, "
+           "mid-position embeddings"))
 class HFYolosAdapter(ViTAdapter):
     """Canonical view of a Hugging Face ``YolosForObjectDetection`` (never modified).
 

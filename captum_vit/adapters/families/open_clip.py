@@ -219,6 +219,20 @@ def _example(*, dual: bool = False, quick_gelu: bool = False,
     supports="OpenCLIP image towers (open_clip VisionTransformer with pool_type 'tok' or "
              "'avg' or CoCa's attention pool, alone or inside open_clip.CLIP or CoCa)",
     tags=("embedding", "vlm-tower", "packed"),
+    notes=("`open_clip_torch`, extra `openclip`: `open_clip.transformer.VisionTransformer` "
+           "(`model.visual`) or the dual `open_clip.CLIP` / `CustomTextCLIP` / `CoCa` (its "
+           "`encode_image`); `pool_type` `'tok'` or `'avg'`, `final_ln_after_pool`, CoCa's "
+           "attention pool (`ln_k`, learned queries after `ln_q`, `ln_post` on the first pooled "
+           "query), GELU or QuickGELU, LayerScale, with or without `ln_pre` and `proj`; fixed "
+           "input size `image_size`; `--model open_clip:ARCH[:PATH]` (local weights only): ✅ "
+           "with vector targets; text prompts through "
+           "`captum_vit.targets.clip_text_target(model, tokenizer, texts)` (also for Hugging "
+           "Face `CLIPModel` / `SiglipModel`); maps equal a timm twin's whose logit is `⟨e, t⟩` "
+           "to 1e-10, every method but Chefer'21 (its α1β0 rule depends on how the head is split "
+           "into linear maps; CoCa's pool against timm's `map` pool) — refused: the `'parallel'` "
+           "/ `'cascade'` attention pools, `pool_type='none'`, custom blocks (`qk_norm`, "
+           "`scaled_cosine_attn`, `scale_heads`, `scale_attn_inner`, `scale_attn`, `scale_fc`), "
+           "ResNet and timm-trunk towers"),
     examples={
         # CLS pooling, GELU, the dual model
         "open_clip": Example(_example(dual=True), (32, 32), library="open_clip",

@@ -280,6 +280,14 @@ class _SamAdapter(ViTAdapter):
     name="hf_sam",
     supports="SAM's image encoder: Hugging Face SamModel, SamVisionModel and SamVisionEncoder",
     tags=("embedding", "windowed"),
+    notes=("`SamModel`, `SamVisionModel` (or its `SamVisionEncoder`): SAM's image encoder "
+           "(`vision_encoder`: windowed blocks padded on the grid, global blocks, decomposed "
+           "relative positions, absolute position embedding, the conv neck; the configured "
+           "`image_size`): ✅ with vector targets on the grid mean of the neck's output, and "
+           "`SamMaskTarget` (a mask of SAM's own prompt encoder and mask decoder); windowed "
+           "attention as in Swin: matrix methods as vector chains, global blocks are one window "
+           "over the grid — refused by name: TIS and true token removal (remove pixels: RISE, "
+           "ViT-CX)"),
     examples={
         # windows of 3 padded on the 4x4 grid, a global block, decomposed relative
         # positions; the embedding is the grid mean of the neck's output (its own tests)
@@ -413,6 +421,12 @@ class HFSamAdapter(_SamAdapter):
     name="timm_sam",
     supports="SAM's image encoder in timm: VisionTransformerSAM",
     tags=("classifier", "windowed"),
+    notes=("`samvit_*`: the same encoder as Hugging Face's SAM, `use_rel_pos` or none, "
+           "LayerScale, `pre_norm`; the neck or a final LayerNorm2d, average pooling and a "
+           "linear `head.fc`, or `num_classes=0` for the pooled embedding; fixed image size: ✅ "
+           "as the Hugging Face SAM encoder, with class targets through the neck and the head "
+           "(DecompX complete through both, 1e-10) — refused: rotary windows (`use_rope`), an "
+           "MLP head (`head_hidden_size`), pooling other than `'avg'`"),
     examples={
         # windowed blocks padded on a 5x5 grid, one global block, decomposed relative
         # positions, the conv neck, a linear head

@@ -94,6 +94,13 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
     name="timm_swin",
     supports="timm SwinTransformer (v1; not SwinTransformerV2)",
     tags=("classifier", "windowed", "hierarchical"),
+    notes=("Windowed attention with cyclic shift, seam mask, padding to whole windows and "
+           "relative position bias, patch merges between stages (read through "
+           "`adapters/windows.py`), mean readout after the final norm; the configured "
+           "`img_size`: ✅ maps on the first stage's grid (56 × 56 for Swin-T at 224 px; see "
+           "[Swin](#swin-transformers) below for what each method does there) — refused by name: "
+           "TIS and true token removal (use RISE / ViT-CX and the metrics' pixel removal), "
+           "`SwinTransformerV2`"),
     examples={
         "timm_swin": Example(_example(window_size=2), (32, 32)),
         # a 10x10 grid padded to whole windows of 3, an odd 5x5 second stage
@@ -338,6 +345,12 @@ def _twin_example(**extra: Any) -> Callable[..., nn.Module]:
     name="hf_swin",
     supports="Hugging Face SwinForImageClassification and SwinModel (at the configured size)",
     tags=("classifier", "embedding", "windowed", "hierarchical"),
+    notes=("`SwinForImageClassification`; `SwinModel` through its `pooler_output`, with vector "
+           "targets: ✅ as timm's Swin (forward equal to 1e-12 in float64 with SDPA attention; "
+           "maps equal a timm twin's to 1e-10 where the windows divide the grids — with padding "
+           "and a shift the two libraries differ: Hugging Face pads before the roll, timm after, "
+           "and each adapter follows its model) — refused: as timm's Swin, `Swinv2*`, other "
+           "input sizes"),
     examples={
         # the timm examples' twins (weights mapped)
         "hf_swin": Example(_twin_example(window_size=2), (32, 32), library="transformers"),

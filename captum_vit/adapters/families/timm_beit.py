@@ -73,6 +73,9 @@ def is_timm_beit(model: nn.Module) -> bool:
     is_timm_beit,
     supports="timm Beit (relative position bias, GELU or SwiGLU MLP)",
     tags=("classifier",),
+    notes=("Relative position bias per block or shared, absolute or no position embedding, mean "
+           "or class-token pooling, LayerScale; GELU MLP or SwiGLU with optional hidden norm; "
+           "fixed image size: ✅ (a kept token keeps its bias row and column under token removal)"),
     examples={
         "beit": Example(timm_builder(*_BEIT, _SQUARE, use_rel_pos_bias=True,
                                      use_abs_pos_emb=False, global_pool="avg",

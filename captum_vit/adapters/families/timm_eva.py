@@ -137,6 +137,13 @@ def is_timm_eva(model: nn.Module) -> bool:
     is_timm_eva,
     supports="timm Eva (EVA, EVA-02, DINOv3: RoPE, gated MLP)",
     tags=("classifier", "embedding", "variable-size"),
+    notes=("EVA-01/EVA-02 (absolute + rotary position embedding, SwiGLU or packed GluMlp, inner "
+           "attention norm, LayerScale), DINOv3-style (RoPE with rotate-half, registers, no "
+           "absolute embedding), separate or fused q/k/v, q/k norm, `AttentionRope`, dynamic "
+           "size, token/avg/map pooling: ✅ (RoPE only on patch rows, from timm's own tables; "
+           "under token removal and TIS a kept token keeps the RoPE row of its original "
+           "position; TokenTM applies the inner norm's frozen linear map) — refused: post-norm "
+           "blocks, depth-dependent (`mixed`) RoPE, `mrope`, gated or grouped-query attention"),
     examples={
         "eva02": Example(timm_builder(*_EVA, _SQUARE, use_rot_pos_emb=True, rope_type="cat",
                                       swiglu_mlp=True, scale_mlp=True, scale_attn_inner=True,

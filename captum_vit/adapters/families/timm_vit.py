@@ -38,6 +38,19 @@ def _vit(size: tuple[int, int] = _SQUARE, **extra: Any) -> Example:
              "global_pool='token'/'avg'/'map', LayerScale, qk-norm, dynamic_img_size; not the "
              "hybrid CNN-stem ViTs)",
     tags=("classifier", "embedding", "variable-size"),
+    notes=("Token or avg pooling, registers, LayerScale, qk-norm, dynamic size: ✅ (with "
+           "`num_classes=0` the model outputs its pooled embedding and takes vector targets, as "
+           "do `Eva` and `Beit`). Attention-pool heads (`global_pool='map'`, SigLIP-style, with "
+           "or without class/register tokens; read as `PoolParts`): ✅ attention maps read the "
+           "pool's attention over the tokens (`mean_h A_p[0, :]`; gradient-weighted methods "
+           "`mean_h ReLU(∇A_p ⊙ A_p)[0, :]`, no identity); `RawAttention` returns it "
+           "(`source=\"last_block\"`: times the last block's attention); AttnGradCAM runs on "
+           "`A_p`; TokenTM uses the pool's transformation weights; DecompX propagates through "
+           "the pool (complete); token removal pools over the kept tokens. Hybrid ViTs "
+           "(`vision_transformer_hybrid`, e.g. `vit_small_r26_s32_224`; ViTamin; `HybridEmbed` "
+           "with a CNN (ResNet) stem): refused with a `TypeError` naming `HybridEmbed` and the "
+           "stem: the tokens are the CNN's feature map, not pixel patches; use a plain ViT, or "
+           "Captum's `LayerGradCam(model, model.patch_embed.backbone)`"),
     examples={
         "vit": _vit(),
         "distilled": Example(timm_builder("timm.models.deit", "VisionTransformerDistilled",

@@ -110,6 +110,11 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
     supports="torchvision VisionTransformer (every vit_* builder, representation_size head "
              "included; not conv_stem_configs)",
     tags=("classifier", "packed"),
+    notes=("Every `vit_*` builder; the `representation_size` head, `pre_logits` + Tanh, "
+           "included; fixed input size `image_size`: ✅ (maps equal a timm twin's with the same "
+           "weights to 1e-10, every method; `nn.MultiheadAttention`'s fused inference path "
+           "changes the model's own output only by rounding) — refused: a convolutional stem "
+           "(`conv_stem_configs`)"),
     examples={
         "torchvision": Example(_example(), (32, 32), library="torchvision"),
         # pre_logits + Tanh
