@@ -122,8 +122,7 @@ class GAE(PLUSFastPath, ScoredAttribution):
             >>> from captum_vit import PLUS
             >>> gradsam = PLUS(model, "gae", aggregate="layer").attribute(images)
         """
-        check_choice("aggregate", aggregate, AGGREGATES)
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         first = min(layers)
         need = layers if aggregate == "layer" else range(first, self.adapter.num_blocks)
         w, abar = self._relevance(inputs, target, need, score)
