@@ -177,7 +177,7 @@ class _DocumentedFront(ViTGradientAttribution):
             own.__kwdefaults__ = dict(base.__kwdefaults__ or {})
             own.__annotations__ = dict(base.__annotations__)
             own.__module__, own.__qualname__ = cls.__module__, f"{cls.__qualname__}.attribute"
-            own.__doc__ = _attribute_doc(cls)
+            own.__doc__ = _attribute_doc(cls, "heads" in inspect.signature(base).parameters)
             cls.attribute = log_usage()(own)
         super().__init_subclass__(**kwargs)  # after: ViTFront wraps the class's own attribute
 
@@ -204,6 +204,30 @@ class ScoredAttribution(_DocumentedFront):
         return self._attribute(inputs, target, output, score=score)
 
 
+class HeadsAttribution(_DocumentedFront):
+    """Base of the methods with per-head maps whose ``attribute`` takes ``score``,
+    ``heads`` and ``output``; a subclass sets ``per_head = True`` and documents
+    ``attribute`` with ``score_doc``, ``returns_doc`` and ``examples_doc``.
+
+    Examples::
+
+        >>> from captum_vit.methods._front import HeadsAttribution
+        >>> class MyMethod(HeadsAttribution):
+        ...     per_head = True
+        ...     examples_doc = ">>> attr = MyMethod(model).attribute(images, heads='all')"
+        ...     def _head_maps(self, inputs, target, *, score="logit", **_):
+        ...         ...
+    """
+
+    score_doc = COMMON_ARGS["score"]
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  heads: str = "mean", output: str = "pixels") -> Tensor:
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score, heads=heads)
+
+
 class PlainAttribution(_DocumentedFront):
     """Base of the methods whose ``attribute`` takes ``output`` only (no options); a
     subclass documents it with ``returns_doc`` and ``examples_doc``."""
@@ -222,11 +246,11 @@ def _hanging(text: str, indent: str) -> str:
     return first.strip() + ("\n" + rest if rest else "")
 
 
-def _attribute_doc(cls: type[_DocumentedFront]) -> str:
+def _attribute_doc(cls: type[_DocumentedFront], heads: bool) -> str:
     examples = textwrap.indent(textwrap.dedent(cls.examples_doc).strip("\n"), "    ")
     return _filled("\n".join([
         "", "Args:", "    {inputs}", "    " + _hanging(cls.target_doc, "        "),
         *(["    " + _hanging(cls.score_doc, "        ")] if cls.score_doc else []),
-        "    {output}", "", "Returns:",
+        *(["    {heads}"] if heads else []), "    {output}", "", "Returns:",
         "    Tensor: " + _hanging(cls.returns_doc, "    "), "", "Examples::", "", examples,
         ""]), COMMON_ARGS)

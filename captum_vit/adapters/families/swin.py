@@ -34,7 +34,7 @@ from captum_vit.adapters.families._timm import (
     timm_gelus,
     timm_head,
 )
-from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.families._torch import is_loaded_instance, loaded_class
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, require_timm
@@ -55,8 +55,8 @@ def _timm_swin_v2(model: nn.Module) -> bool:
 def is_timm_swin(model: nn.Module) -> bool:
     """``True`` for timm's ``SwinTransformer`` (and, to refuse them by name, its V2
     classes)."""
-    v1 = loaded_class("timm.models.swin_transformer", "SwinTransformer")
-    return (v1 is not None and isinstance(model, v1)) or _timm_swin_v2(model)
+    return (is_loaded_instance(model, "timm.models.swin_transformer", "SwinTransformer")
+            or _timm_swin_v2(model))
 
 
 def is_hf_swin(model: nn.Module) -> bool:
