@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from captum_vit._base import (
+    SCORES,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -297,6 +298,18 @@ class PLUSFastPath:
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **options: Any) -> Tensor:
         return self.plus_maps(inputs, target, [0], **options)[0]
+
+    def check_plus_options(self, aggregate: str, score: str = "logit") -> None:
+        """Check the options a :meth:`plus_maps` reads first: ``aggregate``, a value of
+        :attr:`plus_aggregates`, and ``score``, a value of
+        :data:`~captum_vit._base.SCORES` (``ValueError`` naming the argument otherwise).
+
+        Args:
+            aggregate (str): the ``aggregate`` given to :meth:`plus_maps`.
+            score (str, optional): the ``score`` given to :meth:`plus_maps`.
+        """
+        check_choice("aggregate", aggregate, self.plus_aggregates)
+        check_choice("score", score, SCORES)
 
 
 class GradientRoute(PLUSFastPath):

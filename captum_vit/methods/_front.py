@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from captum.log import log_usage
@@ -70,17 +70,86 @@ def fill_doc(func: F) -> F:
         ...         {output}
         ...     '''
     """
-    func.__doc__ = _filled(func.__doc__ or "")
+    func.__doc__ = _filled(func.__doc__ or "", COMMON_ARGS)
     return func
 
 
-def _filled(doc: str) -> str:
+def fill_doc_with(fragments: Mapping[str, str]) -> Callable[[F], F]:
+    """Decorator factory: :func:`fill_doc` with more placeholders, ``fragments`` (a
+    module's own shared descriptions, e.g. the options of a family of classes); works on
+    functions and classes.
+
+    Args:
+        fragments (Mapping[str, str]): text per placeholder name, beside
+            :data:`COMMON_ARGS`.
+
+    Returns:
+        Callable: the decorator.
+
+    Examples::
+
+        >>> @fill_doc_with({"layer": "layer (int, optional): the block read."})
+        ... class MyCAM:
+        ...     '''
+        ...     Args:
+        ...         {layer}
+        ...     '''
+    """
+    table = {**COMMON_ARGS, **fragments}
+
+    def fill(obj: F) -> F:
+        obj.__doc__ = _filled(obj.__doc__ or "", table)
+        return obj
+
+    return fill
+
+
+PLUS_RETURNS = """Returns:
+    Tensor: token maps [len(layers), B, N].
+
+Examples::
+
+    >>> from captum_vit import SkipPLUS
+    >>> attr = SkipPLUS(model, "{name}").attribute(images, target=labels)"""
+"""The Returns and Examples sections of every ``plus_maps`` (placeholder
+``{plus_returns}``; ``name`` is the method's registered name)."""
+
+
+def plus_doc(name: str) -> Callable[[F], F]:
+    """Decorator of a ``plus_maps`` (the PLUS / SkipPLUS fast path): :func:`fill_doc`'s
+    placeholders, and ``{plus_returns}``, its Returns and Examples sections
+    (:data:`PLUS_RETURNS`, the example over the registered ``name``).
+
+    Args:
+        name (str): the method's registered name.
+
+    Returns:
+        Callable: the decorator.
+
+    Examples::
+
+        >>> class MyMethod(PLUSFastPath, ViTGradientAttribution):
+        ...     @plus_doc("my_method")
+        ...     def plus_maps(self, inputs, target, layers, *, aggregate="subnetwork"):
+        ...         '''The map of every sub-network.
+        ...
+        ...         Args:
+        ...             {plus_args}
+        ...             aggregate (str): ``"subnetwork"`` only.
+        ...
+        ...         {plus_returns}
+        ...         '''
+    """
+    return fill_doc_with({"plus_returns": PLUS_RETURNS.format(name=name)})
+
+
+def _filled(doc: str, fragments: Mapping[str, str]) -> str:
     lines = []
     for line in doc.split("\n"):
         name = line.strip()[1:-1] if line.strip().startswith("{") else ""
-        if line.strip() == "{" + name + "}" and name in COMMON_ARGS:
+        if line.strip() == "{" + name + "}" and name in fragments:
             pad = line[:len(line) - len(line.lstrip())]
-            lines.append(textwrap.indent(COMMON_ARGS[name], pad))
+            lines.append(textwrap.indent(fragments[name], pad))
         else:
             lines.append(line)
     return "\n".join(lines)
@@ -108,7 +177,7 @@ class _DocumentedFront(ViTGradientAttribution):
             own.__kwdefaults__ = dict(base.__kwdefaults__ or {})
             own.__annotations__ = dict(base.__annotations__)
             own.__module__, own.__qualname__ = cls.__module__, f"{cls.__qualname__}.attribute"
-            own.__doc__ = _attribute_doc(cls)
+            own.__doc__ = _attribute_doc(cls, "heads" in inspect.signature(base).parameters)
             cls.attribute = log_usage()(own)
         super().__init_subclass__(**kwargs)  # after: ViTFront wraps the class's own attribute
 
@@ -135,6 +204,30 @@ class ScoredAttribution(_DocumentedFront):
         return self._attribute(inputs, target, output, score=score)
 
 
+class HeadsAttribution(_DocumentedFront):
+    """Base of the methods with per-head maps whose ``attribute`` takes ``score``,
+    ``heads`` and ``output``; a subclass sets ``per_head = True`` and documents
+    ``attribute`` with ``score_doc``, ``returns_doc`` and ``examples_doc``.
+
+    Examples::
+
+        >>> from captum_vit.methods._front import HeadsAttribution
+        >>> class MyMethod(HeadsAttribution):
+        ...     per_head = True
+        ...     examples_doc = ">>> attr = MyMethod(model).attribute(images, heads='all')"
+        ...     def _head_maps(self, inputs, target, *, score="logit", **_):
+        ...         ...
+    """
+
+    score_doc = COMMON_ARGS["score"]
+
+    @log_usage()
+    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
+                  heads: str = "mean", output: str = "pixels") -> Tensor:
+        check_choice("score", score, SCORES)
+        return self._attribute(inputs, target, output, score=score, heads=heads)
+
+
 class PlainAttribution(_DocumentedFront):
     """Base of the methods whose ``attribute`` takes ``output`` only (no options); a
     subclass documents it with ``returns_doc`` and ``examples_doc``."""
@@ -153,11 +246,11 @@ def _hanging(text: str, indent: str) -> str:
     return first.strip() + ("\n" + rest if rest else "")
 
 
-def _attribute_doc(cls: type[_DocumentedFront]) -> str:
+def _attribute_doc(cls: type[_DocumentedFront], heads: bool) -> str:
     examples = textwrap.indent(textwrap.dedent(cls.examples_doc).strip("\n"), "    ")
     return _filled("\n".join([
         "", "Args:", "    {inputs}", "    " + _hanging(cls.target_doc, "        "),
         *(["    " + _hanging(cls.score_doc, "        ")] if cls.score_doc else []),
-        "    {output}", "", "Returns:",
+        *(["    {heads}"] if heads else []), "    {output}", "", "Returns:",
         "    Tensor: " + _hanging(cls.returns_doc, "    "), "", "Examples::", "", examples,
-        ""]))
+        ""]), COMMON_ARGS)

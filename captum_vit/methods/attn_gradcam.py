@@ -5,25 +5,21 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
-    SCORES,
-    TargetLike,
     accumulation_dtype,
-    check_choice,
     gradients_with_pool,
     readout_rows,
     resolve_target,
     target_scores,
 )
-from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods._front import HeadsAttribution
 from captum_vit.methods.table import register_method
 
 
 @register_method("attn_gradcam", kind="gradient_attention")
-class AttnGradCAM(ScoredAttribution):
+class AttnGradCAM(HeadsAttribution):
     r"""Grad-CAM for ViTs: head weights :math:`w_h = \mathrm{mean}_{j \in patches}
     \nabla A^h[r, j]` of the last block, map
     :math:`m = \mathrm{ReLU}(\mathrm{mean}_h\, w_h A^h[r, :])`. With an attention-pool
@@ -47,30 +43,11 @@ class AttnGradCAM(ScoredAttribution):
     """PLUS evaluates it on a one-block window: the map at block ``l``."""
     per_head = True
     """``attribute`` takes ``heads="all"``: one map per head."""
-
-    @log_usage()
-    @fill_doc
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  heads: str = "mean", output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            {inputs}
-            {target}
-            {score}
-            {heads}
-            {output}
-
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import AttnGradCAM
-            >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
-            >>> per_head = AttnGradCAM(model).attribute(images, target=3, heads="all")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score, heads=heads)
+    examples_doc = """
+        >>> from captum_vit import AttnGradCAM
+        >>> attr = AttnGradCAM(model).attribute(images, target=3, output="grid")
+        >>> per_head = AttnGradCAM(model).attribute(images, target=3, heads="all")
+    """
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -44,7 +44,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import FusedOps, Trace, ViTAdapter
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import fill_doc
+from captum_vit.methods._front import fill_doc, plus_doc
 from captum_vit.methods.table import register_method
 
 N_STEPS = 20
@@ -187,10 +187,20 @@ def _support(w: Tensor) -> Tensor:
     return (w != 0).any(0).nonzero().squeeze(1)
 
 
-class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
-    """Shared machinery of :class:`BTH` and :class:`BTT` (``variant`` set by each)."""
+class FeedbackMethod(PLUSFastPath, ViTGradientAttribution):
+    """The options of the methods weighted by the :func:`reasoning_feedback` (BT-H, BT-T,
+    TAM): the chain's ``start_layer`` and the integrated gradient's ``n_steps`` and
+    ``internal_batch_size``, checked in the constructor and overridable per call.
 
-    variant = "head"
+    Examples::
+
+        >>> from captum_vit.methods.bt import FeedbackMethod
+        >>> class MyMethod(FeedbackMethod):
+        ...     def plus_maps(self, inputs, target, layers, *, start_layer=None, **_):
+        ...         s, n, ibs = self._step_options(start_layer, None, None)
+        ...         ...
+    """
+
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, internal_batch_size: int | None = None) -> None:
         self.n_steps = check_steps(n_steps)
@@ -199,14 +209,31 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
         self.start_layer = None if start_layer is None else check_layer(
             "start_layer", start_layer, self.adapter.num_blocks)
 
-    def _options(self, start_layer: int | None, n_steps: int | None,
-                 internal_batch_size: int | None) -> tuple[int | None, int, int | None]:
+    def _step_options(self, start_layer: int | None, n_steps: int | None,
+                      internal_batch_size: int | None) -> tuple[int | None, int, int | None]:
+        """The options of one call: each given one checked, else the constructor's."""
         if start_layer is not None:
             check_layer("start_layer", start_layer, self.adapter.num_blocks)
         return (self.start_layer if start_layer is None else start_layer,
                 self.n_steps if n_steps is None else check_steps(n_steps),
                 self.internal_batch_size if internal_batch_size is None
                 else check_internal_batch_size(internal_batch_size))
+
+    def _trace_starts(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int],
+                      start_layer: int | None, default: int
+                      ) -> tuple[dict[int, int], Trace, Tensor]:
+        """The fast path's start: the block where each sub-network's chain starts
+        (:func:`start_blocks`), then the trace of ``inputs`` with gradients and the
+        target resolved on its logits."""
+        starts = start_blocks(start_layer, default, self.adapter.num_blocks, layers)
+        tr = self.adapter.trace(inputs, grad=True)
+        return starts, tr, resolve_target(target, tr.require_logits())
+
+
+class _BeyondIntuition(FeedbackMethod):
+    """Shared machinery of :class:`BTH` and :class:`BTT` (``variant`` set by each)."""
+
+    variant = "head"
 
     @log_usage()
     @fill_doc
@@ -235,13 +262,13 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
             >>> quick = BTT(model).attribute(images, target=labels, n_steps=5,
             ...                              output="grid")
         """
-        self._options(start_layer, n_steps, internal_batch_size)
+        self._step_options(start_layer, n_steps, internal_batch_size)
         check_choice("score", score, SCORES)
         return self._attribute(inputs, target, output, start_layer=start_layer,
                                n_steps=n_steps, internal_batch_size=internal_batch_size,
                                score=score)
 
-    @fill_doc
+    @plus_doc("bt_h")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", start_layer: int | None = None,
@@ -263,23 +290,14 @@ class _BeyondIntuition(PLUSFastPath, ViTGradientAttribution):
             aggregate (str): ``"subnetwork"`` only (``W ⊙ R`` has no per-block form).
             start_layer, n_steps, internal_batch_size, score: as in :meth:`attribute`.
 
-        Returns:
-            Tensor: token maps [len(layers), B, N].
-
-        Examples::
-
-            >>> from captum_vit import SkipPLUS
-            >>> attr = SkipPLUS(model, "bt_h").attribute(images, target=labels)
+        {plus_returns}
         """
-        check_choice("aggregate", aggregate, self.plus_aggregates)
-        check_choice("score", score, SCORES)
-        s, n, ibs = self._options(start_layer, n_steps, internal_batch_size)
+        self.check_plus_options(aggregate, score)
+        s, n, ibs = self._step_options(start_layer, n_steps, internal_batch_size)
         ad = self.adapter
         st = ad.stages
         L = ad.num_blocks
-        starts = start_blocks(s, START_LAYER, L, layers)  # l -> l + s
-        tr = ad.trace(inputs, grad=True)
-        t = resolve_target(target, tr.require_logits())
+        starts, tr, t = self._trace_starts(inputs, target, layers, s, START_LAYER)  # l -> l + s
         attns = [rec.require_attn() for rec in tr.blocks]
         first = min(starts.values())
         scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)

@@ -55,7 +55,6 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    SCORES,
     accumulation_dtype,
     check_choice,
     check_scalar,
@@ -67,7 +66,7 @@ from captum_vit.methods._engines import (
     block_gradients,
     block_layer,
 )
-from captum_vit.methods._front import ScoredAttribution
+from captum_vit.methods._front import ScoredAttribution, fill_doc_with
 from captum_vit.methods.table import register_method
 
 GRADCAM_PP_EPS = 1e-6
@@ -82,6 +81,18 @@ EPS = XGRADCAM_EPS
 
 WEIGHT_TOKENS = ("all", "patches")
 """Token sets ``T`` over which channel weights are computed."""
+
+CAM_ARGS = {
+    "cam_args": "model (torch.nn.Module): a supported Vision Transformer.\n"
+                "layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = "
+                "``L-1``.\n"
+                "relu (bool, optional): clip the map at 0 (default True).",
+    "cam_at": "at (str, optional): where block ``layer`` is read: ``\"residual\"`` (default, "
+              "its\n    input :math:`x_l`) or ``\"norm1\"`` (its first LayerNorm's output,\n"
+              "    pytorch-grad-cam's ViT recipe).",
+}
+"""The constructor arguments the CAM classes share (placeholders ``{cam_args}``: model,
+layer, relu; ``{cam_at}``: at), filled by :func:`~captum_vit.methods._front.fill_doc_with`."""
 
 
 class _TokenCAM(PLUSFastPath, ScoredAttribution):
@@ -142,8 +153,7 @@ class _TokenCAM(PLUSFastPath, ScoredAttribution):
             >>> from captum_vit import SkipPLUS
             >>> maps = SkipPLUS(model, "gradcam").attribute(images)
         """
-        check_choice("aggregate", aggregate, ("subnetwork", "layer"))
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         xs, gs, _t = block_gradients(self.adapter, inputs, target, layers, score=score,
                                      at=self.at)
         k = self.adapter.num_prefix
@@ -205,6 +215,7 @@ class _ChannelWeightCAM(_TokenCAM):
 
 
 @register_method("gradcam", kind="cam")
+@fill_doc_with(CAM_ARGS)
 class GradCAM(_ChannelWeightCAM):
     r"""Grad-CAM (Selvaraju et al. 2017) on the tokens of block ``layer``:
     :math:`w_c = \mathrm{mean}_{t \in T} G[t, c]`, :math:`m_j = \sum_c w_c X[j, c]`, with
@@ -227,9 +238,7 @@ class GradCAM(_ChannelWeightCAM):
         weight_tokens (str, optional): token set ``T`` of the channel weights: ``"all"``
             (default, prefix and patch tokens, the SkipPLUS authors' code) or
             ``"patches"`` (patch tokens only, pytorch-grad-cam's ViT reshape).
-        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
-            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
-            pytorch-grad-cam's ViT recipe).
+        {cam_at}
 
     Examples::
 
@@ -246,6 +255,7 @@ class GradCAM(_ChannelWeightCAM):
 
 
 @register_method("gradcam_pp", kind="cam")
+@fill_doc_with(CAM_ARGS)
 class GradCAMPlusPlus(_ChannelWeightCAM):
     r"""Grad-CAM++ (Chattopadhyay et al. 2018) on the tokens of block ``layer``, in the
     closed form of pytorch-grad-cam (exponential score, second and third powers of the
@@ -270,14 +280,10 @@ class GradCAMPlusPlus(_ChannelWeightCAM):
     another implementation, and compare maps only at the same :math:`\varepsilon`.
 
     Args:
-        model (torch.nn.Module): a supported Vision Transformer.
-        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
-        relu (bool, optional): clip the map at 0 (default True).
+        {cam_args}
         weight_tokens (str, optional): ``"all"`` (default) or ``"patches"``: the token set
             ``T`` of :math:`\alpha`'s activation sum and of :math:`w_c`.
-        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
-            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
-            pytorch-grad-cam's ViT recipe).
+        {cam_at}
         eps (float, optional): :math:`\varepsilon` of :math:`\alpha`'s denominator,
             ``>= 0``. Default ``1e-6`` (pytorch-grad-cam's).
 
@@ -302,6 +308,7 @@ class GradCAMPlusPlus(_ChannelWeightCAM):
 
 
 @register_method("xgradcam", kind="cam", variants={"xgradcam_plus": {"plus": True}})
+@fill_doc_with(CAM_ARGS)
 class XGradCAM(_ChannelWeightCAM):
     r"""XGrad-CAM (Fu et al. 2020) on the tokens of block ``layer``, and XGradCAM+
     (SkipPLUS) with ``plus=True``:
@@ -318,15 +325,11 @@ class XGradCAM(_ChannelWeightCAM):
     form avoids that.
 
     Args:
-        model (torch.nn.Module): a supported Vision Transformer.
-        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
-        relu (bool, optional): clip the map at 0 (default True).
+        {cam_args}
         weight_tokens (str, optional): ``"all"`` (default) or ``"patches"``: the token set
             ``T`` of the sums.
         plus (bool, optional): XGradCAM+ (default False).
-        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
-            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
-            pytorch-grad-cam's ViT recipe).
+        {cam_at}
         eps (float, optional): :math:`\varepsilon` of the denominator, ``>= 0``. Default
             ``1e-7`` (pytorch-grad-cam's).
 
@@ -350,6 +353,7 @@ class XGradCAM(_ChannelWeightCAM):
 
 
 @register_method("layercam", kind="cam")
+@fill_doc_with(CAM_ARGS)
 class LayerCAM(_TokenCAM):
     r"""LayerCAM (Jiang et al. 2021) at one block: :math:`m_j = \sum_c \mathrm{ReLU}(G[j,
     c])\, X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
@@ -358,12 +362,8 @@ class LayerCAM(_TokenCAM):
     combination of this map and not part of this class.
 
     Args:
-        model (torch.nn.Module): a supported Vision Transformer.
-        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
-        relu (bool, optional): clip the map at 0 (default True).
-        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
-            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
-            pytorch-grad-cam's ViT recipe).
+        {cam_args}
+        {cam_at}
 
     Examples::
 
@@ -376,6 +376,7 @@ class LayerCAM(_TokenCAM):
 
 
 @register_method("hirescam", kind="cam")
+@fill_doc_with(CAM_ARGS)
 class HiResCAM(_TokenCAM):
     r"""HiResCAM (Draelos & Carin 2020) at one block: :math:`m_j = \sum_c G[j, c]\,
     X[j, c]` with :math:`X = x_l`, :math:`G = \partial s_c / \partial x_l`.
@@ -384,12 +385,8 @@ class HiResCAM(_TokenCAM):
     block ``l`` (:class:`~captum_vit.methods.ixg.TokenIxG` ``(model, layer=l)``).
 
     Args:
-        model (torch.nn.Module): a supported Vision Transformer.
-        layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
-        relu (bool, optional): clip the map at 0 (default True).
-        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
-            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
-            pytorch-grad-cam's ViT recipe).
+        {cam_args}
+        {cam_at}
 
     Examples::
 
@@ -402,6 +399,7 @@ class HiResCAM(_TokenCAM):
 
 
 @register_method("gradcam_elementwise", kind="cam")
+@fill_doc_with(CAM_ARGS)
 class GradCAMElementWise(_TokenCAM):
     r"""Element-wise Grad-CAM (pytorch-grad-cam's ``GradCAMElementWise``) at one block:
     :math:`m_j = \sum_c \mathrm{ReLU}(G[j, c]\, X[j, c])`. Never below
@@ -412,9 +410,7 @@ class GradCAMElementWise(_TokenCAM):
         layer (int, optional): block ``l`` in ``[0, L-1]``; ``None`` (default) = ``L-1``.
         relu (bool, optional): clip the map at 0 (default True; the map is non-negative
             anyway).
-        at (str, optional): where block ``layer`` is read: ``"residual"`` (default, its
-            input :math:`x_l`) or ``"norm1"`` (its first LayerNorm's output,
-            pytorch-grad-cam's ViT recipe).
+        {cam_at}
 
     Examples::
 

@@ -26,9 +26,7 @@ from torch import Tensor, nn
 
 from captum_vit._base import (
     AGGREGATES,
-    SCORES,
     accumulation_dtype,
-    check_choice,
     check_layer,
     gradients,
     readout_rows,
@@ -38,7 +36,7 @@ from captum_vit._base import (
 from captum_vit.adapters import CheferOps, Trace, ViTAdapter
 from captum_vit.adapters import divide as _divide
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods._front import ScoredAttribution, plus_doc
 from captum_vit.methods.table import register_method
 
 
@@ -169,7 +167,7 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
         ...                                                output="grid")
     """
 
-    @fill_doc
+    @plus_doc("chefer21")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
@@ -188,16 +186,9 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
             aggregate (str): ``"subnetwork"`` or ``"layer"``.
             score (str): ``"logit"`` (default) or ``"probability"``.
 
-        Returns:
-            Tensor: token maps [len(layers), B, N].
-
-        Examples::
-
-            >>> from captum_vit import SkipPLUS
-            >>> attr = SkipPLUS(model, "chefer21").attribute(images, target=labels)
+        {plus_returns}
         """
-        check_choice("aggregate", aggregate, AGGREGATES)
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         L = self.adapter.num_blocks
         s = self.start_layer if aggregate == "subnetwork" else 0
         for l in layers:  # the check the method makes on each (L - l)-block sub-network

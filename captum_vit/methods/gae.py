@@ -6,15 +6,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
-from captum.log import log_usage
 from torch import Tensor
 
 from captum_vit._base import (
     AGGREGATES,
-    SCORES,
-    TargetLike,
     accumulation_dtype,
-    check_choice,
     gradients_with_pool,
     readout_rows,
     resolve_target,
@@ -22,12 +18,12 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import BlockRecord, Heads
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods._front import HeadsAttribution, fill_doc
 from captum_vit.methods.table import register_method
 
 
 @register_method("gae", kind="gradient_attention")
-class GAE(PLUSFastPath, ScoredAttribution):
+class GAE(PLUSFastPath, HeadsAttribution):
     r"""Gradient-weighted attention relevance (GAE, "GenAtt" in SkipPLUS).
 
     With :math:`R = I` and, for every block :math:`l = 0 .. L-1`,
@@ -66,34 +62,16 @@ class GAE(PLUSFastPath, ScoredAttribution):
     plus_aggregates = AGGREGATES
     per_head = True
     """``attribute`` takes ``heads="all"``: one map per head of the last block."""
-
-    @log_usage()
-    @fill_doc
-    def attribute(self, inputs: Tensor, target: TargetLike = None, *, score: str = "logit",
-                  heads: str = "mean", output: str = "pixels") -> Tensor:
-        r"""
-        Args:
-            {inputs}
-            {target}
-            score (str, optional): ``"logit"`` (default, as the paper) or
-                ``"probability"``.
-            {heads}
-            {output}
-
-        Returns:
-            Tensor: the attribution map in the requested ``output`` format.
-
-        Examples::
-
-            >>> from captum_vit import GAE
-            >>> from captum.attr import NoiseTunnel
-            >>> attr = GAE(model).attribute(images, target=labels)
-            >>> smooth = NoiseTunnel(GAE(model)).attribute(
-            ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
-            >>> per_head = GAE(model).attribute(images, target=labels, heads="all")
-        """
-        check_choice("score", score, SCORES)
-        return self._attribute(inputs, target, output, score=score, heads=heads)
+    score_doc = """score (str, optional): ``"logit"`` (default, as the paper) or
+        ``"probability"``."""
+    examples_doc = """
+        >>> from captum_vit import GAE
+        >>> from captum.attr import NoiseTunnel
+        >>> attr = GAE(model).attribute(images, target=labels)
+        >>> smooth = NoiseTunnel(GAE(model)).attribute(
+        ...     images, nt_type="smoothgrad", stdevs=0.1, target=labels)
+        >>> per_head = GAE(model).attribute(images, target=labels, heads="all")
+    """
 
     @fill_doc
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
@@ -122,8 +100,7 @@ class GAE(PLUSFastPath, ScoredAttribution):
             >>> from captum_vit import PLUS
             >>> gradsam = PLUS(model, "gae", aggregate="layer").attribute(images)
         """
-        check_choice("aggregate", aggregate, AGGREGATES)
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         first = min(layers)
         need = layers if aggregate == "layer" else range(first, self.adapter.num_blocks)
         w, abar = self._relevance(inputs, target, need, score)

@@ -43,7 +43,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import Ops, TargetHead, Trace
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import fill_doc
+from captum_vit.methods._front import fill_doc, plus_doc
 from captum_vit.methods.table import register_method
 from captum_vit.targets import embedding_target
 
@@ -187,7 +187,7 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         return self._attribute(inputs, target, output, score=score, null_target=null_target,
                                null_threshold=null_threshold)
 
-    @fill_doc
+    @plus_doc("legrad")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit", null_target: Any = None,
@@ -205,16 +205,9 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
             aggregate (str): ``"subnetwork"`` only.
             score, null_target, null_threshold: as for :meth:`attribute`.
 
-        Returns:
-            Tensor: token maps [len(layers), B, N].
-
-        Examples::
-
-            >>> from captum_vit import SkipPLUS
-            >>> attr = SkipPLUS(model, "legrad").attribute(images, target=labels)
+        {plus_returns}
         """
-        check_choice("aggregate", aggregate, self.plus_aggregates)
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         check_scalar(null_threshold, "null_threshold", float, min_val=0.0, max_val=1.0)
         L = self.adapter.num_blocks
         # stages (Swin): the readout reads the last stage's tokens only

@@ -41,7 +41,7 @@ from captum_vit._base import (
 )
 from captum_vit.adapters import ACT_RULES, ATTENTION_RULES, LRPOps, Ops, Trace, ViTAdapter
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import ScoredAttribution, fill_doc
+from captum_vit.methods._front import ScoredAttribution, plus_doc
 from captum_vit.methods._masks import patch_sums
 from captum_vit.methods.table import register_method
 
@@ -131,7 +131,7 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
                              at=self.at, embed_ops=self.embed_ops)[0]
         return maps[0]
 
-    @fill_doc
+    @plus_doc("attnlrp")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str = "logit") -> Tensor:
@@ -145,13 +145,7 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
             aggregate (str): ``"subnetwork"`` only (no per-block matrix).
             score (str): ``"logit"`` (default) or ``"probability"``.
 
-        Returns:
-            Tensor: token maps [len(layers), B, N].
-
-        Examples::
-
-            >>> from captum_vit import SkipPLUS
-            >>> attr = SkipPLUS(model, "attnlrp").attribute(images, target=labels)
+        {plus_returns}
         """
         if aggregate != "subnetwork":
             raise ValueError(f"aggregate={aggregate!r} is not defined for "

@@ -26,24 +26,18 @@ from torch import Tensor, nn
 from captum_vit._base import (
     SCORES,
     TargetLike,
-    ViTGradientAttribution,
     accumulation_dtype,
     check_choice,
-    check_layer,
     check_scalar,
     gradients,
     readout_rows,
-    resolve_target,
     target_scores,
 )
-from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import fill_doc
+from captum_vit.methods._front import fill_doc, plus_doc
 from captum_vit.methods.bt import (
     N_STEPS,
-    check_internal_batch_size,
-    check_steps,
+    FeedbackMethod,
     reasoning_feedback,
-    start_blocks,
 )
 from captum_vit.methods.table import register_method
 
@@ -52,7 +46,7 @@ START_LAYER = 4
 
 
 @register_method("tam", kind="gradient_attention", quick={"n_steps": 5})
-class TAM(PLUSFastPath, ViTGradientAttribution):
+class TAM(FeedbackMethod):
     r"""Transition Attention Maps (Yuan et al. 2021).
 
     Markov-chain state :math:`\sigma = w \bar A_{L-1}` (head-mean attention of the last
@@ -111,24 +105,15 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, integrated: bool = True,
                  internal_batch_size: int | None = None) -> None:
-        self.n_steps = check_steps(n_steps)
         self.integrated = check_scalar(integrated, "integrated", bool)
-        self.internal_batch_size = check_internal_batch_size(internal_batch_size)
-        super().__init__(model)
-        self.start_layer = None if start_layer is None else check_layer(
-            "start_layer", start_layer, self.adapter.num_blocks)
+        super().__init__(model, start_layer, n_steps, internal_batch_size)
 
     def _options(self, start_layer: int | None, n_steps: int | None,
                  integrated: bool | None, internal_batch_size: int | None
                  ) -> tuple[int | None, int, bool, int | None]:
-        if start_layer is not None:
-            check_layer("start_layer", start_layer, self.adapter.num_blocks)
-        return (self.start_layer if start_layer is None else start_layer,
-                self.n_steps if n_steps is None else check_steps(n_steps),
-                self.integrated if integrated is None
-                else check_scalar(integrated, "integrated", bool),
-                self.internal_batch_size if internal_batch_size is None
-                else check_internal_batch_size(internal_batch_size))
+        s, n, ibs = self._step_options(start_layer, n_steps, internal_batch_size)
+        return (s, n, self.integrated if integrated is None
+                else check_scalar(integrated, "integrated", bool), ibs)
 
     @log_usage()
     @fill_doc
@@ -163,7 +148,7 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
                                n_steps=n_steps, integrated=integrated,
                                internal_batch_size=internal_batch_size, score=score)
 
-    @fill_doc
+    @plus_doc("tam")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", start_layer: int | None = None,
@@ -184,23 +169,14 @@ class TAM(PLUSFastPath, ViTGradientAttribution):
             start_layer, n_steps, integrated, internal_batch_size, score: as in
                 :meth:`attribute`.
 
-        Returns:
-            Tensor: token maps [len(layers), B, N].
-
-        Examples::
-
-            >>> from captum_vit import SkipPLUS
-            >>> attr = SkipPLUS(model, "tam").attribute(images, target=labels)
+        {plus_returns}
         """
-        check_choice("aggregate", aggregate, self.plus_aggregates)
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         s, n, integ, ibs = self._options(start_layer, n_steps, integrated, internal_batch_size)
         ad = self.adapter
         st = ad.stages
         L = ad.num_blocks
-        starts = start_blocks(s, START_LAYER, L, layers)  # l -> l + s
-        tr = ad.trace(inputs, grad=True)
-        t = resolve_target(target, tr.require_logits())
+        starts, tr, t = self._trace_starts(inputs, target, layers, s, START_LAYER)  # l -> l + s
         last = tr.blocks[-1].require_attn()
         (g,) = gradients(target_scores(tr.require_logits(), t, score, self.adapter.probability),
                          [last], trace=tr)  # last block

@@ -38,7 +38,7 @@ from captum_vit._base import (
 from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, PoolParts, Trace, ValuePath
 from captum_vit.adapters.scoring import scores_are_classes
 from captum_vit.methods._engines import PLUSFastPath
-from captum_vit.methods._front import fill_doc
+from captum_vit.methods._front import fill_doc, plus_doc
 from captum_vit.methods.table import register_method
 
 VARIANTS = ("paper", "residual")
@@ -415,7 +415,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         m = a.mean(1) * g.relu_().mean(1)
         return r + self.adapter.stages.token_mix(r, m, l) * terms.w_attn
 
-    @fill_doc
+    @plus_doc("tokentm")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
                   aggregate: str = "subnetwork", score: str | None = None) -> Tensor:
@@ -435,13 +435,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             aggregate (str): ``"subnetwork"``.
             score (str, optional): as in :meth:`attribute` (``None``: :func:`default_score`).
 
-        Returns:
-            Tensor: token maps [len(layers), B, N].
-
-        Examples::
-
-            >>> from captum_vit import SkipPLUS
-            >>> attr = SkipPLUS(model, "tokentm").attribute(images, target=labels)
+        {plus_returns}
         """
         if aggregate != "subnetwork":
             raise ValueError(f"aggregate must be 'subnetwork' for TokenTM, got {aggregate!r}: "

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit._base import (
-    SCORES,
     accumulation_dtype,
     check_choice,
     check_layer,
@@ -118,8 +117,7 @@ class VanillaGrad(PLUSFastPath, ScoredAttribution):
             >>> from captum_vit import PLUS
             >>> maps = PLUS(model, "vanilla_grad").attribute(images)
         """
-        check_choice("aggregate", aggregate, ("subnetwork",))
-        check_choice("score", score, SCORES)
+        self.check_plus_options(aggregate, score)
         at = [l + self.layer for l in layers]
         if at and max(at) > self.adapter.num_blocks:
             raise ValueError(f"layer={self.layer} from start block {max(layers)} passes the "

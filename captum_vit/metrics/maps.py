@@ -78,17 +78,17 @@ def patch_maps(attribution: AttributionLike, inputs: Tensor, target: Tensor | No
 
 
 def _to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce: str) -> Tensor:
-    if layout.frames is not None:
-        return _video_to_patches(maps, inputs, layout, pixel_reduce)
     b = inputs.shape[0]
     (gh, gw), p = layout.grid, layout.num_patches
     h, w = inputs.shape[-2:]
     shape = tuple(maps.shape)
     if shape[:1] != (b,):
         raise ValueError(f"attribution maps have shape {shape} but the batch has "
-                         f"{count_noun(b, 'image')}")
+                         f"{count_noun(b, 'image' if layout.frames is None else 'video')}")
     if maps.dim() == 2 and shape[1] == p:
         return maps
+    if layout.frames is not None:
+        return _video_to_patches(maps, inputs, layout, pixel_reduce)
     if maps.dim() == 2 and shape[1] == layout.num_tokens:
         raise ValueError(f"attribution maps have {shape[1]} columns = all tokens; drop the "
                          f"{layout.num_prefix} prefix columns (keep the {p} patch scores)")
@@ -111,16 +111,12 @@ def _video_to_patches(maps: Tensor, inputs: Tensor, layout: Layout, pixel_reduce
                       ) -> Tensor:
     """Tubelet scores [B, P] of video maps: [B, P], a grid [B, 1, F, gh, gw] / [B, F, gh,
     gw], or frame maps [B, T, H, W] / [B, T, C, H, W] pooled over each tubelet's frames,
-    channels and pixels (``pixel_reduce``)."""
+    channels and pixels (``pixel_reduce``); the batch size and [B, P] are checked by
+    :func:`_to_patches`."""
     b, t = inputs.shape[0], inputs.shape[1]
     f, (gh, gw), p = cast(int, layout.frames), layout.frame_grid, layout.num_patches  # a video
     h, w = inputs.shape[-2:]
     shape = tuple(maps.shape)
-    if shape[:1] != (b,):
-        raise ValueError(f"attribution maps have shape {shape} but the batch has "
-                         f"{count_noun(b, 'video')}")
-    if maps.dim() == 2 and shape[1] == p:
-        return maps
     if shape[1:] in ((1, f, gh, gw), (f, gh, gw)):
         return maps.reshape(b, p)
     if maps.dim() in (4, 5) and shape[1] == t and shape[-2:] == (h, w):

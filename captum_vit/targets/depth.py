@@ -7,10 +7,11 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters.hf_depth import HFDepthHead
-from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.adapters.scoring import Outputs
+from captum_vit.targets.score import _SelectedTarget
 
 
-class DepthTarget(Target):
+class DepthTarget(_SelectedTarget):
     r"""``Σ select ⊙ predicted_depth``: the depth a ``DPTForDepthEstimation`` or
     ``DepthAnythingForDepthEstimation`` predicts in a region, explained on its DINOv2
     backbone.
@@ -61,6 +62,7 @@ class DepthTarget(Target):
     """
 
     reads_tokens = True
+    shared_dims = 2
     blocks: tuple[int, ...]  # always the head's (never None)
 
     def __init__(self, model: nn.Module, select: Tensor) -> None:
@@ -71,7 +73,7 @@ class DepthTarget(Target):
         if select.dim() not in (2, 3):
             raise ValueError(f"DepthTarget's select must be [h, w] (every image) or [B, h, w] "
                              f"(one per image), got shape {tuple(select.shape)}")
-        self.select = select.float() if select.dtype == torch.bool else select
+        self._set_select(select)
         empty = (~(self.select != 0).reshape(-1, *self.select.shape[-2:]).flatten(1).any(1)
                  ).nonzero()[:, 0].tolist()
         if empty:
@@ -84,16 +86,6 @@ class DepthTarget(Target):
     def __repr__(self) -> str:
         return (f"DepthTarget({type(self.head.model).__name__}, "
                 f"select={tuple(self.select.shape)})")
-
-    def _per_image(self) -> bool:
-        return self.select.dim() == 3
-
-    def num_columns(self, num_classes: int) -> int:
-        return self.select.shape[0] if self._per_image() else 1
-
-    def index(self, batch: int) -> Tensor:
-        k = self.select.shape[0] if self._per_image() else 1
-        return per_image(torch.arange(k), batch, "DepthTarget's select")
 
     def depth(self, out: Outputs) -> Tensor:
         """The model's ``predicted_depth`` ``[n, h, w]`` from the block outputs in ``out``."""

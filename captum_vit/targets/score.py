@@ -310,7 +310,34 @@ class TokenTarget(_IndexedScores):
         return _as_columns(self.fn(states), out, self)
 
 
-class HeadTarget(Target):
+class _SelectedTarget(Target):
+    """A target that weights a model output by a tensor ``select``: one selection for every
+    image, or one per image with a leading ``B`` (:attr:`shared_dims` dimensions, or one
+    more). Per image, :meth:`index` hands each image its own selection.
+
+    Attributes:
+        select (Tensor): the weights (a boolean mask is stored as 0/1 floats).
+        shared_dims (int): the dimensions of a selection that every image shares.
+    """
+
+    select: Tensor
+    shared_dims: int = 0
+
+    def _set_select(self, select: Tensor) -> None:
+        self.select = select.float() if select.dtype == torch.bool else select
+
+    def _per_image(self) -> bool:
+        return self.select.dim() == self.shared_dims + 1
+
+    def num_columns(self, num_classes: int) -> int:
+        return self.select.shape[0] if self._per_image() else 1
+
+    def index(self, batch: int) -> Tensor:
+        k = self.select.shape[0] if self._per_image() else 1
+        return per_image(torch.arange(k), batch, f"{type(self).__name__}'s select")
+
+
+class HeadTarget(_SelectedTarget):
     r"""``Σ select ⊙ head(patch grid)``: a segmentation or depth head of your own on the
     patch tokens, and the region of its output you ask about.
 
@@ -337,6 +364,7 @@ class HeadTarget(Target):
     """
 
     reads_tokens = True
+    shared_dims = 3
 
     def __init__(self, head: Callable[..., Tensor] | nn.Module, select: Tensor,
                  blocks: int | Sequence[int] | None = None) -> None:
@@ -345,22 +373,12 @@ class HeadTarget(Target):
         if not isinstance(select, Tensor):
             raise TypeError(f"HeadTarget's select must be a tensor, got {type(select).__name__}")
         self.head = head
-        self.select = select.float() if select.dtype == torch.bool else select
+        self._set_select(select)
         self.blocks = None if blocks is None else (
             (blocks,) if isinstance(blocks, int) else tuple(blocks))
 
     def __repr__(self) -> str:
         return f"HeadTarget({type(self.head).__name__}, select={tuple(self.select.shape)})"
-
-    def _per_image(self) -> bool:
-        return self.select.dim() == 4
-
-    def num_columns(self, num_classes: int) -> int:
-        return self.select.shape[0] if self._per_image() else 1
-
-    def index(self, batch: int) -> Tensor:
-        k = self.select.shape[0] if self._per_image() else 1
-        return per_image(torch.arange(k), batch, "HeadTarget's select")
 
     def columns(self, out: Outputs) -> Tensor:
         grid: Tensor | list[Tensor]

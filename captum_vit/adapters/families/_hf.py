@@ -1,6 +1,7 @@
 """Readers of Hugging Face transformers' ViT-like modules, written once for the
 Hugging Face families: the layer reader :func:`layer_parts` (ViT, DeiT, DINOv2, CLIP,
-SigLIP, VideoMAE and YOLOS layers), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
+SigLIP, VideoMAE and YOLOS layers) and :func:`encoder_blocks`, the patch-grid geometry
+:class:`HFPatchGrid` (with YOLOS), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
 backbone and CLIP/SigLIP adapters extend, and :func:`is_transformers_model`.
 
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
@@ -108,7 +109,63 @@ def layer_parts(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
     )
 
 
-class HFViTBase(ViTAdapter):
+def encoder_blocks(layers: Sequence[nn.Module], cfg: Any, name: str) -> list[BlockParts]:
+    """The blocks of a Hugging Face encoder's ``layers`` (:func:`layer_parts` each).
+
+    Args:
+        layers (sequence of nn.Module): the encoder's layers, in order.
+        cfg: the model's configuration (``num_attention_heads``).
+        name (str): the model's class name, for the messages.
+
+    Returns:
+        list of BlockParts: one per layer.
+
+    Raises:
+        TypeError: the encoder has no layers.
+    """
+    if len(layers) == 0:
+        raise TypeError(f"{name} has no transformer layers")
+    return [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
+            for i, layer in enumerate(layers)]
+
+
+class HFPatchGrid(ViTAdapter):
+    """The geometry shared by the Hugging Face adapters with a fixed patch size (ViT, DeiT,
+    DINOv2, BEiT, CLIP/SigLIP towers, YOLOS): the configuration, the input shape and its
+    check, the dropout test and the token layout. A subclass sets :attr:`model`,
+    ``in_chans``, ``num_prefix``, ``readout`` and the blocks."""
+
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    @property
+    def config(self) -> Any:
+        """The configuration of the vision transformer (image and patch size, heads)."""
+        return self.model.config
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, pair(self.config.image_size)
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        self.check_patch_multiple(inputs, pair(self.config.patch_size))
+
+    def is_random(self) -> bool:
+        cfg = self.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
+
+    def layout(self, inputs: Tensor) -> Layout:
+        h, w = inputs.shape[-2:]
+        ph, pw = pair(self.config.patch_size)
+        return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
+                      patch_size=(ph, pw), readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)),
+                      alpha=self.cls_alpha if self.readout == "cls_mean" else 0.5)
+
+
+class HFViTBase(HFPatchGrid):
     """Canonical view of a Hugging Face ViT / DeiT image classifier (never modified): the
     engine of :class:`~captum_vit.adapters.HFViTAdapter` and its kin."""
 
@@ -123,10 +180,7 @@ class HFViTBase(ViTAdapter):
         cfg = model.config
         layers = getattr(self.backbone, "layers", None)
         self.layers = self.backbone.encoder.layer if layers is None else layers
-        if len(self.layers) == 0:
-            raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
-                       for i, layer in enumerate(self.layers)]
+        self.blocks = encoder_blocks(self.layers, cfg, name)
         self.in_chans = int(cfg.num_channels)
         emb = self.backbone.embeddings
         self.num_prefix = 1 + hasattr(emb, "distillation_token") + int(
@@ -170,38 +224,11 @@ class HFViTBase(ViTAdapter):
                                            != self.model.classifier.weight.data_ptr()):
             self.head = self._head()
 
-    @property
-    def config(self) -> Any:
-        """The configuration of the vision transformer (image and patch size, heads)."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, pair(self.config.image_size)
-
     def _size_kwargs(self, inputs: Tensor) -> dict[str, bool]:
         """``interpolate_pos_encoding`` for another size than the config's (ViT, DeiT)."""
         if not self.interpolates:
             return {}
         return {"interpolate_pos_encoding": tuple(inputs.shape[-2:]) != self.input_shape[1]}
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        self.check_patch_multiple(inputs, pair(self.config.patch_size))
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        h, w = inputs.shape[-2:]
-        ph, pw = pair(self.config.patch_size)
-        return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
-                      patch_size=(ph, pw), readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)),
-                      alpha=self.cls_alpha if self.readout == "cls_mean" else 0.5)
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.

@@ -71,3 +71,24 @@ def loaded_class(module: str, name: str) -> type | None:
     """
     cls = getattr(sys.modules.get(module), name, None)
     return cls if isinstance(cls, type) else None
+
+
+def is_loaded_instance(model: object, module: str, name: str) -> bool:
+    """Whether ``model`` is an instance of the class ``name`` of ``module``
+    (:func:`loaded_class`: ``False`` while that module is not imported).
+
+    Args:
+        model (object): the model asked about.
+        module (str): a dotted module name, e.g. ``"timm.models.eva"``.
+        name (str): a class defined there, e.g. ``"Eva"``.
+
+    Returns:
+        bool: ``isinstance(model, module.name)``, without importing ``module``.
+
+    Examples::
+
+        >>> is_loaded_instance(object(), "no.such.module", "Model")
+        False
+    """
+    cls = loaded_class(module, name)
+    return cls is not None and isinstance(model, cls)

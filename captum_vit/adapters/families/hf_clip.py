@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import hf_builder
-from captum_vit.adapters.families._hf import HFViTBase, is_transformers_model, layer_parts
+from captum_vit.adapters.families._hf import HFViTBase, encoder_blocks, is_transformers_model
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
@@ -127,10 +127,7 @@ class HFEmbeddingAdapter(HFViTBase):
         self.backbone = _tower(model)
         cfg = self.config
         self.layers = self.backbone.encoder.layers
-        if len(self.layers) == 0:
-            raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
-                       for i, layer in enumerate(self.layers)]
+        self.blocks = encoder_blocks(self.layers, cfg, name)
         self.in_chans = int(cfg.num_channels)
         self.siglip = not hasattr(self.backbone.embeddings, "class_embedding")
         self.num_prefix = 0 if self.siglip else 1

@@ -52,10 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import register_family
-from captum_vit.adapters.families._hf import is_transformers_model, layer_parts, pair
-from captum_vit.adapters.layout import Layout
+from captum_vit.adapters.families._hf import HFPatchGrid, encoder_blocks, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts, NormParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
@@ -104,7 +102,7 @@ def is_hf_yolos(model: nn.Module) -> bool:
            "class token: maps equal a DeiT twin's to 1e-12, every method but Chefer'21, whose "
            "LRP treats a model's linear head by its own rule) — refused: class-index targets, "
            "mid-position embeddings"))
-class HFYolosAdapter(ViTAdapter):
+class HFYolosAdapter(HFPatchGrid):
     """Canonical view of a Hugging Face ``YolosForObjectDetection`` (never modified).
 
     Attributes:
@@ -135,10 +133,7 @@ class HFYolosAdapter(ViTAdapter):
                 "hustvl/yolos-tiny")
         self.backbone = model.vit
         self.layers = self.backbone.encoder.layer
-        if len(self.layers) == 0:
-            raise TypeError(f"{name} has no transformer layers")
-        self.blocks = [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
-                       for i, layer in enumerate(self.layers)]
+        self.blocks = encoder_blocks(self.layers, cfg, name)
         self.in_chans = int(cfg.num_channels)
         self.num_queries = int(cfg.num_detection_tokens)
         if self.num_queries < 1:
@@ -152,33 +147,6 @@ class HFYolosAdapter(ViTAdapter):
         self.box_mlp = _mlp(model.bbox_predictor.layers, f"{name}.bbox_predictor")
         norm = _norm(self.backbone.layernorm, f"{name}.vit.layernorm")
         self.head = HeadParts(norm, None, ((0, None, None),))  # the normed CLS row
-
-    # -- geometry ------------------------------------------------------------------------
-    @property
-    def config(self) -> Any:
-        """The model's ``YolosConfig``."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, pair(self.config.image_size)
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        self.check_patch_multiple(inputs, pair(self.config.patch_size))
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        h, w = inputs.shape[-2:]
-        ph, pw = pair(self.config.patch_size)
-        return Layout(num_prefix=self.num_prefix, grid=(int(h) // ph, int(w) // pw),
-                      patch_size=(ph, pw), readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)))
 
     # -- embedding -----------------------------------------------------------------------
     def _reorder(self, x: Tensor) -> Tensor:

@@ -79,7 +79,7 @@ from captum_vit.adapters.families._timm import (
     timm_gelus,
     timm_head,
 )
-from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, NeckHeadParts, NormParts, require_timm
@@ -222,14 +222,14 @@ def is_hf_sam(model: nn.Module) -> bool:
         return True
     if not type(model).__module__.startswith("transformers.models.sam."):
         return False
-    encoder = loaded_class("transformers.models.sam.modeling_sam", "SamVisionEncoder")
-    return encoder is not None and isinstance(model, encoder)  # not at transformers' top
+    return is_loaded_instance(  # not at transformers' top
+        model, "transformers.models.sam.modeling_sam", "SamVisionEncoder")
 
 
 def is_timm_sam(model: nn.Module) -> bool:
     """``True`` for timm's ``VisionTransformerSAM``."""
-    sam = loaded_class("timm.models.vision_transformer_sam", "VisionTransformerSAM")
-    return sam is not None and isinstance(model, sam)
+    return is_loaded_instance(model, "timm.models.vision_transformer_sam",
+                              "VisionTransformerSAM")
 
 
 class _SamAdapter(ViTAdapter):

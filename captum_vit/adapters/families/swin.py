@@ -34,7 +34,7 @@ from captum_vit.adapters.families._timm import (
     timm_gelus,
     timm_head,
 )
-from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.families._torch import is_loaded_instance, loaded_class
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, require_timm
@@ -55,8 +55,8 @@ def _timm_swin_v2(model: nn.Module) -> bool:
 def is_timm_swin(model: nn.Module) -> bool:
     """``True`` for timm's ``SwinTransformer`` (and, to refuse them by name, its V2
     classes)."""
-    v1 = loaded_class("timm.models.swin_transformer", "SwinTransformer")
-    return (v1 is not None and isinstance(model, v1)) or _timm_swin_v2(model)
+    return (is_loaded_instance(model, "timm.models.swin_transformer", "SwinTransformer")
+            or _timm_swin_v2(model))
 
 
 def is_hf_swin(model: nn.Module) -> bool:
@@ -210,10 +210,14 @@ class TimmSwinAdapter(ViTAdapter):
             blocks += [list(blk.parameters()) for blk in stage.blocks]
         return stages + blocks[::-1]
 
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        """The patch size ``(ph, pw)`` of the patch embedding."""
+        return _pair(self.model.patch_embed.patch_size)
+
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        self.check_fixed_size(inputs, tuple(self.model.patch_embed.img_size),
-                              type(self.model).__name__)
+        self.check_fixed_size(inputs, self.input_shape[1], type(self.model).__name__)
 
     def is_random(self) -> bool:
 
@@ -223,7 +227,7 @@ class TimmSwinAdapter(ViTAdapter):
         self.refresh()
         h, w = inputs.shape[-2:]
         return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
-                      patch_size=tuple(self.model.patch_embed.patch_size), readout=self.readout,
+                      patch_size=self.patch_size, readout=self.readout,
                       num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
                       image_size=(int(h), int(w)))
 
@@ -466,22 +470,14 @@ class HFSwinAdapter(TimmSwinAdapter):
                 blocks[-1] += list(stage.downsample.parameters())
         return stages + blocks[::-1]
 
-    def check_inputs(self, inputs: Tensor) -> None:
-        ViTAdapter.check_inputs(self, inputs)
-        self.check_fixed_size(inputs, _pair(self.model.config.image_size),
-                              type(self.model).__name__)
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        return _pair(self.model.config.patch_size)
 
     def is_random(self) -> bool:
         cfg = self.model.config
         return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
             "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        h, w = inputs.shape[-2:]
-        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
-                      patch_size=_pair(self.model.config.patch_size), readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)))
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's ``embeddings`` (patch projection, norm, absolute positions if

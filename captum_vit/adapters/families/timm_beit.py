@@ -38,7 +38,7 @@ from captum_vit.adapters.families._timm import (
     timm_gelus,
     timm_head,
 )
-from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts
 
@@ -65,8 +65,7 @@ _SQUARE = (32, 32)
 
 def is_timm_beit(model: nn.Module) -> bool:
     """``True`` for timm's ``Beit``."""
-    beit = loaded_class(*_BEIT)
-    return beit is not None and isinstance(model, beit)
+    return is_loaded_instance(model, *_BEIT)
 
 
 @register_family(

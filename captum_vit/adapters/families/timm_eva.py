@@ -75,7 +75,7 @@ from captum_vit.adapters.families._timm import (
     timm_gelus,
     timm_head,
 )
-from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts
 
@@ -129,8 +129,7 @@ _SQUARE = (32, 32)
 
 def is_timm_eva(model: nn.Module) -> bool:
     """``True`` for timm's ``Eva`` (EVA, EVA-02, DINOv3, ...)."""
-    eva = loaded_class(*_EVA)
-    return eva is not None and isinstance(model, eva)
+    return is_loaded_instance(model, *_EVA)
 
 
 @register_family(

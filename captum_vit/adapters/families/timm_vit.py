@@ -15,7 +15,7 @@ from torch import nn
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import timm_builder
 from captum_vit.adapters.families._timm import TimmViTBase
-from captum_vit.adapters.families._torch import loaded_class
+from captum_vit.adapters.families._torch import is_loaded_instance
 
 _VIT = ("timm.models.vision_transformer", "VisionTransformer")
 _SQUARE = (32, 32)
@@ -23,8 +23,7 @@ _SQUARE = (32, 32)
 
 def is_timm_vit(model: nn.Module) -> bool:
     """``True`` for timm's ``VisionTransformer`` and its subclasses (DeiT distilled)."""
-    vit = loaded_class(*_VIT)
-    return vit is not None and isinstance(model, vit)
+    return is_loaded_instance(model, *_VIT)
 
 
 def _vit(size: tuple[int, int] = _SQUARE, **extra: Any) -> Example:
