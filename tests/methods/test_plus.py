@@ -195,7 +195,7 @@ def test_bad_arguments():
         PLUS(model, Saliency(model))
     with pytest.raises(TypeError, match="factory returned"):
         PLUS(model, lambda f: 3)
-    with pytest.raises(TypeError, match="nested"):  # GAE composes (tests/methods/test_plus_compositions.py)
+    with pytest.raises(TypeError, match="nested"):  # GAE composes (test_plus_compositions.py)
         SkipPLUS(model, PLUS)
     with pytest.raises(ValueError, match="empty"):
         PLUS(model, "ixg", layers=[])
