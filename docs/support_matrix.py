@@ -165,93 +165,6 @@ def _images(size: tuple[int, ...], seed: int = 1) -> Tensor:
                                 (size[0], 3, *size[1:])), generator=g).to(DTYPE)
 
 
-def _sam() -> nn.Module:
-    """SAM (``SamModel``): its image encoder at 32 px, patch 4 (an 8 x 8 grid), 3 x 3
-    windows padded to whole windows, one global block, decomposed relative positions, the
-    conv neck; a small prompt encoder and mask decoder."""
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.SamModel(transformers.SamConfig(
-        vision_config=dict(hidden_size=WIDTH, num_hidden_layers=3, num_attention_heads=4,
-                           image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
-                           output_channels=16, mlp_dim=2 * WIDTH, num_pos_feats=8),
-        prompt_encoder_config=dict(hidden_size=16, image_size=32, patch_size=4),
-        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                 mlp_dim=32, iou_head_hidden_dim=16)))
-
-
-def _yolos(mid: bool = False) -> nn.Module:
-    import transformers
-
-    cfg = transformers.YolosConfig(
-        image_size=[32, 48], patch_size=8, num_channels=3, hidden_size=WIDTH,
-        num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=2 * WIDTH,
-        num_labels=4, num_detection_tokens=3, use_mid_position_embeddings=mid,
-        layer_norm_eps=1e-6)
-    torch.manual_seed(0)
-    return transformers.YolosForObjectDetection(cfg)
-
-
-VLM_IMAGE_ID = 299
-"""The image placeholder id of the tiny LLaVA's prompt."""
-
-
-def _llava() -> nn.Module:
-    import transformers
-
-    vc = transformers.CLIPVisionConfig(hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                                       num_hidden_layers=DEPTH, num_attention_heads=4,
-                                       image_size=32, patch_size=8)
-    tc = transformers.LlamaConfig(vocab_size=300, hidden_size=WIDTH,
-                                  intermediate_size=2 * WIDTH, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128)
-    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc,
-                                   image_token_id=VLM_IMAGE_ID)
-    torch.manual_seed(0)
-    return transformers.LlavaForConditionalGeneration(cfg)
-
-
-def _paligemma() -> nn.Module:
-    import transformers
-
-    cfg = transformers.PaliGemmaConfig(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": WIDTH,
-                       "intermediate_size": 2 * WIDTH, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
-                       "vision_use_head": False},
-        text_config={"model_type": "gemma", "vocab_size": 299, "hidden_size": 24,
-                     "intermediate_size": 48, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12},
-        image_token_id=VLM_IMAGE_ID, projection_dim=24, hidden_size=24, vocab_size=299)
-    torch.manual_seed(0)
-    return transformers.PaliGemmaForConditionalGeneration(cfg)
-
-
-def _depth(cls_name: str) -> nn.Module:
-    """DPT (5 backbone blocks, x_1 .. x_4 read, the CLS projected into the patches) or
-    Depth Anything (4 blocks, all read) on a DINOv2 backbone, 28×28 inputs, patch 7."""
-    import transformers
-
-    dpt = cls_name == "DPTForDepthEstimation"
-    backbone = transformers.Dinov2Config(
-        image_size=28, patch_size=7, num_channels=3, hidden_size=WIDTH,
-        num_hidden_layers=5 if dpt else 4, num_attention_heads=4,
-        intermediate_size=2 * WIDTH, layer_norm_eps=1e-6, layerscale_value=0.5,
-        apply_layernorm=True, reshape_hidden_states=False, out_indices=[1, 2, 3, 4])
-    common = dict(backbone_config=backbone, neck_hidden_sizes=[8, 16, 16, 32],
-                  fusion_hidden_size=16, reassemble_factors=[4, 2, 1, 0.5])
-    if dpt:
-        cfg = transformers.DPTConfig(is_hybrid=False, hidden_size=WIDTH,
-                                     readout_type="project", **common)
-    else:
-        cfg = transformers.DepthAnythingConfig(patch_size=7, head_hidden_size=8,
-                                               reassemble_hidden_size=WIDTH, **common)
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(cfg)
-
-
 @dataclass
 class Setup:
     """A family ready to run: the model explained, its inputs and its targets."""
@@ -305,7 +218,6 @@ _OT = "video, detection, VLM, depth"
 _WI = "windowed: Swin, SAM"
 _BEIT = "timm.models.beit.Beit"
 _NONSQUARE = (24, 40)
-HF_ = ("transformers",)
 
 @dataclass(frozen=True)
 class Info:
@@ -415,10 +327,32 @@ EXAMPLE_INFO: dict[str, Info] = {
     "hf_sam": Info("hf_sam_vision", "SAM vision encoder", _WI, ("embedding",),
                    "SamVisionModel (windows of 3 padded on a 4×4 grid, a global block, the "
                    "neck's grid mean)"),
+    "hf_yolos": Info("hf_yolos", "YOLOS", _OT, ("detection",), "YolosForObjectDetection"),
+    "hf_yolos_mid": Info("hf_yolos_mid", "YOLOS mid-positions", _OT, ("detection",),
+                         "YolosForObjectDetection, use_mid_position_embeddings=True"),
+    "hf_llava": Info("hf_llava", "LLaVA", _OT, ("vlm",),
+                     "LlavaForConditionalGeneration (its CLIP vision tower)"),
+    "hf_paligemma": Info("hf_paligemma", "PaliGemma", _OT, ("vlm",),
+                         "PaliGemmaForConditionalGeneration (its 2-block SigLIP tower)"),
+    "hf_dpt": Info("hf_dpt", "DPT", _OT, ("depth",),
+                   "DPTForDepthEstimation (its 5-block DINOv2 backbone, patch 7)"),
+    "hf_depth_anything": Info("hf_depth_anything", "Depth Anything", _OT, ("depth",),
+                              "DepthAnythingForDepthEstimation (its 4-block DINOv2 backbone, "
+                              "patch 7)"),
+    "hf_swin_model": Info("hf_swin_model", "HF Swin backbone", _WI, ("embedding",),
+                          "SwinModel (pooler output; the timm_swin example's twin)"),
+    "hf_sam_model": Info("hf_sam", "SAM", _WI, ("embedding", "sam_mask"),
+                         "SamModel (its image encoder; the prompt encoder and mask decoder "
+                         "for SamMaskTarget)"),
 }
 """The matrix's names, labels, groups and target kinds of the family catalogue's examples
-(:mod:`captum_vit.adapters.catalog`); an example without an entry gets a column from its
-tags (:func:`family_list`)."""
+(:mod:`captum_vit.adapters.catalog`): optional metadata; an example without an entry gets a
+column from its library, tags and target kind (:func:`family_list`)."""
+
+KINDS_OF_TARGET: dict[str, tuple[str, ...]] = {
+    "class": CLASSIFIER, "sam_mask": ("embedding", "sam_mask")}
+"""The matrix's target kinds of an example's default target kind (:data:`KINDS`), where
+they are more than that one kind."""
 
 
 def _example_row(name: str) -> Family:
@@ -430,58 +364,19 @@ def _example_row(name: str) -> Family:
     info = EXAMPLE_INFO.get(name) or Info(
         name, name, _WI if "windowed" in tags else _OT if "video" in tags else _HF
         if ex.library == "transformers" else _TO if ex.library in ("torchvision", "open_clip")
-        else _TV, ("embedding",) if ex.target == "embedding" else CLASSIFIER,
+        else _TV, KINDS_OF_TARGET.get(ex.target, (ex.target,)),
         f"{fam.adapter.__name__} example `{name}`")
     return Family(info.name, info.label, info.group, info.kinds, (ex.library,),
                   lambda: ex.model(seed=0, depth=DEPTH, dtype=DTYPE, num_classes=CLASSES),
                   size=ex.size, model_class=info.model_class, example=name)
 
 
-def _hf_swin_model() -> nn.Module:
-    """The head-less Hugging Face twin (``SwinModel``) of the catalogue's ``timm_swin``."""
-    from captum_vit.adapters import catalog
-    from captum_vit.adapters.families.swin import hf_swin_twin
-
-    timm_swin = catalog.example("timm_swin")[1]
-    return hf_swin_twin(timm_swin.model(seed=0, dtype=DTYPE, num_classes=CLASSES),
-                        pooled=True)
-
-
-OWN_FAMILIES: tuple[Family, ...] = (
-    Family("hf_yolos", "YOLOS", _OT, ("detection",), HF_, _yolos, size=(32, 48),
-           model_class="YolosForObjectDetection"),
-    Family("hf_yolos_mid", "YOLOS mid-positions", _OT, ("detection",), HF_,
-           lambda: _yolos(mid=True), size=(32, 48),
-           model_class="YolosForObjectDetection, use_mid_position_embeddings=True"),
-    Family("hf_llava", "LLaVA", _OT, ("vlm",), HF_, _llava,
-           model_class="LlavaForConditionalGeneration (its CLIP vision tower)"),
-    Family("hf_paligemma", "PaliGemma", _OT, ("vlm",), HF_, _paligemma,
-           model_class="PaliGemmaForConditionalGeneration (its 2-block SigLIP tower)"),
-    Family("hf_dpt", "DPT", _OT, ("depth",), HF_, lambda: _depth("DPTForDepthEstimation"),
-           size=(28, 28), model_class="DPTForDepthEstimation (its 5-block DINOv2 backbone, "
-           "patch 7)"),
-    Family("hf_depth_anything", "Depth Anything", _OT, ("depth",), HF_,
-           lambda: _depth("DepthAnythingForDepthEstimation"), size=(28, 28),
-           model_class="DepthAnythingForDepthEstimation (its 4-block DINOv2 backbone, "
-           "patch 7)"),
-    Family("hf_swin_model", "HF Swin backbone", _WI, ("embedding",), HF_, _hf_swin_model,
-           model_class="SwinModel (pooler output; the timm_swin example's twin)",
-           example="timm_swin"),
-    Family("hf_sam", "SAM", _WI, ("embedding", "sam_mask"), HF_, _sam,
-           model_class="SamModel (its image encoder; the prompt encoder and mask decoder "
-           "for SamMaskTarget)"),
-)
-"""The matrix's rows of models that are not catalogue examples: whole detectors, VLMs,
-depth models and SAM with its prompt encoder and mask decoder, whose targets read more than
-the explained tower."""
-
-
 def family_list() -> tuple[Family, ...]:
     """Every family of the matrix, read from the family catalogue now (a family registered
-    later takes part): a column per catalogue example, then :data:`OWN_FAMILIES`."""
+    later takes part): a column per catalogue example."""
     from captum_vit.adapters import catalog
 
-    return tuple(_example_row(name) for name, _, _ in catalog.examples()) + OWN_FAMILIES
+    return tuple(_example_row(name) for name, _, _ in catalog.examples())
 
 
 FAMILY_LIST: tuple[Family, ...] = family_list()
@@ -508,6 +403,7 @@ def _token_probe(z: Tensor) -> Tensor:
 def setup(family: Family) -> Setup:
     """Build ``family``'s model (random, float32, eval), inputs and targets."""
     from captum_vit.adapters import adapt
+    from captum_vit.adapters.families._examples import VLM_IMAGE_ID
     from captum_vit.targets import (
         Contrastive,
         DepthTarget,
@@ -528,7 +424,7 @@ def setup(family: Family) -> Setup:
     if "vlm" in family.kinds:
         model = VLMAnswer.tower(full)
         patches = (family.size[0] // 8) * (family.size[1] // 8)
-        ids = torch.tensor([1, *[VLM_IMAGE_ID] * patches, 5, 7])
+        ids = torch.tensor([1, *[VLM_IMAGE_ID] * patches, 5, 7])  # the example's prompt
         targets["vlm"] = lambda: VLMAnswer(full, ids, torch.tensor([11, 12]))
     if "depth" in family.kinds:
         model = full.backbone

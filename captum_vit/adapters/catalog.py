@@ -39,11 +39,15 @@ TAGS: dict[str, str] = {
     "detection": "an object detector (explained through DetectionTarget)",
     "dense": "a dense-prediction backbone (depth, segmentation)",
     "reference": "a timm VisionTransformer the per-method reference implementations read",
+    "matrix": "a support-matrix column only (a whole model around the explained tower, or a "
+              "twin its family's own tests read): the tests' family tables leave it out",
 }
 """The tags a family or an example may carry, and what each says."""
 
-TARGETS = ("class", "embedding", "detection")
-"""An example's default target kind: a class index, an embedding vector, a detection."""
+TARGETS = ("class", "embedding", "detection", "vlm", "depth", "sam_mask")
+"""An example's default target kind: a class index, an embedding vector, a detection, a
+vision-language model's answer (``VLMAnswer``), the depth of a region (``DepthTarget``), a
+mask of SAM's prompt encoder and mask decoder (``SamMaskTarget``)."""
 
 LIBRARIES = ("timm", "transformers", "torchvision", "open_clip")
 """The library an example's model comes from (timm is a dependency, the others extras)."""

@@ -199,6 +199,24 @@ def test_every_family_has_a_builder_and_targets():
         assert s.inputs.shape[0] == sm.BATCH and s.inputs.dtype == sm.DTYPE
 
 
+def test_every_column_is_a_catalogue_example():
+    """No hand-kept family list: the matrix's columns are the family catalogue's examples,
+    one each, and an example's target kind decides the column's target kinds."""
+    from captum_vit.adapters import catalog
+
+    assert not hasattr(sm, "OWN_FAMILIES")
+    names = [n for n, _, _ in catalog.examples()]
+    assert [f.example for f in sm.FAMILY_LIST] == names
+    assert len({f.name for f in sm.FAMILY_LIST}) == len(names)
+    for f in sm.FAMILY_LIST:
+        ex = catalog.example(f.example)[1]
+        assert ex.target in f.kinds, f.name
+        if f.example not in sm.EXAMPLE_INFO:
+            assert f.kinds == sm.KINDS_OF_TARGET.get(ex.target, (ex.target,))
+    for kind in ("vlm", "depth", "sam_mask", "detection"):
+        assert any(catalog.example(f.example)[1].target == kind for f in sm.FAMILY_LIST)
+
+
 def test_the_hash_covers_the_installed_versions(monkeypatch):
     before = sm.sources_hash()
     monkeypatch.setattr(sm, "_versions", lambda: {"torch": "0.0-other"})

@@ -77,6 +77,12 @@ def test_the_catalogue_generates_the_tables():
     for name in helpers.WINDOWED_FAMILIES:
         fam, _ = catalog.example(name)
         assert "windowed" in fam.example_tags(name)
+    # the support matrix's own columns (tag matrix) are in no test table nor the suite
+    matrix = {n for n, fam, ex in catalog.examples() if "matrix" in fam.example_tags(n)}
+    assert matrix and all(not catalog.example(n)[1].suite for n in matrix)
+    tables = [v for k, v in vars(helpers).items()
+              if k.isupper() and isinstance(v, dict | list | tuple)]
+    assert all(not matrix & set(t) for t in tables)
 
 
 def _families_api():

@@ -129,3 +129,27 @@ def hf_builder(cls_name: str, cfg_name: str, *, dual: str | None = None,
         return randomize_(model, seed).to(dtype).eval()
 
     return build
+
+
+VLM_IMAGE_ID = 299
+"""The image placeholder id of the tiny vision-language examples' prompts (LLaVA,
+PaliGemma)."""
+
+
+def transformers_model(cls_name: str, cfg: Any, seed: int, dtype: torch.dtype) -> nn.Module:
+    """The Hugging Face model ``cls_name`` built from ``cfg`` with the weights of ``seed``
+    (:func:`randomize_`), in ``dtype`` and eval mode: the last step of the examples that
+    build a whole model around the explained tower (detectors, VLMs, depth, SAM).
+
+    Args:
+        cls_name (str): the transformers model class, e.g. ``"SamModel"``.
+        cfg (Any): its config.
+        seed (int): the weights' seed.
+        dtype (torch.dtype): the parameters' dtype.
+
+    Returns:
+        nn.Module: the model.
+    """
+    torch.manual_seed(seed)
+    model = getattr(library("transformers"), cls_name)(cfg)
+    return randomize_(model, seed).to(dtype).eval()

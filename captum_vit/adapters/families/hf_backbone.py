@@ -43,10 +43,14 @@ attention implementation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import hf_builder
+from captum_vit.adapters.families._examples import hf_builder, library, transformers_model
 from captum_vit.adapters.families._hf import HFViTBase, is_transformers_model
 from captum_vit.adapters.parts import HeadParts, PreLogitsHeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
@@ -66,6 +70,33 @@ def is_hf_backbone(model: nn.Module) -> bool:
         bool: whether :class:`HFBackboneAdapter` applies.
     """
     return is_transformers_model(model, CLASSES)
+
+
+def _depth_example(cls_name: str) -> Callable[..., nn.Module]:
+    """A builder of a small DPT (``DPTForDepthEstimation``: 5 backbone blocks, x_1 .. x_4
+    read, the CLS projected into the patches) or Depth Anything (4 blocks, all read) on a
+    DINOv2 backbone (28 x 28 px, patch 7); its depth is fixed, so ``depth`` is not used."""
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        transformers = library("transformers")
+        dpt = cls_name == "DPTForDepthEstimation"
+        backbone = transformers.Dinov2Config(
+            image_size=28, patch_size=7, num_channels=3, hidden_size=32,
+            num_hidden_layers=5 if dpt else 4, num_attention_heads=4,
+            intermediate_size=64, layer_norm_eps=1e-6, layerscale_value=0.5,
+            apply_layernorm=True, reshape_hidden_states=False, out_indices=[1, 2, 3, 4])
+        common: dict[str, Any] = dict(backbone_config=backbone,
+                                      neck_hidden_sizes=[8, 16, 16, 32], fusion_hidden_size=16,
+                                      reassemble_factors=[4, 2, 1, 0.5], **overrides)
+        if dpt:
+            cfg = transformers.DPTConfig(is_hybrid=False, hidden_size=32,
+                                         readout_type="project", **common)
+        else:
+            cfg = transformers.DepthAnythingConfig(patch_size=7, head_hidden_size=8,
+                                                   reassemble_hidden_size=32, **common)
+        return transformers_model(cls_name, cfg, seed, dtype)
+
+    return build
 
 
 @register_family(
@@ -94,6 +125,13 @@ def is_hf_backbone(model: nn.Module) -> bool:
                                                   "Dinov2WithRegistersConfig",
                                                   num_register_tokens=2), (32, 32),
                                        library="transformers", target="embedding"),
+        # support-matrix columns: depth models, their backbones explained through DepthTarget
+        "hf_dpt": Example(_depth_example("DPTForDepthEstimation"), (28, 28),
+                          library="transformers", target="depth", tags=("matrix",),
+                          suite=False),
+        "hf_depth_anything": Example(_depth_example("DepthAnythingForDepthEstimation"),
+                                     (28, 28), library="transformers", target="depth",
+                                     tags=("matrix",), suite=False),
     })
 class HFBackboneAdapter(HFViTBase):
     """Canonical view of a Hugging Face ``ViTModel`` / ``DeiTModel`` / ``Dinov2Model`` /

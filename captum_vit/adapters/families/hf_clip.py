@@ -35,11 +35,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import hf_builder
+from captum_vit.adapters.families._examples import (
+    VLM_IMAGE_ID,
+    hf_builder,
+    library,
+    transformers_model,
+)
 from captum_vit.adapters.families._hf import HFViTBase, encoder_blocks, is_transformers_model
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PoolParts
@@ -91,6 +97,39 @@ def is_hf_embedding(model: nn.Module) -> bool:
     return is_transformers_model(model, CLASSES)
 
 
+def _llava(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+           num_classes: int = 5, **overrides: Any) -> nn.Module:
+    """A small ``LlavaForConditionalGeneration``: a CLIP tower (32 px, patch 8, ``depth``
+    blocks) and a 2-layer Llama whose image placeholder is :data:`VLM_IMAGE_ID`."""
+    transformers = library("transformers")
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=depth, num_attention_heads=4,
+                                       image_size=32, patch_size=8)
+    tc = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc,
+                                   image_token_id=VLM_IMAGE_ID, **overrides)
+    return transformers_model("LlavaForConditionalGeneration", cfg, seed, dtype)
+
+
+def _paligemma(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+               num_classes: int = 5, **overrides: Any) -> nn.Module:
+    """A small ``PaliGemmaForConditionalGeneration``: a 2-block SigLIP tower without head
+    (32 px, patch 8) and a 2-layer Gemma whose image placeholder is :data:`VLM_IMAGE_ID`."""
+    cfg = library("transformers").PaliGemmaConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32,
+                       "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                       "vision_use_head": False},
+        text_config={"model_type": "gemma", "vocab_size": 299, "hidden_size": 24,
+                     "intermediate_size": 48, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12},
+        image_token_id=VLM_IMAGE_ID, projection_dim=24, hidden_size=24, vocab_size=299,
+        **overrides)
+    return transformers_model("PaliGemmaForConditionalGeneration", cfg, seed, dtype)
+
+
 @register_family(
     is_hf_embedding,
     name="hf_embedding",
@@ -111,6 +150,11 @@ def is_hf_embedding(model: nn.Module) -> bool:
                                   (24, 40), library="transformers", target="embedding"),
         "hf_siglip": Example(hf_builder("SiglipVisionModel", "SiglipVisionConfig"), (32, 32),
                              library="transformers", target="embedding"),
+        # support-matrix columns: whole VLMs, their towers explained through VLMAnswer
+        "hf_llava": Example(_llava, (32, 32), library="transformers", target="vlm",
+                            tags=("matrix",), suite=False),
+        "hf_paligemma": Example(_paligemma, (32, 32), library="transformers", target="vlm",
+                                tags=("matrix",), suite=False),
     })
 class HFEmbeddingAdapter(HFViTBase):
     """Canonical view of a Hugging Face CLIP / SigLIP vision tower (never modified).

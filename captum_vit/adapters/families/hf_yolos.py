@@ -45,6 +45,7 @@ refused by name with a ``TypeError``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -52,13 +53,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.catalog import register_family
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import library, transformers_model
 from captum_vit.adapters.families._hf import HFPatchGrid, encoder_blocks, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import HeadParts, NormParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("YolosForObjectDetection",)
+
+
+def _example(mid: bool = False) -> Callable[..., nn.Module]:
+    """A builder of a small ``YolosForObjectDetection`` (32 x 48 px, patch 8, width 32, 4
+    heads, 3 detection tokens; ``mid``: mid-position embeddings, which the family refuses)."""
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 4, **overrides: Any) -> nn.Module:
+        cfg = library("transformers").YolosConfig(
+            image_size=[32, 48], patch_size=8, num_channels=3, hidden_size=32,
+            num_hidden_layers=depth, num_attention_heads=4, intermediate_size=64,
+            num_labels=num_classes, num_detection_tokens=3, use_mid_position_embeddings=mid,
+            layer_norm_eps=1e-6, **overrides)
+        return transformers_model("YolosForObjectDetection", cfg, seed, dtype)
+
+    return build
 
 _NO_LOGITS = (
     "{name} is an object detector: it has no class logits of the image to explain. "
@@ -101,7 +118,14 @@ def is_hf_yolos(model: nn.Module) -> bool:
            "`[CLS, det, patches]`, kept by token removal; the chosen token is read out as a "
            "class token: maps equal a DeiT twin's to 1e-12, every method but Chefer'21, whose "
            "LRP treats a model's linear head by its own rule) — refused: class-index targets, "
-           "mid-position embeddings"))
+           "mid-position embeddings"),
+    examples={
+        # support-matrix columns: the detector, and the mid-position one it refuses
+        "hf_yolos": Example(_example(), (32, 48), library="transformers", target="detection",
+                            tags=("matrix",), suite=False),
+        "hf_yolos_mid": Example(_example(mid=True), (32, 48), library="transformers",
+                                target="detection", tags=("matrix",), suite=False),
+    })
 class HFYolosAdapter(HFPatchGrid):
     """Canonical view of a Hugging Face ``YolosForObjectDetection`` (never modified).
 

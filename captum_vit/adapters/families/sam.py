@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +69,12 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import hf_builder, timm_builder
+from captum_vit.adapters.families._examples import (
+    hf_builder,
+    library,
+    timm_builder,
+    transformers_model,
+)
 from captum_vit.adapters.families._hf import is_transformers_model
 from captum_vit.adapters.families._timm import (
     TimmViTBase,
@@ -275,6 +280,22 @@ class _SamAdapter(ViTAdapter):
         self.check_fixed_size(inputs, self.image_size, type(self.model).__name__)
 
 
+def _sam_model(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+               num_classes: int = 5, **overrides: Any) -> nn.Module:
+    """A small ``SamModel``: its image encoder at 32 px, patch 4 (an 8 x 8 grid), 3 x 3
+    windows padded to whole windows, one global block, decomposed relative positions, the
+    conv neck; a small prompt encoder and mask decoder (for ``SamMaskTarget``)."""
+    transformers = library("transformers")
+    cfg = transformers.SamConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=depth, num_attention_heads=4,
+                           image_size=32, patch_size=4, window_size=3, global_attn_indexes=[1],
+                           output_channels=16, mlp_dim=64, num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=32, patch_size=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 mlp_dim=32, iou_head_hidden_dim=16), **overrides)
+    return transformers_model("SamModel", cfg, seed, dtype)
+
+
 @register_family(
     is_hf_sam,
     name="hf_sam",
@@ -294,6 +315,9 @@ class _SamAdapter(ViTAdapter):
         "hf_sam": Example(hf_builder("SamVisionModel", "SamVisionConfig", window_size=3,
                                      global_attn_indexes=[1], output_channels=16, mlp_dim=64),
                           (32, 32), library="transformers", target="embedding", suite=False),
+        # a support-matrix column: SamModel, vector targets and SamMaskTarget's masks
+        "hf_sam_model": Example(_sam_model, (32, 32), library="transformers",
+                                target="sam_mask", tags=("matrix",), suite=False),
     })
 class HFSamAdapter(_SamAdapter):
     """Canonical view of the image encoder of a Hugging Face ``SamModel`` or

@@ -332,14 +332,15 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
     return hf
 
 
-def _twin_example(**extra: Any) -> Callable[..., nn.Module]:
-    """A builder of the Hugging Face twin (:func:`hf_swin_twin`) of a timm Swin example."""
+def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Module]:
+    """A builder of the Hugging Face twin (:func:`hf_swin_twin`; ``pooled``: the head-less
+    ``SwinModel``) of a timm Swin example."""
     timm_build = _example(**extra)
 
     def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
               num_classes: int = 5, **overrides: Any) -> nn.Module:
         return hf_swin_twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes,
-                                       **overrides))
+                                       **overrides), pooled=pooled)
 
     return build
 
@@ -358,6 +359,10 @@ def _twin_example(**extra: Any) -> Callable[..., nn.Module]:
     examples={
         # the timm examples' twins (weights mapped)
         "hf_swin": Example(_twin_example(window_size=2), (32, 32), library="transformers"),
+        # a support-matrix column: the head-less SwinModel twin of timm_swin
+        "hf_swin_model": Example(_twin_example(window_size=2, pooled=True), (32, 32),
+                                 library="transformers", target="embedding",
+                                 tags=("matrix",), suite=False),
         "hf_swin_pad": Example(_twin_example(window_size=3, img_size=(40, 40)), (40, 40),
                                library="transformers"),
     })
