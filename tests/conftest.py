@@ -78,5 +78,6 @@ def pytest_collection_modifyitems(config, items):
                                    "refuse older releases by name)")
     for item in items:
         node = item.nodeid
-        if any(f in node for f in WINDOWED_FILES) or "swin" in node or "timm_sam" in node:
+        if any(f in node for f in WINDOWED_FILES) or "swin" in node or "timm_sam" in node \
+                or item.get_closest_marker("timm_windows"):
             item.add_marker(skip)

@@ -132,6 +132,7 @@ def test_swin_token_mix_matches_the_dense_block_matrix():
                        torch.eye(win.area, dtype=torch.float64))
 
 
+@pytest.mark.timm_windows  # a timm Swin / SAM: timm >= 1.0.31
 def test_a_view_reads_the_model_stages_with_its_block_indices():
     ad = adapt(_swin())
     view = SubnetworkAdapter(ad, 2, 5)
@@ -198,6 +199,7 @@ def test_the_self_check_compares_what_the_family_declares():
     base(model).self_check(x)  # the default pair alone passes
 
 
+@pytest.mark.timm_windows  # a timm Swin / SAM: timm >= 1.0.31
 def test_token_removal_keeps_prefix_rows_for_every_family():
     """A target reading only prefix rows of the last state allows true token removal
     (removal keeps every prefix row); one reading other token rows is refused."""

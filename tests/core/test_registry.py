@@ -195,6 +195,7 @@ def test_a_method_registers_its_kind_not_a_family():
     assert "never_registered" not in available_methods()
 
 
+@pytest.mark.timm_windows  # a timm Swin / SAM: timm >= 1.0.31
 def test_the_windowed_refusal_is_derived_from_each_methods_declaration():
     """A windowed model (Swin) refuses a method whose class declares ``removes_tokens``;
     the registry lists the refused and running methods from those declarations
