@@ -596,8 +596,10 @@ class _VideoPanel:
         self.slices = t
         self.heats = np.zeros((t, *size), dtype=np.float32)
         self.lo, self.hi, self.cmap = 0.0, 1.0, cmap or "jet"
+        self.peak = 0.0  # the map's largest absolute value (near_zero's peak)
         if m is None:
             return
+        self.peak = float(m.abs().max())
         self.cover, self.slices = frame_slices(t, m.shape[0]), int(m.shape[0])
         per_slice = [upsample_map(m[s], size, display=display).numpy() for s in range(m.shape[0])]
         for k, s in enumerate(self.cover):
@@ -656,7 +658,9 @@ def _hide_axes(ax) -> None:
 def video_sheet(video: Tensor, maps: Tensor | Mapping[str, Tensor], *,
                 title: str | None = None, alpha: float = 0.5, display: str = "nearest",
                 cmap: Any = None, row_titles: Sequence[str] | None = None,
-                note: str | None = None, panel_size: float = 1.6):
+                note: str | None = None, panel_size: float = 1.6,
+                reference: float | Sequence[float] | Tensor | None = None,
+                near_zero_rtol: float = NEAR_ZERO_RTOL):
     """A contact sheet of videos and their maps: one column per frame; per video a row of
     its frames, then a row per map with the map over each frame.
 
@@ -665,7 +669,9 @@ def video_sheet(video: Tensor, maps: Tensor | Mapping[str, Tensor], *,
     from the frame count) or per frame. Each row's colour scale is shared by its frames
     (a map's values are comparable across frames): ``[-m, m]`` with a diverging colour map
     when the map has negative values, else ``[min, max]``; frames covered by no slice show
-    the frame alone, marked "no tubelet".
+    the frame alone, marked "no tubelet". A map that is numerically zero for a video (the
+    rule of :func:`near_zero`, per video) is not stretched to full contrast: its row shows
+    the frames faded, marked "≈ 0", and its label gives the largest absolute value.
 
     Args:
         video (Tensor): one video [T, C, H, W] or a batch [B, T, C, H, W].
@@ -683,6 +689,10 @@ def video_sheet(video: Tensor, maps: Tensor | Mapping[str, Tensor], *,
         row_titles (Sequence[str], optional): a label for each video (its frames' row).
         note (str, optional): a footnote under the panels.
         panel_size (float, optional): inches per panel. Default 1.6.
+        reference (float, sequence or Tensor, optional): the scale of each video's scores
+            (e.g. its largest absolute logit) for :func:`near_zero`.
+        near_zero_rtol (float, optional): ``rtol`` of :func:`near_zero`; ``-1`` turns the
+            check off. Default :data:`NEAR_ZERO_RTOL`.
 
     Returns:
         matplotlib.figure.Figure: the sheet.
@@ -715,25 +725,30 @@ def video_sheet(video: Tensor, maps: Tensor | Mapping[str, Tensor], *,
     if row_titles is not None and len(row_titles) != v.shape[0]:
         raise ValueError(f"row_titles has {len(row_titles)} titles for {v.shape[0]} videos")
     b, t = v.shape[:2]
+    refs = (torch.zeros(b) if reference is None else
+            torch.as_tensor(reference, dtype=torch.float32).abs().reshape(-1).expand(b))
     per = 1 + len(names)
-    fig, axes = plt.subplots(b * per, t, figsize=(check * t + 1.4, check * b * per + 0.6),
+    width = check * t + 1.4
+    fig, axes = plt.subplots(b * per, t, figsize=(width, check * b * per + 0.6),
                              squeeze=False, layout="constrained")
     for i in range(b):
+        scale = max([float(refs[i])] + [p.peak for p in panels[i][1:]])
         for r, panel in enumerate(panels[i]):
             row = axes[i * per + r]
             shown = None
+            flat = r > 0 and panel.peak <= near_zero_rtol * scale
             for k in range(t):
                 ax = row[k]
                 _hide_axes(ax)
-                covered = r > 0 and panel.cover[k] is not None
+                covered = r > 0 and panel.cover[k] is not None and not flat
                 ax.imshow(panel.frames[k], cmap=panel.gray,
                           alpha=1.0 if r == 0 or covered else 0.4)
                 if covered:
                     shown = ax.imshow(panel.heats[k], cmap=panel.cmap, vmin=panel.lo,
                                       vmax=panel.hi, alpha=alpha)
                 elif r > 0:
-                    ax.text(0.5, 0.5, "no tubelet", transform=ax.transAxes, ha="center",
-                            va="center", fontsize=7)
+                    ax.text(0.5, 0.5, "≈ 0" if flat else "no tubelet", transform=ax.transAxes,
+                            ha="center", va="center", fontsize=7)
                 if r == 0:  # the first map's tubelets, when they are not the frames
                     first = panels[i][1]
                     s = first.cover[k]
@@ -742,21 +757,25 @@ def video_sheet(video: Tensor, maps: Tensor | Mapping[str, Tensor], *,
                         else ""), fontsize=8)
             label = ((row_titles[i] if row_titles else f"video {i + 1}" if b > 1 else "video")
                      if r == 0 else names[r - 1] or "map")
+            if flat:
+                label += f"\n≈ 0 (max {panel.peak:.0e})"
             row[0].set_ylabel(label, fontsize=9)
             if shown is not None:
                 bar = fig.colorbar(shown, ax=list(row), fraction=0.02, pad=0.01)
                 bar.ax.tick_params(labelsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    if note:
-        fig.supxlabel(note, fontsize=8, color="0.25")
+    if note:  # wrapped to the figure's width (8 pt: about 15 characters per inch)
+        fig.supxlabel("\n".join(textwrap.fill(line, max(int(width * 15), 20))
+                                for line in note.splitlines()), fontsize=8, color="0.25")
     return fig
 
 
 def plot_video(video: Tensor, maps: Tensor | Mapping[str, Tensor], *, path: str | None = None,
                fps: float = 4, title: str | None = None, alpha: float = 0.5,
                display: str = "nearest", cmap: Any = None,
-               row_titles: Sequence[str] | None = None, note: str | None = None):
+               row_titles: Sequence[str] | None = None, note: str | None = None,
+               reference: float | Sequence[float] | Tensor | None = None):
     """Videos and their maps, frame by frame: an animation written as an animated GIF or
     an MP4, or a static contact sheet (:func:`video_sheet`) when ``path`` names a figure
     format (``.png``, ``.pdf``, ``.svg`` ...).
@@ -787,6 +806,8 @@ def plot_video(video: Tensor, maps: Tensor | Mapping[str, Tensor], *, path: str 
             maps, ``"jet"`` otherwise.
         row_titles (Sequence[str], optional): a label for each video.
         note (str, optional): a footnote (the contact sheet's).
+        reference (float, sequence or Tensor, optional): the contact sheet's scale of
+            each video's scores, for its numerically zero maps (:func:`video_sheet`).
 
     Returns:
         matplotlib.animation.FuncAnimation or matplotlib.figure.Figure: the animation, or
@@ -827,7 +848,7 @@ def plot_video(video: Tensor, maps: Tensor | Mapping[str, Tensor], *, path: str 
                            "install it (e.g. apt-get install ffmpeg) or write a .gif")
     if suffix is not None and suffix not in VIDEO_FORMATS:
         fig = video_sheet(video, maps, title=title, alpha=alpha, display=display, cmap=cmap,
-                          row_titles=row_titles, note=note)
+                          row_titles=row_titles, note=note, reference=reference)
         fig.savefig(str(path), dpi=100)
         plt.close(fig)
         return fig

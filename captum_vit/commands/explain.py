@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         for n in flat:
             print(f"note: {n}'s map is numerically zero here (max |map| "
                   f"{float(maps[n].abs().max()):.1e} next to logits up to {scale:.3g})"
-                  + ("; drawn flat" if video is None else ""), file=sys.stderr)
+                  "; drawn flat", file=sys.stderr)
         note = settings_note(options, args.full)
         if video is None:
             viz.plot_grid(shown[None], maps, path=path, display=args.display, groups=groups,
@@ -296,12 +296,10 @@ def run(args: argparse.Namespace) -> int:
             if refused:
                 note += "\nrefused: " + "; ".join(
                     f"{n} ({m.splitlines()[0]})" for n, m in refused.items())
-            if flat:
-                note += "\nnumerically zero on this input: " + ", ".join(flat)
             written = [path]
             title = _title(probs, target, lm.class_names, pair, " ")
             viz.plot_video(shown, maps, path=path, display=args.display, title=title,
-                           note=note, row_titles=["video"])
+                           note=note, row_titles=["video"], reference=scale)
             if animation is not None:
                 moving = str(Path(path).with_suffix("." + animation))
                 viz.plot_video(shown, maps, path=moving, fps=args.fps, display=args.display,

@@ -70,6 +70,17 @@ def test_sheet_takes_pixel_maps_shaped_like_the_video():
     assert fig.axes[3].get_ylabel() == "IxG"
 
 
+def test_a_numerically_zero_map_is_drawn_flat_and_marked():
+    video = torch.rand(2, 3, 8, 8)
+    maps = {"real": torch.rand(1, 2, 2, 2), "flat": 1e-9 * torch.randn(1, 2, 2, 2)}
+    fig = video_sheet(video, maps, reference=3.0)
+    assert overlay(fig, 1, 2, 0) is not None and overlay(fig, 2, 2, 0) is None
+    assert fig.axes[4].get_ylabel().startswith("flat\n≈ 0 (max ")
+    assert [t.get_text() for t in fig.axes[4].texts] == ["≈ 0"]
+    fig = video_sheet(video, maps, reference=3.0, near_zero_rtol=-1)  # the check off
+    assert overlay(fig, 2, 2, 0) is not None and fig.axes[4].get_ylabel() == "flat"
+
+
 def test_a_one_frame_videos_pixel_map_is_not_read_as_a_grid():
     video = torch.rand(1, 3, 8, 8)
     pixels = torch.rand(1, 3, 8, 8)  # [T=1, C, H, W] (once read as 3 tubelets of 8 x 8)
@@ -92,6 +103,16 @@ def test_sheet_of_a_batch_and_two_methods():
                 upsample_map(a[i, 0, k // 2], (8, 8)).numpy())
             np.testing.assert_allclose(np.asarray(overlay(fig, 3 * i + 2, 4, k).get_array()),
                                        b[i, k].mean(0).numpy(), rtol=1e-6)
+
+
+def test_tubelet_maps_at_pixel_resolution():
+    videos = torch.rand(2, 4, 3, 8, 8)
+    maps = torch.rand(2, 1, 2, 8, 8)  # [B, 1, F, H, W]: a map per tubelet, on the pixels
+    fig = video_sheet(videos, maps)
+    for i in range(2):
+        for k in range(4):
+            np.testing.assert_array_equal(np.asarray(overlay(fig, 2 * i + 1, 4, k).get_array()),
+                                          maps[i, 0, k // 2].numpy())
 
 
 def test_a_batch_of_one_takes_batched_or_single_maps():
