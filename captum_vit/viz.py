@@ -1,4 +1,5 @@
-"""Plots of attribution maps: overlays on the image and grids of several methods."""
+"""Plots of attribution maps: overlays on the image, grids of several methods, and videos
+(an animation or a contact sheet of frames × maps)."""
 
 from __future__ import annotations
 
@@ -505,110 +506,387 @@ def plot_grid(images: Tensor, maps: Mapping[str, Tensor], *,
 
 
 VIDEO_FORMATS = ("gif", "mp4")
-"""File suffixes :func:`plot_video` writes (GIF with Pillow, MP4 with ffmpeg)."""
+"""File suffixes :func:`plot_video` writes as animations (GIF with Pillow, MP4 with
+ffmpeg); any other format matplotlib saves (``png``, ``pdf``, ``svg`` ...,
+:func:`figure_formats`) gets the contact sheet of :func:`video_sheet`."""
 
 
-def _frame_maps(maps: Tensor, frames: int) -> Tensor:
-    """A video's map as one map per slice ``[S, ...]`` with ``S`` dividing ``frames``:
-    pixel maps [T, C, H, W] / [T, H, W], grids [1, F, gh, gw] / [F, gh, gw]."""
-    m = maps.detach()
+def _video_batch(video: Tensor) -> Tensor:
+    """``video`` as a batch ``[B, T, C, H, W]`` (one video [T, C, H, W] gets B = 1)."""
+    if not isinstance(video, Tensor):
+        raise TypeError(f"video must be a torch.Tensor, got {type(video).__name__}")
+    v = video.detach()
+    if v.dim() == 4:
+        v = v[None]
+    if v.dim() != 5 or min(v.shape) == 0:
+        raise ValueError(f"video must be one video [T, C, H, W] or a batch [B, T, C, H, W], "
+                         f"got shape {tuple(video.shape)}")
+    return v
+
+
+def _frame_maps(maps: Tensor, frames: int, size: tuple[int, int] | None = None) -> Tensor:
+    """One video's map as ``[S, ...]``, one map per slice of the video's ``frames``
+    (``1 <= S <= frames``): pixel maps ``[T, C, H, W]`` (averaged over the channels) or
+    ``[T, H, W]``, a tubelet grid ``[1, F, gh, gw]`` or ``[F, gh, gw]``, one map for the
+    whole video ``[gh, gw]``; a leading batch of one ``[1, ...]`` of 5 dimensions is
+    dropped."""
+    m = maps.detach().float().cpu()
     if m.dim() == 5 and m.shape[0] == 1:  # a batch of one: [1, T, C, H, W] / [1, 1, F, ...]
         m = m[0]
-    if m.dim() == 4 and m.shape[0] == 1 and m.shape[1] != frames:  # grid [1, F, gh, gw]
-        m = m[0]
-    if m.dim() < 3 or m.shape[0] == 0 or frames % m.shape[0]:
-        raise ValueError(f"maps of shape {tuple(maps.shape)} do not give one map per frame of "
-                         f"a {frames}-frame video: pass frame maps [T, C, H, W] / [T, H, W] "
-                         "or a tubelet grid [1, F, gh, gw] (attribute(..., output='grid')[i])")
+    if m.dim() == 4:
+        if m.shape[0] == frames and (size is None or tuple(m.shape[-2:]) == tuple(size)):
+            m = m.mean(1)  # pixel maps [T, C, H, W]
+        elif m.shape[0] == 1:  # grid [1, F, gh, gw]
+            m = m[0]
+    elif m.dim() == 2:  # one map for all frames
+        m = m[None]
+    if m.dim() != 3 or not 1 <= m.shape[0] <= frames:
+        raise ValueError(f"maps of shape {tuple(maps.shape)} do not give one map per frame "
+                         f"or per tubelet of a {frames}-frame video: pass frame maps [T, C, "
+                         "H, W] / [T, H, W] (attribute(videos)[i]) or a tubelet grid [1, F, "
+                         "gh, gw] (attribute(videos, output='grid')[i])")
     return m
 
 
-def plot_video(video: Tensor, maps: Tensor, *, path: str | None = None, fps: float = 4,
-               title: str | None = None, alpha: float = 0.5, display: str = "nearest",
-               cmap: Any = None):
-    """One video and its map, frame by frame: each frame beside the frame with its map
-    over it, as a matplotlib animation, written as an animated GIF or an MP4.
-
-    The colour scale is shared by all frames (a map's values are comparable across
-    frames): ``[-m, m]`` with a diverging colour map when the map has negative values,
-    else ``[min, max]``.
+def frame_slices(frames: int, slices: int) -> list[int | None]:
+    r"""Which slice of a map covers each frame of a video: slice ``f`` of ``S`` spans the
+    ``T // S`` frames ``f·(T // S) … (f+1)·(T // S) - 1`` (a tubelet's frames); the
+    ``T mod S`` trailing frames, which a tubelet embedding of stride ``T // S`` drops, are
+    covered by none (``None``).
 
     Args:
-        video (Tensor): one video [T, C, H, W] (or a batch of one [1, T, C, H, W]).
-        maps (Tensor): its map: pixel maps shaped like the video ([T, C, H, W], [T, H,
-            W], as ``attribute(videos)[i]`` returns them) or the tubelet grid [1, F, gh,
-            gw] (``attribute(videos, output="grid")[i]``); slice ``f`` of ``F`` is shown on
-            frames ``f·T/F … (f+1)·T/F - 1``.
-        path (str, optional): write the animation there: ``.gif`` (Pillow) or ``.mp4``
-            (ffmpeg, which must be installed); ``None`` (default): only return it.
-        fps (float, optional): frames per second. Default 4.
+        frames (int): ``T``, the video's frames.
+        slices (int): ``S``, the map's slices (tubelets along time), ``1 <= S <= T``.
+
+    Returns:
+        list[int | None]: the slice of each frame.
+
+    Raises:
+        ValueError: ``S`` outside ``[1, T]``.
+
+    Examples::
+
+        >>> from captum_vit.viz import frame_slices
+        >>> frame_slices(8, 4)      # tubelets of 2 frames
+        [0, 0, 1, 1, 2, 2, 3, 3]
+        >>> frame_slices(5, 2)      # the fifth frame is in no tubelet
+        [0, 0, 1, 1, None]
+    """
+    if not 1 <= slices <= frames:
+        raise ValueError(f"a map of {slices} slices cannot cover a {frames}-frame video: "
+                         f"it needs between 1 and {frames} slices")
+    per = frames // slices
+    return [k // per if k // per < slices else None for k in range(frames)]
+
+
+class _VideoPanel:
+    """One (video, method) pair ready to draw: frames ``[T, H, W(, C)]`` scaled for
+    display over the whole video, heat maps ``[T, H, W]`` at the frame size (zeros where no
+    slice covers a frame), the slice of each frame and the colour scale shared by the
+    frames."""
+
+    def __init__(self, video: Tensor, m: Tensor | None, display: str, cmap: Any) -> None:
+        v = video.float().cpu()
+        v = (v - v.min()) / (v.max() - v.min()).clamp(min=1e-12)  # one scale for all frames
+        self.frames = [v[k, 0].numpy() if v.shape[1] == 1 else v[k].permute(1, 2, 0).numpy()
+                       for k in range(v.shape[0])]
+        self.gray = "gray" if v.shape[1] == 1 else None
+        t, size = v.shape[0], (int(v.shape[-2]), int(v.shape[-1]))
+        self.cover: list[int | None] = [None] * t
+        self.slices = t
+        self.heats = np.zeros((t, *size), dtype=np.float32)
+        self.lo, self.hi, self.cmap = 0.0, 1.0, cmap or "jet"
+        self.peak = 0.0  # the map's largest absolute value (near_zero's peak)
+        if m is None:
+            return
+        self.peak = float(m.abs().max())
+        self.cover, self.slices = frame_slices(t, m.shape[0]), int(m.shape[0])
+        per_slice = [upsample_map(m[s], size, display=display).numpy() for s in range(m.shape[0])]
+        for k, s in enumerate(self.cover):
+            if s is not None:
+                self.heats[k] = per_slice[s]
+        seen = np.stack(per_slice)
+        if (seen < 0).any():
+            lim = float(np.abs(seen).max()) or 1.0
+            self.lo, self.hi, self.cmap = -lim, lim, cmap or "bwr"
+        else:
+            self.lo, self.hi = float(seen.min()), float(seen.max())
+            self.hi = self.hi if self.hi > self.lo else self.lo + 1.0
+
+
+def _video_panels(video: Tensor, maps: Tensor | Mapping[str, Tensor], display: str,
+                  cmap: Any) -> tuple[Tensor, list[str], list[list[_VideoPanel]]]:
+    """The batch of videos, the maps' names (``""`` for a single tensor) and a
+    :class:`_VideoPanel` per video and map."""
+    if display not in DISPLAYS:
+        raise ValueError(f"display must be one of {', '.join(map(repr, DISPLAYS))}, "
+                         f"got {display!r}")
+    v = _video_batch(video)
+    b, t = v.shape[:2]
+    size = (int(v.shape[-2]), int(v.shape[-1]))
+    named = {"": maps} if isinstance(maps, Tensor) else dict(maps)
+    if not named:
+        raise ValueError("maps is empty: give a map tensor or a mapping name -> maps")
+    per_video: dict[str, list[Tensor]] = {}
+    for name, m in named.items():
+        if not isinstance(m, Tensor):
+            raise TypeError(f"maps{'[' + repr(name) + ']' if name else ''} must be a "
+                            f"torch.Tensor, got {type(m).__name__}")
+        if b == 1:
+            per_video[name] = [_frame_maps(m, t, size)]
+        elif m.shape[0] != b:
+            raise ValueError(f"maps{'[' + repr(name) + ']' if name else ''} of shape "
+                             f"{tuple(m.shape)} are not a batch of {b} videos' maps: give "
+                             f"[{b}, ...] for the batch of shape {tuple(v.shape)}")
+        else:
+            per_video[name] = [_frame_maps(m[i], t, size) for i in range(b)]
+    names = list(named)
+    panels = [[_VideoPanel(v[i], None, display, cmap)]
+              + [_VideoPanel(v[i], per_video[n][i], display, cmap) for n in names]
+              for i in range(b)]
+    return v, names, panels
+
+
+def _hide_axes(ax) -> None:
+    """No ticks, no frame (a label set with ``set_ylabel`` still shows)."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def video_sheet(video: Tensor, maps: Tensor | Mapping[str, Tensor], *,
+                title: str | None = None, alpha: float = 0.5, display: str = "nearest",
+                cmap: Any = None, row_titles: Sequence[str] | None = None,
+                note: str | None = None, panel_size: float = 1.6,
+                reference: float | Sequence[float] | Tensor | None = None,
+                near_zero_rtol: float = NEAR_ZERO_RTOL):
+    """A contact sheet of videos and their maps: one column per frame; per video a row of
+    its frames, then a row per map with the map over each frame.
+
+    A map is given per tubelet (slice ``f`` of ``F`` spans the frames of
+    :func:`frame_slices`: the column titles name each frame's slice when ``F`` differs
+    from the frame count) or per frame. Each row's colour scale is shared by its frames
+    (a map's values are comparable across frames): ``[-m, m]`` with a diverging colour map
+    when the map has negative values, else ``[min, max]``; frames covered by no slice show
+    the frame alone, marked "no tubelet". A map that is numerically zero for a video (the
+    rule of :func:`near_zero`, per video) is not stretched to full contrast: its row shows
+    the frames faded, marked "≈ 0", and its label gives the largest absolute value.
+
+    Args:
+        video (Tensor): one video [T, C, H, W] or a batch [B, T, C, H, W].
+        maps (Tensor or Mapping[str, Tensor]): the map of each video, or a mapping method
+            name -> maps (one row each): pixel maps shaped like the video (``attribute(
+            videos)``), the tubelet grid [B, 1, F, gh, gw] (``output="grid"``), or one
+            video's [T, C, H, W] / [T, H, W] / [1, F, gh, gw] / [F, gh, gw] for a single
+            video.
+        title (str, optional): the figure's title.
+        alpha (float, optional): opacity of the map. Default 0.5.
+        display (str, optional): ``"nearest"`` (default) or ``"bilinear"``
+            (:func:`upsample_map`).
+        cmap (str or Colormap, optional): colour map; ``None``: ``"bwr"`` for signed
+            maps, ``"jet"`` otherwise.
+        row_titles (Sequence[str], optional): a label for each video (its frames' row).
+        note (str, optional): a footnote under the panels.
+        panel_size (float, optional): inches per panel. Default 1.6.
+        reference (float, sequence or Tensor, optional): the scale of each video's scores
+            (e.g. its largest absolute logit) for :func:`near_zero`.
+        near_zero_rtol (float, optional): ``rtol`` of :func:`near_zero`; ``-1`` turns the
+            check off. Default :data:`NEAR_ZERO_RTOL`.
+
+    Returns:
+        matplotlib.figure.Figure: the sheet.
+
+    Raises:
+        ValueError: a video or map of another shape, a batch of maps of another size, or
+            an unknown ``display``.
+
+    Examples::
+
+        >>> import transformers
+        >>> from captum_vit import GAE
+        >>> from captum_vit.viz import video_sheet
+        >>> cfg = transformers.VideoMAEConfig(image_size=16, patch_size=8, num_frames=4,
+        ...     tubelet_size=2, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...     intermediate_size=64, num_labels=5)
+        >>> videomae = transformers.VideoMAEForVideoClassification(cfg).eval()
+        >>> videos = torch.rand(2, 4, 3, 16, 16)                    # [B, T, C, H, W]
+        >>> grid = GAE(videomae).attribute(videos, target=0, output="grid")
+        >>> grid.shape                                              # 2 tubelets of 2 frames
+        torch.Size([2, 1, 2, 2, 2])
+        >>> fig = video_sheet(videos, {"GAE": grid})
+        >>> len(fig.axes)           # 2 videos x 2 rows x 4 frames, a colour bar per map row
+        18
+    """
+    import matplotlib.pyplot as plt
+
+    check = _positive(panel_size, "panel_size")
+    v, names, panels = _video_panels(video, maps, display, cmap)
+    if row_titles is not None and len(row_titles) != v.shape[0]:
+        raise ValueError(f"row_titles has {len(row_titles)} titles for {v.shape[0]} videos")
+    b, t = v.shape[:2]
+    refs = (torch.zeros(b) if reference is None else
+            torch.as_tensor(reference, dtype=torch.float32).abs().reshape(-1).expand(b))
+    per = 1 + len(names)
+    width = check * t + 1.4
+    fig, axes = plt.subplots(b * per, t, figsize=(width, check * b * per + 0.6),
+                             squeeze=False, layout="constrained")
+    for i in range(b):
+        scale = max([float(refs[i])] + [p.peak for p in panels[i][1:]])
+        for r, panel in enumerate(panels[i]):
+            row = axes[i * per + r]
+            shown = None
+            flat = r > 0 and panel.peak <= near_zero_rtol * scale
+            for k in range(t):
+                ax = row[k]
+                _hide_axes(ax)
+                covered = r > 0 and panel.cover[k] is not None and not flat
+                ax.imshow(panel.frames[k], cmap=panel.gray,
+                          alpha=1.0 if r == 0 or covered else 0.4)
+                if covered:
+                    shown = ax.imshow(panel.heats[k], cmap=panel.cmap, vmin=panel.lo,
+                                      vmax=panel.hi, alpha=alpha)
+                elif r > 0:
+                    ax.text(0.5, 0.5, "≈ 0" if flat else "no tubelet", transform=ax.transAxes,
+                            ha="center", va="center", fontsize=7)
+                if r == 0:  # the first map's tubelets, when they are not the frames
+                    first = panels[i][1]
+                    s = first.cover[k]
+                    ax.set_title(f"frame {k + 1}" + (
+                        f"\ntubelet {s + 1}" if first.slices != t and s is not None
+                        else ""), fontsize=8)
+            label = ((row_titles[i] if row_titles else f"video {i + 1}" if b > 1 else "video")
+                     if r == 0 else names[r - 1] or "map")
+            if flat:
+                label += f"\n≈ 0 (max {panel.peak:.0e})"
+            row[0].set_ylabel(label, fontsize=9)
+            if shown is not None:
+                bar = fig.colorbar(shown, ax=list(row), fraction=0.02, pad=0.01)
+                bar.ax.tick_params(labelsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    if note:  # wrapped to the figure's width (8 pt: about 15 characters per inch)
+        fig.supxlabel("\n".join(textwrap.fill(line, max(int(width * 15), 20))
+                                for line in note.splitlines()), fontsize=8, color="0.25")
+    return fig
+
+
+def plot_video(video: Tensor, maps: Tensor | Mapping[str, Tensor], *, path: str | None = None,
+               fps: float = 4, title: str | None = None, alpha: float = 0.5,
+               display: str = "nearest", cmap: Any = None,
+               row_titles: Sequence[str] | None = None, note: str | None = None,
+               reference: float | Sequence[float] | Tensor | None = None):
+    """Videos and their maps, frame by frame: an animation written as an animated GIF or
+    an MP4, or a static contact sheet (:func:`video_sheet`) when ``path`` names a figure
+    format (``.png``, ``.pdf``, ``.svg`` ...).
+
+    The animation shows, per video (one row each), the frame and the frame with each map
+    over it. Maps per tubelet (``output="grid"``: ``[B, 1, F, gh, gw]``) are shown on the
+    frames of their tubelet (:func:`frame_slices`); the colour scale of each map is shared
+    by all frames: ``[-m, m]`` with a diverging colour map when the map has negative
+    values, else ``[min, max]``.
+
+    Args:
+        video (Tensor): one video [T, C, H, W] or a batch [B, T, C, H, W].
+        maps (Tensor or Mapping[str, Tensor]): the maps, or a mapping method name -> maps
+            (one panel each): pixel maps shaped like the video (as ``attribute(videos)``
+            returns them), the tubelet grid [B, 1, F, gh, gw] (``attribute(videos,
+            output="grid")``); for one video also its own [T, C, H, W], [T, H, W], [1, F,
+            gh, gw] or [F, gh, gw].
+        path (str, optional): write there: ``.gif`` (Pillow) or ``.mp4`` (ffmpeg, which
+            must be installed) for the animation, another format of
+            :func:`figure_formats` for the contact sheet; ``None`` (default): only return
+            the animation.
+        fps (float, optional): frames per second of the animation. Default 4.
         title (str, optional): figure title.
         alpha (float, optional): opacity of the map. Default 0.5.
         display (str, optional): ``"nearest"`` (default) or ``"bilinear"``
             (:func:`upsample_map`).
         cmap (str or Colormap, optional): colour map; ``None``: ``"bwr"`` for signed
             maps, ``"jet"`` otherwise.
+        row_titles (Sequence[str], optional): a label for each video.
+        note (str, optional): a footnote (the contact sheet's).
+        reference (float, sequence or Tensor, optional): the contact sheet's scale of
+            each video's scores, for its numerically zero maps (:func:`video_sheet`).
 
     Returns:
-        matplotlib.animation.FuncAnimation: the animation (its figure is closed once the
-        file is written).
+        matplotlib.animation.FuncAnimation or matplotlib.figure.Figure: the animation, or
+        the contact sheet for a figure format (its figure is closed once the file is
+        written).
 
     Raises:
-        ValueError: a video or map of another shape, or an unknown file suffix.
+        ValueError: a video or map of another shape, or a suffix that is neither an
+            animation (:data:`VIDEO_FORMATS`) nor a figure format.
         RuntimeError: ``.mp4`` without ffmpeg (the message says to write a ``.gif``).
 
     Examples::
 
+        >>> import transformers
         >>> from captum_vit import GAE
         >>> from captum_vit.viz import plot_video
-        >>> maps = GAE(videomae).attribute(videos, target=labels)     # [B, T, C, H, W]
-        >>> plot_video(videos[0], maps[0], path="gae.gif", fps=4)
+        >>> cfg = transformers.VideoMAEConfig(image_size=16, patch_size=8, num_frames=4,
+        ...     tubelet_size=2, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...     intermediate_size=64, num_labels=5)
+        >>> videomae = transformers.VideoMAEForVideoClassification(cfg).eval()
+        >>> videos = torch.rand(2, 4, 3, 16, 16)                    # [B, T, C, H, W]
+        >>> maps = GAE(videomae).attribute(videos, target=[1, 3])   # pixels, like the video
+        >>> anim = plot_video(videos[0], maps[0], path="gae.gif", fps=4)
+        >>> grid = GAE(videomae).attribute(videos, target=[1, 3], output="grid")
+        >>> fig = plot_video(videos, {"GAE": grid}, path="gae.png")  # frames x (video, map)
     """
     import matplotlib.pyplot as plt
     from matplotlib import animation
 
     check = _positive(fps, "fps")
-    v = video.detach()
-    if v.dim() == 5 and v.shape[0] == 1:
-        v = v[0]
-    if v.dim() != 4:
-        raise ValueError(f"video must be one video [T, C, H, W], got {tuple(video.shape)}")
     suffix = None if path is None else str(path).rsplit(".", 1)[-1].lower()
-    if suffix is not None and suffix not in VIDEO_FORMATS:
-        raise ValueError(f"path must end in {' or '.join('.' + f for f in VIDEO_FORMATS)}, "
+    if suffix is not None and suffix not in VIDEO_FORMATS and suffix not in figure_formats():
+        raise ValueError(f"path must end in {' or '.join('.' + f for f in VIDEO_FORMATS)} "
+                         f"(an animation) or a figure format such as .png (a contact sheet), "
                          f"got {path!r}")
     if suffix == "mp4" and not animation.writers.is_available("ffmpeg"):
         raise RuntimeError("writing an .mp4 needs ffmpeg, which matplotlib cannot find: "
                            "install it (e.g. apt-get install ffmpeg) or write a .gif")
-    t, size = v.shape[0], (int(v.shape[-2]), int(v.shape[-1]))
-    m = _frame_maps(maps, t)
-    per = t // m.shape[0]
-    heats = np.stack([upsample_map(m[k // per], size, display=display).numpy()
-                      for k in range(t)])
-    if (heats < 0).any():
-        lim = float(np.abs(heats).max()) or 1.0
-        lo, hi, cm = -lim, lim, cmap or "bwr"
-    else:
-        lo, hi, cm = float(heats.min()), float(heats.max()), cmap or "jet"
-        hi = hi if hi > lo else lo + 1.0
-    frames = [_image_to_numpy(v[k]) for k in range(t)]
-    gray = "gray" if frames[0].ndim == 2 else None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(6, 3.3))
-    shown = left.imshow(frames[0], cmap=gray)
-    under = right.imshow(frames[0], cmap=gray)
-    over = right.imshow(heats[0], cmap=cm, vmin=lo, vmax=hi, alpha=alpha)
-    fig.colorbar(over, ax=right, fraction=0.046, pad=0.04)
-    for ax, name in ((left, "frame"), (right, "map")):
-        ax.axis("off")
-        ax.set_title(name, fontsize=9)
-    label = fig.suptitle(f"{title + ' — ' if title else ''}frame 1/{t}", fontsize=10)
+    if suffix is not None and suffix not in VIDEO_FORMATS:
+        fig = video_sheet(video, maps, title=title, alpha=alpha, display=display, cmap=cmap,
+                          row_titles=row_titles, note=note, reference=reference)
+        fig.savefig(str(path), dpi=100)
+        plt.close(fig)
+        return fig
+    v, names, panels = _video_panels(video, maps, display, cmap)
+    if row_titles is not None and len(row_titles) != v.shape[0]:
+        raise ValueError(f"row_titles has {len(row_titles)} titles for {v.shape[0]} videos")
+    b, t = v.shape[:2]
+    cols = 1 + len(names)
+    fig, axes = plt.subplots(b, cols, figsize=(3 * cols, 3.1 * b + 0.3), squeeze=False)
+    artists: list[tuple[Any, Any, _VideoPanel]] = []  # (frame image, map image, panel)
+    for i in range(b):
+        for c, panel in enumerate(panels[i]):
+            ax = axes[i, c]
+            ax.axis("off")
+            under = ax.imshow(panel.frames[0], cmap=panel.gray)
+            over = None
+            if c > 0:
+                over = ax.imshow(panel.heats[0], cmap=panel.cmap, vmin=panel.lo,
+                                 vmax=panel.hi, alpha=alpha if panel.cover[0] is not None else 0)
+                fig.colorbar(over, ax=ax, fraction=0.046, pad=0.04)
+            head = (row_titles[i] if row_titles else f"video {i + 1}" if b > 1 else "frame")
+            ax.set_title(head if c == 0 else names[c - 1] or "map", fontsize=9)
+            artists.append((under, over, panel))
+    lead = f"{title} — " if title else ""
+    label = fig.suptitle(f"{lead}frame 1/{t}", fontsize=10)
+    fig.tight_layout()
 
     def draw(k: int):
-        shown.set_data(frames[k])
-        under.set_data(frames[k])
-        over.set_data(heats[k])
-        label.set_text(f"{title + ' — ' if title else ''}frame {k + 1}/{t}")
-        return shown, under, over, label
+        changed = [label]
+        for under, over, panel in artists:
+            under.set_data(panel.frames[k])
+            changed.append(under)
+            if over is not None:
+                over.set_data(panel.heats[k])
+                over.set_alpha(alpha if panel.cover[k] is not None else 0)
+                changed.append(over)
+        label.set_text(f"{lead}frame {k + 1}/{t}")
+        return changed
 
     anim = animation.FuncAnimation(fig, draw, frames=t, interval=1000 / check, blit=False)
     if path is not None:
@@ -648,6 +926,7 @@ def _label_groups(fig, axes, grouped: Sequence[tuple[str, list[str]]],
 
 
 __all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "REFUSED_NOTE",
-           "figure_formats", "near_zero", "patch_grid", "plot_grid", "plot_heads", "plot_overlay",
-           "plot_video", "prediction_title", "upsample_map", "VIDEO_FORMATS"]
+           "VIDEO_FORMATS", "figure_formats", "frame_slices", "near_zero", "patch_grid",
+           "plot_grid", "plot_heads", "plot_overlay", "plot_video", "prediction_title",
+           "upsample_map", "video_sheet"]
 

@@ -1,14 +1,17 @@
 """``captum-vit explain``: a figure of the input and every method's map, grouped by method kind.
 
 Models (``--model``): :mod:`captum_vit.models`; methods (``--methods``):
-:mod:`captum_vit.registry`; image reading: :mod:`captum_vit.data.images`; drawing:
-:mod:`captum_vit.viz`. This module only parses options.
+:mod:`captum_vit.registry`; image reading: :mod:`captum_vit.data.images`; video reading
+(``--video``): :mod:`captum_vit.commands.videos`; drawing: :mod:`captum_vit.viz` (a video
+gets a contact sheet of its frames and the maps, :func:`captum_vit.viz.video_sheet`, and
+with ``--animation`` an animated GIF or MP4). This module only parses options.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +50,9 @@ EPILOG = """examples:
   captum-vit explain --image shoe.png --target Sneaker --methods gae,rollout,tis --out maps.png
   captum-vit explain --methods tis,rise --n-masks 2000 # more masks than the quick look
   captum-vit explain --methods tis --tolerance 0.99     # TIS anytime mode
-  captum-vit explain --full --methods all              # every method at its API defaults"""
+  captum-vit explain --full --methods all              # every method at its API defaults
+  captum-vit explain --model hf:videomae_folder --video frames/ --methods gae,rollout \
+      --animation gif                                  # a video: contact sheet + GIF"""
 
 
 def describe_settings(options: dict[str, dict]) -> str:
@@ -80,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Explain one image with every requested method and save a figure: the input and "
         "one panel per method, grouped by method kind. A map that is numerically zero "
         "(e.g. the plain gradient of a class-token ViT) is marked and drawn flat.\n\n"
+        "A video model explains a video (--video: a folder of frames or a tensor file): "
+        "the figure is a contact sheet, one column per frame, a row of frames and a row "
+        "per method with its map (per tubelet) over each frame; one figure per video of a "
+        "batch.\n\n"
         "The slow methods run with quick settings: "
         f"{describe_settings({e.name: e.quick for e in METHODS})}. --full runs every method "
         "at its API defaults (slower); --n-masks (TIS, RISE) and --tolerance (TIS's "
@@ -92,8 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without it the model has random weights")
     p.add_argument("--classes", default=None, metavar="FILE",
                    help="class names of the model, one per line (for timm/file/random models)")
-    p.add_argument("--image", default=None,
-                   help="image file of any size (default: a bundled FashionMNIST-Loc sample)")
+    inputs = p.add_mutually_exclusive_group()
+    inputs.add_argument("--image", default=None,
+                        help="image file of any size (default: a bundled FashionMNIST-Loc "
+                             "sample)")
+    inputs.add_argument("--video", default=None, metavar="PATH",
+                        help="for a video model: a folder of frames (image files of one size, "
+                             "in natural order of their names) or a tensor file (.pt/.pth) "
+                             "holding [T, C, H, W] or a batch [B, T, C, H, W], frames before "
+                             "channels, floats in [0, 1] or uint8; frames are resized to the "
+                             "model's size, their count must be the model's")
     p.add_argument("--methods", default="all",
                    help="comma-separated names or 'all' "
                         f"({', '.join(available_methods(baselines=False))}; also GAE, "
@@ -120,7 +137,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "smoothed for display")
     p.add_argument("--out", default="explain.png",
                    help="output file, PNG unless its suffix names another format (.pdf, "
-                        ".svg ...); its folder is created")
+                        ".svg ...); its folder is created. A batch of videos writes one "
+                        "file per video, NAME_0.png, NAME_1.png ...")
+    p.add_argument("--animation", default=None, choices=viz.VIDEO_FORMATS,
+                   help="with --video: also write each video's animation (frames beside "
+                        "their maps) next to --out, with this suffix (mp4 needs ffmpeg)")
+    p.add_argument("--fps", type=float, default=4.0,
+                   help="frames per second of --animation")
 
 
 def _positive_int(text: str) -> int:
@@ -178,7 +201,8 @@ def _out_file(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Explain one image with every requested method and write the figure.
+    """Explain one image (or the videos of ``--video``) with every requested method and
+    write the figure(s).
 
     Args:
         args (argparse.Namespace): the parsed options.
@@ -189,7 +213,19 @@ def run(args: argparse.Namespace) -> int:
     names = parse_methods(args.methods, for_explain=True)
     if args.tolerance is not None and not 0 < args.tolerance <= 1:
         raise ValueError(f"--tolerance must be in (0, 1], got {args.tolerance}")
+    video = getattr(args, "video", None)
+    animation = getattr(args, "animation", None)
+    if animation is not None and video is None:
+        raise ValueError("--animation applies to --video; give --video FOLDER or FILE.pt")
+    if video is not None and not args.fps > 0:
+        raise ValueError(f"--fps must be > 0, got {args.fps}")
     out = _out_file(args.out)
+    if video is not None and animation == "mp4":
+        from matplotlib import animation as mpl_animation
+
+        if not mpl_animation.writers.is_available("ffmpeg"):
+            raise ValueError("--animation mp4 needs ffmpeg, which matplotlib cannot find: "
+                             "install it (e.g. apt-get install ffmpeg) or use --animation gif")
     for option, value in (("n_masks", args.n_masks), ("tolerance", args.tolerance)):
         if value is not None and not any(takes_option(n, option) for n in names):
             print(f"note: --{option.replace('_', '-')} applies to none of the methods "
@@ -201,55 +237,113 @@ def run(args: argparse.Namespace) -> int:
         hint = ("; add --pretrained for the trained weights in the local cache"
                 if args.model.startswith(("timm:", "torchvision:", "open_clip:")) else "")
         print(f"note: explaining a random-weight ViT{hint}", file=sys.stderr)
-    if args.image is None:
-        from captum_vit.data import load_sample
+    adapter = adapt(lm.model)
+    if video is not None:
+        from captum_vit.commands.videos import read_video, video_inputs
 
-        image = load_sample()["images"][0]
+        x_all, shown_all = video_inputs(read_video(video), adapter, lm.preprocess,
+                                        f"--video {video}")
     else:
-        image = read_image(args.image)
-    x = lm.preprocess(image)[None]
+        if args.image is not None:
+            from captum_vit.commands.videos import is_video_path
+
+            if is_video_path(args.image):
+                raise ValueError(f"--image {args.image} is a folder or a tensor file: pass a "
+                                 "video with --video (for a video model), an image file "
+                                 "with --image")
+        if adapter.video:
+            want = getattr(adapter, "num_frames", None)
+            frames = f" of {int(want)} frames" if want is not None else ""
+            raise ValueError(f"--model {args.model} takes videos [T, C, H, W]{frames}, not "
+                             f"{'an image' if args.image else 'the sample image'}: pass "
+                             "--video FOLDER (its frames as image files) or --video FILE.pt "
+                             "([T, C, H, W])")
+        if args.image is None:
+            from captum_vit.data import load_sample
+
+            image = load_sample()["images"][0]
+        else:
+            image = read_image(args.image)
+        x_all = lm.preprocess(image)[None]
+        shown_all = conform(image, *lm.input_shape)[None]  # the model's view, unnormalised
     kinds = {n: method_kind(n) for n in names}
     order = list(KINDS)
     names = sorted(names, key=lambda n: order.index(kinds[n]))  # stable within a kind
     options = {n: method_options(n, args) for n in names}
-    with scoring:
-        with torch.no_grad():
-            logits = adapt(lm.model).model_logits(x)[0]
-        kind, pair = target_kind(args.target_kind, lm.class_names, logits.shape[-1])
-        if kind != "class" and lm.targets is not None:
-            raise ValueError("--target-kind applies to classifiers; an embedding model is "
-                             "explained against --target-embeddings")
-        probs = logits.sigmoid() if kind == "multilabel" else probabilities(
-            logits[None], adapt(lm.model).probability)[0]
-        if pair is not None and args.target is not None:
-            raise ValueError("--target-kind contrastive:A,B names the classes; drop --target")
-        target = pair[0] if pair is not None else parse_class(args.target, lm.class_names,
-                                                              probs.shape[0])
-        target = int(probs.argmax()) if target is None else target
-        explained: Any = target
-        if kind == "multilabel":
-            explained = MultiLabel(target)
-        elif pair is not None:
-            explained = Contrastive(*pair)
-        maps, refused = _explain_each(names, lm.model, x, explained, options, args.seed)
-    for n, message in refused.items():
-        print(f"note: {n} refused this model or target ({message.splitlines()[0]}); its "
-              "panel says so", file=sys.stderr)
-    scale = float(logits.detach().abs().max())
-    flat = [n for n, z in viz.near_zero(maps, reference=scale).items() if bool(z[0])]
-    for n in flat:
-        print(f"note: {n}'s map is numerically zero here (max |map| "
-              f"{float(maps[n].abs().max()):.1e} next to logits up to {scale:.3g}); drawn "
-              "flat", file=sys.stderr)
-    shown = conform(image, *lm.input_shape)  # the model's view, before normalisation
-    viz.plot_grid(shown[None], maps, path=out, display=args.display,
-                  groups={n: KINDS[kinds[n]] for n in names}, reference=scale,
-                  note=settings_note(options, args.full), refused=refused,
-                  row_titles=[_title(probs, target, lm.class_names, pair, "\n")])
-    count = count_noun(len(maps), "method") + (f" ({len(refused)} more refused)"
-                                               if refused else "")
-    print(f"wrote {out}: {count}, {_title(probs, target, lm.class_names, pair, ' ')}")
+    groups = {n: KINDS[kinds[n]] for n in names}
+    outs = ([out] if x_all.shape[0] == 1 else
+            [_numbered(out, i) for i in range(x_all.shape[0])])
+    for i, path in enumerate(outs):
+        x, shown = x_all[i:i + 1], shown_all[i]
+        with scoring:
+            logits, probs, target, pair, maps, refused = _explain_input(
+                args, lm, x, names, options)
+        for n, message in refused.items():
+            print(f"note: {n} refused this model or target ({message.splitlines()[0]})"
+                  + ("; its panel says so" if video is None else ""), file=sys.stderr)
+        scale = float(logits.detach().abs().max())
+        flat = [n for n, z in viz.near_zero(maps, reference=scale).items() if bool(z[0])]
+        for n in flat:
+            print(f"note: {n}'s map is numerically zero here (max |map| "
+                  f"{float(maps[n].abs().max()):.1e} next to logits up to {scale:.3g})"
+                  "; drawn flat", file=sys.stderr)
+        note = settings_note(options, args.full)
+        if video is None:
+            viz.plot_grid(shown[None], maps, path=path, display=args.display, groups=groups,
+                          reference=scale, note=note, refused=refused,
+                          row_titles=[_title(probs, target, lm.class_names, pair, "\n")])
+        else:
+            if refused:
+                note += "\nrefused: " + "; ".join(
+                    f"{n} ({m.splitlines()[0]})" for n, m in refused.items())
+            written = [path]
+            title = _title(probs, target, lm.class_names, pair, " ")
+            viz.plot_video(shown, maps, path=path, display=args.display, title=title,
+                           note=note, row_titles=["video"], reference=scale)
+            if animation is not None:
+                moving = str(Path(path).with_suffix("." + animation))
+                viz.plot_video(shown, maps, path=moving, fps=args.fps, display=args.display,
+                               title=title)
+                written.append(moving)
+        count = count_noun(len(maps), "method") + (f" ({len(refused)} more refused)"
+                                                   if refused else "")
+        what = " and ".join(written) if video is not None else path
+        print(f"wrote {what}: {count}, {_title(probs, target, lm.class_names, pair, ' ')}")
     return 0
+
+
+def _numbered(out: str, i: int) -> str:
+    """``--out`` of video ``i`` of a batch: ``NAME_i.SUFFIX``."""
+    p = Path(out)
+    return str(p.with_name(f"{p.stem}_{i}{p.suffix}"))
+
+
+def _explain_input(args: argparse.Namespace, lm: Any, x: torch.Tensor, names: list[str],
+                   options: dict[str, dict]) -> tuple[torch.Tensor, torch.Tensor, int,
+                                                      tuple[int, int] | None,
+                                                      dict[str, torch.Tensor], dict[str, str]]:
+    """One input's logits, probabilities, explained class (and contrasted pair), every
+    method's grid map and the refusals (inside the model's scoring)."""
+    with torch.no_grad():
+        logits = adapt(lm.model).model_logits(x)[0]
+    kind, pair = target_kind(args.target_kind, lm.class_names, logits.shape[-1])
+    if kind != "class" and lm.targets is not None:
+        raise ValueError("--target-kind applies to classifiers; an embedding model is "
+                         "explained against --target-embeddings")
+    probs = logits.sigmoid() if kind == "multilabel" else probabilities(
+        logits[None], adapt(lm.model).probability)[0]
+    if pair is not None and args.target is not None:
+        raise ValueError("--target-kind contrastive:A,B names the classes; drop --target")
+    target = pair[0] if pair is not None else parse_class(args.target, lm.class_names,
+                                                          probs.shape[0])
+    target = int(probs.argmax()) if target is None else target
+    explained: Any = target
+    if kind == "multilabel":
+        explained = MultiLabel(target)
+    elif pair is not None:
+        explained = Contrastive(*pair)
+    maps, refused = _explain_each(names, lm.model, x, explained, options, args.seed)
+    return logits, probs, target, pair, maps, refused
 
 
 REFUSALS = (ValueError, TypeError, NotImplementedError)
