@@ -103,7 +103,8 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
            "video's maps equal a timm twin's to 1e-10, every method; token removal equals the "
            "model's own `bool_masked_pos`); RISE and ViT-CX mask tubelets (token removal); "
            "deletion/insertion with token removal or pixel baselines over tubelets; LRP "
-           "`at=\"pixels\"` through the tubelet projection; `viz.plot_video` writes a GIF/MP4 or a PNG contact sheet — "
+           "`at=\"pixels\"` through the tubelet projection; `viz.plot_video` writes a GIF/MP4 "
+           "or a PNG contact sheet — "
            "refused: RISE/ViT-CX pixel masks, the localisation metrics, the removal metrics' "
            "`unit=\"pixel\"`"),
     examples={
