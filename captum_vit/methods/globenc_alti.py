@@ -313,7 +313,7 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         k2 = k2 * p.norm2.weight.to(dt)
     if p.ls2 is not None:
         k2 = k2 * p.ls2.to(dt)
-    o = _block_output(rec, p.merge is not None).detach().to(dt)
+    o = _block_output(rec, p.merge is not None or p.out_norm is not None).detach().to(dt)
     win = p.window
     if win is not None:  # the B · n_W windows as short sequences (padded slots zero)
         nw, m = win.num_windows, win.area
