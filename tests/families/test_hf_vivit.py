@@ -210,3 +210,23 @@ def test_clear_errors_and_the_model_unchanged():
     with pytest.raises(ValueError, match=r"frame size \(24, 24\).*image_size"):
         gae.attribute(torch.zeros(1, 4, 3, 24, 24, dtype=torch.float64), target=0)
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("method", ["cp_lrp", "attnlrp"])
+def test_lrp_to_the_pixels_of_a_video(method):
+    """``at="pixels"``: the rules run through the tubelet projection (the Conv3d as a
+    linear map, the class token's row untouched); a one-slice video gets the ViT twin's
+    pixel relevance, and a 4-frame video gets finite maps per tubelet."""
+    from captum_vit import CPLRP, AttnLRP
+
+    cls = {"cp_lrp": CPLRP, "attnlrp": AttnLRP}[method]
+    vv, twin = _one_slice_pair()
+    x = _video(frames=1)
+    ours = cls(vv, at="pixels").attribute(x, target=[1, 3])
+    ref = cls(twin, at="pixels").attribute(x[:, 0], target=[1, 3])
+    assert_close_scaled(ours[:, 0], ref, rel=1e-10)
+    model = make_model("hf_vivit")
+    before = snapshot(model)
+    pix = cls(model, at="pixels").attribute(_video(), target=[1, 3], output="tokens")
+    assert pix.shape == (2, 8) and torch.isfinite(pix).all()
+    assert_unchanged(model, before)
