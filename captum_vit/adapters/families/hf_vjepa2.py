@@ -267,11 +267,11 @@ class HFVJEPA2Adapter(ViTAdapter):
     def refresh(self) -> None:
         """Rebuild the pool's identity projection when ``model.to(...)`` changed the
         parameters' dtype or device."""
-        pool = self.head.attn_pool
-        if pool is not None and (pool.proj_weight.dtype != pool.latent.dtype
+        pool, pooler = self.head.attn_pool, self.pooler
+        if pool is not None and pooler is not None and (pool.proj_weight.dtype != pool.latent.dtype
                                  or pool.proj_weight.device != pool.latent.device
                                  or pool.latent.data_ptr()
-                                 != self.pooler.query_tokens.data_ptr()):
+                                 != pooler.query_tokens.data_ptr()):
             self.head = self._head()
 
     @property
