@@ -530,7 +530,9 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         out = []
         for l, rec in enumerate(tr.blocks[start:], start=tr.start + start):
             win = self.adapter.stages.window(l)
-            if self.mlp == "ln2" and self.fast:
+            # the one-pass scores read the block's output as mid + ffn; a block with an
+            # output norm (V-JEPA 2's encoder norm) is decomposed through it instead
+            if self.mlp == "ln2" and self.fast and self.adapter.blocks[l].out_norm is None:
                 t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
             elif win is not None:
                 t = window_scores(self.adapter, rec.x, l, self.measure, mlp=self.mlp,
