@@ -16,10 +16,13 @@ Only this file knows V-JEPA 2's attribute names. Verified in the installed trans
 - **No class token, no position table** (``num_prefix = 0``): positions enter only
   through a **3-D RoPE** on ``q`` and ``k`` in every encoder layer
   (``VJEPA2RopeAttention``): the head width ``d`` is cut into three parts of
-  ``2·⌊d/3/2⌋`` channels rotated by the token's frame slice, row and column (the rest, if
-  any, unrotated), each part by ``rotate_queries_or_keys`` (frequencies
-  ``10000^{-2i/d_part}``, pairs ``(x_{2i}, x_{2i+1})`` interleaved), applied to ``k`` and
-  ``q`` after the projections (there is no q/k norm). The token index → (slice, row,
+  ``d' = 2·⌊⌊d/3⌋/2⌋`` channels rotated by the token's frame slice, row and column (the
+  rest, if any, unrotated), each part by ``rotate_queries_or_keys``: channel ``c`` gets the
+  angle ``θ_c = pos · 10000^{-2 (c mod d'/2) / d'}`` (the frequencies repeated in two
+  halves) and ``x_c cos θ_c + y_c sin θ_c`` with ``y`` the interleaved pairs
+  ``(−x_{2i+1}, x_{2i})``, so the two channels of a pair turn by different angles (the
+  model's own convention, reproduced by calling it). It is applied to ``k`` and ``q``
+  after the projections (there is no q/k norm). The token index → (slice, row,
   column) is computed with ``grid_size = crop_size // patch_size`` of the configuration,
   whatever the input size: the adapter therefore takes frames of ``crop_size`` only
   (another size would scramble the rows and columns), any frame count (the RoPE has no
