@@ -18,7 +18,9 @@ that of the live tensors. Run from the repository root (package installed, or
 
 ``--model swin`` measures a random Swin-T instead (timm ``SwinTransformer``: width 96, depths
 2-2-6-2, heads 3-6-12-24, window 7; at 224 px, 56 x 56 tokens in the first stage), e.g.
-``--model swin --img-size 224 --batch 16``.
+``--model swin --img-size 224 --batch 16``. ``--model vjepa2`` measures a V-JEPA 2-L-shaped
+Hugging Face ``VJEPA2ForVideoClassification`` on 16 frames (``--img-size 256``: 2048 tokens;
+3-D RoPE, attentive pooler), ``--model vjepa2-s`` the same at ViT-S width on 4 frames.
 
 A quick check of the script: ``--img-size 224 --batch 2``. It prints a markdown table:
 method, peak growth in MB, and its ratio to the plain forward+backward (goal ≤ 1.25).
@@ -66,7 +68,33 @@ def swin_t(img_size: int) -> torch.nn.Module:
                            num_classes=1000).eval()
 
 
-MODELS = {"vit": vit_b16, "swin": swin_t}
+def vjepa2_l16(img_size: int, frames: int = 16, width: int = 1024, depth: int = 24,
+               heads: int = 16) -> torch.nn.Module:
+    """A random V-JEPA 2-L-shaped Hugging Face ``VJEPA2ForVideoClassification`` (16 frames
+    of ``img_size`` px, tubelets 2 x 16 x 16, 3-D RoPE, attentive pooler with 3
+    self-attention layers)."""
+    from transformers import VJEPA2Config, VJEPA2ForVideoClassification
+
+    torch.manual_seed(0)
+    cfg = VJEPA2Config(patch_size=16, crop_size=img_size, frames_per_clip=frames,
+                       tubelet_size=2, hidden_size=width, num_attention_heads=heads,
+                       num_hidden_layers=depth, num_pooler_layers=3, pred_hidden_size=64,
+                       pred_num_attention_heads=2, pred_num_hidden_layers=1, num_labels=1000)
+    return VJEPA2ForVideoClassification(cfg).eval()
+
+
+def vjepa2_s16(img_size: int) -> torch.nn.Module:
+    """:func:`vjepa2_l16` at ViT-S width and depth (384, 12 blocks, 6 heads), 4 frames."""
+    return vjepa2_l16(img_size, frames=4, width=384, depth=12, heads=6)
+
+
+MODELS = {"vit": vit_b16, "swin": swin_t, "vjepa2": vjepa2_l16, "vjepa2-s": vjepa2_s16}
+
+
+def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's own logits (a Hugging Face model returns an output object)."""
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
 
 
 def _rss_mb() -> float:
@@ -83,12 +111,15 @@ def child(name: str, img_size: int, batch: int, threads: int,
     """Peak resident-set growth (MB) of one call of ``name`` in this process."""
     torch.set_num_threads(threads)
     model = MODELS[model_name](img_size)
-    x = torch.randn(batch, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
+    frames = getattr(getattr(model, "config", None), "frames_per_clip", None)
+    shape = (batch, 3, img_size, img_size) if frames is None else \
+        (batch, frames, 3, img_size, img_size)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     t = torch.arange(batch) % 1000
     if name == PLAIN:
         def call() -> None:
             xx = x.clone().requires_grad_()
-            torch.autograd.grad(model(xx)[torch.arange(batch), t].sum(), xx)
+            torch.autograd.grad(logits_of(model, xx)[torch.arange(batch), t].sum(), xx)
     else:
         fn = METHODS[name](model)
 
@@ -122,7 +153,11 @@ def main() -> None:
         print(json.dumps(child(args.child, args.img_size, args.batch, args.threads,
                                args.model)))
         return
-    if args.model == "swin":
+    if args.model.startswith("vjepa2"):
+        frames = 16 if args.model == "vjepa2" else 4
+        what = (f"V-JEPA 2-{'L' if args.model == 'vjepa2' else 'S'}/16, {frames} frames of "
+                f"{args.img_size} px ({frames // 2 * (args.img_size // 16) ** 2} tokens)")
+    elif args.model == "swin":
         what = f"Swin-T, {args.img_size} px ({(args.img_size // 4) ** 2} first-stage tokens)"
     else:
         what = f"ViT-B/16, {args.img_size} px ({(args.img_size // 16) ** 2 + 1} tokens)"

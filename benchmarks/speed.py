@@ -5,7 +5,8 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
-                                    hf-videomae|timm-swin|hf-swin] \
+                                    hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
+                                    hf-vjepa2-s] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -23,7 +24,11 @@ against one random target vector per image, the reference differentiating the co
 layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTransformer``,
 ``nn.MultiheadAttention``, ``ln_pre``, projection), explained like ``hf-clip``;
 ``hf-videomae``: ``VideoMAEForVideoClassification`` on 4-frame videos with tubelets of 2
-frames, 2 x 196 tokens, mean pooling; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
+frames, 2 x 196 tokens, mean pooling; ``hf-vivit``: ``VivitForVideoClassification`` of the
+same shape with a class token; ``hf-vjepa2``: a V-JEPA 2-L-shaped
+``VJEPA2ForVideoClassification`` (16 frames of 256 px, 2048 tokens, 3-D RoPE, attentive
+pooler; a GPU-sized run) and ``hf-vjepa2-s`` the same at ViT-S width on 4 frames of 224 px;
+``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
 the first stage, window 7), measured in the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
@@ -223,6 +228,41 @@ def hf_videomae_s16(img_size: int = 224) -> torch.nn.Module:
     return VideoMAEForVideoClassification(cfg).eval()
 
 
+def hf_vivit_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same width and depth as :func:`vit_s16` as a Hugging Face
+    ``VivitForVideoClassification`` on 4-frame videos (tubelets 2 x 16 x 16: a class token
+    and 2 x 196 tubelet tokens, joint attention)."""
+    from transformers import VivitConfig, VivitForVideoClassification
+
+    torch.manual_seed(0)
+    cfg = VivitConfig(image_size=img_size, num_frames=4, tubelet_size=[2, 16, 16],
+                      hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
+                      intermediate_size=1536, num_labels=1000)
+    return VivitForVideoClassification(cfg).eval()
+
+
+def hf_vjepa2_l16(frames: int = 16, crop: int = 256, width: int = 1024, depth: int = 24,
+                  heads: int = 16) -> torch.nn.Module:
+    """A V-JEPA 2-L-shaped Hugging Face ``VJEPA2ForVideoClassification`` (width 1024, 24
+    layers, 16 heads, 16 frames of 256 px: 8 x 256 tubelet tokens of 2 x 16 x 16, 3-D RoPE;
+    the attentive pooler with 3 self-attention layers; the predictor is built but unused).
+    ``hf-vjepa2-s`` is the same model at :func:`vit_s16`'s width and depth on 4 frames of
+    224 px (2 x 196 tokens), for a CPU."""
+    from transformers import VJEPA2Config, VJEPA2ForVideoClassification
+
+    torch.manual_seed(0)
+    cfg = VJEPA2Config(patch_size=16, crop_size=crop, frames_per_clip=frames, tubelet_size=2,
+                       hidden_size=width, num_attention_heads=heads, num_hidden_layers=depth,
+                       num_pooler_layers=3, pred_hidden_size=64, pred_num_attention_heads=2,
+                       pred_num_hidden_layers=1, num_labels=1000)
+    return VJEPA2ForVideoClassification(cfg).eval()
+
+
+def hf_vjepa2_s16() -> torch.nn.Module:
+    """:func:`hf_vjepa2_l16` at ViT-S/16 width and depth, 4 frames of 224 px."""
+    return hf_vjepa2_l16(frames=4, crop=224, width=384, depth=12, heads=6)
+
+
 def swin_t(img_size: int = 224) -> torch.nn.Module:
     """A Swin-T-shaped timm ``SwinTransformer`` (patch 4, width 96, depths 2-2-6-2, heads
     3-6-12-24, window 7; 56 x 56 tokens in the first stage)."""
@@ -247,9 +287,12 @@ def hf_swin_t(img_size: int = 224) -> torch.nn.Module:
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
-    224] for a VideoMAE."""
-    if type(model).__name__.startswith("VideoMAE"):
-        return torch.randn(b, model.config.num_frames, 3, 224, 224, generator=generator)
+    224] for a video model (VideoMAE, ViViT, V-JEPA 2: its frames and frame size)."""
+    cfg = getattr(model, "config", None)
+    frames = getattr(cfg, "num_frames", None) or getattr(cfg, "frames_per_clip", None)
+    if frames is not None:
+        size = int(getattr(cfg, "crop_size", None) or cfg.image_size)
+        return torch.randn(b, frames, 3, size, size, generator=generator)
     return torch.randn(b, 3, 224, 224, generator=generator)
 
 
@@ -258,7 +301,10 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
-    "hf-swin": hf_swin_t}
+    "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
+    "hf-vjepa2-s": hf_vjepa2_s16}
+SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)"}
+"""The shape named in the summary line (default ViT-S/16)."""
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -430,7 +476,7 @@ def main() -> None:
                 print(f"  batch {b} {name}: {n} forwards, {per_forward[-1][3]:.2f}x that "
                       "many plain forwards", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.family} {'Swin-T' if 'swin' in args.family else 'ViT-S/16'} float32, "
+          f"{args.family} {SHAPES.get(args.family, 'ViT-S/16')} float32, "
           f"median of {args.repeats} alternating pairs, {args.clock} clock")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -366,6 +366,8 @@ class ViTAdapter(Readout, abc.ABC):
         if p.ls2 is not None:
             f = ops.scale(f, p.ls2)
         out = ops.add(mid, f)
+        if p.out_norm is not None:  # a norm between blocks (V-JEPA 2's encoder norm)
+            out = ops.norm(out, p.out_norm)
         if p.merge is not None:  # the last block of a stage: merge onto the next grid
             m = p.merge
             out = ops.linear(ops.norm(ops.gather(out, m), m.norm), m.weight, m.bias)

@@ -122,6 +122,36 @@ def patch_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Te
     return ops.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
 
+def tubelet_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+    """A tubelet-embedding ``Conv3d`` (stride = kernel ``(t, ph, pw)``, no padding) as the
+    linear map of the unfolded tubelets through ``ops.linear`` (the video form of
+    :func:`~captum_vit.adapters.ops.patch_projection`).
+
+    Args:
+        inputs (Tensor): videos [B, T, C, H, W].
+        conv (nn.Module): the model's ``Conv3d`` (its own parameters, reshaped).
+        ops (Ops): supplies ``linear``.
+        what (str): the convolution's name in the model, for the error message.
+
+    Returns:
+        Tensor: tubelet embeddings [B, F·gh·gw, D] in the order (slice, row, column).
+
+    Raises:
+        TypeError: ``conv`` is not such a convolution.
+    """
+    if not isinstance(conv, nn.Conv3d) or tuple(conv.stride) != tuple(conv.kernel_size) \
+            or conv.padding not in ("valid", (0, 0, 0)) or conv.groups != 1 \
+            or tuple(conv.dilation) != (1, 1, 1):
+        raise TypeError(f"{what} is not a tubelet projection (a Conv3d with stride == "
+                        "kernel_size, no padding, one group); explain at='tokens'")
+    b, frames, c, h, w = inputs.shape
+    t, ph, pw = conv.kernel_size
+    f, gh, gw = frames // t, h // ph, w // pw
+    x = inputs[:, :f * t, :, :gh * ph, :gw * pw].reshape(b, f, t, c, gh, ph, gw, pw)
+    x = x.permute(0, 1, 4, 6, 3, 2, 5, 7).reshape(b, f * gh * gw, c * t * ph * pw)
+    return ops.linear(x, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
+
 
 class Ops:
     """The primitive operations of the canonical forward, on plain tensors.

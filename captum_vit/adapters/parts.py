@@ -195,6 +195,12 @@ class BlockParts(AttentionParts):
     attends inside the windows of its stage's grid; ``attn_bias`` then returns one
     window's bias ``[1, H, M, M]`` and the probabilities are per window,
     ``[B, H, n_W, M, M]``. ``None`` = global attention."""
+    out_norm: NormParts | None = None
+    """A LayerNorm on the block's output, before the next block (and before a
+    :attr:`merge`): V-JEPA 2's encoder norm between its last encoder layer and its
+    attentive pooler's self-attention layers
+    (:mod:`captum_vit.adapters.families.hf_vjepa2`). A per-token map (no token mixing):
+    the record's ``out`` is the normed state; ``None`` = none."""
     merge: Any = None
     """A patch merge after the block (a
     :class:`~captum_vit.adapters.windows.MergeParts`), or ``None``:
@@ -483,7 +489,7 @@ class BlockParts(AttentionParts):
     def features(self) -> tuple[str, ...]:
         """The names of this block's features beyond the plain pre-LN block
         (:data:`BLOCK_FEATURES`): ``"inner_norm"``, ``"mlp_norm"``, ``"gated_mlp"``,
-        ``"rotary"``, ``"attn_bias"``, ``"layer_scale"``, ``"qk_norm"``.
+        ``"rotary"``, ``"attn_bias"``, ``"layer_scale"``, ``"qk_norm"``, ``"out_norm"``.
 
         Returns:
             tuple[str, ...]: the features present, in :data:`BLOCK_FEATURES` order.
@@ -496,6 +502,7 @@ class BlockParts(AttentionParts):
             "attn_bias": self.attn_bias is not None,
             "layer_scale": self.ls1 is not None or self.ls2 is not None,
             "qk_norm": not (_is_identity(self.q_norm) and _is_identity(self.k_norm)),
+            "out_norm": self.out_norm is not None,
         }
         return tuple(f for f in BLOCK_FEATURES if present[f])
 
@@ -509,6 +516,8 @@ BLOCK_FEATURES: dict[str, str] = {
     "attn_bias": "a relative position bias on the attention logits",
     "layer_scale": "LayerScale",
     "qk_norm": "normalised queries and keys",
+    "out_norm": "a LayerNorm on the block's output (V-JEPA 2's encoder norm before its "
+                "attentive pooler's layers)",
 }
 """The features a :class:`BlockParts` may have beyond the plain pre-LN block, with what
 each is (:meth:`BlockParts.features`)."""

@@ -313,7 +313,7 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         k2 = k2 * p.norm2.weight.to(dt)
     if p.ls2 is not None:
         k2 = k2 * p.ls2.to(dt)
-    o = _block_output(rec, p.merge is not None).detach().to(dt)
+    o = _block_output(rec, p.merge is not None or p.out_norm is not None).detach().to(dt)
     win = p.window
     if win is not None:  # the B · n_W windows as short sequences (padded slots zero)
         nw, m = win.num_windows, win.area
@@ -530,7 +530,9 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         out = []
         for l, rec in enumerate(tr.blocks[start:], start=tr.start + start):
             win = self.adapter.stages.window(l)
-            if self.mlp == "ln2" and self.fast:
+            # the one-pass scores read the block's output as mid + ffn; a block with an
+            # output norm (V-JEPA 2's encoder norm) is decomposed through it instead
+            if self.mlp == "ln2" and self.fast and self.adapter.blocks[l].out_norm is None:
                 t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
             elif win is not None:
                 t = window_scores(self.adapter, rec.x, l, self.measure, mlp=self.mlp,
