@@ -5,7 +5,7 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
-                                    hf-videomae|timm-swin|hf-swin] \
+                                    hf-videomae|timm-swin|hf-swin|hf-dinov3] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -23,10 +23,11 @@ against one random target vector per image, the reference differentiating the co
 layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTransformer``,
 ``nn.MultiheadAttention``, ``ln_pre``, projection), explained like ``hf-clip``;
 ``hf-videomae``: ``VideoMAEForVideoClassification`` on 4-frame videos with tubelets of 2
-frames, 2 x 196 tokens, mean pooling; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
-``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
-the first stage, window 7), measured in the same run as the methods. Methods that refuse a
-family by name (TIS on Swin) are reported as refused.
+frames, 2 x 196 tokens, mean pooling; ``hf-dinov3``: a DINOv3-S-shaped ``DINOv3ViTModel``
+(4 registers, RoPE), explained like ``hf-clip``; ``timm-swin`` / ``hf-swin``: a
+Swin-T-shaped timm ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224
+px, 56 x 56 tokens in the first stage, window 7), measured in the same run as the methods.
+Methods that refuse a family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
 (``TokenTarget``: a fixed random probe on the final-normed patch tokens of the timm ViT, the
@@ -244,6 +245,19 @@ def hf_swin_t(img_size: int = 224) -> torch.nn.Module:
     return SwinForImageClassification(cfg).eval()
 
 
+def hf_dinov3_s16(img_size: int = 224) -> torch.nn.Module:
+    """A DINOv3-S-shaped Hugging Face ``DINOv3ViTModel`` (patch 16, width 384, 12 layers,
+    6 heads, 4 registers, RoPE, LayerScale; SDPA attention), explained against one random
+    target vector per image like :func:`hf_clip_s16`."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    torch.manual_seed(0)
+    cfg = DINOv3ViTConfig(image_size=img_size, patch_size=16, hidden_size=384,
+                          num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+                          num_register_tokens=4, layerscale_value=1e-5)
+    return DINOv3ViTModel(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
@@ -258,7 +272,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
-    "hf-swin": hf_swin_t}
+    "hf-swin": hf_swin_t, "hf-dinov3": hf_dinov3_s16}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -315,6 +329,8 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
         dim, embed = model.config.projection_dim, lambda x: model(pixel_values=x).image_embeds
     elif type(model).__module__.startswith("open_clip."):
         dim, embed = model.output_dim, model
+    elif type(model).__name__ == "DINOv3ViTModel":  # its pooler_output, the normed CLS
+        dim, embed = model.config.hidden_size, lambda x: model(pixel_values=x).pooler_output
     else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t
