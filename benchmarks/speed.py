@@ -6,7 +6,7 @@ Run::
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
-                                    hf-vjepa2-s] \
+                                    hf-vjepa2-s|hf-dinov3] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -28,7 +28,8 @@ frames, 2 x 196 tokens, mean pooling; ``hf-vivit``: ``VivitForVideoClassificatio
 same shape with a class token; ``hf-vjepa2``: a V-JEPA 2-L-shaped
 ``VJEPA2ForVideoClassification`` (16 frames of 256 px, 2048 tokens, 3-D RoPE, attentive
 pooler; a GPU-sized run) and ``hf-vjepa2-s`` the same at ViT-S width on 4 frames of 224 px;
-``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
+``hf-dinov3``: a DINOv3-S-shaped ``DINOv3ViTModel`` (4 registers, RoPE), explained like
+``hf-clip``; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
 the first stage, window 7), measured in the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
@@ -284,6 +285,19 @@ def hf_swin_t(img_size: int = 224) -> torch.nn.Module:
     return SwinForImageClassification(cfg).eval()
 
 
+def hf_dinov3_s16(img_size: int = 224) -> torch.nn.Module:
+    """A DINOv3-S-shaped Hugging Face ``DINOv3ViTModel`` (patch 16, width 384, 12 layers,
+    6 heads, 4 registers, RoPE, LayerScale; SDPA attention), explained against one random
+    target vector per image like :func:`hf_clip_s16`."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    torch.manual_seed(0)
+    cfg = DINOv3ViTConfig(image_size=img_size, patch_size=16, hidden_size=384,
+                          num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+                          num_register_tokens=4, layerscale_value=1e-5)
+    return DINOv3ViTModel(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
@@ -302,7 +316,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
-    "hf-vjepa2-s": hf_vjepa2_s16}
+    "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16}
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)"}
 """The shape named in the summary line (default ViT-S/16)."""
 
@@ -361,6 +375,8 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
         dim, embed = model.config.projection_dim, lambda x: model(pixel_values=x).image_embeds
     elif type(model).__module__.startswith("open_clip."):
         dim, embed = model.output_dim, model
+    elif type(model).__name__ == "DINOv3ViTModel":  # its pooler_output, the normed CLS
+        dim, embed = model.config.hidden_size, lambda x: model(pixel_values=x).pooler_output
     else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t

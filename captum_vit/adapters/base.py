@@ -336,6 +336,7 @@ class ViTAdapter(Readout, abc.ABC):
         p = self.blocks[l]
         if self.state.settings.frozen:
             p = _detached(p)
+        n = ops.value(x).shape[1]  # the block's tokens, before any ``rows`` cut
         u = ops.norm(x, p.norm1)
         a, attn = ops.attention(u, p)
         heads = attn if isinstance(attn, Heads) else None
@@ -371,6 +372,9 @@ class ViTAdapter(Readout, abc.ABC):
         if p.merge is not None:  # the last block of a stage: merge onto the next grid
             m = p.merge
             out = ops.linear(ops.norm(ops.gather(out, m), m.norm), m.weight, m.bias)
+        if p.post_add is not None:  # a constant on the residual stream (YOLOS's mid PE)
+            c = p.post_add(ops.positions, n)
+            out = ops.add_constant(out, c[:, :ops.value(out).shape[1]])
         hidden = self.state.settings.hidden
         if hidden is not None and l + 1 in hidden:  # a target reading several blocks
             hidden[l + 1] = out

@@ -199,6 +199,13 @@ class Ops:
     def add(self, x: Any, y: Any) -> Any:
         return x + y
 
+    def add_constant(self, x: Any, c: Tensor) -> Any:
+        """``x + c`` for a constant ``c`` [1 or B, N, D] that depends on no token (a block's
+        :attr:`~captum_vit.adapters.parts.BlockParts.post_add`, YOLOS's mid position
+        embeddings): its gradient is the identity, so a gradient rule set passes it
+        unchanged (the constant absorbs its share, like a bias)."""
+        return x + c
+
     def attention(self, u: Any, p: BlockParts) -> tuple[Any, Tensor | None]:
         """Attention mix before the output projection, [B, N, H*d], and the probabilities."""
         return p.attention(u, materialize=True, positions=self.positions,

@@ -212,6 +212,15 @@ class BlockParts(AttentionParts):
     2022: :class:`~captum_vit.adapters.families.sam.DecomposedRelPos`); a windowed block calls it
     on each window's queries. It sees ``q`` after ``detach_qk`` and the rules' ``heads``,
     so a linearised backward treats it as a constant of the logits. ``None`` = none."""
+    post_add: Callable[[Tensor | None, int], Tensor] | None = None
+    """A constant added to every token of the block's output (after the FFN's residual add,
+    and after a merge if any), ``(positions, n) -> [1 or B, n, D]``: YOLOS's mid position
+    embeddings (:mod:`captum_vit.adapters.families.hf_yolos`). ``positions`` are the
+    tokens' original indices [B, n] under true token removal (``None``: the full sequence
+    of ``n`` tokens), so a kept token gets the row of its original position. It is the
+    model's own value, not a function of the tokens: :meth:`Ops.add_constant` adds it
+    (DecompX: to the bias source; the gradient rules: the identity, the constant absorbing
+    its share like a bias). ``None`` = nothing added."""
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
              rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -833,5 +842,8 @@ def _detached(parts: Any) -> Any:
     bias = changes.get("attn_bias")
     if bias is not None:
         changes["attn_bias"] = lambda: bias().detach()
+    post = changes.get("post_add")
+    if post is not None:
+        changes["post_add"] = lambda positions, n: post(positions, n).detach()
     return dataclasses.replace(parts, **changes)
 

@@ -144,6 +144,12 @@ class DecompositionOps(Ops):
     def add(self, x: Decomposed, y: Decomposed) -> Decomposed:  # D5
         return Decomposed(x.real + y.real, x.parts + y.parts, x.has_bias)
 
+    def add_constant(self, x: Decomposed, c: Tensor) -> Decomposed:  # D2's bias rule
+        # a constant of the residual stream (YOLOS's mid position embeddings): to the
+        # bias source, like a bias
+        parts = x.with_bias(x.parts.clone(), c) if x.has_bias else x.parts
+        return Decomposed(x.real + c, parts, x.has_bias)
+
     @staticmethod
     def _mix(u: Decomposed, real: Tensor, attn: Tensor, p: AttentionParts) -> Decomposed:
         """``concat_h A^h v^h`` of every source with the probabilities ``attn`` [B, H, Q, N]

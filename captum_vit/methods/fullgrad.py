@@ -48,6 +48,10 @@ class _BiasProbeOps(Ops):
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return self._probe(super().linear(x, weight, bias), bias)
 
+    def add_constant(self, x: Tensor, c: Tensor) -> Tensor:
+        # a per-token bias of the residual stream (YOLOS's mid position embeddings)
+        return self._probe(super().add_constant(x, c), c)
+
     def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Tensor | None]:
         if not self.active:
             return super().attention(u, p)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from captum.attr import NoiseTunnel
 
-from captum_vit import GAE
-from captum_vit.adapters import HFYolosAdapter, adapt
+from captum_vit import GAE, DecompX
+from captum_vit.adapters import HFYolosAdapter, Ops, adapt
 from captum_vit.metrics.faithfulness import deletion
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import DetectionTarget
@@ -51,6 +51,9 @@ def make_yolos(*, queries: int = 3, size: tuple[int, int] = (32, 48), labels: in
             t.copy_(0.5 * torch.randn(t.shape, generator=g))
         ln = model.vit.layernorm
         ln.weight.copy_(1 + 0.1 * torch.randn(ln.weight.shape, generator=g))
+        if mid:  # mid position embeddings as large as the first ones
+            t = model.vit.encoder.interpolation.mid_position_embeddings
+            t.copy_(0.5 * torch.randn(t.shape, generator=g))
     return model.double().eval()
 
 
@@ -65,12 +68,14 @@ def attribute(name: str, model, x, target, **kw):
 
 
 # -- the canonical forward ------------------------------------------------------------------
+@pytest.mark.parametrize("mid", [False, True], ids=["plain", "mid"])
 @pytest.mark.parametrize("size", [(32, 48), (40, 24)])
-def test_forward_parity_with_the_models_logits_and_boxes(size):
+def test_forward_parity_with_the_models_logits_and_boxes(size, mid):
     """Detection logits and boxes of the canonical forward (rows reordered as [CLS, det,
     patches]) equal the model's own ``logits`` and ``pred_boxes``, at the configured size
-    and at another one (the model resamples its position embeddings)."""
-    model = make_yolos()
+    and at another one (the model resamples its position embeddings, and with
+    ``mid`` its mid position embeddings, added after every block but the last)."""
+    model = make_yolos(mid=mid)
     ad = adapt(model)
     assert isinstance(ad, HFYolosAdapter) and ad.num_prefix == 4
     x = images(size)
@@ -319,9 +324,117 @@ def test_a_class_target_is_refused_naming_detection_target():
             GAE(model).attribute(x, target=target)
 
 
-def test_mid_position_embeddings_are_refused_by_name():
-    with pytest.raises(TypeError, match="use_mid_position_embeddings"):
-        adapt(make_yolos(mid=True))
+# -- mid position embeddings ----------------------------------------------------------------
+def test_mid_position_embeddings_are_the_models_states():
+    """Every block's output is the model's layer output (``output_hidden_states``, which
+    transformers records at each layer's return, before the encoder adds the mid
+    embedding) plus that layer's resampled mid embedding, rows reordered, at a resampled
+    size; nothing is added after the last block."""
+    model = make_yolos(mid=True)
+    ad = adapt(model)
+    x = images((40, 24))
+    with torch.no_grad():
+        hidden = model.vit(pixel_values=x, output_hidden_states=True).hidden_states
+        mids = model.vit.encoder.interpolation((40, 24))[:, 0]  # [L-1, N, D]
+        h = ad.embed(x)
+        for l in range(3):
+            h = ad.block(h, l, Ops())
+            added = mids[l] if l < 2 else torch.zeros_like(mids[0])
+            assert_close_scaled(h, ad._reorder(hidden[l + 1] + added))
+    assert [p.post_add is not None for p in ad.blocks] == [True, True, False]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_explains_a_detection_with_mid_position_embeddings(name):
+    """With mid position embeddings every registered method gives a finite, non-constant
+    map under a DetectionTarget and leaves the model unchanged (no method refuses)."""
+    model = make_yolos(mid=True)
+    x = images((40, 24))
+    before = snapshot(model)
+    maps = attribute(name, model, x, DetectionTarget("best", label=[1, 3]))
+    assert_unchanged(model, before)
+    assert maps.shape == x.shape and torch.isfinite(maps).all()
+    if name != "random":
+        assert (maps.flatten(1).std(1) > 0).all()
+
+
+def test_decompx_puts_the_mid_position_embeddings_in_the_bias_source(monkeypatch):
+    """DecompX is complete with mid embeddings (both routes agree), and its bias source
+    holds their contribution exactly: a decomposition whose constant reaches no source
+    has the same tokens and a bias smaller by ``Σ_l ⟨m_l, ∂s_lin/∂m_l⟩``, computed here
+    from the parameter with the linearised forward (``m_l`` linear in the parameter ``P``,
+    so the sum is ``⟨P, ∂s_lin/∂P⟩``)."""
+    from captum_vit.methods.decompx import Decomposed, DecompositionOps
+
+    model = make_yolos(mid=True)
+    ad = adapt(model)
+    x = images((40, 24))
+    target = DetectionTarget([0, 2], label=[1, 3])
+    explicit = DecompX(model, route="explicit").decompose(x, target)
+    gradient = DecompX(model, route="gradient").decompose(x, target)
+    for field in ("tokens", "bias", "logit"):
+        assert_close_scaled(getattr(gradient, field), getattr(explicit, field), rel=1e-10)
+    assert_close_scaled(explicit.tokens.sum(-1) + explicit.bias, explicit.logit)
+    # the reference: <P, d s_lin / dP> through the model's own interpolation
+    param = model.vit.encoder.interpolation.mid_position_embeddings
+    resolved = target.resolve(ad, x)
+    with ad.targeting(resolved):
+        cols = ad.run(ad.embed(x), ops=Ops(linearize=True))
+    s = cols.gather(1, resolved.index(2)[:, None])[:, 0]
+    contribution = torch.stack([(torch.autograd.grad(s[i], param, retain_graph=True)[0]
+                                 * param).sum() for i in range(2)]).detach()
+    assert contribution.abs().min() > 1e-3  # the test has something to see
+
+    def dropped(self, x, c):  # the constant in the real forward, in no source
+        return Decomposed(x.real + c, x.parts, x.has_bias)
+
+    monkeypatch.setattr(DecompositionOps, "add_constant", dropped)
+    without = DecompX(model, route="explicit").decompose(x, target)
+    assert_close_scaled(without.tokens, explicit.tokens, rel=1e-10)
+    assert_close_scaled(explicit.bias - without.bias, contribution, rel=1e-10,
+                        scale=explicit.logit.abs().max().item())
+
+
+def test_token_removal_drops_the_mid_position_embedding_rows():
+    """True token removal with mid embeddings equals the model's own layers on [CLS,
+    kept patches, det] with the same rows of every resampled mid embedding added after
+    each block but the last (the model's tables, rows dropped)."""
+    model = make_yolos(mid=True)
+    ad = adapt(model)
+    x = images((40, 24))
+    target = DetectionTarget([0, 2], label=[1, 3]).resolve(ad, x)
+    keep = torch.tensor([[0, 3, 5, 8, 11], [1, 2, 4, 9, 14]])
+    k = model.config.num_detection_tokens
+    with torch.no_grad(), ad.targeting(target):
+        x0 = ad.embed(x)
+        cols = ad.run(x0, keep=keep)
+        assert_close_scaled(ad.run(x0, keep=torch.arange(15).expand(2, -1)), ad.run(x0))
+    with torch.no_grad():
+        emb = model.vit.embeddings(x)  # [CLS, patches, det]
+        rows = torch.cat([torch.zeros(2, 1, dtype=torch.long), 1 + keep,
+                          torch.arange(16, 16 + k).expand(2, -1)], 1)
+        h = torch.gather(emb, 1, rows[..., None].expand(-1, -1, emb.shape[-1]))
+        mids = model.vit.encoder.interpolation((40, 24))[:, 0]  # [L-1, N, D]
+        for i, layer in enumerate(model.vit.encoder.layer):
+            h = layer(h)
+            if i < 2:
+                h = h + mids[i][rows]
+        logits = model.class_labels_classifier(model.vit.layernorm(h)[:, -k:])
+    expected = logits[torch.arange(2)[:, None], torch.tensor([0, 2]), torch.tensor([1, 3])]
+    assert_close_scaled(cols, expected)
+
+
+def test_mid_position_embeddings_need_an_embedded_size():
+    """Blocks run on states of another length than the last embedded images' are refused
+    by name, and the adapter is unchanged by the refusal."""
+    model = make_yolos(mid=True)
+    ad = adapt(model)
+    with torch.no_grad():
+        x0 = ad.embed(images((40, 24)))
+        ad.embed(images())
+        with pytest.raises(ValueError, match="mid position embeddings of the last embedded"):
+            ad.run(x0, 0, 2)
+        assert ad.run(ad.embed(images((40, 24))), 0, 2).shape == x0.shape
 
 
 def test_detection_target_errors():

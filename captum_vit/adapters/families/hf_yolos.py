@@ -36,15 +36,34 @@ class target (or ``None``) is refused with a ``TypeError`` naming ``DetectionTar
 the self-check compares the canonical forward's detection logits and boxes with the
 model's own ``logits`` and ``pred_boxes``.
 
-Not supported: ``use_mid_position_embeddings=True`` (the default of ``YolosConfig`` and
-of the small and base checkpoints; ``hustvl/yolos-tiny`` has none). Those embeddings are
-an additive term between blocks that the canonical block has no place for (every
-decomposition and rule set of the methods would have to carry it); such a model is
-refused by name with a ``TypeError``.
+Mid position embeddings (``use_mid_position_embeddings=True``: the ``YolosConfig``
+default, kept by yolos-small, yolos-small-dwr and yolos-base; ``hustvl/yolos-tiny`` has
+none). Verified in the installed transformers (5.x, ``YolosEncoder.forward`` and
+``InterpolateMidPositionEmbeddings``): the encoder keeps
+``interpolation.mid_position_embeddings`` of shape ``[L - 1, 1, 1 + P_cfg + K, D]`` (one
+table per block but the last, rows ``[CLS, patches, det]`` of the configured grid); once
+per forward it resamples the patch rows of every table to the input's grid (bicubic,
+``align_corners=False``, from ``config.image_size // patch_size``; the CLS and detection
+rows as they are) and after layer ``i`` for ``i < L - 1`` adds table ``i`` to every token
+of the hidden states, the detection tokens included; nothing is added after the last
+layer, before the final ``layernorm``. It depends on the image size only, never on the
+tokens: a constant on the residual stream. The adapter computes the tables with the
+model's own ``encoder.interpolation((H, W))`` when it embeds images (the tables of the
+last embedded input size are kept), reorders their rows like the states
+(``[CLS, det, patches]``) and gives block ``i`` a
+:attr:`~captum_vit.adapters.parts.BlockParts.post_add` that adds table ``i``
+(:meth:`~captum_vit.adapters.ops.Ops.add_constant`). So DecompX puts it into the bias
+source; the gradient rule sets (IxG, LRP, Chefer'21) pass the residual stream through it
+unchanged, the constant absorbing its share like a bias; FullGrad+ counts it among the
+biases of its block; the attention maps are unchanged (the next block's attention reads
+the states with the constant added, as the model's does); under true token removal a kept
+token receives the row of its original position (the same rows are dropped).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -65,7 +84,7 @@ CLASSES = ("YolosForObjectDetection",)
 
 def _example(mid: bool = False) -> Callable[..., nn.Module]:
     """A builder of a small ``YolosForObjectDetection`` (32 x 48 px, patch 8, width 32, 4
-    heads, 3 detection tokens; ``mid``: mid-position embeddings, which the family refuses)."""
+    heads, 3 detection tokens; ``mid``: mid position embeddings, drawn far from zero)."""
     def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
               num_classes: int = 4, **overrides: Any) -> nn.Module:
         cfg = library("transformers").YolosConfig(
@@ -73,7 +92,14 @@ def _example(mid: bool = False) -> Callable[..., nn.Module]:
             num_hidden_layers=depth, num_attention_heads=4, intermediate_size=64,
             num_labels=num_classes, num_detection_tokens=3, use_mid_position_embeddings=mid,
             layer_norm_eps=1e-6, **overrides)
-        return transformers_model("YolosForObjectDetection", cfg, seed, dtype)
+        model = transformers_model("YolosForObjectDetection", cfg, seed, dtype)
+        if mid:  # the randomiser's fan-in scale leaves them near zero
+            mids = cast(Tensor, cast(Any, model).vit.encoder.interpolation
+                        .mid_position_embeddings)
+            g = torch.Generator().manual_seed(seed + 7)
+            with torch.no_grad():
+                mids.copy_(0.5 * torch.randn(mids.shape, generator=g, dtype=mids.dtype))
+        return model
 
     return build
 
@@ -110,17 +136,19 @@ def is_hf_yolos(model: nn.Module) -> bool:
 
 @register_family(
     is_hf_yolos,
-    supports="Hugging Face YolosForObjectDetection (use_mid_position_embeddings=False; "
-             "explained through DetectionTarget)",
+    supports="Hugging Face YolosForObjectDetection (with or without mid position "
+             "embeddings; explained through DetectionTarget)",
     tags=("detection",),
-    notes=("`use_mid_position_embeddings=False`, e.g. `hustvl/yolos-tiny`; any input size "
-           "divisible by the patch: ✅ with `DetectionTarget` (detection tokens are prefix rows "
-           "`[CLS, det, patches]`, kept by token removal; the chosen token is read out as a "
-           "class token: maps equal a DeiT twin's to 1e-12, every method but Chefer'21, whose "
-           "LRP treats a model's linear head by its own rule) — refused: class-index targets, "
-           "mid-position embeddings"),
+    notes=("With or without mid position embeddings (`hustvl/yolos-tiny`, -small, -base); "
+           "any input size divisible by the patch: ✅ with `DetectionTarget` (detection tokens "
+           "are prefix rows `[CLS, det, patches]`, kept by token removal; the chosen token is "
+           "read out as a class token: maps equal a DeiT twin's to 1e-12, every method but "
+           "Chefer'21, whose LRP treats a model's linear head by its own rule; the mid position "
+           "embeddings, resampled to the input size by the model's own code, are a constant on "
+           "the residual stream: DecompX's bias source, dropped with their tokens under token "
+           "removal) — refused: class-index targets"),
     examples={
-        # support-matrix columns: the detector, and the mid-position one it refuses
+        # support-matrix columns: the detector without and with mid position embeddings
         "hf_yolos": Example(_example(), (32, 48), library="transformers", target="detection",
                             tags=("matrix",), suite=False),
         "hf_yolos_mid": Example(_example(mid=True), (32, 48), library="transformers",
@@ -148,13 +176,6 @@ class HFYolosAdapter(HFPatchGrid):
         self.model = model
         name = type(model).__name__
         cfg = model.config
-        if getattr(cfg, "use_mid_position_embeddings", False):
-            raise TypeError(
-                f"captum_vit cannot explain this {name}: its config has "
-                "use_mid_position_embeddings=True (a position embedding added between "
-                "blocks, which the canonical ViT block has no place for); supported are "
-                "YOLOS models with use_mid_position_embeddings=False, such as "
-                "hustvl/yolos-tiny")
         self.backbone = model.vit
         self.layers = self.backbone.encoder.layer
         self.blocks = encoder_blocks(self.layers, cfg, name)
@@ -171,12 +192,52 @@ class HFYolosAdapter(HFPatchGrid):
         self.box_mlp = _mlp(model.bbox_predictor.layers, f"{name}.bbox_predictor")
         norm = _norm(self.backbone.layernorm, f"{name}.vit.layernorm")
         self.head = HeadParts(norm, None, ((0, None, None),))  # the normed CLS row
+        # mid position embeddings: the tables of the last embedded input size
+        self.mid = self.backbone.encoder.interpolation \
+            if getattr(cfg, "use_mid_position_embeddings", False) else None
+        self._mid_tables: tuple[tuple[int, int], Tensor] | None = None
+        if self.mid is not None:
+            self.blocks = [dataclasses.replace(p, post_add=functools.partial(self._mid_row, l))
+                           for l, p in enumerate(self.blocks[:-1])] + self.blocks[-1:]
 
     # -- embedding -----------------------------------------------------------------------
     def _reorder(self, x: Tensor) -> Tensor:
-        """The model's ``[CLS, patches, det]`` rows as ``[CLS, det, patches]``."""
+        """The model's ``[CLS, patches, det]`` rows as ``[CLS, det, patches]`` (dim 1 of
+        ``x`` [..., N, D] counted from the end: also the mid tables [L-1, N, D])."""
         k = self.num_queries
-        return torch.cat([x[:, :1], x[:, -k:], x[:, 1:-k]], dim=1)
+        return torch.cat([x[..., :1, :], x[..., -k:, :], x[..., 1:-k, :]], dim=-2)
+
+    def _mid_embeddings(self, inputs: Tensor) -> None:
+        """Keep the mid position embeddings of images of ``inputs``' size: the model's own
+        ``encoder.interpolation((H, W))`` [L-1, 1, N, D], rows reordered, [L-1, N, D]."""
+        if self.mid is None:
+            return
+        size = (int(inputs.shape[-2]), int(inputs.shape[-1]))
+        tables = self._reorder(self.mid(size)[:, 0])
+        self._mid_tables = (size, tables)
+
+    def _mid_row(self, l: int, positions: Tensor | None, n: int) -> Tensor:
+        """Block ``l``'s mid position embedding [1, n, D] (or, for the tokens' original
+        ``positions`` [B, n] under token removal, [B, n, D]): its
+        :attr:`~captum_vit.adapters.parts.BlockParts.post_add`."""
+        if self._mid_tables is None:
+            raise ValueError("the mid position embeddings depend on the input size: get the "
+                             "token states from adapter.embed(images) before running the "
+                             "blocks")
+        size, tables = self._mid_tables
+        table = tables[l]
+        if positions is None:
+            if n != table.shape[0]:
+                raise ValueError(
+                    f"the mid position embeddings of the last embedded input size {size} "
+                    f"cover {table.shape[0]} tokens but this sequence has {n}; embed these "
+                    "images with adapter.embed first, or pass the kept tokens' positions")
+            return table[None]
+        positions = positions.to(table.device)
+        if positions.numel() and int(positions.max()) >= table.shape[0]:
+            raise ValueError(f"token positions up to {int(positions.max())} fall outside the "
+                             f"{table.shape[0]} tokens of the last embedded input size {size}")
+        return table[positions]
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's own ``vit.embeddings(pixel_values)`` (CLS, patches, detection
@@ -189,6 +250,7 @@ class HFYolosAdapter(HFPatchGrid):
         through ``ops.linear``'s backward.
         """
         emb = self.backbone.embeddings
+        self._mid_embeddings(inputs)
         if ops is None:
             return self._reorder(emb(inputs))
         x = self._reorder(emb(inputs.detach()))
@@ -243,4 +305,4 @@ class HFYolosAdapter(HFPatchGrid):
         stages = [[p for mod in (self.backbone.layernorm, m.class_labels_classifier,
                                  m.bbox_predictor) for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
-        return stages
+        return stages  # the mid position embeddings are position embeddings: no stage
