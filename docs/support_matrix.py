@@ -934,7 +934,8 @@ README_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Hugging Face CLIP / SigLIP towers, the towers of LLaVA and PaliGemma",
      ("hf_clip", "hf_clip_noproj", "hf_siglip", "hf_llava", "hf_paligemma")),
     ("Hugging Face `Dinov2Backbone` of DPT / Depth Anything", ("hf_dpt", "hf_depth_anything")),
-    ("Hugging Face YOLOS (`use_mid_position_embeddings=False`)", ("hf_yolos",)),
+    ("Hugging Face YOLOS (with or without mid position embeddings)",
+     ("hf_yolos", "hf_yolos_mid")),
     ("Hugging Face VideoMAE (videos: maps per tubelet)",
      ("hf_videomae", "hf_videomae_token", "hf_videomae_model")),
     ("timm `SwinTransformer`, Hugging Face `SwinForImageClassification` / `SwinModel`",
@@ -962,8 +963,8 @@ def readme_rows() -> tuple[tuple[str, tuple[str, ...]], ...]:
     return README_ROWS + tuple(extra)
 
 README_REFUSED_ROWS = (
-    "| Hugging Face YOLOS with mid-position embeddings, timm hybrid (CNN stem), anything "
-    "else | `TypeError` / `ValueError` naming what is missing | | | |",
+    "| timm hybrid (CNN stem), anything else | `TypeError` / `ValueError` naming what is "
+    "missing | | | |",
 )
 """Rows of models every method refuses (the matrix's refused families and the ones it
 does not build)."""
