@@ -25,7 +25,10 @@ The MLP branch (``mlp=``):
   LayerScale is decomposed):
   ``v_{i←j} = x_mid,i←j + ls2 ⊙ LN2^lin(x_mid)_{i←j}``. This is the pre-LN analogue of
   GlobEnc's own treatment of BERT, which skips the FFN and keeps the second residual and
-  LayerNorm.
+  LayerNorm. A block without ``LN2`` (Swin V2's residual post-norm blocks) carries the
+  decomposition of the MLP's input ``x_mid`` itself (the MLP and its post-norm compute
+  their real outputs), and the reset decomposition goes through the ops
+  (:func:`window_scores`) rather than the closed form of :func:`reset_scores`.
 - ``"decompx"``: the exact DecompX decomposition of the whole block
   (:mod:`captum_vit.methods.decompx`, GELU zero-origin slope, gated units with their real
   gate). Then ``Σ_j v_{i←j} + (bias part) = x_{l+1}[i]`` exactly.
@@ -74,7 +77,7 @@ from captum_vit._base import (
     readout_rows,
     resolve_target,
 )
-from captum_vit.adapters import BlockRecord, NormParts, Ops, Trace, ViTAdapter
+from captum_vit.adapters import BlockParts, BlockRecord, NormParts, Ops, Trace, ViTAdapter
 from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.decompx import (
@@ -118,9 +121,10 @@ class _LN2Ops(_ResetOps):
     ``norm2`` on, every MLP primitive computes its real output and leaves the decomposition
     as it found it. The branch's LayerScale and the residual add are decomposed as usual."""
 
-    def __init__(self, norm2: NormParts) -> None:
+    def __init__(self, norm2: NormParts | None, mlp_in: Tensor | None = None) -> None:
         super().__init__()
         self.norm2 = norm2
+        self.mlp_in = mlp_in
         self.saw_norm2 = False
 
     def norm(self, x: Decomposed, p: NormParts) -> Decomposed:
@@ -134,6 +138,9 @@ class _LN2Ops(_ResetOps):
 
     def linear(self, x: Decomposed, weight: Tensor, bias: Tensor | None) -> Decomposed:
         if isinstance(x, _Undecomposed):
+            return _Undecomposed(F.linear(x.real, weight, bias), x.parts, x.has_bias)
+        if self.norm2 is None and weight is self.mlp_in:  # no LN2: the MLP's input
+            self.saw_norm2 = True
             return _Undecomposed(F.linear(x.real, weight, bias), x.parts, x.has_bias)
         return super().linear(x, weight, bias)
 
@@ -203,7 +210,8 @@ def decompose_block(adapter: ViTAdapter, x: Tensor, layer: int, *, mlp: str = "l
 def _reset_block(adapter: ViTAdapter, h: Decomposed, layer: int, mlp: str) -> Decomposed:
     """Block ``layer`` on the decomposed input ``h`` under ``mlp``'s rules, stopped
     before the block's patch merge (if any)."""
-    ops = _ResetOps() if mlp == "decompx" else _LN2Ops(adapter.blocks[layer].norm2)
+    p = adapter.blocks[layer]
+    ops = _ResetOps() if mlp == "decompx" else _LN2Ops(p.norm2, p.fc1_weight)
     out = adapter.block(h, layer, ops)
     if isinstance(ops, _LN2Ops) and not ops.saw_norm2:  # pragma: no cover - every block has norm2
         raise TypeError(f"mlp='ln2' needs the block's LN2 (norm2); block {layer} of this "
@@ -289,6 +297,10 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
     """
     check_choice("measure", measure, MEASURES)
     p = adapter.blocks[layer]
+    if not _pre_norm_block(p) or p.norm1 is None or p.norm2 is None:
+        raise ValueError(f"block {layer} normalises its branches' outputs (or has no pre-norm): "
+                         "reset_scores writes out the pre-LN block only; use window_scores or "
+                         "decompose_block, which carry the sources through the block's ops")
     dt = accumulation_dtype(rec.x)
     x = rec.x.detach().to(dt)
     attn = rec.require_attn().detach().to(dt)
@@ -342,6 +354,15 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         return t
     real = win.index(t.device) >= 0  # [n_W, M]; a padded slot's row is no token's
     return t.reshape(b, win.num_windows, win.area, win.area) * real[:, :, None].to(dt)
+
+
+def _pre_norm_block(p: BlockParts) -> bool:
+    """Whether block ``p`` has both pre-norms and no post-norm on its branches: the
+    block :func:`reset_scores` writes out in closed form (other blocks, Swin V2's, take
+    the reset decomposition through the ops, :func:`window_scores` /
+    :func:`decompose_block`)."""
+    return (p.norm1 is not None and p.norm2 is not None and p.post_norm1 is None
+            and p.post_norm2 is None)
 
 
 def _block_output(rec: BlockRecord, merged: bool) -> Tensor:
@@ -530,7 +551,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         out = []
         for l, rec in enumerate(tr.blocks[start:], start=tr.start + start):
             win = self.adapter.stages.window(l)
-            if self.mlp == "ln2" and self.fast:
+            if self.mlp == "ln2" and self.fast and _pre_norm_block(self.adapter.blocks[l]):
                 t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
             elif win is not None:
                 t = window_scores(self.adapter, rec.x, l, self.measure, mlp=self.mlp,
