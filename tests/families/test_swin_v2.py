@@ -236,7 +236,7 @@ def test_lrp_through_post_norms_and_cosine_norms():
     attention rule (LN rule on the cosine norms) runs."""
     import copy
 
-    from captum_vit import AttnLRP, CPLRP
+    from captum_vit import CPLRP, AttnLRP
 
     model = make_model("timm_swinv2")
     x = make_inputs("timm_swinv2", batch=2)
