@@ -5,7 +5,8 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
-                                    hf-videomae|timm-swin|hf-swin] \
+                                    hf-videomae|timm-swin|hf-swin|timm-swinv2|
+                                    hf-swinv2] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -25,7 +26,9 @@ layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTran
 ``hf-videomae``: ``VideoMAEForVideoClassification`` on 4-frame videos with tubelets of 2
 frames, 2 x 196 tokens, mean pooling; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
-the first stage, window 7), measured in the same run as the methods. Methods that refuse a
+the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
+``SwinTransformerV2`` / ``Swinv2ForImageClassification``, 256 px, 64 x 64 tokens, window
+8), measured in the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
@@ -244,13 +247,37 @@ def hf_swin_t(img_size: int = 224) -> torch.nn.Module:
     return SwinForImageClassification(cfg).eval()
 
 
+def swinv2_t(img_size: int = 256) -> torch.nn.Module:
+    """A Swin V2-T-shaped timm ``SwinTransformerV2`` (patch 4, width 96, depths 2-2-6-2,
+    heads 3-6-12-24, window 8, 256 px: 64 x 64 tokens in the first stage)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    torch.manual_seed(0)
+    return SwinTransformerV2(img_size=img_size, patch_size=4, embed_dim=96,
+                             depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=8,
+                             drop_path_rate=0.0).eval()
+
+
+def hf_swinv2_t(img_size: int = 256) -> torch.nn.Module:
+    """The Swin V2-T shape of :func:`swinv2_t` as a Hugging Face
+    ``Swinv2ForImageClassification``."""
+    from transformers import Swinv2Config, Swinv2ForImageClassification
+
+    torch.manual_seed(0)
+    cfg = Swinv2Config(image_size=img_size, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2],
+                       num_heads=[3, 6, 12, 24], window_size=8, num_labels=1000)
+    return Swinv2ForImageClassification(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
-    224] for a VideoMAE."""
+    """``b`` random inputs of ``model``: images [b, 3, 224, 224] (256 px for a Swin V2), or
+    videos [b, T, 3, 224, 224] for a VideoMAE."""
     if type(model).__name__.startswith("VideoMAE"):
         return torch.randn(b, model.config.num_frames, 3, 224, 224, generator=generator)
-    return torch.randn(b, 3, 224, 224, generator=generator)
+    side = 256 if type(model).__name__ in ("SwinTransformerV2",
+                                           "Swinv2ForImageClassification") else 224
+    return torch.randn(b, 3, side, side, generator=generator)
 
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -258,7 +285,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
-    "hf-swin": hf_swin_t}
+    "hf-swin": hf_swin_t, "timm-swinv2": swinv2_t, "hf-swinv2": hf_swinv2_t}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -372,6 +399,10 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     torch.autograd.grad(score(xg).sum(), xg)
 
 
+SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
+          "hf-swinv2": "Swin V2-T 256 px"}
+
+
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
     """The reference of a classifier: the target logits' forward and backward."""
     score_backward(lambda z: logits_of(model, z)[torch.arange(len(z)), t], x)
@@ -430,7 +461,7 @@ def main() -> None:
                 print(f"  batch {b} {name}: {n} forwards, {per_forward[-1][3]:.2f}x that "
                       "many plain forwards", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.family} {'Swin-T' if 'swin' in args.family else 'ViT-S/16'} float32, "
+          f"{args.family} {SHAPES.get(args.family, 'ViT-S/16')} float32, "
           f"median of {args.repeats} alternating pairs, {args.clock} clock")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")
