@@ -359,3 +359,47 @@ def test_swinv2_model_with_vector_targets():
     headless = _timm(num_classes=0)
     assert_close_scaled(GAE(model).attribute(x, target=target, output="tokens"),
                         GAE(headless).attribute(x, target=target, output="tokens"), rel=1e-10)
+
+
+def test_value_outputs_through_the_post_norm():
+    """BT-T's value vectors (``value_outputs``) pass the attention branch's post-norm
+    linearised: ``γ ⊙ C(v_j W_O) / σ_j``, ``σ_j`` of the real branch output of token ``j``
+    (from the model's own ``_attn``)."""
+    model = make_model("timm_swinv2")
+    ad = adapt(model)
+    x = make_inputs("timm_swinv2", batch=2)
+    with torch.no_grad():
+        rec, p = ad.trace(x).blocks[1], ad.blocks[1]
+        real = model.layers[0].blocks[1]._attn(rec.x.reshape(2, 8, 8, -1)).reshape(2, 64, -1)
+        vo = F.linear(F.linear(rec.u, p.v_weight, p.v_bias), p.proj_weight)
+        inv = torch.rsqrt(real.var(-1, unbiased=False, keepdim=True) + p.post_norm1.eps)
+        want = (vo - vo.mean(-1, keepdim=True)) * inv * p.post_norm1.weight
+        assert_close_scaled(p.value_outputs(rec.u, rec.attn), want, rel=1e-12)
+
+
+def test_globenc_alti_reset_decomposition_without_ln2():
+    """GlobEnc/ALTI on post-norm blocks go through the ops (the closed form of the pre-LN
+    block refuses them): with ``mlp="decompx"`` the reset decomposition is complete
+    (sources + bias = the block's output before its merge), with ``mlp="ln2"`` the MLP
+    branch carries the decomposition of its input ``x_mid`` (no LN2), so the parts sum to
+    ``2 x_mid``; the block matrices are row-stochastic."""
+    from captum_vit import GlobEnc
+    from captum_vit.methods.globenc_alti import decompose_block, reset_scores
+
+    model = make_model("timm_swinv2")
+    ad = adapt(model)
+    x = make_inputs("timm_swinv2", batch=2)
+    tr = ad.trace(x)
+    for l in (1, 2):
+        rec = tr.blocks[l]
+        before_merge = rec.mid + rec.ffn_out
+        h = decompose_block(ad, rec.x, l, mlp="decompx", bias=True)
+        assert_close_scaled(h.parts.sum(1), before_merge, rel=1e-10)
+        h = decompose_block(ad, rec.x, l, mlp="ln2", bias=True)
+        assert_close_scaled(h.parts.sum(1), 2 * rec.mid, rel=1e-10)
+    with pytest.raises(ValueError, match="normalises its branches"):
+        reset_scores(ad, tr.blocks[0], 0, "globenc")
+    for t in GlobEnc(model).block_matrices(x):  # window form; padded slots' rows are 0
+        rows = t.sum(-1)
+        rows = rows[rows > 0]
+        torch.testing.assert_close(rows, torch.ones_like(rows), rtol=0, atol=1e-12)

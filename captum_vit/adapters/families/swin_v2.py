@@ -163,7 +163,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
     notes=("Scaled cosine attention (L2-normed q/k, clamped learned temperature), continuous "
            "position bias (an MLP over log-spaced coordinates, pretrained window sizes "
            "included), residual post-norm blocks and reduce-then-norm merges (read through "
-           "`adapters/swin_v2.py`'s docstring), windows as Swin's; the configured `img_size`: "
+           "`adapters/families/swin_v2.py`), windows as Swin's; the configured `img_size`: "
            "✅ every method as on Swin (maps on the first stage's grid) — refused by name: TIS "
            "and true token removal (use RISE / ViT-CX and the metrics' pixel removal), "
            "`SwinTransformerV2Cr`, other input sizes"),
