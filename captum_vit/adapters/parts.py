@@ -18,6 +18,9 @@ block can have beyond the plain pre-LN block).
 Block ``l`` maps its input ``x_l`` to ``u_l = LN1(x_l)``, the attention probabilities
 ``A_l`` [B, H, N, N] (row = query, column = key), ``x_mid,l = x_l + ls1(a_l)`` and
 ``x_{l+1} = x_mid,l + ls2(MLP(LN2(x_mid,l)))``; the logits are ``head(pool(LN_f(x_L)))``.
+A residual post-norm block (Swin V2) has no ``LN1``/``LN2`` (``None``: ``u_l = x_l``) and
+a LayerNorm on each branch's output instead (:attr:`BlockParts.post_norm1`,
+:attr:`BlockParts.post_norm2`): ``x_mid,l = x_l + LN(ls1(a_l))``.
 """
 
 from __future__ import annotations
