@@ -378,13 +378,14 @@ def test_value_outputs_through_the_post_norm():
 
 
 def test_globenc_alti_reset_decomposition_without_ln2():
-    """GlobEnc/ALTI on post-norm blocks go through the ops (the closed form of the pre-LN
-    block refuses them): with ``mlp="decompx"`` the reset decomposition is complete
-    (sources + bias = the block's output before its merge), with ``mlp="ln2"`` the MLP
-    branch carries the decomposition of its input ``x_mid`` (no LN2), so the parts sum to
-    ``2 x_mid``; the block matrices are row-stochastic."""
+    """GlobEnc/ALTI on post-norm blocks: with ``mlp="decompx"`` the reset decomposition
+    through the ops is complete (sources + bias = the block's output before its merge),
+    with ``mlp="ln2"`` the MLP branch carries the decomposition of its input ``x_mid`` (no
+    LN2), so the parts sum to ``2 x_mid``; the closed form (``reset_scores``, the default
+    fast path) equals the ops' scores (``window_scores``) for both measures; the block
+    matrices are row-stochastic."""
     from captum_vit import GlobEnc
-    from captum_vit.methods.globenc_alti import decompose_block, reset_scores
+    from captum_vit.methods.globenc_alti import decompose_block, reset_scores, window_scores
 
     model = make_model("timm_swinv2")
     ad = adapt(model)
@@ -397,8 +398,10 @@ def test_globenc_alti_reset_decomposition_without_ln2():
         assert_close_scaled(h.parts.sum(1), before_merge, rel=1e-10)
         h = decompose_block(ad, rec.x, l, mlp="ln2", bias=True)
         assert_close_scaled(h.parts.sum(1), 2 * rec.mid, rel=1e-10)
-    with pytest.raises(ValueError, match="normalises its branches"):
-        reset_scores(ad, tr.blocks[0], 0, "globenc")
+    for l, rec in enumerate(tr.blocks):  # the closed form equals the ops' decomposition
+        for measure in ("globenc", "alti"):
+            assert_close_scaled(reset_scores(ad, rec, l, measure),
+                                window_scores(ad, rec.x, l, measure), rel=1e-10)
     for t in GlobEnc(model).block_matrices(x):  # window form; padded slots' rows are 0
         rows = t.sum(-1)
         rows = rows[rows > 0]
