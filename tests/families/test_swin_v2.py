@@ -32,7 +32,8 @@ from tests.helpers import (
 )
 
 FAST = {"rise": {"n_masks": 8}, "tam": {"n_steps": 3, "start_layer": 0},
-        "bt_h": {"n_steps": 3, "start_layer": 0}, "bt_t": {"n_steps": 3, "start_layer": 0}}
+        "bt_h": {"n_steps": 3, "start_layer": 0}, "bt_t": {"n_steps": 3, "start_layer": 0},
+        "scorecam": {"max_channels": 8}}
 
 
 def _timm(family: str = "timm_swinv2", **overrides):
