@@ -6,7 +6,7 @@ Run::
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
-                                    hf-vjepa2-s|hf-dinov3] \
+                                    hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -31,7 +31,9 @@ pooler; a GPU-sized run) and ``hf-vjepa2-s`` the same at ViT-S width on 4 frames
 ``hf-dinov3``: a DINOv3-S-shaped ``DINOv3ViTModel`` (4 registers, RoPE), explained like
 ``hf-clip``; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
-the first stage, window 7), measured in the same run as the methods. Methods that refuse a
+the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
+``SwinTransformerV2`` / ``Swinv2ForImageClassification``, 256 px, 64 x 64 tokens, window
+8), measured in the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
@@ -298,16 +300,41 @@ def hf_dinov3_s16(img_size: int = 224) -> torch.nn.Module:
     return DINOv3ViTModel(cfg).eval()
 
 
+def swinv2_t(img_size: int = 256) -> torch.nn.Module:
+    """A Swin V2-T-shaped timm ``SwinTransformerV2`` (patch 4, width 96, depths 2-2-6-2,
+    heads 3-6-12-24, window 8, 256 px: 64 x 64 tokens in the first stage)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    torch.manual_seed(0)
+    return SwinTransformerV2(img_size=img_size, patch_size=4, embed_dim=96,
+                             depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=8,
+                             drop_path_rate=0.0).eval()
+
+
+def hf_swinv2_t(img_size: int = 256) -> torch.nn.Module:
+    """The Swin V2-T shape of :func:`swinv2_t` as a Hugging Face
+    ``Swinv2ForImageClassification``."""
+    from transformers import Swinv2Config, Swinv2ForImageClassification
+
+    torch.manual_seed(0)
+    cfg = Swinv2Config(image_size=img_size, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2],
+                       num_heads=[3, 6, 12, 24], window_size=8, num_labels=1000)
+    return Swinv2ForImageClassification(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
-    224] for a video model (VideoMAE, ViViT, V-JEPA 2: its frames and frame size)."""
+    """``b`` random inputs of ``model``: images [b, 3, 224, 224] (256 px for a Swin V2), or
+    videos [b, T, 3, 224, 224] for a video model (VideoMAE, ViViT, V-JEPA 2: its frames
+    and frame size)."""
     cfg = getattr(model, "config", None)
     frames = getattr(cfg, "num_frames", None) or getattr(cfg, "frames_per_clip", None)
     if frames is not None:
         size = int(getattr(cfg, "crop_size", None) or cfg.image_size)
         return torch.randn(b, frames, 3, size, size, generator=generator)
-    return torch.randn(b, 3, 224, 224, generator=generator)
+    side = 256 if type(model).__name__ in ("SwinTransformerV2",
+                                           "Swinv2ForImageClassification") else 224
+    return torch.randn(b, 3, side, side, generator=generator)
 
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -316,9 +343,8 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
-    "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16}
-SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)"}
-"""The shape named in the summary line (default ViT-S/16)."""
+    "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
+    "hf-swinv2": hf_swinv2_t}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -432,6 +458,10 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     """The reference: one forward of ``score`` and one backward to the input."""
     xg = x.detach().requires_grad_()
     torch.autograd.grad(score(xg).sum(), xg)
+
+
+SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
+          "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:

@@ -337,7 +337,7 @@ class ViTAdapter(Readout, abc.ABC):
         if self.state.settings.frozen:
             p = _detached(p)
         n = ops.value(x).shape[1]  # the block's tokens, before any ``rows`` cut
-        u = ops.norm(x, p.norm1)
+        u = x if p.norm1 is None else ops.norm(x, p.norm1)
         a, attn = ops.attention(u, p)
         heads = attn if isinstance(attn, Heads) else None
         if attention_only:
@@ -354,8 +354,10 @@ class ViTAdapter(Readout, abc.ABC):
         a = ops.linear(a, p.proj_weight, p.proj_bias)
         if p.ls1 is not None:
             a = ops.scale(a, p.ls1)
+        if p.post_norm1 is not None:  # a norm on the branch (Swin V2's res-post-norm)
+            a = ops.norm(a, p.post_norm1)
         mid = ops.add(x, a)
-        u2 = ops.norm(mid, p.norm2)
+        u2 = mid if p.norm2 is None else ops.norm(mid, p.norm2)
         h = ops.linear(u2, p.fc1_weight, p.fc1_bias)
         if p.gate_weight is None:
             h = ops.act(h, p.act)
@@ -366,12 +368,17 @@ class ViTAdapter(Readout, abc.ABC):
         f = ops.linear(h, p.fc2_weight, p.fc2_bias)
         if p.ls2 is not None:
             f = ops.scale(f, p.ls2)
+        if p.post_norm2 is not None:
+            f = ops.norm(f, p.post_norm2)
         out = ops.add(mid, f)
         if p.out_norm is not None:  # a norm between blocks (V-JEPA 2's encoder norm)
             out = ops.norm(out, p.out_norm)
         if p.merge is not None:  # the last block of a stage: merge onto the next grid
             m = p.merge
-            out = ops.linear(ops.norm(ops.gather(out, m), m.norm), m.weight, m.bias)
+            if m.norm_last:  # Swin V2: reduce, then norm
+                out = ops.norm(ops.linear(ops.gather(out, m), m.weight, m.bias), m.norm)
+            else:
+                out = ops.linear(ops.norm(ops.gather(out, m), m.norm), m.weight, m.bias)
         if p.post_add is not None:  # a constant on the residual stream (YOLOS's mid PE)
             c = p.post_add(ops.positions, n)
             out = ops.add_constant(out, c[:, :ops.value(out).shape[1]])

@@ -18,6 +18,9 @@ block can have beyond the plain pre-LN block).
 Block ``l`` maps its input ``x_l`` to ``u_l = LN1(x_l)``, the attention probabilities
 ``A_l`` [B, H, N, N] (row = query, column = key), ``x_mid,l = x_l + ls1(a_l)`` and
 ``x_{l+1} = x_mid,l + ls2(MLP(LN2(x_mid,l)))``; the logits are ``head(pool(LN_f(x_L)))``.
+A residual post-norm block (Swin V2) has no ``LN1``/``LN2`` (``None``: ``u_l = x_l``) and
+a LayerNorm on each branch's output instead (:attr:`BlockParts.post_norm1`,
+:attr:`BlockParts.post_norm2`): ``x_mid,l = x_l + LN(ls1(a_l))``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,41 @@ class NormParts:
     weight: Tensor | None
     bias: Tensor | None
     eps: float
+
+
+@dataclass(frozen=True)
+class CosineNorm:
+    r"""The per-head normalisation of cosine attention (Swin V2, Liu et al., CVPR 2022):
+    ``q`` and ``k`` [B, H, n, d] divided by their L2 norm over ``d`` (``F.normalize``,
+    floored at ``eps``), ``q`` also multiplied by the learned per-head temperature
+    :math:`\exp(\min(\tau_h, \text{max\_log}))`, so that with a softmax scale of 1 the
+    logits are :math:`\cos(q_i, k_j)\, e^{\min(\tau_h, \log 100)}`. A ``q_norm`` /
+    ``k_norm`` of :class:`BlockParts`; the LRP rules treat it like a LayerNorm (the norm
+    detached, :meth:`frozen`).
+
+    Attributes:
+        logit_scale (Tensor or None): :math:`\tau` [H, 1, 1] (a view of the model's
+            parameter); ``None`` = no temperature (the key side).
+        max_log (float): the clamp of :math:`\tau` (Swin V2: :math:`\log 100`).
+        eps (float): the floor of the norm.
+    """
+
+    logit_scale: Tensor | None = None
+    max_log: float = math.log(100.0)
+    eps: float = 1e-12
+
+    def _scaled(self, y: Tensor) -> Tensor:
+        if self.logit_scale is None:
+            return y
+        return y * torch.clamp(self.logit_scale, max=self.max_log).exp().to(y.dtype)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self._scaled(F.normalize(x, dim=-1, eps=self.eps))
+
+    def frozen(self, x: Tensor) -> Tensor:
+        """The same values with the norm a constant of the backward (the LN rule)."""
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(self.eps)
+        return self._scaled(x / norm.detach())
 
 
 def _consecutive(*parts: Tensor | None) -> Tensor | None:
@@ -160,9 +198,12 @@ class BlockParts(AttentionParts):
     parameter, Hugging Face models keep separate q/k/v projections), the norms, LayerScale
     and the MLP."""
 
-    norm1: NormParts
+    norm1: NormParts | None
+    """``LN1`` before the attention; ``None`` = none (``u_l = x_l``: Swin V2's blocks,
+    whose only norms are on the branches, :attr:`post_norm1`)."""
     ls1: Tensor | None
-    norm2: NormParts
+    norm2: NormParts | None
+    """``LN2`` before the MLP; ``None`` = none (the MLP reads ``x_mid,l``)."""
     fc1_weight: Tensor
     fc1_bias: Tensor | None
     act: Callable[[Tensor], Tensor]
@@ -221,6 +262,14 @@ class BlockParts(AttentionParts):
     model's own value, not a function of the tokens: :meth:`Ops.add_constant` adds it
     (DecompX: to the bias source; the gradient rules: the identity, the constant absorbing
     its share like a bias). ``None`` = nothing added."""
+    post_norm1: NormParts | None = None
+    """A LayerNorm on the attention branch's output, after ``W_O`` (and ``ls1``) and
+    before the residual add: ``x_mid = x + LN(ls1(a))`` (Swin V2's residual post-norm,
+    Liu et al., CVPR 2022); ``None`` = none. It is one more LayerNorm of the branch: the
+    ops' ``norm`` (DecompX's decomposition, the LRP rules) applies to it."""
+    post_norm2: NormParts | None = None
+    """The MLP branch's post-norm, ``x_{l+1} = x_mid + LN(ls2(MLP(·)))``; ``None`` =
+    none."""
 
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
              rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -466,13 +515,57 @@ class BlockParts(AttentionParts):
                      else self.v_bias.to(dt))  # [B, N, H*d]
         path = self.value_path(dt)
         if path.centre is None:
-            return F.linear(v, path.weight)
+            out = F.linear(v, path.weight)
+            return out if self.post_norm1 is None else self.post_norm_linear(out, u)
         if attn is None:
             raise ValueError("value_outputs of a block with an inner attention norm "
                              "needs the block's attention probabilities (attn=)")
+        if self.post_norm1 is not None:
+            raise TypeError("value_outputs of a block with both an inner attention norm and "
+                            "a post-norm on its branch is not defined")
         b, n, a = v.shape
         o = attn.to(v.dtype) @ v.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         return path.outputs(v, path.inv_std(o.transpose(1, 2).reshape(b, n, a)))
+
+    def branch_output(self, u: Tensor) -> Tensor:
+        """The attention branch's real output before its post-norm, ``ls1(a)`` [B, N, D]
+        (``W_O`` and its bias included) of ``u = LN1(x)`` (``x`` without ``LN1``), in
+        ``u``'s dtype, without a graph (a frozen statistic's input)."""
+        dt = self.k_weight.dtype
+        with torch.no_grad():
+            return self._branch_output(u.to(dt)).to(u.dtype)
+
+    def _branch_output(self, u: Tensor) -> Tensor:
+        mix, _ = self.attention(u, materialize=False)
+        if self.inner_norm is not None:
+            inner = self.inner_norm
+            mix = F.layer_norm(mix, mix.shape[-1:], inner.weight, inner.bias, inner.eps)
+        a = F.linear(mix, self.proj_weight.to(mix.dtype),
+                     None if self.proj_bias is None else self.proj_bias.to(mix.dtype))
+        return a if self.ls1 is None else a * self.ls1.to(a.dtype)
+
+    def post_norm_linear(self, vectors: Tensor, u: Tensor) -> Tensor:
+        r"""Per-token vectors ``[B, N, D]`` of the attention branch (parts of ``ls1(a)``,
+        biases excluded) through :attr:`post_norm1` linearised: centred over channels,
+        divided by the standard deviation :math:`\sigma_i` of the real branch output of
+        the same token (frozen, as DecompX's LayerNorm rule) and scaled by ``γ``; ``β``
+        excluded. Identity without a post-norm.
+
+        Args:
+            vectors (Tensor): [B, N, D], token ``i``'s vector in row ``i``.
+            u (Tensor): ``LN1(x)`` [B, N, D] (``x`` when the block has no ``LN1``), from
+                which the real branch output is recomputed.
+
+        Returns:
+            Tensor: [B, N, D].
+        """
+        p = self.post_norm1
+        if p is None:
+            return vectors
+        real = self.branch_output(u).to(vectors.dtype)
+        inv = torch.rsqrt(real.var(-1, unbiased=False, keepdim=True) + p.eps)
+        y = (vectors - vectors.mean(-1, keepdim=True)) * inv
+        return y if p.weight is None else y * p.weight.to(y.dtype)
 
     def value_path(self, dtype: torch.dtype | None = None) -> ValuePath:
         """The path of the values through this block's output projection, with the inner
@@ -498,7 +591,8 @@ class BlockParts(AttentionParts):
     def features(self) -> tuple[str, ...]:
         """The names of this block's features beyond the plain pre-LN block
         (:data:`BLOCK_FEATURES`): ``"inner_norm"``, ``"mlp_norm"``, ``"gated_mlp"``,
-        ``"rotary"``, ``"attn_bias"``, ``"layer_scale"``, ``"qk_norm"``, ``"out_norm"``.
+        ``"rotary"``, ``"attn_bias"``, ``"layer_scale"``, ``"qk_norm"``, ``"out_norm"``,
+        ``"post_norm"``.
 
         Returns:
             tuple[str, ...]: the features present, in :data:`BLOCK_FEATURES` order.
@@ -512,6 +606,7 @@ class BlockParts(AttentionParts):
             "layer_scale": self.ls1 is not None or self.ls2 is not None,
             "qk_norm": not (_is_identity(self.q_norm) and _is_identity(self.k_norm)),
             "out_norm": self.out_norm is not None,
+            "post_norm": self.post_norm1 is not None or self.post_norm2 is not None,
         }
         return tuple(f for f in BLOCK_FEATURES if present[f])
 
@@ -527,6 +622,8 @@ BLOCK_FEATURES: dict[str, str] = {
     "qk_norm": "normalised queries and keys",
     "out_norm": "a LayerNorm on the block's output (V-JEPA 2's encoder norm before its "
                 "attentive pooler's layers)",
+    "post_norm": "a LayerNorm on a branch's output before the residual add, Swin V2's "
+                 "residual post-norm",
 }
 """The features a :class:`BlockParts` may have beyond the plain pre-LN block, with what
 each is (:meth:`BlockParts.features`)."""

@@ -36,6 +36,7 @@ from captum_vit.adapters.parts import (
     AttentionParts,
     AttentionRules,
     BlockParts,
+    CosineNorm,
     NormParts,
     PoolParts,
 )
@@ -283,9 +284,16 @@ class _RescaledAdd(torch.autograd.Function):
 def _norm_module_rule(module: Callable[[Tensor], Tensor], rule: str, what: str,
                       mode: BackwardMode | None = None) -> Callable[[Tensor], Tensor]:
     """A q/k-norm callable of a :class:`BlockParts` with an LRP rule: ``"frozen"`` (the LN
-    rule, σ detached) or ``"identity"`` (Chefer); the identity module stays as it is."""
+    rule, σ detached) or ``"identity"`` (Chefer); the identity module stays as it is; a
+    cosine attention's L2 norm (:class:`~captum_vit.adapters.parts.CosineNorm`) is treated
+    as a LayerNorm (its norm detached)."""
     if isinstance(module, nn.Identity):
         return module
+    if isinstance(module, CosineNorm):  # Swin V2's cosine attention: the norm detached
+        cosine = module
+        if rule == "frozen":
+            return cosine.frozen
+        return lambda t: identity_rule(t, cosine, mode)
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
         w, b, eps = module.weight, module.bias, module.eps
         if rule == "frozen":

@@ -155,7 +155,7 @@ class FirstBlockShared(FusedOps):
         adapter.refresh()
         first = adapter.blocks[0]
         ops = FusedOps()
-        u = ops.norm(x0, first.norm1)
+        u = x0 if first.norm1 is None else ops.norm(x0, first.norm1)
         q, k, v = first._qkv(u, False)  # positions None = the full sequence 0..N-1
         return cls(first, u, tuple(t.transpose(1, 2) for t in (q, k, v)))  # type: ignore[arg-type]
 

@@ -16,9 +16,9 @@ parameters, so they live here once, beside the one attention
   of the block is block-diagonal in window order and is never built densely.
   :meth:`Windows.index` says which grid token sits at each window slot, so a method can
   carry a vector through the block's mixing (``rᵀ A``) window by window.
-- :class:`MergeParts`: a patch merge ``y = LN(concat(x_{c_1}, …, x_{c_4})) W`` with the
-  children's order of the model and the zero rows of a grid of odd size
-  (:meth:`MergeParts.children`).
+- :class:`MergeParts`: a patch merge ``y = LN(concat(x_{c_1}, …, x_{c_4})) W`` (Swin V2:
+  ``y = LN(concat(…) W)``) with the children's order of the model and the zero rows of a
+  grid of odd size (:meth:`MergeParts.children`).
 
 Padded window slots are zero vectors after the block's first LayerNorm, as in the models:
 they are keys of their window (their key and value are the projections' biases) and
@@ -262,6 +262,8 @@ class MergeParts:
     :math:`y = \mathrm{LN}(\mathrm{concat}(x_{c_1}, \dots, x_{c_4}))\, W^\top (+ b)` of the
     ``(⌈h/2⌉, ⌈w/2⌉)`` grid, the children in :data:`MERGE_ORDER` (views of the model's
     parameters).
+    With ``norm_last`` (Swin V2) the LayerNorm follows the reduction:
+    :math:`y = \mathrm{LN}(\mathrm{concat}(x_{c_1}, \dots, x_{c_4})\, W^\top (+ b))`.
 
     Attributes:
         grid (tuple[int, int]): the input grid ``(h, w)``.
@@ -269,6 +271,8 @@ class MergeParts:
         weight (Tensor): ``W`` [D', 4 C].
         bias (Tensor or None): ``b`` [D'] (``None`` in Swin).
         order (tuple): the children's ``(row, column)`` offsets in concatenation order.
+        norm_last (bool): the norm is over the ``D'`` reduced channels, after ``W``
+            (Swin V2), rather than over the ``4 C`` concatenated states before it.
     """
 
     grid: tuple[int, int]
@@ -276,6 +280,7 @@ class MergeParts:
     weight: Tensor
     bias: Tensor | None = None
     order: tuple[tuple[int, int], ...] = MERGE_ORDER
+    norm_last: bool = False
 
     @property
     def out_grid(self) -> tuple[int, int]:

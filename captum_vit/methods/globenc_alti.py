@@ -25,7 +25,11 @@ The MLP branch (``mlp=``):
   LayerScale is decomposed):
   ``v_{i←j} = x_mid,i←j + ls2 ⊙ LN2^lin(x_mid)_{i←j}``. This is the pre-LN analogue of
   GlobEnc's own treatment of BERT, which skips the FFN and keeps the second residual and
-  LayerNorm.
+  LayerNorm. A block without ``LN2`` (Swin V2's residual post-norm blocks) carries the
+  decomposition of the MLP's input ``x_mid`` itself (the MLP and its post-norm compute
+  their real outputs): ``v_{i←j} = 2 x_mid,i←j`` with
+  ``x_mid,i←j = δ_ij x_j + LN_p^lin(Σ_h A^h_ij x_j W_V^h W_O^h)`` (the post-norm with the
+  frozen statistics of the real branch output), in closed form in :func:`reset_scores`.
 - ``"decompx"``: the exact DecompX decomposition of the whole block
   (:mod:`captum_vit.methods.decompx`, GELU zero-origin slope, gated units with their real
   gate). Then ``Σ_j v_{i←j} + (bias part) = x_{l+1}[i]`` exactly.
@@ -74,7 +78,7 @@ from captum_vit._base import (
     readout_rows,
     resolve_target,
 )
-from captum_vit.adapters import BlockRecord, NormParts, Ops, Trace, ViTAdapter
+from captum_vit.adapters import BlockParts, BlockRecord, NormParts, Ops, Trace, ViTAdapter
 from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.decompx import (
@@ -118,9 +122,10 @@ class _LN2Ops(_ResetOps):
     ``norm2`` on, every MLP primitive computes its real output and leaves the decomposition
     as it found it. The branch's LayerScale and the residual add are decomposed as usual."""
 
-    def __init__(self, norm2: NormParts) -> None:
+    def __init__(self, norm2: NormParts | None, mlp_in: Tensor | None = None) -> None:
         super().__init__()
         self.norm2 = norm2
+        self.mlp_in = mlp_in
         self.saw_norm2 = False
 
     def norm(self, x: Decomposed, p: NormParts) -> Decomposed:
@@ -134,6 +139,9 @@ class _LN2Ops(_ResetOps):
 
     def linear(self, x: Decomposed, weight: Tensor, bias: Tensor | None) -> Decomposed:
         if isinstance(x, _Undecomposed):
+            return _Undecomposed(F.linear(x.real, weight, bias), x.parts, x.has_bias)
+        if self.norm2 is None and weight is self.mlp_in:  # no LN2: the MLP's input
+            self.saw_norm2 = True
             return _Undecomposed(F.linear(x.real, weight, bias), x.parts, x.has_bias)
         return super().linear(x, weight, bias)
 
@@ -203,7 +211,8 @@ def decompose_block(adapter: ViTAdapter, x: Tensor, layer: int, *, mlp: str = "l
 def _reset_block(adapter: ViTAdapter, h: Decomposed, layer: int, mlp: str) -> Decomposed:
     """Block ``layer`` on the decomposed input ``h`` under ``mlp``'s rules, stopped
     before the block's patch merge (if any)."""
-    ops = _ResetOps() if mlp == "decompx" else _LN2Ops(adapter.blocks[layer].norm2)
+    p = adapter.blocks[layer]
+    ops = _ResetOps() if mlp == "decompx" else _LN2Ops(p.norm2, p.fc1_weight)
     out = adapter.block(h, layer, ops)
     if isinstance(ops, _LN2Ops) and not ops.saw_norm2:  # pragma: no cover - every block has norm2
         raise TypeError(f"mlp='ln2' needs the block's LN2 (norm2); block {layer} of this "
@@ -289,31 +298,54 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
     """
     check_choice("measure", measure, MEASURES)
     p = adapter.blocks[layer]
+    form = _closed_form(p)
+    if form is None:
+        raise ValueError(f"block {layer} has neither the pre-LN form nor Swin V2's post-norm "
+                         "form that reset_scores writes out; use window_scores or "
+                         "decompose_block, which carry the sources through the block's ops")
     dt = accumulation_dtype(rec.x)
     x = rec.x.detach().to(dt)
     attn = rec.require_attn().detach().to(dt)
     b, n, d = x.shape
     heads, hd = p.num_heads, p.head_dim
-    v = F.linear(_centred_scaled(x, p.norm1), p.v_weight.to(dt)).reshape(b, n, heads, hd)
-    path = p.value_path(dt)  # W_O with the inner norm's rule folded in (adapters.parts)
-    wo = path.weight.reshape(d, heads, hd)  # [D, H, d]
-    inv_in = None
-    if path.centre is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
-        z = torch.einsum("bnhe,dhe->bhnd", v, wo)
-        z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * path.centre
-        real_mix, _ = p.attention(rec.u.detach(), materialize=True)
-        inv_in = path.inv_std(real_mix.to(dt))
-    else:
-        z = torch.einsum("bnhe,dhe->bhnd", v, wo)  # [B, H, N, D]
-    if p.ls1 is not None:
-        z = z * p.ls1.to(dt)
-    s2 = torch.rsqrt(rec.mid.detach().to(dt).var(-1, unbiased=False) + p.norm2.eps)  # 1/σ_2
     k2 = torch.ones(d, dtype=dt, device=x.device)
-    if p.norm2.weight is not None:
-        k2 = k2 * p.norm2.weight.to(dt)
-    if p.ls2 is not None:
-        k2 = k2 * p.ls2.to(dt)
+    inv_in = None
+    if form == "post":  # u = x; the branch's post-norm LN_p: γ_p C(·) / σ_p,i (frozen)
+        v = F.linear(x, p.v_weight.to(dt)).reshape(b, n, heads, hd)
+        z = torch.einsum("bnhe,dhe->bhnd", v, p.proj_weight.to(dt).reshape(d, heads, hd))
+        if p.ls1 is not None:
+            z = z * p.ls1.to(dt)
+        post = cast(NormParts, p.post_norm1)
+        z = z - z.mean(-1, keepdim=True)
+        if post.weight is not None:
+            z = z * post.weight.to(dt)
+        real = p.branch_output(rec.u.detach()).to(dt)
+        inv_in = torch.rsqrt(real.var(-1, unbiased=False) + post.eps)  # row i: 1/σ_p,i
+        # no LN2: the MLP branch carries x_mid's decomposition, v = 2 x_mid (P_i = 2 I):
+        # s = 0 below and the real output halved, the scores doubled at the end
+        s2 = torch.zeros(b, n, dtype=dt, device=x.device)
+    else:
+        norm1, norm2 = cast(NormParts, p.norm1), cast(NormParts, p.norm2)
+        v = F.linear(_centred_scaled(x, norm1), p.v_weight.to(dt)).reshape(b, n, heads, hd)
+        path = p.value_path(dt)  # W_O with the inner norm's rule folded in (adapters.parts)
+        wo = path.weight.reshape(d, heads, hd)  # [D, H, d]
+        if path.centre is not None:  # (C(Σ_h A^h v^h) ⊙ γ_in) W_O, row i scaled by 1/σ_in,i
+            z = torch.einsum("bnhe,dhe->bhnd", v, wo)
+            z = z - (v.sum(-1) / (heads * hd)).transpose(1, 2)[..., None] * path.centre
+            real_mix, _ = p.attention(rec.u.detach(), materialize=True)
+            inv_in = path.inv_std(real_mix.to(dt))
+        else:
+            z = torch.einsum("bnhe,dhe->bhnd", v, wo)  # [B, H, N, D]
+        if p.ls1 is not None:
+            z = z * p.ls1.to(dt)
+        s2 = torch.rsqrt(rec.mid.detach().to(dt).var(-1, unbiased=False) + norm2.eps)  # 1/σ_2
+        if norm2.weight is not None:
+            k2 = k2 * norm2.weight.to(dt)
+        if p.ls2 is not None:
+            k2 = k2 * p.ls2.to(dt)
     o = _block_output(rec, p.merge is not None or p.out_norm is not None).detach().to(dt)
+    factor = 2.0 if form == "post" else 1.0
+    o = o / factor
     win = p.window
     if win is not None:  # the B · n_W windows as short sequences (padded slots zero)
         nw, m = win.num_windows, win.area
@@ -338,10 +370,29 @@ def reset_scores(adapter: ViTAdapter, rec: BlockRecord, layer: int, measure: str
         t_diag = (torch.linalg.vector_norm(o, ord=1, dim=-1)
                   - torch.linalg.vector_norm(o - v_diag, ord=1, dim=-1)).clamp_min(0)
     t.diagonal(dim1=-2, dim2=-1).copy_(t_diag)
+    if factor != 1.0:
+        t = t * factor
     if win is None:
         return t
     real = win.index(t.device) >= 0  # [n_W, M]; a padded slot's row is no token's
     return t.reshape(b, win.num_windows, win.area, win.area) * real[:, :, None].to(dt)
+
+
+def _closed_form(p: BlockParts) -> str | None:
+    """Which block form :func:`reset_scores` writes out in closed form: ``"pre"`` (both
+    pre-norms, no post-norm), ``"post"`` (Swin V2: no pre-norm, a post-norm on the
+    attention branch, no inner norm), else ``None`` (also for a norm on the block's
+    output; the reset decomposition then goes
+    through the ops, :func:`window_scores` / :func:`decompose_block`)."""
+    if p.out_norm is not None:  # V-JEPA 2's encoder norm on the block's output
+        return None
+    if p.norm1 is not None and p.norm2 is not None and p.post_norm1 is None \
+            and p.post_norm2 is None:
+        return "pre"
+    if p.norm1 is None and p.norm2 is None and p.post_norm1 is not None \
+            and p.inner_norm is None:
+        return "post"
+    return None
 
 
 def _block_output(rec: BlockRecord, merged: bool) -> Tensor:
@@ -532,7 +583,7 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
             win = self.adapter.stages.window(l)
             # the one-pass scores read the block's output as mid + ffn; a block with an
             # output norm (V-JEPA 2's encoder norm) is decomposed through it instead
-            if self.mlp == "ln2" and self.fast and self.adapter.blocks[l].out_norm is None:
+            if self.mlp == "ln2" and self.fast and _closed_form(self.adapter.blocks[l]):
                 t = reset_scores(self.adapter, rec, l, self.measure, max_memory=self.max_memory)
             elif win is not None:
                 t = window_scores(self.adapter, rec.x, l, self.measure, mlp=self.mlp,

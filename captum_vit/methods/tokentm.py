@@ -121,7 +121,9 @@ def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
     :math:`\tilde x` the merge's LayerNorm of the concatenated children (frozen
     statistics, no shift), :math:`\tilde x_{c_k}` child ``k``'s slice and :math:`W_k` its
     columns of the merge's linear map (:class:`~captum_vit.adapters.MergeParts`); a
-    padded child of an odd grid gets 0.
+    padded child of an odd grid gets 0. A merge that norms after its reduction (Swin V2,
+    ``norm_last``): :math:`\lVert \gamma \odot C(x_{c_k} W_k) \rVert` over their sum,
+    ``C`` the centring over the reduced channels (the shared :math:`1/\sigma` cancels).
 
     Args:
         merge (MergeParts): the merge.
@@ -133,11 +135,21 @@ def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
     """
     g = merge.gather(x)  # [B, N', 4C]
     n = merge.norm
+    c = x.shape[-1]
+    if getattr(merge, "norm_last", False):  # Swin V2: LN(concat W^T), one σ per token
+        w = merge.weight.to(g.dtype)
+        shares = torch.stack([torch.nn.functional.linear(g[..., k * c:(k + 1) * c],
+                                                         w[:, k * c:(k + 1) * c])
+                              for k in range(4)], -2)  # [B, N', 4, D']
+        shares = shares - shares.mean(-1, keepdim=True)
+        if n.weight is not None:
+            shares = shares * n.weight.to(shares.dtype)
+        lengths = shares.norm(dim=-1) * (merge.children(x.device) >= 0).to(g.dtype)
+        return lengths / lengths.sum(-1, keepdim=True).clamp(min=eps)
     xt = (g - g.mean(-1, keepdim=True)) * torch.rsqrt(g.var(-1, unbiased=False, keepdim=True)
                                                       + n.eps)
     if n.weight is not None:
         xt = xt * n.weight.to(xt.dtype)
-    c = x.shape[-1]
     w = merge.weight.to(xt.dtype)
     lengths = torch.stack([torch.nn.functional.linear(xt[..., k * c:(k + 1) * c],
                                                       w[:, k * c:(k + 1) * c]).norm(dim=-1)
@@ -147,12 +159,14 @@ def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
 
 
 def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
-                 num_heads: int, eps: float = EPS) -> Tensor:
+                 num_heads: int, eps: float = EPS, scale: Tensor | None = None) -> Tensor:
     """Per-head weights ``W^h`` of the attention sublayer (Eq. 13 with Eq. 5), [B, H, N].
 
     ``E = x`` and ``Ẽ^h = u W_V^h W_O^h``. The [B, H, N, D] tensor ``Ẽ`` is never formed:
     with ``v^h = u W_V^h`` [N, d] and ``W_O^h`` the head's [d, D] slice,
     ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``.
+    ``scale`` [B, N] (default none) multiplies token ``i``'s ``Ẽ^h_i`` (a post-norm's
+    frozen ``1/σ_i``, with its centring and ``γ`` folded into ``proj_weight``).
     """
     b, n, _ = x.shape
     d = v_weight.shape[0] // num_heads
@@ -164,7 +178,22 @@ def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
     sq = (torch.bmm(vh, wo.transpose(1, 2) @ wo) * vh).sum(-1)  # L(Ẽ^h_i)², [H, B*N]
     lt = sq.clamp(min=0).sqrt().reshape(num_heads, b, n).transpose(0, 1)
     dot = dot.reshape(b, n, num_heads).permute(0, 2, 1)
+    if scale is not None:
+        lt, dot = lt * scale[:, None], dot * scale[:, None]
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
+
+
+def _post_norm_path(p: Any, wo: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    r"""``W_O`` [D, H*d] with a post-norm's centring and ``γ`` folded in, and its frozen
+    ``1/σ_i`` [B, N] of the real branch output (Swin V2; our extension of Eq. 5:
+    :math:`\tilde E^h_i = \gamma \odot C(u_i W_V^h W_O^h) / \sigma_i`, biases and
+    ``β`` excluded)."""
+    norm = p.post_norm1
+    wo = wo - wo.mean(0, keepdim=True)
+    if norm.weight is not None:
+        wo = wo * norm.weight.detach().to(wo.dtype)[:, None]
+    real = p.branch_output(u).detach().to(wo.dtype)
+    return wo, torch.rsqrt(real.var(-1, unbiased=False) + norm.eps)
 
 
 def head_weights_inner_norm(x: Tensor, u: Tensor, attn: Tensor, v_weight: Tensor,
@@ -330,8 +359,14 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
         u = rec.u.detach().to(dt)
         if p.inner_norm is None:
-            w = head_weights(x, u, p.v_weight.detach().to(dt), p.proj_weight.detach().to(dt),
-                             p.num_heads)  # [B, H, N]
+            wo, scale = p.proj_weight.detach().to(dt), None
+            if p.post_norm1 is not None:  # Ẽ^h through the branch's post-norm, linearised
+                wo, scale = _post_norm_path(p, wo, u)
+            w = head_weights(x, u, p.v_weight.detach().to(dt), wo, p.num_heads,
+                             scale=scale)  # [B, H, N]
+        elif p.post_norm1 is not None:
+            raise TypeError("TokenTM has no rule for a block with both an inner attention "
+                            "norm and a post-norm on its branch")
         else:  # N_in before W_O (EVA-02), see head_weights_inner_norm
             w = head_weights_inner_norm(
                 x, u, cast(Heads, rec.heads).probs().detach().to(dt), p.v_weight.detach().to(dt),

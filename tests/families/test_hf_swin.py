@@ -92,8 +92,12 @@ def test_swin_v2_refused_by_name():
 
     cfg = transformers.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[2],
                                     num_heads=[2], window_size=4, num_labels=3)
+    from captum_vit.adapters import HFSwinV2Adapter
+
+    model = transformers.Swinv2ForImageClassification(cfg).eval()
     with pytest.raises(TypeError, match="Swinv2ForImageClassification.*cosine attention"):
-        adapt(transformers.Swinv2ForImageClassification(cfg).eval())
+        HFSwinAdapter(model)  # the v1 reader; adapt() dispatches to the Swin V2 family
+    assert isinstance(adapt(model), HFSwinV2Adapter)
 
 
 def test_swin_model_with_vector_targets():

@@ -126,12 +126,17 @@ def test_merge_children_order():
 
 
 def test_swin_v2_refused_by_name():
+    """The v1 reader refuses a Swin V2 by name; ``adapt`` dispatches it to its own family
+    (:mod:`captum_vit.adapters.families.swin_v2`)."""
     from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    from captum_vit.adapters import TimmSwinAdapter, TimmSwinV2Adapter
 
     model = SwinTransformerV2(img_size=32, patch_size=4, embed_dim=16, depths=(2,),
                               num_heads=(2,), window_size=4, num_classes=3)
     with pytest.raises(TypeError, match="SwinTransformerV2.*cosine attention"):
-        adapt(model)
+        TimmSwinAdapter(model)
+    assert isinstance(adapt(model), TimmSwinV2Adapter)
 
 
 def test_wrong_size_and_token_removal_refused():

@@ -25,5 +25,6 @@ from captum_vit.adapters.families import open_clip  # noqa: F401
 from captum_vit.adapters.families import hf_videomae  # noqa: F401
 from captum_vit.adapters.families import hf_vivit  # noqa: F401
 from captum_vit.adapters.families import hf_vjepa2  # noqa: F401
+from captum_vit.adapters.families import swin_v2  # noqa: F401
 from captum_vit.adapters.families import swin  # noqa: F401
 from captum_vit.adapters.families import sam  # noqa: F401

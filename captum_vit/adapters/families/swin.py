@@ -9,9 +9,10 @@ block of a stage carries the next stage's patch merge (LayerNorm + linear). The 
 have no prefix rows, the maps land on the first stage's grid, and the logits read the mean
 of the final stage's tokens after the final norm (``readout="avg"``).
 
-``SwinTransformerV2`` (cosine attention with a learned logit scale, a continuous position
-bias from an MLP over log-spaced coordinates, post-norm residual blocks) does not fit the
-pre-LN canonical block and is refused by name.
+Swin V2 (timm ``SwinTransformerV2``, Hugging Face ``Swinv2*``: cosine attention,
+continuous position bias, residual post-norm) is its own family,
+:mod:`captum_vit.adapters.families.swin_v2`, dispatched before this one; these readers
+refuse it by name when built directly, and timm's ``SwinTransformerV2Cr`` always.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
            "`img_size`: ✅ maps on the first stage's grid (56 × 56 for Swin-T at 224 px; see "
            "[Swin](#swin-transformers) below for what each method does there) — refused by name: "
            "TIS and true token removal (use RISE / ViT-CX and the metrics' pixel removal), "
-           "`SwinTransformerV2`"),
+           "`SwinTransformerV2Cr` (Swin V2 has its own family)"),
     examples={
         "timm_swin": Example(_example(window_size=2), (32, 32)),
         # a 10x10 grid padded to whole windows of 3, an odd 5x5 second stage
@@ -354,8 +355,8 @@ def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Mod
            "targets: ✅ as timm's Swin (forward equal to 1e-12 in float64 with SDPA attention; "
            "maps equal a timm twin's to 1e-10 where the windows divide the grids — with padding "
            "and a shift the two libraries differ: Hugging Face pads before the roll, timm after, "
-           "and each adapter follows its model) — refused: as timm's Swin, `Swinv2*`, other "
-           "input sizes"),
+           "and each adapter follows its model) — refused: as timm's Swin, other input sizes "
+           "(`Swinv2*` have their own family)"),
     examples={
         # the timm examples' twins (weights mapped)
         "hf_swin": Example(_twin_example(window_size=2), (32, 32), library="transformers"),
