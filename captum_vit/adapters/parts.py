@@ -199,6 +199,11 @@ class BlockParts(AttentionParts):
     """A patch merge after the block (a
     :class:`~captum_vit.adapters.windows.MergeParts`), or ``None``:
     the last block of a stage hands the next stage its grid; ``None`` = none."""
+    fixed_rows: int = 0
+    """The first ``fixed_rows`` tokens pass the attention sublayer unchanged (their rows of
+    its output, after ``W_O``, are multiplied by 0): TimeSformer's temporal attention,
+    which updates the patch tokens only (:mod:`captum_vit.adapters.families.hf_timesformer`);
+    0 = every row is updated."""
     query_bias: Callable[[Tensor], Tensor] | None = None
     """A logit term computed from the queries, ``q [B', H, n, d] -> [B', H, n, n]``
     (after the q/k norms, before any scaling), added to the logits like

@@ -21,6 +21,7 @@ from captum_vit.adapters.families import hf_backbone  # noqa: F401
 from captum_vit.adapters.families import hf_yolos  # noqa: F401
 from captum_vit.adapters.families import torchvision_vit  # noqa: F401
 from captum_vit.adapters.families import open_clip  # noqa: F401
+from captum_vit.adapters.families import hf_timesformer  # noqa: F401
 from captum_vit.adapters.families import hf_videomae  # noqa: F401
 from captum_vit.adapters.families import swin  # noqa: F401
 from captum_vit.adapters.families import sam  # noqa: F401
