@@ -159,6 +159,25 @@ class FrameWindows:
                 for t in range(frames)]
         return cls(torch.stack(rows), 1 + frames * patches)
 
+    @property
+    def shares_tokens(self) -> bool:
+        """Whether some token sits in several windows (the spatial mixing's class token):
+        methods that read the slots one token each refuse such a block by name."""
+        return bool((self._weight[self._index >= 0] < 1).any())
+
+    def slot_counts(self, dtype: torch.dtype, device: torch.device | None = None
+                    ) -> Tensor | None:
+        """[n_W, M]: ``c_i`` of the token at each slot (1 at padding), or ``None`` when
+        every token has one slot. The attention returns its window probabilities with the
+        gradient of the dense matrix, :math:`\partial s / \partial C_{ij} = c_i\,
+        \partial s / \partial A_w[s, r]` (identity forward), so that a product of the
+        probabilities and their gradient chained by :meth:`left_multiply` is the dense
+        ``(∂s/∂C) ⊙ C``; the true gradient still reaches the queries and keys."""
+        if not self.shares_tokens:
+            return None
+        w = self._weight.to(device, dtype)
+        return torch.where(w > 0, 1 / w.clamp_min(1e-30), torch.ones_like(w))
+
     def _slot(self, idx: Tensor) -> Tensor:
         """Slot indices with padding sent to the extra zero row ``N``."""
         return torch.where(idx >= 0, idx, torch.full_like(idx, self.num_tokens))
@@ -280,7 +299,7 @@ def _fused_qkv(att: ModelTree, d: int) -> tuple[Tensor, ...]:
     supports="Hugging Face TimesformerForVideoClassification and TimesformerModel (videos "
              "[B, T, C, H, W]; divided_space_time, joint_space_time; space_only as a "
              "per-frame image classifier)",
-    tags=("classifier", "embedding", "video", "windowed"),
+    tags=("classifier", "embedding", "video", "windowed", "shared_windows"),
     notes=("Videos `[B, T, C, H, W]` of the model's fixed `num_frames` and `image_size`: "
            "each divided layer is two blocks (temporal attention over the frames at each "
            "patch, the CLS not in it; spatial attention per frame with the CLS repeated and "
@@ -289,7 +308,8 @@ def _fused_qkv(att: ModelTree, d: int) -> tuple[Tensor, ...]:
            "`space_only` is an image classifier applied per frame (images `[B, C, H, W]`) "
            "— ✅ maps per frame: `output=\"tokens\"` `[B, T·gh·gw]`, `\"grid\"` `[B, 1, T, "
            "gh, gw]`; `layer=` counts two blocks per divided layer — refused: true token "
-           "removal (TIS, removal='token')"),
+           "removal (TIS, RISE, ViT-CX, removal='token'), the methods reading window slots "
+           "one token each (BT-H, BT-T, TAM, GlobEnc, ALTI)"),
     examples={
         "hf_timesformer": Example(_example("TimesformerForVideoClassification"),
                                   (2, 16, 16), library="transformers"),
