@@ -5,7 +5,7 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
-                                    hf-videomae|timm-swin|hf-swin] \
+                                    hf-videomae|timm-swin|hf-swin|hf-timesformer] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -25,7 +25,9 @@ layer; ``open-clip``: OpenCLIP's image tower (``open_clip.transformer.VisionTran
 ``hf-videomae``: ``VideoMAEForVideoClassification`` on 4-frame videos with tubelets of 2
 frames, 2 x 196 tokens, mean pooling; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
-the first stage, window 7), measured in the same run as the methods. Methods that refuse a
+the first stage, window 7; ``hf-timesformer``: a TimeSformer-B-shaped
+``TimesformerForVideoClassification``, divided space-time attention, 8 frames of 224 px),
+measured in the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
@@ -223,6 +225,25 @@ def hf_videomae_s16(img_size: int = 224) -> torch.nn.Module:
     return VideoMAEForVideoClassification(cfg).eval()
 
 
+def hf_timesformer_b(img_size: int = 224) -> torch.nn.Module:
+    """A TimeSformer-B-shaped Hugging Face ``TimesformerForVideoClassification`` (divided
+    space-time attention, 8 frames of 224 px, patch 16: 1 + 8 x 196 tokens, width 768, 12
+    layers, 12 heads). ``TIMESFORMER_SHAPE="frames,img,width,layers"`` shrinks it (a
+    reduced size on a small machine, reported as such)."""
+    from transformers import TimesformerConfig, TimesformerForVideoClassification
+
+    frames, img, width, layers = 8, img_size, 768, 12
+    if os.environ.get("TIMESFORMER_SHAPE"):
+        frames, img, width, layers = (int(v) for v in os.environ["TIMESFORMER_SHAPE"].split(","))
+    torch.manual_seed(0)
+    cfg = TimesformerConfig(image_size=img, patch_size=16, num_frames=frames,
+                            hidden_size=width, num_hidden_layers=layers,
+                            num_attention_heads=max(1, width // 64),
+                            intermediate_size=4 * width, num_labels=1000,
+                            attention_type="divided_space_time")
+    return TimesformerForVideoClassification(cfg).eval()
+
+
 def swin_t(img_size: int = 224) -> torch.nn.Module:
     """A Swin-T-shaped timm ``SwinTransformer`` (patch 4, width 96, depths 2-2-6-2, heads
     3-6-12-24, window 7; 56 x 56 tokens in the first stage)."""
@@ -248,8 +269,9 @@ def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
     224] for a VideoMAE."""
-    if type(model).__name__.startswith("VideoMAE"):
-        return torch.randn(b, model.config.num_frames, 3, 224, 224, generator=generator)
+    if type(model).__name__.startswith(("VideoMAE", "Timesformer")):
+        size = int(model.config.image_size)
+        return torch.randn(b, model.config.num_frames, 3, size, size, generator=generator)
     return torch.randn(b, 3, 224, 224, generator=generator)
 
 
@@ -258,7 +280,10 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
-    "hf-swin": hf_swin_t}
+    "hf-swin": hf_swin_t, "hf-timesformer": hf_timesformer_b}
+
+SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "hf-timesformer": "TimeSformer-B"}
+"""The shape named in the table's title (default ViT-S/16)."""
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -430,7 +455,7 @@ def main() -> None:
                 print(f"  batch {b} {name}: {n} forwards, {per_forward[-1][3]:.2f}x that "
                       "many plain forwards", flush=True)
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.family} {'Swin-T' if 'swin' in args.family else 'ViT-S/16'} float32, "
+          f"{args.family} {SHAPES.get(args.family, 'ViT-S/16')} float32, "
           f"median of {args.repeats} alternating pairs, {args.clock} clock")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")

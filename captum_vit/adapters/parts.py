@@ -92,12 +92,12 @@ class _ScaleGradientRows(torch.autograd.Function):
     """Identity forward; the backward multiplies the gradient by ``scale``."""
 
     @staticmethod
-    def forward(ctx, x, scale):  # type: ignore[override]  # noqa: ANN001, ANN205
+    def forward(ctx, x, scale):  # noqa: ANN001, ANN205
         ctx.save_for_backward(scale)
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]  # noqa: ANN001, ANN205
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
         (scale,) = ctx.saved_tensors
         return grad * scale, None
 

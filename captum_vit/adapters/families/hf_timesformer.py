@@ -167,7 +167,7 @@ class FrameWindows:
 
     def slot_counts(self, dtype: torch.dtype, device: torch.device | None = None
                     ) -> Tensor | None:
-        """[n_W, M]: ``c_i`` of the token at each slot (1 at padding), or ``None`` when
+        r"""[n_W, M]: ``c_i`` of the token at each slot (1 at padding), or ``None`` when
         every token has one slot. The attention returns its window probabilities with the
         gradient of the dense matrix, :math:`\partial s / \partial C_{ij} = c_i\,
         \partial s / \partial A_w[s, r]` (identity forward), so that a product of the
