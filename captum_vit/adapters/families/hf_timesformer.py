@@ -69,6 +69,7 @@ the engine's blocks, two per divided layer (the temporal half first).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -398,7 +399,8 @@ class HFTimesformerAdapter(ViTAdapter):
             spatial = self._spatial(layer, heads, d, where)
             if self.attention_type == "divided_space_time":
                 blocks.append(self._temporal(layer, heads, d, where, frames, gh * gw))
-                spatial = _replace(spatial, window=FrameWindows.spatial(frames, gh * gw))
+                spatial = dataclasses.replace(spatial,
+                                              window=FrameWindows.spatial(frames, gh * gw))
             blocks.append(spatial)
         return blocks
 
@@ -557,8 +559,3 @@ class HFTimesformerAdapter(ViTAdapter):
                                for p in mod.parameters()])
         return stages
 
-
-def _replace(parts: BlockParts, **changes: Any) -> BlockParts:
-    import dataclasses
-
-    return dataclasses.replace(parts, **changes)
