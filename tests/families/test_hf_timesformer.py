@@ -331,3 +331,26 @@ def test_gae_is_the_dense_chain(attention, monkeypatch):
         monkeypatch.setattr(type(a), "small_attention", lambda self, inputs: False)
     got = build_method("gae", model).attribute(x, target=1, output="tokens")
     torch.testing.assert_close(got, v[:, 1:], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["rollout", "decompx", "token_ixg"])
+def test_identical_frames_sum_to_the_one_frame_map(name):
+    """T identical frames and a zero time table: every frame carries the one-frame
+    model's states (the temporal attention is uniform over identical copies, each frame's
+    spatial window is the one-frame sequence, the class token's mean is each frame's), so
+    the logits are the one-frame model's and the maps summed over the frames are its maps
+    (the class-token rows shared by T windows and averaged back)."""
+    many, one = build(num_frames=3), build(num_frames=1)
+    with torch.no_grad():
+        many.timesformer.embeddings.time_embeddings.zero_()
+        state = {k: v for k, v in many.state_dict().items() if "time_embeddings" not in k}
+        one.load_state_dict(state, strict=False)
+        one.timesformer.embeddings.time_embeddings.zero_()
+    x1 = video(1)
+    x3 = x1.expand(-1, 3, -1, -1, -1).contiguous()
+    with torch.no_grad():
+        torch.testing.assert_close(many(pixel_values=x3).logits, one(pixel_values=x1).logits,
+                                   rtol=0, atol=1e-12)
+    m3 = build_method(name, many).attribute(x3, target=[2, 0], output="tokens")
+    m1 = build_method(name, one).attribute(x1, target=[2, 0], output="tokens")
+    torch.testing.assert_close(m3.reshape(2, 3, -1).sum(1), m1, rtol=1e-9, atol=1e-12)

@@ -10,8 +10,9 @@ Only this file knows TimeSformer's attribute names. Verified in the installed tr
   ``Conv2d`` (kernel = stride = ``patch_size``): ``N = gh·gw`` patches per frame.
 - **Embeddings** (``TimesformerEmbeddings``): a class token is prepended *per frame*, the
   position table ``[1, 1 + N, D]`` added (nearest-interpolated if the grid differs); for
-  ``divided_space_time`` and ``joint_space_time`` the class token of the first frame is kept
-  (``embeddings[:B, 0]``: the class token and its position row are the same in every frame),
+  ``divided_space_time`` and ``joint_space_time`` one class token per video is kept
+  (``embeddings[:B, 0]``, rows of the ``B·T`` frame batch: every row's class token is the
+  same vector, ``cls_token`` plus its position row),
   the patch tokens are reordered to ``(patch, frame)`` order (``[B, N, T, D]``), the time
   table ``time_embeddings`` [1, T, D] added per frame (nearest-interpolated to another frame
   count) and the sequence is ``[CLS, (patch n, frame t) at 1 + n·T + t]``. For
