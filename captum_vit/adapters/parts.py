@@ -94,7 +94,7 @@ class _ScaleGradientRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale):  # noqa: ANN001, ANN205
         ctx.save_for_backward(scale)
-        return x.clone()
+        return x.view_as(x)  # no copy: the backward alone differs
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205

@@ -13,9 +13,9 @@ import torch
 from captum_vit.adapters import adapt, catalog
 from captum_vit.methods import DecompX
 from captum_vit.registry import build_method
-from tests.helpers import assert_unchanged, snapshot
+from tests.helpers import assert_unchanged, needs_transformers, snapshot
 
-pytestmark = pytest.mark.needs_transformers
+pytestmark = needs_transformers
 
 TOL = dict(rtol=0, atol=1e-12)
 
