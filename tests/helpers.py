@@ -85,7 +85,7 @@ HF_SWIN_FAMILIES = _examples(lambda tags, ex: "hierarchical" in tags
                              and ex.library == "transformers")
 """Hugging Face Swin classifiers: the timm SWIN_FAMILIES' twins (weights mapped)."""
 SAM_FAMILIES = tuple(_examples(lambda tags, ex: "windowed" in tags
-                               and "hierarchical" not in tags))
+                               and "hierarchical" not in tags and "video" not in tags))
 """SAM's image encoder (windowed attention): timm's classifier, Hugging Face's embedding."""
 
 
