@@ -6,7 +6,8 @@ Run::
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
-                                    hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2] \
+                                    hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2|
+                                    hf-timesformer] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -33,7 +34,9 @@ pooler; a GPU-sized run) and ``hf-vjepa2-s`` the same at ViT-S width on 4 frames
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
 the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
 ``SwinTransformerV2`` / ``Swinv2ForImageClassification``, 256 px, 64 x 64 tokens, window
-8), measured in the same run as the methods. Methods that refuse a
+8; ``hf-timesformer``: a TimeSformer-B-shaped ``TimesformerForVideoClassification``,
+divided space-time attention, 8 frames of 224 px), measured in the same run as the
+methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
@@ -266,6 +269,25 @@ def hf_vjepa2_s16() -> torch.nn.Module:
     return hf_vjepa2_l16(frames=4, crop=224, width=384, depth=12, heads=6)
 
 
+def hf_timesformer_b(img_size: int = 224) -> torch.nn.Module:
+    """A TimeSformer-B-shaped Hugging Face ``TimesformerForVideoClassification`` (divided
+    space-time attention, 8 frames of 224 px, patch 16: 1 + 8 x 196 tokens, width 768, 12
+    layers, 12 heads). ``TIMESFORMER_SHAPE="frames,img,width,layers"`` shrinks it (a
+    reduced size on a small machine, reported as such)."""
+    from transformers import TimesformerConfig, TimesformerForVideoClassification
+
+    frames, img, width, layers = 8, img_size, 768, 12
+    if os.environ.get("TIMESFORMER_SHAPE"):
+        frames, img, width, layers = (int(v) for v in os.environ["TIMESFORMER_SHAPE"].split(","))
+    torch.manual_seed(0)
+    cfg = TimesformerConfig(image_size=img, patch_size=16, num_frames=frames,
+                            hidden_size=width, num_hidden_layers=layers,
+                            num_attention_heads=max(1, width // 64),
+                            intermediate_size=4 * width, num_labels=1000,
+                            attention_type="divided_space_time")
+    return TimesformerForVideoClassification(cfg).eval()
+
+
 def swin_t(img_size: int = 224) -> torch.nn.Module:
     """A Swin-T-shaped timm ``SwinTransformer`` (patch 4, width 96, depths 2-2-6-2, heads
     3-6-12-24, window 7; 56 x 56 tokens in the first stage)."""
@@ -344,7 +366,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
     "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
-    "hf-swinv2": hf_swinv2_t}
+    "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -461,7 +483,8 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 
 
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
-          "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)"}
+          "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)",
+          "hf-timesformer": "TimeSformer-B"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:

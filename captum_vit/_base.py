@@ -515,6 +515,13 @@ class ViTFront:
     refuses such a method by name; the message names the registered methods that run
     there (:func:`captum_vit.registry.windowed_methods`, read from this declaration)."""
 
+    reads_window_slots: bool = False
+    """Whether the method reads a windowed block slot by slot, each slot one token (BT's
+    and TAM's head-weighted products, GlobEnc's and ALTI's per-window decompositions). A
+    block whose windows share a token (TimeSformer's spatial attention: the class token
+    in every frame's window, :mod:`captum_vit.adapters.families.hf_timesformer`) refuses
+    such a method by name."""
+
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -540,6 +547,15 @@ class ViTFront:
         p = prepare(self.adapter, inputs, target)
         if self.removes_tokens and any(b.window is not None for b in self.adapter.blocks):
             raise ValueError(_windowed_refusal(type(self).__name__, type(self.model).__name__))
+        if self.reads_window_slots and any(getattr(b.window, "shares_tokens", False)
+                                           for b in self.adapter.blocks):
+            raise ValueError(
+                f"{type(self).__name__} reads each attention window slot by slot, one token "
+                f"per slot, but {type(self.model).__name__} has windows that share a token "
+                "(divided space-time attention: the class token sits in every frame's "
+                "window and its rows are averaged back), so it does not apply; use a "
+                "method that chains the token maps (rollout, GAE, TokenTM, Chefer21, "
+                "AttCAT) or a decomposition or LRP method (DecompX, AttnLRP, CP-LRP)")
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:

@@ -85,7 +85,7 @@ HF_SWIN_FAMILIES = _examples(lambda tags, ex: "hierarchical" in tags
                              and ex.library == "transformers")
 """Hugging Face Swin classifiers: the timm SWIN_FAMILIES' twins (weights mapped)."""
 SAM_FAMILIES = tuple(_examples(lambda tags, ex: "windowed" in tags
-                               and "hierarchical" not in tags))
+                               and "hierarchical" not in tags and "video" not in tags))
 """SAM's image encoder (windowed attention): timm's classifier, Hugging Face's embedding."""
 
 
@@ -144,11 +144,27 @@ EMBEDDING_FAMILIES = embedding_families()
 """Every contract-suite example that outputs an image embedding."""
 
 
-from captum_vit.registry import windowed_methods  # noqa: E402
+from captum_vit.registry import method_entries, windowed_methods  # noqa: E402
 
 WINDOW_REFUSERS = set(windowed_methods(refused=True))
 """Methods that refuse windowed models (Swin, SAM) by name: those declaring
 ``removes_tokens`` (TIS; use RISE or ViT-CX), read from the registry."""
+
+
+VIDEO_WINDOW_REFUSERS = {"rise", "vit_cx"}
+"""Methods whose masks of a video are over tokens (true token removal): they refuse a video
+model with windowed attention (TimeSformer's divided space-time) by name."""
+
+SLOT_REFUSERS = {e.name for e in method_entries()
+                 if getattr(e.cls, "reads_window_slots", False)}
+"""Methods that read a windowed block slot by slot (``reads_window_slots``: BT-H, BT-T,
+TAM, GlobEnc, ALTI): an example tagged ``shared_windows`` (windows that share a token)
+refuses them by name; compositions over them too."""
+
+
+def refuses_shared_windows(method: str) -> bool:
+    """Whether ``method`` (a name or a composition ``plus:<base>``) reads window slots."""
+    return method.split(":")[-1] in SLOT_REFUSERS
 
 
 _NEEDS = {"transformers": "needs_transformers", "torchvision": "needs_torchvision",
@@ -166,7 +182,14 @@ def family_marks(family: str, method: str | None = None) -> tuple:
     except ValueError:
         return ()
     marks: tuple = (globals()[_NEEDS[ex.library]],) if ex.library in _NEEDS else ()
-    if "windowed" in fam.example_tags(family) and method in WINDOW_REFUSERS:
+    tags = fam.example_tags(family)
+    if "shared_windows" in tags and method is not None and refuses_shared_windows(method):
+        marks += (pytest.mark.xfail(raises=ValueError, strict=True,
+                                    reason=f"{method} refuses windows that share a token"),)
+    if "windowed" in tags and "video" in tags and method in VIDEO_WINDOW_REFUSERS:
+        marks += (pytest.mark.xfail(raises=ValueError, strict=True,
+                                    reason=f"{method} refuses windowed video models by name"),)
+    if "windowed" in tags and method in WINDOW_REFUSERS:
         marks += (pytest.mark.xfail(raises=ValueError, strict=True,
                                     reason=f"{method} refuses windowed models by name"),)
     return marks

@@ -356,6 +356,11 @@ class ViTAdapter(Readout, abc.ABC):
             a = ops.scale(a, p.ls1)
         if p.post_norm1 is not None:  # a norm on the branch (Swin V2's res-post-norm)
             a = ops.norm(a, p.post_norm1)
+        if p.fixed_rows:  # rows the sublayer leaves unchanged (TimeSformer's temporal CLS)
+            xv = ops.value(x)
+            keep = xv.new_ones(xv.shape[1], 1)
+            keep[:p.fixed_rows] = 0
+            a = ops.scale(a, keep)
         mid = ops.add(x, a)
         u2 = mid if p.norm2 is None else ops.norm(mid, p.norm2)
         h = ops.linear(u2, p.fc1_weight, p.fc1_bias)

@@ -31,6 +31,9 @@ TAGS: dict[str, str] = {
     "classifier": "outputs class scores (integer targets)",
     "embedding": "outputs an image embedding (vector targets)",
     "windowed": "attends within windows (no true token removal)",
+    "shared_windows": "windows that share a token (divided space-time attention: the class "
+                      "token in every frame's window); methods reading window slots one "
+                      "token each refuse it",
     "hierarchical": "stages with patch merges between them",
     "video": "takes videos [B, T, C, H, W]",
     "vlm-tower": "the vision tower of a vision-language model",

@@ -126,6 +126,25 @@ def _values_only_backward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) 
             and small_attention(k.shape[-2], q.shape[-1]))
 
 
+class _ScaleGradientRows(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(scale)
+        return x.view_as(x)  # no copy: the backward alone differs
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (scale,) = ctx.saved_tensors
+        return grad * scale, None
+
+
+def scale_gradient_rows(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` in the forward, the gradient times ``scale`` (broadcast) in the backward."""
+    return _ScaleGradientRows.apply(x, scale)
+
+
 def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
     """Attention-logit bias [B, 1, 1, N] that removes the keys where ``real`` [B, N] is
     ``False`` (``-inf``) and leaves the others (0)."""
@@ -246,6 +265,11 @@ class BlockParts(AttentionParts):
     """A patch merge after the block (a
     :class:`~captum_vit.adapters.windows.MergeParts`), or ``None``:
     the last block of a stage hands the next stage its grid; ``None`` = none."""
+    fixed_rows: int = 0
+    """The first ``fixed_rows`` tokens pass the attention sublayer unchanged (their rows of
+    its output, after ``W_O``, are multiplied by 0): TimeSformer's temporal attention,
+    which updates the patch tokens only (:mod:`captum_vit.adapters.families.hf_timesformer`);
+    0 = every row is updated."""
     query_bias: Callable[[Tensor], Tensor] | None = None
     """A logit term computed from the queries, ``q [B', H, n, d] -> [B', H, n, n]``
     (after the q/k norms, before any scaling), added to the logits like
@@ -408,7 +432,16 @@ class BlockParts(AttentionParts):
             return win.reverse(mix), None
         # the probabilities returned are the tensor the mix reads (gradients reach them)
         attn = self.by_window(self._probs(q, k, bias, rules))  # [B, H, n_W, M, M]
-        probs = attn.transpose(1, 2).reshape(q.shape[0], *attn.shape[1:2], *attn.shape[3:])
+        read = attn
+        counts = getattr(win, "slot_counts", None)
+        c = None if counts is None else counts(attn.dtype, attn.device)  # [n_W, M]
+        if c is not None:  # a token in several windows (its rows averaged back)
+            c = c[:, :, None]
+            # the gradient at the returned tensor is the dense matrix's, ∂s/∂C (identity
+            # forward; the true gradient reaches q and k): FrameWindows' docstring
+            attn = scale_gradient_rows(attn, 1 / c)
+            read = scale_gradient_rows(attn, c)
+        probs = read.transpose(1, 2).reshape(q.shape[0], *read.shape[1:2], *read.shape[3:])
         mixing = probs if rules is None or rules.mix is None else rules.mix(probs)
         o = mixing @ v
         if heads is not None:
@@ -715,7 +748,12 @@ class Heads:
     def probs_grad(self, grad_o: Tensor) -> Tensor:
         """``∂s/∂A`` [B, H, N, N] from ``∂s/∂o`` [B, H, N, d] (``mix = A v``; a windowed
         block's [B, H, n_W, M, M])."""
-        return self._form(grad_o @ self.v.detach().transpose(-2, -1))
+        g = self._form(grad_o @ self.v.detach().transpose(-2, -1))
+        counts = getattr(self.parts.window, "slot_counts", None)
+        c = None if counts is None else counts(g.dtype, g.device)
+        if c is not None:  # the dense matrix's gradient (as the explicit path's)
+            g = g * c[:, :, None]
+        return g
 
     def _form(self, m: Tensor) -> Tensor:
         return m if self.parts.window is None else self.parts.by_window(m)

@@ -95,6 +95,13 @@ def resolve_removal(adapter: ViTAdapter, removal: Any) -> str:
     ``x_l``, so its masks are applied to them by true removal)."""
     view = isinstance(adapter, SubnetworkAdapter)
     if removal is None:
+        if adapter.video and not view and adapter.stages.has_windows:
+            raise ValueError(
+                f"{type(adapter.model).__name__} takes videos, whose masks are over tokens "
+                "(true token removal), and attends within windows of a fixed token grid "
+                "(divided space-time attention), which need every token: RISE and ViT-CX "
+                "do not apply to it; use a gradient, decomposition or LRP method (e.g. "
+                "'decompx', 'attnlrp', 'gae')")
         return "tokens" if view or adapter.video else "pixels"
     check_choice("removal", removal, REMOVALS)
     if removal == "pixels" and adapter.video:

@@ -201,6 +201,8 @@ class FeedbackMethod(PLUSFastPath, ViTGradientAttribution):
         ...         ...
     """
 
+    reads_window_slots = True  # per-window products/decompositions: one token per slot
+
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, internal_batch_size: int | None = None) -> None:
         self.n_steps = check_steps(n_steps)

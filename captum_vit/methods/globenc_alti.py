@@ -513,6 +513,8 @@ def _alti_scores(z: Tensor, attn: Tensor, s2: Tensor, k2: Tensor, o: Tensor,
 class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
+    reads_window_slots = True  # per-window products/decompositions: one token per slot
+
     class_agnostic = True
 
     measure: str = ""

@@ -20,12 +20,14 @@ from captum.metrics import sensitivity_max
 from captum_vit.adapters import adapt, catalog
 from captum_vit.registry import available_methods, build_method
 from tests.helpers import (
+    VIDEO_WINDOW_REFUSERS,
     WINDOW_REFUSERS,
     assert_unchanged,
     classifier_families,
     family_marks,
     make_inputs,
     make_model,
+    refuses_shared_windows,
     snapshot,
     windowed_families,
 )
@@ -331,8 +333,13 @@ def test_clear_errors_leave_the_model_unchanged(name, family, monkeypatch):
     except RuntimeError as e:
         assert "injected failure" in str(e)
     except ValueError as e:  # TIS refuses a windowed model by name
-        assert name in WINDOW_REFUSERS and family in windowed_families(), e
-        assert "within windows" in str(e) and "RISE" in str(e)
+        assert family in windowed_families(), e
+        tags = catalog.example(family)[0].example_tags(family)
+        if refuses_shared_windows(name) and "shared_windows" in tags:
+            assert "share a token" in str(e), e
+        else:
+            assert name in WINDOW_REFUSERS | VIDEO_WINDOW_REFUSERS, e
+            assert "within windows" in str(e) and "RISE" in str(e)
     monkeypatch.undo()
     assert_unchanged(model, before)
 

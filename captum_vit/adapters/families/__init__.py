@@ -22,6 +22,7 @@ from captum_vit.adapters.families import hf_yolos  # noqa: F401
 from captum_vit.adapters.families import hf_dinov3  # noqa: F401
 from captum_vit.adapters.families import torchvision_vit  # noqa: F401
 from captum_vit.adapters.families import open_clip  # noqa: F401
+from captum_vit.adapters.families import hf_timesformer  # noqa: F401
 from captum_vit.adapters.families import hf_videomae  # noqa: F401
 from captum_vit.adapters.families import hf_vivit  # noqa: F401
 from captum_vit.adapters.families import hf_vjepa2  # noqa: F401
