@@ -515,6 +515,14 @@ class ViTFront:
     refuses such a method by name; the message names the registered methods that run
     there (:func:`captum_vit.registry.windowed_methods`, read from this declaration)."""
 
+    pools_queries: bool = False
+    """Whether the method runs through blocks with query pooling (Hiera's stage changes,
+    :class:`~captum_vit.adapters.windows.QueryPool`): methods that need only the canonical
+    forward, its gradients, its rule sets or its decomposition. A method reading the
+    blocks' token-mixing matrices refuses such a model by name (a pooling block mixes the
+    ``N`` tokens of its input into the ``N/4`` of its output, which its chains do not
+    carry yet)."""
+
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -540,6 +548,8 @@ class ViTFront:
         p = prepare(self.adapter, inputs, target)
         if self.removes_tokens and any(b.window is not None for b in self.adapter.blocks):
             raise ValueError(_windowed_refusal(type(self).__name__, type(self.model).__name__))
+        if not self.pools_queries and any(b.pool is not None for b in self.adapter.blocks):
+            raise ValueError(_pooling_refusal(type(self).__name__, type(self.model).__name__))
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:
@@ -660,6 +670,17 @@ def _windowed_refusal(method: str, model: str) -> str:
     return windowed_refusal(method, model)
 
 
+def _pooling_refusal(method: str, model: str) -> str:
+    """The refusal of a method that reads token-mixing matrices by a model with query
+    pooling (Hiera), naming the registered methods that run there."""
+    from captum_vit.methods.table import pooling_methods
+
+    runs = pooling_methods()
+    return (f"{method} reads the blocks' token-mixing matrices, and {model} pools its "
+            "queries at the stage changes (each block mixing N tokens into N/4), which "
+            f"{method} does not carry: use one of {runs}")
+
+
 _PER_HEAD: dict[str, None] = {}
 """Names of the classes with ``per_head = True`` (ordered set), for the refusal message."""
 
@@ -713,6 +734,8 @@ class ViTGradientAttribution(ViTFront, GradientAttribution):
 
 class ViTPerturbationAttribution(ViTFront, PerturbationAttribution):
     """Base of the perturbation-based ViT methods."""
+
+    pools_queries = True  # they run the model's forward only (query pooling included)
 
 
 def gradients_with_pool(tr: Trace, scores: Tensor, tensors: Sequence[Tensor]

@@ -337,6 +337,9 @@ class ViTAdapter(Readout, abc.ABC):
         if self.state.settings.frozen:
             p = _detached(p)
         u = ops.norm(x, p.norm1)
+        # query pooling (Hiera): the residual branch is the projected, max-pooled LN1(x)
+        res = x if p.pool is None else ops.maxpool(ops.linear(u, p.pool.weight, p.pool.bias),
+                                                   p.pool)
         a, attn = ops.attention(u, p)
         heads = attn if isinstance(attn, Heads) else None
         if attention_only:
@@ -347,13 +350,13 @@ class ViTAdapter(Readout, abc.ABC):
                     None, None, None, None, heads))  # type: ignore[arg-type]
             return None
         if rows is not None:  # only these rows reach the readout
-            a, x = a[:, :rows], x[:, :rows]
+            a, x, res = a[:, :rows], x[:, :rows], res[:, :rows]
         if p.inner_norm is not None:  # N_in (EVA-02's scale_attn_inner)
             a = ops.norm(a, p.inner_norm)
         a = ops.linear(a, p.proj_weight, p.proj_bias)
         if p.ls1 is not None:
             a = ops.scale(a, p.ls1)
-        mid = ops.add(x, a)
+        mid = ops.add(res, a)
         u2 = ops.norm(mid, p.norm2)
         h = ops.linear(u2, p.fc1_weight, p.fc1_bias)
         if p.gate_weight is None:

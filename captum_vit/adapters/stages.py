@@ -78,9 +78,10 @@ class Stages:
     # -- what the geometry is ---------------------------------------------------------------
     @property
     def hierarchical(self) -> bool:
-        """Whether the blocks form stages joined by patch merges (Swin): token maps of a
+        """Whether the blocks form stages joined by patch merges (Swin) or query pooling
+        (Hiera, :attr:`~captum_vit.adapters.parts.BlockParts.regrid`): token maps of a
         later stage are carried to the maps' grid by :meth:`carry`."""
-        return any(p.merge is not None for p in self._source.blocks)
+        return any(p.regrid is not None for p in self._source.blocks)
 
     @property
     def has_windows(self) -> bool:
@@ -135,7 +136,7 @@ class Stages:
         blocks = self._source.blocks
         first = 0 if down_to is None else self._offset + down_to
         stop = len(blocks) if layer is None else self._offset + layer
-        merges = [p.merge for p in blocks[first:stop] if p.merge is not None]
+        merges = [p.regrid for p in blocks[first:stop] if p.regrid is not None]
         if layer is None:
             while merges and merges[-1].out_grid[0] * merges[-1].out_grid[1] != values.shape[-1]:
                 merges.pop()
@@ -153,7 +154,7 @@ class Stages:
         of the gradient-free and gradient-weighted matrix methods, or by ``weights``
         ``[B, N_{l+1}, 4]`` per child in concatenation order, a method's own); ``v``
         itself for a block without merge. The step of a vector chain through a merge."""
-        m = self._block(layer).merge
+        m = self._block(layer).regrid
         return v if m is None else _unmerge(v, m, True, weights)
 
     def carry_down(self, w: Tensor, layer: int) -> Tensor:
@@ -163,7 +164,7 @@ class Stages:
         model with stages."""
         source = self._source
         for k in reversed(range(self._offset + layer, source.num_blocks)):
-            m = source.blocks[k].merge
+            m = source.blocks[k].regrid
             if m is not None:
                 w = _unmerge(w, m, True)
         return w

@@ -299,3 +299,87 @@ class MergeParts:
         ids = torch.arange(h * w, device=device).reshape(h, w)
         ids = F.pad(ids, (0, w % 2, 0, h % 2), value=-1)
         return torch.stack([ids[dh::2, dw::2].reshape(-1) for dh, dw in self.order], -1)
+
+
+def pool_tokens(x: Tensor, grid: tuple[int, int], dim: int = -2) -> Tensor:
+    """The maximum over each 2×2 group of a grid's tokens: ``x`` ``[..., h w, ...]`` with the
+    tokens of the ``(h, w)`` grid (raster order) along ``dim`` gives ``[..., h/2 · w/2,
+    ...]`` (raster order of the ``(h/2, w/2)`` grid; ``h`` and ``w`` even). The gradient
+    goes to each channel's maximal child (``torch.amax`` shares it on exact ties).
+
+    Examples::
+
+        >>> pool_tokens(torch.arange(16.0).reshape(1, 16, 1), (4, 4))[0, :, 0]
+        tensor([ 5.,  7., 13., 15.])
+    """
+    h, w = grid
+    dim = dim % x.dim()
+    if x.shape[dim] != h * w or h % 2 or w % 2:
+        raise ValueError(f"query pooling of a {h}x{w} grid needs {h * w} tokens and even "
+                         f"sides, got {x.shape[dim]} tokens")
+    shape = (*x.shape[:dim], h // 2, 2, w // 2, 2, *x.shape[dim + 1:])
+    y = x.reshape(shape).amax(dim=(dim + 1, dim + 3))
+    return y.reshape(*x.shape[:dim], (h // 2) * (w // 2), *x.shape[dim + 1:])
+
+
+@dataclass(frozen=True)
+class QueryPool:
+    r"""Query pooling at the input of a block (Hiera, Ryali et al., ICML 2023; MViT's
+    pooling attention): the block reads the ``(h, w)`` grid and writes the ``(h/2, w/2)``
+    grid. With :math:`u = \mathrm{LN}_1(x)` on the input grid, its queries are
+    :math:`\max_{c} (u_c W_q + b_q)` over the 2×2 children ``c`` of each output token (per
+    channel), its keys and values those of every input token, and its residual branch is
+    :math:`\max_c (u_c W_p + b_p)` (a projection to the new width, max-pooled alike) in
+    place of ``x``. :meth:`children` lists the children in :data:`MERGE_ORDER`, as
+    :class:`MergeParts` does, so a per-token value of the output grid goes back to the
+    input grid the way a merge's does (:mod:`captum_vit.adapters.stages`).
+
+    Attributes:
+        grid (tuple[int, int]): the input grid ``(h, w)`` (even sides).
+        weight (Tensor): ``W_p`` [D', D] (views of the model's parameters).
+        bias (Tensor or None): ``b_p`` [D'].
+        order (tuple): the children's ``(row, column)`` offsets (:data:`MERGE_ORDER`).
+    """
+
+    grid: tuple[int, int]
+    weight: Tensor
+    bias: Tensor | None = None
+    order: tuple[tuple[int, int], ...] = MERGE_ORDER
+
+    def __post_init__(self) -> None:
+        if self.grid[0] % 2 or self.grid[1] % 2:
+            raise ValueError(f"query pooling needs a grid of even sides, got {self.grid}")
+
+    @property
+    def out_grid(self) -> tuple[int, int]:
+        """The pooled grid ``(h/2, w/2)``."""
+        return (self.grid[0] // 2, self.grid[1] // 2)
+
+    def max(self, x: Tensor) -> Tensor:
+        """Token states ``[..., N, C]`` of the input grid max-pooled to the output grid
+        (:func:`pool_tokens`)."""
+        return pool_tokens(x, self.grid)
+
+    def children(self, device: torch.device | None = None) -> Tensor:
+        """[N', 4]: the raster index of each pooled token's children in :attr:`order`."""
+        h, w = self.grid
+        ids = torch.arange(h * w, device=device).reshape(h, w)
+        return torch.stack([ids[dh::2, dw::2].reshape(-1) for dh, dw in self.order], -1)
+
+    def shares(self, x: Tensor) -> Tensor:
+        """Each child's share ``[..., N', 4]`` (children in :attr:`order`) of the channels
+        where it is the maximum, ``x`` ``[..., N, C]`` being what is pooled: the
+        sub-gradient of the channel-wise maximum averaged over the channels (¼ each to
+        the tied children of a channel). The merge weights of the matrix methods."""
+        kids = x[..., self.children(x.device), :]  # [..., N', 4, C]
+        top = (kids == kids.amax(-2, keepdim=True)).to(x.dtype)
+        return (top / top.sum(-2, keepdim=True)).mean(-1)
+
+    def query_window(self, window: Windows) -> Windows:
+        """The windows of the pooled queries for key windows ``window`` of the input grid:
+        the same windows, each with half the side on the output grid."""
+        if window.size[0] % 2 or window.size[1] % 2 or any(window.shift) \
+                or window.padded != window.grid:
+            raise ValueError(f"query pooling inside windows needs unshifted windows of even "
+                             f"sides that tile the grid, got {window}")
+        return Windows(grid=self.out_grid, size=(window.size[0] // 2, window.size[1] // 2))

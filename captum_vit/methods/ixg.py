@@ -77,6 +77,8 @@ class TokenIxG(_LayerTerm):
         layer (int, optional): block index ``l`` in ``[0, L]``. Default 0.
     """
 
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
+
     term = gradient_kind = "ixg"  # the PLUS gradient route's kind (GradientRoute)
     allow_end = True
 

@@ -221,6 +221,8 @@ class CPLRP(_LRPAttribution):
         >>> pix = CPLRP(model, act_rule="gradient", at="pixels").attribute(images)
     """
 
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
+
     def __init__(self, model: nn.Module, act_rule: str = "identity", epsilon: float = 0.0,
                  at: str = "tokens") -> None:
         act_rule = check_choice("act_rule", act_rule, ACT_RULES)
@@ -321,6 +323,8 @@ class AttnLRP(_LRPAttribution):
         ...                    at="pixels")
         >>> pix = lxt_like.attribute(images, target=labels)
     """
+
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
     def __init__(self, model: nn.Module, attention: str = "attnlrp", gamma: float = 0.0,
                  epsilon: float = 0.0, at: str = "tokens",

@@ -24,3 +24,4 @@ from captum_vit.adapters.families import open_clip  # noqa: F401
 from captum_vit.adapters.families import hf_videomae  # noqa: F401
 from captum_vit.adapters.families import swin  # noqa: F401
 from captum_vit.adapters.families import sam  # noqa: F401
+from captum_vit.adapters.families import hiera  # noqa: F401
