@@ -5,7 +5,7 @@ Run::
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
         python benchmarks/speed.py [--family timm-vit|timm-beit|timm-eva|timm-siglip|hf-vit|
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
-                                    hf-videomae|timm-swin|hf-swin] \
+                                    hf-videomae|timm-swin|hf-swin|timm-hiera] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -244,6 +244,16 @@ def hf_swin_t(img_size: int = 224) -> torch.nn.Module:
     return SwinForImageClassification(cfg).eval()
 
 
+def hiera_t(img_size: int = 224) -> torch.nn.Module:
+    """A Hiera-T-shaped timm ``Hiera`` (width 96, heads 1-2-4-8, stages 1-2-7-2, mask units
+    of 8 x 8 tokens in the first two stages, three query poolings; 56 x 56 tokens first)."""
+    from timm.models.hiera import Hiera
+
+    torch.manual_seed(0)
+    return Hiera(img_size=(img_size, img_size), embed_dim=96, num_heads=1,
+                 stages=(1, 2, 7, 2), drop_path_rate=0.0).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224], or videos [b, T, 3, 224,
@@ -258,7 +268,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-siglip": siglip_s16, "hf-vit": hf_vit_s16, "hf-dinov2": hf_dinov2_s16,
     "hf-clip": hf_clip_s16, "torchvision-vit": torchvision_s16, "hf-beit": hf_beit_s16,
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
-    "hf-swin": hf_swin_t}
+    "hf-swin": hf_swin_t, "timm-hiera": hiera_t}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -429,8 +439,10 @@ def main() -> None:
                 per_forward.append((b, name, n, sec / (n * plain), PER_FORWARD_GOALS[name]))
                 print(f"  batch {b} {name}: {n} forwards, {per_forward[-1][3]:.2f}x that "
                       "many plain forwards", flush=True)
+    shape = "Swin-T" if "swin" in args.family else "Hiera-T" if "hiera" in args.family \
+        else "ViT-S/16"
     print(f"\ntorch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.family} {'Swin-T' if 'swin' in args.family else 'ViT-S/16'} float32, "
+          f"{args.family} {shape} float32, "
           f"median of {args.repeats} alternating pairs, {args.clock} clock")
     print("| batch | method | ms/call | ms/image | ratio vs fwd+bwd | goal |")
     print("|---:|---|---:|---:|---:|---:|")

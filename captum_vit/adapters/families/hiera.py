@@ -232,7 +232,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
     is_timm_hiera,
     name="timm_hiera",
     supports="timm Hiera (hiera_*; at the configured size)",
-    tags=("classifier", "embedding", "windowed", "hierarchical"),
+    tags=("classifier", "embedding", "windowed", "hierarchical", "pooling"),
     notes=("Mask-unit attention (windows of the raster grid) in the first stages, global "
            "later, query pooling (2x2 max of q and of the projected residual) at the stage "
            "changes, mean-then-norm head; tokens kept in raster order (the model's unroll "
@@ -429,7 +429,7 @@ def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Mod
     is_hf_hiera,
     name="hf_hiera",
     supports="Hugging Face HieraForImageClassification and HieraModel (at the configured size)",
-    tags=("classifier", "embedding", "windowed", "hierarchical"),
+    tags=("classifier", "embedding", "windowed", "hierarchical", "pooling"),
     notes=("`HieraForImageClassification`; `HieraModel` through its `pooler_output`, with "
            "vector targets: ✅ as timm's Hiera (forward equal to 1e-12 in float64, maps "
            "equal a timm twin's) — refused: as timm's Hiera"),
