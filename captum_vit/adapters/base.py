@@ -338,8 +338,12 @@ class ViTAdapter(Readout, abc.ABC):
             p = _detached(p)
         u = ops.norm(x, p.norm1)
         # query pooling (Hiera): the residual branch is the projected, max-pooled LN1(x)
-        res = x if p.pool is None else ops.maxpool(ops.linear(u, p.pool.weight, p.pool.bias),
-                                                   p.pool)
+        res, shares = x, None
+        if p.pool is not None:
+            pre = ops.linear(u, p.pool.weight, p.pool.bias)
+            res = ops.maxpool(pre, p.pool)
+            if record is not None:
+                shares = p.pool.shares(ops.value(pre).detach())
         a, attn = ops.attention(u, p)
         heads = attn if isinstance(attn, Heads) else None
         if attention_only:
@@ -347,7 +351,7 @@ class ViTAdapter(Readout, abc.ABC):
                 # an attention-only record has None after attn (BlockRecord's docstring)
                 record.append(BlockRecord(
                     ops.value(x), ops.value(u), None if heads is not None else attn,
-                    None, None, None, None, heads))  # type: ignore[arg-type]
+                    None, None, None, None, heads, shares))  # type: ignore[arg-type]
             return None
         if rows is not None:  # only these rows reach the readout
             a, x, res = a[:, :rows], x[:, :rows], res[:, :rows]
@@ -378,7 +382,7 @@ class ViTAdapter(Readout, abc.ABC):
         if record is not None:
             v = ops.value
             record.append(BlockRecord(v(x), v(u), None if heads is not None else attn, v(a),
-                                      v(mid), v(f), v(out), heads))
+                                      v(mid), v(f), v(out), heads, shares))
         return out
 
     def small_attention(self, inputs: Tensor) -> bool:

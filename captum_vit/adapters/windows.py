@@ -165,7 +165,7 @@ class Windows:
         ids = torch.arange(self.num_tokens, device=device).reshape(1, *self.grid, 1)
         return self._windows(ids, fill=-1)[..., 0]
 
-    def left_multiply(self, v: Tensor, matrix: Tensor) -> Tensor:
+    def left_multiply(self, v: Tensor, matrix: Tensor, rows: Windows | None = None) -> Tensor:
         """``vᵀ C`` for a token-mixing matrix ``C`` of this block in window form,
         ``[..., n_W, M, M]`` (the probabilities ``[B, H, n_W, M, M]``, their head mean
         ``[B, n_W, M, M]``, or anything built from them slot by slot), and row vectors
@@ -179,11 +179,19 @@ class Windows:
             >>> probs = torch.full((1, 1, 4, 4), 0.25)
             >>> win.left_multiply(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), probs)
             tensor([[0.2500, 0.2500, 0.2500, 0.2500]])
+
+        ``rows``: the windows of the matrix's rows when they are not these (pooled queries,
+        :meth:`QueryPool.query_window`): ``v`` is then on their grid, ``[..., N_rows]``.
         """
         idx = self.index(v.device)  # [n_W, M]
         real = idx >= 0
-        slots = v.new_zeros(*v.shape[:-1], *idx.shape)
-        slots[..., real] = v[..., idx[real]]
+        if rows is not None and v.shape[-1] != rows.num_tokens:
+            raise ValueError(f"row vectors of {v.shape[-1]} tokens for a mixing whose rows "
+                             f"are the {rows.num_tokens} tokens of the pooled grid")
+        ridx = idx if rows is None else rows.index(v.device)
+        rreal = ridx >= 0
+        slots = v.new_zeros(*v.shape[:-1], *ridx.shape)
+        slots[..., rreal] = v[..., ridx[rreal]]
         out_w = torch.einsum("...wi,...wij->...wj", slots, matrix.to(v.dtype))
         out = out_w.new_zeros(*out_w.shape[:-2], self.num_tokens)
         out[..., idx[real]] = out_w[..., real]

@@ -102,8 +102,8 @@ class LayerGradients:
                 win = None if self.adapter is None else \
                     self.adapter.stages.window(self.trace.start + l)
                 attn = rec.require_attn().detach().to(dt)
-                out.append(attn.mean(dim=(1, 2)) if win is None
-                           else win.received(attn).mean(1))
+                out.append(attn.mean(dim=(1, 2)) if win is None  # windows: per key token
+                           else self.adapter.stages.received(attn, self.trace.start + l).mean(1))
             st = None if self.adapter is None else self.adapter.stages
             if st is not None and st.hierarchical:
                 out = [st.carry(a, self.trace.start + l) for l, a in enumerate(out)]

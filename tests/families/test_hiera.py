@@ -50,7 +50,8 @@ def test_twin_maps_equal():
         torch.testing.assert_close(hf(pixel_values=x).logits, tm(x), rtol=0, atol=1e-12)
     t = torch.tensor([1, 3])
     methods = pooling_methods()
-    assert {"decompx", "token_ixg", "cp_lrp", "attnlrp", "gradcam"} <= set(methods)
+    assert {"decompx", "token_ixg", "cp_lrp", "attnlrp", "gradcam", "rollout", "gae",
+            "gradsam", "raw_attention"} <= set(methods)
     for name in methods:
         kw = FAST.get(name, {})
         a = build_method(name, tm).attribute(x, target=t, output="tokens", **kw)
@@ -132,9 +133,9 @@ def test_bad_inputs_and_refusals():
         method.attribute(bad, target=0)
     with pytest.raises(ValueError, match=r"\(48, 48\) does not match"):
         method.attribute(torch.zeros(1, 3, 48, 48, dtype=torch.float64), target=0)
-    with pytest.raises(ValueError, match="rollout|Rollout") as err:
-        build_method("rollout", model).attribute(x, target=0)
-    assert "pools its queries" in str(err.value) and "decompx" in str(err.value)
+    with pytest.raises(ValueError, match="TokenTM") as err:
+        build_method("tokentm", model).attribute(x, target=0)
+    assert "pools its queries" in str(err.value) and "rollout" in str(err.value)
     with pytest.raises(ValueError, match="windows"):
         build_method("tis", model).attribute(x, target=0, n_masks=8)
     assert_unchanged(model, before)
@@ -147,3 +148,192 @@ def test_plus_over_stages():
         out = build_method(name, model).attribute(x, target=torch.tensor([1, 2]),
                                                   output="tokens")
         assert out.shape == (2, 64) and torch.isfinite(out).all()
+
+
+def _dense_blocks(model, x):
+    """Per block the dense head-mean attention ``Ā`` [B, N_out, N_in] and the residual's
+    token mixing ``R`` (the identity, or each pooled token's children's share of the
+    channels where they are the maximum) from the trace's LN1 states, written here with
+    a mask over mask units (independent of the windowed engine)."""
+    a = adapt(model)
+    tr = a.trace(x)
+    out = []
+    for p, rec in zip(a.blocks, tr.blocks, strict=True):
+        u = rec.u
+        b, n, _ = u.shape
+        (gh, gw), (mh, mw) = p.window.grid, p.window.size
+        h, d = p.num_heads, p.head_dim
+        q = F.linear(u, p.q_weight, p.q_bias)
+        iy, ix = torch.arange(gh).repeat_interleave(gw), torch.arange(gw).repeat(gh)
+        unit_in = (iy // mh) * 1000 + ix // mw
+        unit_out, oh, ow, nq = unit_in, gh, gw, n
+        if p.pool is not None:
+            q = F.max_pool2d(q.reshape(b, gh, gw, -1).permute(0, 3, 1, 2), 2)
+            q = q.permute(0, 2, 3, 1).reshape(b, -1, h * d)
+            oh, ow = gh // 2, gw // 2
+            nq = oh * ow
+            oy, ox = torch.arange(oh).repeat_interleave(ow), torch.arange(ow).repeat(oh)
+            unit_out = (oy // (mh // 2)) * 1000 + ox // (mw // 2)
+        q = q.reshape(b, nq, h, d).transpose(1, 2)
+        k = F.linear(u, p.k_weight, p.k_bias).reshape(b, n, h, d).transpose(1, 2)
+        logits = (q * p.scale) @ k.transpose(-1, -2)
+        logits = logits.masked_fill(unit_out[:, None] != unit_in[None], float("-inf"))
+        mean = logits.softmax(-1).mean(1)
+        if p.pool is None:
+            res = torch.eye(n, dtype=u.dtype).expand(b, n, n)
+        else:
+            vals = F.linear(u, p.pool.weight, p.pool.bias).reshape(b, oh, 2, ow, 2, -1)
+            top = (vals == vals.amax(dim=(2, 4), keepdim=True)).double()
+            share = (top / top.sum(dim=(2, 4), keepdim=True)).mean(-1)  # [b, oh, 2, ow, 2]
+            res = torch.zeros(b, oh, ow, gh, gw, dtype=u.dtype)
+            for dy in range(2):
+                for dx in range(2):
+                    res[:, torch.arange(oh)[:, None], torch.arange(ow)[None],
+                        2 * torch.arange(oh)[:, None] + dy, 2 * torch.arange(ow)[None] + dx] = \
+                        share[:, :, dy, :, dx]
+            res = res.reshape(b, nq, n)
+        out.append((mean, res))
+    return out
+
+
+def _upsample(v, grid, factor):
+    """Token values [B, h w] copied to the ``factor``-times finer grid."""
+    b = v.shape[0]
+    up = v.reshape(b, *grid).repeat_interleave(factor, 1).repeat_interleave(factor, 2)
+    return up.reshape(b, -1)
+
+
+@pytest.mark.parametrize("name", ["timm_hiera", "timm_hiera_mu"])
+def test_rollout_and_raw_attention_dense_reference(name):
+    """Rollout as a vector chain through mask units and query pooling equals the dense
+    product of ``(Ā_l + R_l) / rowsum`` (R_l: the identity, or the pooling's child shares);
+    raw attention is the readout row of the last block's ``Ā``, copied to the first grid."""
+    model, x = _model(name)
+    blocks = _dense_blocks(model, x)
+    with torch.no_grad():
+        v = torch.full((2, 4), 0.25, dtype=torch.float64)  # mean readout of the 2x2 grid
+        raw = torch.einsum("bi,bij->bj", v, blocks[-1][0])  # [2, 16] on the 4x4 grid
+        for mean, res in reversed(blocks):
+            m = mean + res
+            v = torch.einsum("bi,bij->bj", v, m / m.sum(-1, keepdim=True))
+    got = build_method("rollout", model).attribute(x, target=0, output="tokens")
+    torch.testing.assert_close(got, v, rtol=0, atol=1e-12)
+    got = build_method("raw_attention", model).attribute(x, target=0, output="tokens")
+    torch.testing.assert_close(got, _upsample(raw, (4, 4), 2), rtol=0, atol=1e-12)
+
+
+def test_pool_mix_is_the_unmerge_with_shares():
+    """The pooling's token mixing in window form (Stages.residual_mix) applied to a row
+    vector of the pooled grid equals sharing each value among its children by the
+    shares."""
+    model, x = _model("timm_hiera_mu")
+    a = adapt(model)
+    tr = a.trace(x)
+    st = a.stages
+    for l, rec in enumerate(tr.blocks):
+        if rec.pool_shares is None:
+            continue
+        v = torch.randn(2, rec.pool_shares.shape[1], dtype=torch.float64)
+        mix = st.residual_mix(l, 0, torch.float64, shares=rec.pool_shares)
+        kids = a.blocks[l].pool.children()
+        ref = torch.zeros(2, a.blocks[l].pool.grid[0] * a.blocks[l].pool.grid[1],
+                          dtype=torch.float64)
+        for c in range(4):
+            ref[:, kids[:, c]] += v * rec.pool_shares[:, :, c]
+        torch.testing.assert_close(st.token_mix(v, mix, l), ref, rtol=0, atol=1e-14)
+
+
+def _dense_forward(model, x):
+    """An independent dense forward of a Hiera (raster order, a mask over mask units,
+    ``F.max_pool2d`` for the query pooling) from the model's embedding and parameters:
+    the logits, each block's probabilities ``A`` [B, H, N_out, N_in] (leaves of the graph
+    after it, for ``∂s/∂A``) and the residual's dense token mixing ``R``."""
+    a = adapt(model)
+    _, res_mix = zip(*_dense_blocks(model, x), strict=True)
+    h_ = a.embed(x)
+    probs = []
+    for p in a.blocks:
+        b, n, c = h_.shape
+        (gh, gw), (mh, mw) = p.window.grid, p.window.size
+        heads, d = p.num_heads, p.head_dim
+        u = F.layer_norm(h_, (c,), p.norm1.weight, p.norm1.bias, p.norm1.eps)
+        q = F.linear(u, p.q_weight, p.q_bias)
+        iy, ix = torch.arange(gh).repeat_interleave(gw), torch.arange(gw).repeat(gh)
+        unit_in = (iy // mh) * 1000 + ix // mw
+        unit_out, res = unit_in, h_
+        if p.pool is not None:
+            def pool2(t):
+                t = F.max_pool2d(t.reshape(b, gh, gw, -1).permute(0, 3, 1, 2), 2)
+                return t.permute(0, 2, 3, 1).reshape(b, (gh // 2) * (gw // 2), -1)
+            q = pool2(q)
+            res = pool2(F.linear(u, p.pool.weight, p.pool.bias))
+            oy = torch.arange(gh // 2).repeat_interleave(gw // 2)
+            ox = torch.arange(gw // 2).repeat(gh // 2)
+            unit_out = (oy // (mh // 2)) * 1000 + ox // (mw // 2)
+        nq = q.shape[1]
+        q = q.reshape(b, nq, heads, d).transpose(1, 2)
+        k = F.linear(u, p.k_weight, p.k_bias).reshape(b, n, heads, d).transpose(1, 2)
+        v = F.linear(u, p.v_weight, p.v_bias).reshape(b, n, heads, d).transpose(1, 2)
+        logits = ((q * p.scale) @ k.transpose(-1, -2)).masked_fill(
+            unit_out[:, None] != unit_in[None], float("-inf"))
+        attn = logits.softmax(-1)
+        probs.append(attn)
+        o = (attn @ v).transpose(1, 2).reshape(b, nq, heads * d)
+        mid = res + F.linear(o, p.proj_weight, p.proj_bias)
+        u2 = F.layer_norm(mid, (mid.shape[-1],), p.norm2.weight, p.norm2.bias, p.norm2.eps)
+        h_ = mid + F.linear(p.act(F.linear(u2, p.fc1_weight, p.fc1_bias)), p.fc2_weight,
+                            p.fc2_bias)
+    fc = a.head.fc_norm
+    z = F.layer_norm(h_.mean(1), (h_.shape[-1],), fc.weight, fc.bias, fc.eps)
+    _, weight, bias = a.head.heads[0]
+    return F.linear(z, weight, bias), probs, list(res_mix)
+
+
+@pytest.mark.parametrize("name", ["timm_hiera", "timm_hiera_mu"])
+def test_gae_dense_reference(name):
+    """GAE (Chefer et al. 2021b) as a vector chain ``v (R_l + Ā_l)``, ``Ā_l = mean_h
+    ReLU(∂s/∂A_l ⊙ A_l)``, through mask units and query pooling, against the dense
+    reference forward's own probabilities and their gradients."""
+    model, x = _model(name)
+    t = torch.tensor([1, 3])
+    logits, probs, res_mix = _dense_forward(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-12)
+    grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs)
+    with torch.no_grad():
+        v = torch.full((2, 4), 0.25, dtype=torch.float64)
+        for a_, g, r in reversed(list(zip(probs, grads, res_mix, strict=True))):
+            abar = (g * a_).clamp(min=0).mean(1)
+            v = torch.einsum("bi,bij->bj", v, r + abar)
+    got = build_method("gae", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, v, rtol=0, atol=1e-12)
+
+
+def test_gradsam_dense_reference():
+    """Grad-SAM: the sum over blocks of ``w_l Ā_l``, the readout carried down through the
+    later blocks' pooling with ¼ shares and each map carried to the first grid sharing ¼
+    per child (as through Swin's merges), against the dense reference."""
+    model, x = _model("timm_hiera")
+    t = torch.tensor([2, 0])
+    logits, probs, _ = _dense_forward(model, x)
+    grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs)
+    a = adapt(model)
+    grids = [b.window.grid for b in a.blocks] + [(2, 2)]
+
+    def down(v, grid):  # ¼ of a pooled token's value to each child
+        return _upsample(v, grid, 2) / 4
+
+    total = torch.zeros(2, 64, dtype=torch.float64)
+    with torch.no_grad():
+        for l, (a_, g) in enumerate(zip(probs, grads, strict=True)):
+            w = torch.full((2, 4), 0.25, dtype=torch.float64)
+            for k in reversed(range(l + 1, len(probs))):
+                if a.blocks[k].pool is not None:
+                    w = down(w, grids[k + 1])
+            m = torch.einsum("bi,bij->bj", w, (g * a_).clamp(min=0).mean(1))
+            for k in reversed(range(l)):
+                if a.blocks[k].pool is not None:
+                    m = down(m, grids[k + 1])
+            total += m
+    got = build_method("gradsam", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, total, rtol=0, atol=1e-12)
