@@ -243,6 +243,13 @@ def test_pool_mix_is_the_unmerge_with_shares():
         torch.testing.assert_close(st.token_mix(v, mix, l), ref, rtol=0, atol=1e-14)
 
 
+def _pool2(t, grid):
+    """``F.max_pool2d`` of token states [B, h w, C] on the ``grid``: [B, h w / 4, C]."""
+    b, (gh, gw) = t.shape[0], grid
+    t = F.max_pool2d(t.reshape(b, gh, gw, -1).permute(0, 3, 1, 2), 2)
+    return t.permute(0, 2, 3, 1).reshape(b, (gh // 2) * (gw // 2), -1)
+
+
 def _dense_forward(model, x):
     """An independent dense forward of a Hiera (raster order, a mask over mask units,
     ``F.max_pool2d`` for the query pooling) from the model's embedding and parameters:
@@ -262,11 +269,8 @@ def _dense_forward(model, x):
         unit_in = (iy // mh) * 1000 + ix // mw
         unit_out, res = unit_in, h_
         if p.pool is not None:
-            def pool2(t):
-                t = F.max_pool2d(t.reshape(b, gh, gw, -1).permute(0, 3, 1, 2), 2)
-                return t.permute(0, 2, 3, 1).reshape(b, (gh // 2) * (gw // 2), -1)
-            q = pool2(q)
-            res = pool2(F.linear(u, p.pool.weight, p.pool.bias))
+            q = _pool2(q, (gh, gw))
+            res = _pool2(F.linear(u, p.pool.weight, p.pool.bias), (gh, gw))
             oy = torch.arange(gh // 2).repeat_interleave(gw // 2)
             ox = torch.arange(gw // 2).repeat(gh // 2)
             unit_out = (oy // (mh // 2)) * 1000 + ox // (mw // 2)
