@@ -159,6 +159,8 @@ class AttnGrad(ScoredAttribution):
         >>> attr = AttnGrad(model, variant="relu").attribute(images, target=labels)
     """
 
+    pools_queries = True  # the readout carried down through later pooling (¼ shares)
+
     layer_local = True
     """PLUS evaluates it on a one-block window: the map at block ``l``
     (:mod:`captum_vit.combinators`)."""

@@ -341,3 +341,25 @@ def test_gradsam_dense_reference():
             total += m
     got = build_method("gradsam", model).attribute(x, target=t, output="tokens")
     torch.testing.assert_close(got, total, rtol=0, atol=1e-12)
+
+
+def test_attn_grad_dense_reference():
+    """AttnGrad at the last block (a pooling block: its rows are the final 2x2 grid, its
+    keys the 4x4 grid, copied to the first grid) and at block 1 (the readout carried down
+    through block 3's pooling with ¼ shares), against the dense reference."""
+    model, x = _model("timm_hiera")
+    t = torch.tensor([4, 1])
+    logits, probs, _ = _dense_forward(model, x)
+    grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs)
+    w = torch.full((2, 4), 0.25, dtype=torch.float64)
+    with torch.no_grad():
+        last = _upsample(torch.einsum("bi,bij->bj", w, grads[3].mean(1)), (4, 4), 2)
+        w1 = _upsample(w, (2, 2), 2) / 4
+        # block 1 attends within mask units: the pairs across units are no entries of its
+        # (block-diagonal) matrix, whose gradient has none there
+        inside = (probs[1] > 0).double()
+        one = torch.einsum("bi,bij->bj", w1, (grads[1] * inside).mean(1))
+    for layer, ref in ((None, last), (1, one)):
+        got = build_method("attn_grad", model)
+        got = type(got)(model, layer=layer).attribute(x, target=t, output="tokens")
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
