@@ -94,6 +94,8 @@ class AttIxG(_LayerTerm):
         layer (int, optional): block index ``l`` in ``[0, L-1]``. Default 0.
     """
 
+    pools_queries = True  # α per key token of each block (Stages.received)
+
     term = gradient_kind = "att_ixg"  # the PLUS gradient route's kind (GradientRoute)
     allow_end = False
 

@@ -253,13 +253,14 @@ def _pool2(t, grid):
 def _dense_forward(model, x):
     """An independent dense forward of a Hiera (raster order, a mask over mask units,
     ``F.max_pool2d`` for the query pooling) from the model's embedding and parameters:
-    the logits, each block's probabilities ``A`` [B, H, N_out, N_in] (leaves of the graph
-    after it, for ``∂s/∂A``) and the residual's dense token mixing ``R``."""
+    the logits, each block's probabilities ``A`` [B, H, N_out, N_in] (in the graph, for
+    ``∂s/∂A``), the residual's dense token mixing ``R`` and the block inputs ``x_l``."""
     a = adapt(model)
     _, res_mix = zip(*_dense_blocks(model, x), strict=True)
     h_ = a.embed(x)
-    probs = []
+    probs, states = [], []
     for p in a.blocks:
+        states.append(h_)
         b, n, c = h_.shape
         (gh, gw), (mh, mw) = p.window.grid, p.window.size
         heads, d = p.num_heads, p.head_dim
@@ -290,7 +291,7 @@ def _dense_forward(model, x):
     fc = a.head.fc_norm
     z = F.layer_norm(h_.mean(1), (h_.shape[-1],), fc.weight, fc.bias, fc.eps)
     _, weight, bias = a.head.heads[0]
-    return F.linear(z, weight, bias), probs, list(res_mix)
+    return F.linear(z, weight, bias), probs, list(res_mix), states
 
 
 @pytest.mark.parametrize("name", ["timm_hiera", "timm_hiera_mu"])
@@ -300,7 +301,7 @@ def test_gae_dense_reference(name):
     reference forward's own probabilities and their gradients."""
     model, x = _model(name)
     t = torch.tensor([1, 3])
-    logits, probs, res_mix = _dense_forward(model, x)
+    logits, probs, res_mix, _ = _dense_forward(model, x)
     with torch.no_grad():
         torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-12)
     grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs)
@@ -319,7 +320,7 @@ def test_gradsam_dense_reference():
     per child (as through Swin's merges), against the dense reference."""
     model, x = _model("timm_hiera")
     t = torch.tensor([2, 0])
-    logits, probs, _ = _dense_forward(model, x)
+    logits, probs, _, _ = _dense_forward(model, x)
     grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs)
     a = adapt(model)
     grids = [b.window.grid for b in a.blocks] + [(2, 2)]
@@ -349,7 +350,7 @@ def test_attn_grad_dense_reference():
     through block 3's pooling with ¼ shares), against the dense reference."""
     model, x = _model("timm_hiera")
     t = torch.tensor([4, 1])
-    logits, probs, _ = _dense_forward(model, x)
+    logits, probs, _, _ = _dense_forward(model, x)
     grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs)
     w = torch.full((2, 4), 0.25, dtype=torch.float64)
     with torch.no_grad():
@@ -363,3 +364,30 @@ def test_attn_grad_dense_reference():
         got = build_method("attn_grad", model)
         got = type(got)(model, layer=layer).attribute(x, target=t, output="tokens")
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+def test_attcat_dense_reference():
+    """AttCAT = Σ_l α_l ⊙ cat_l (and AttIxG, one term): the attention each key token of
+    block l receives (mean over heads and the block's queries, N/4 for a pooling block)
+    times token IxG of x_l, each carried to the first grid (α copied, cat shared ¼ per
+    child), against the dense reference."""
+    model, x = _model("timm_hiera_mu")
+    t = torch.tensor([3, 2])
+    logits, probs, _, states = _dense_forward(model, x)
+    grads = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), states)
+    a = adapt(model)
+    grids = [b.window.grid for b in a.blocks]
+    terms = []
+    with torch.no_grad():
+        for l, (p_, x_, g) in enumerate(zip(probs, states, grads, strict=True)):
+            alpha, cat = p_.mean(dim=(1, 2)), (x_ * g).sum(-1)
+            for k in reversed(range(l)):
+                if a.blocks[k].pool is not None:
+                    alpha = _upsample(alpha, grids[k + 1], 2)
+                    cat = _upsample(cat, grids[k + 1], 2) / 4
+            terms.append(alpha * cat)
+    got = build_method("attcat", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, sum(terms), rtol=0, atol=1e-12)
+    one = build_method("att_ixg", model)
+    got = type(one)(model, layer=1).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, terms[1], rtol=0, atol=1e-12)
