@@ -391,3 +391,19 @@ def test_attcat_dense_reference():
     one = build_method("att_ixg", model)
     got = type(one)(model, layer=1).attribute(x, target=t, output="tokens")
     torch.testing.assert_close(got, terms[1], rtol=0, atol=1e-12)
+
+
+def test_attn_gradcam_dense_reference():
+    """Attention Grad-CAM on the last block (a pooling block: readout rows on the final
+    grid, keys on the 4x4 grid), against the dense reference."""
+    model, x = _model("timm_hiera")
+    t = torch.tensor([0, 2])
+    logits, probs, _, _ = _dense_forward(model, x)
+    (grad,) = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs[3])
+    w = torch.full((2, 4), 0.25, dtype=torch.float64)
+    with torch.no_grad():
+        g_r = torch.einsum("bi,bhij->bhj", w, grad)
+        a_r = torch.einsum("bi,bhij->bhj", w, probs[3])
+        ref = (g_r.mean(-1, keepdim=True) * a_r).mean(1).clamp(min=0)
+    got = build_method("attn_gradcam", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, _upsample(ref, (4, 4), 2), rtol=0, atol=1e-12)
