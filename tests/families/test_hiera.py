@@ -407,3 +407,42 @@ def test_attn_gradcam_dense_reference():
         ref = (g_r.mean(-1, keepdim=True) * a_r).mean(1).clamp(min=0)
     got = build_method("attn_gradcam", model).attribute(x, target=t, output="tokens")
     torch.testing.assert_close(got, _upsample(ref, (4, 4), 2), rtol=0, atol=1e-12)
+
+
+def _window_to_dense(m, grid, unit, pooled):
+    """A window-form matrix [B, H, n_W, M_out, M_in] of mask units of side ``unit`` on the
+    input ``grid`` (queries on the half grid when ``pooled``) as the dense [B, H, N_out,
+    N_in], zero across units (written here from the raster geometry)."""
+    gh, gw = grid
+    uo = unit // 2 if pooled else unit
+    oh, ow = (gh // 2, gw // 2) if pooled else (gh, gw)
+    oy, ox = torch.arange(oh).repeat_interleave(ow), torch.arange(ow).repeat(oh)
+    iy, ix = torch.arange(gh).repeat_interleave(gw), torch.arange(gw).repeat(gh)
+    w_out = (oy // uo) * (gw // unit) + ox // uo
+    s_out = (oy % uo) * uo + ox % uo
+    w_in = (iy // unit) * (gw // unit) + ix // unit
+    s_in = (iy % unit) * unit + ix % unit
+    dense = m[:, :, w_out[:, None], s_out[:, None], s_in[None, :]]
+    return dense * (w_out[:, None] == w_in[None, :]).to(m.dtype)
+
+
+def test_chefer21_chain_dense_reference():
+    """Chefer'21's vector chain ``v (R_l + Ā_l)``, ``Ā_l = mean_h ReLU(∇A_l ⊙ R^{A_l})``,
+    through mask units and query pooling equals the dense product of the same per-block
+    matrices (the engine's LRP pass; the residual R_l the pooling's child shares)."""
+    from captum_vit.methods.chefer import chefer_pass
+
+    model, x = _model("timm_hiera_mu")
+    a = adapt(model)
+    t = torch.tensor([1, 4])
+    tr, _, grads, rel, _, _ = chefer_pass(a, x, t)
+    res_mix = [r for _, r in _dense_blocks(model, x)]
+    v = torch.full((2, 4), 0.25, dtype=torch.float64)
+    with torch.no_grad():
+        for k in reversed(range(len(a.blocks))):
+            p = a.blocks[k]
+            abar = _window_to_dense((grads[k] * rel[k]).clamp(min=0), p.window.grid,
+                                    p.window.size[0], p.pool is not None).mean(1)
+            v = torch.einsum("bi,bij->bj", v, res_mix[k] + abar)
+    got = build_method("chefer21", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, v, rtol=0, atol=1e-12)
