@@ -446,3 +446,24 @@ def test_chefer21_chain_dense_reference():
             v = torch.einsum("bi,bij->bj", v, res_mix[k] + abar)
     got = build_method("chefer21", model).attribute(x, target=t, output="tokens")
     torch.testing.assert_close(got, v, rtol=0, atol=1e-12)
+
+
+def test_tam_dense_reference():
+    """TAM with the plain gradient: ``σ = w Ā_{L-1} (R_{L-2} + Ā_{L-2}) ⋯ (R_0 + Ā_0)``
+    (R: the identity or the pooling's child shares) times ``ω = w mean_h ReLU(∇A_{L-1})``
+    copied to the first grid, against the dense reference."""
+    from captum_vit.methods.tam import TAM
+
+    model, x = _model("timm_hiera")
+    t = torch.tensor([3, 0])
+    logits, probs, res_mix, _ = _dense_forward(model, x)
+    (grad,) = torch.autograd.grad(logits.gather(1, t[:, None]).sum(), probs[3])
+    w = torch.full((2, 4), 0.25, dtype=torch.float64)
+    with torch.no_grad():
+        omega = torch.einsum("bi,bij->bj", w, grad.clamp(min=0).mean(1))  # on 4x4
+        sigma = torch.einsum("bi,bij->bj", w, probs[3].mean(1))
+        for k in reversed(range(3)):
+            sigma = torch.einsum("bi,bij->bj", sigma, res_mix[k] + probs[k].mean(1))
+        ref = sigma * _upsample(omega, (4, 4), 2)
+    got = TAM(model, integrated=False, start_layer=0).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
