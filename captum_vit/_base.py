@@ -518,10 +518,9 @@ class ViTFront:
     pools_queries: bool = False
     """Whether the method runs through blocks with query pooling (Hiera's stage changes,
     :class:`~captum_vit.adapters.windows.QueryPool`): methods that need only the canonical
-    forward, its gradients, its rule sets or its decomposition. A method reading the
-    blocks' token-mixing matrices refuses such a model by name (a pooling block mixes the
-    ``N`` tokens of its input into the ``N/4`` of its output, which its chains do not
-    carry yet)."""
+    forward, its gradients, its rule sets or its decomposition, and the matrix methods
+    whose chains carry a pooling block's ``N/4 × N`` mixing (``Stages.residual``). Any
+    other method refuses such a model by name."""
 
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)

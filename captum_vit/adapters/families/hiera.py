@@ -38,7 +38,13 @@ window of the whole grid for global attention) and the pooling blocks a
 :class:`~captum_vit.adapters.windows.QueryPool`; the maps land on the first stage's grid
 (``56 × 56`` for Hiera-T at 224 px). Pooling is piecewise linear: DecompX and the LRP
 rules pass the maximum exactly (each channel takes its maximal child's decomposition or
-relevance).
+relevance). The matrix methods carry row vectors through a pooling block as
+``vᵀ(R + Ā)``: ``Ā`` per mask unit with the pooled queries as rows
+(:meth:`~captum_vit.adapters.stages.Stages.token_mix`) and ``R`` the residual's pooling,
+each child weighted by its share of the channels where it is the maximum (the maximum's
+sub-gradient averaged over the channels, ¼ each on exact ties;
+:meth:`~captum_vit.adapters.stages.Stages.residual`). TokenTM, GlobEnc/ALTI, BT and
+LeGrad do not carry pooling yet and refuse by name.
 
 Refused by name: inputs of another size than the configured one (the position embedding
 and the unroll are fixed; a size not a multiple of the mask unit is named as such),
@@ -237,8 +243,9 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
            "later, query pooling (2x2 max of q and of the projected residual) at the stage "
            "changes, mean-then-norm head; tokens kept in raster order (the model's unroll "
            "and reroll verified): maps on the first stage's grid (56 × 56 for Hiera-T at "
-           "224 px) — refused by name: other input sizes, `use_expand_proj=False`, stage "
-           "changes without pooling, MLP heads, TIS and true token removal"),
+           "224 px) — refused by name: TokenTM, GlobEnc/ALTI, BT-H/BT-T, LeGrad, TIS and true "
+           "token removal, other input sizes, `use_expand_proj=False`, stage changes "
+           "without pooling, MLP heads"),
     examples={
         "timm_hiera": Example(_example(), (32, 32)),
         # mask-unit attention in the pooling block as well (the one-block lag) and in stage 2
