@@ -44,6 +44,12 @@ def test_forward_parity(name):
 def test_twin_maps_equal():
     """timm ↔ Hugging Face with copied weights: the same logits and, for every registered
     method that runs through query pooling, the same maps (1e-10)."""
+    from captum_vit.adapters.families.hiera import hf_hiera_twin
+
+    mu, x = _model("timm_hiera_mu")  # mask units in the pooling block and stage 2 too
+    with torch.no_grad():
+        torch.testing.assert_close(hf_hiera_twin(mu)(pixel_values=x).logits, mu(x), rtol=0,
+                                   atol=1e-12)
     tm, x = _model("timm_hiera")
     hf, _ = _model("hf_hiera")
     with torch.no_grad():
