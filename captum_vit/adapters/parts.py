@@ -245,8 +245,6 @@ class BlockParts(AttentionParts):
         if self.rotary is not None:  # after q/k norm, before detaching (timm's Eva)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if pool_grid is not None:  # query pooling (Hiera): the 2x2 maximum of q
-            from captum_vit.adapters.windows import pool_tokens
-
             q = pool_tokens(q, pool_grid)
         if detach_qk:
             q, k = q.detach(), k.detach()
@@ -807,6 +805,27 @@ def require_timm(minimum: tuple[int, ...], model_name: str, why: str) -> None:
         raise TypeError(f"captum_vit reads timm's {model_name} as timm >= {need} computes it; "
                         f"timm {timm.__version__} {why}. Upgrade timm "
                         f"(pip install 'timm>={need}')")
+
+
+def pool_tokens(x: Tensor, grid: tuple[int, int], dim: int = -2) -> Tensor:
+    """The maximum over each 2×2 group of a grid's tokens: ``x`` ``[..., h w, ...]`` with the
+    tokens of the ``(h, w)`` grid (raster order) along ``dim`` gives ``[..., h/2 · w/2,
+    ...]`` (raster order of the ``(h/2, w/2)`` grid; ``h`` and ``w`` even). The gradient
+    goes to each channel's maximal child (``torch.amax`` shares it on exact ties).
+
+    Examples::
+
+        >>> pool_tokens(torch.arange(16.0).reshape(1, 16, 1), (4, 4))[0, :, 0]
+        tensor([ 5.,  7., 13., 15.])
+    """
+    h, w = grid
+    dim = dim % x.dim()
+    if x.shape[dim] != h * w or h % 2 or w % 2:
+        raise ValueError(f"query pooling of a {h}x{w} grid needs {h * w} tokens and even "
+                         f"sides, got {x.shape[dim]} tokens")
+    shape = (*x.shape[:dim], h // 2, 2, w // 2, 2, *x.shape[dim + 1:])
+    y = x.reshape(shape).amax(dim=(dim + 1, dim + 3))
+    return y.reshape(*x.shape[:dim], (h // 2) * (w // 2), *x.shape[dim + 1:])
 
 
 def affine(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

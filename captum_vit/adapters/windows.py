@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from captum_vit.adapters.parts import NormParts
+from captum_vit.adapters.parts import NormParts, pool_tokens
+
+__all__ = ["MERGE_ORDER", "MergeParts", "QueryPool", "Windows", "pool_tokens"]
 
 MERGE_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))
 """The children ``(row offset, column offset)`` of a 2×2 merge in the order their states
@@ -307,27 +309,6 @@ class MergeParts:
         ids = torch.arange(h * w, device=device).reshape(h, w)
         ids = F.pad(ids, (0, w % 2, 0, h % 2), value=-1)
         return torch.stack([ids[dh::2, dw::2].reshape(-1) for dh, dw in self.order], -1)
-
-
-def pool_tokens(x: Tensor, grid: tuple[int, int], dim: int = -2) -> Tensor:
-    """The maximum over each 2×2 group of a grid's tokens: ``x`` ``[..., h w, ...]`` with the
-    tokens of the ``(h, w)`` grid (raster order) along ``dim`` gives ``[..., h/2 · w/2,
-    ...]`` (raster order of the ``(h/2, w/2)`` grid; ``h`` and ``w`` even). The gradient
-    goes to each channel's maximal child (``torch.amax`` shares it on exact ties).
-
-    Examples::
-
-        >>> pool_tokens(torch.arange(16.0).reshape(1, 16, 1), (4, 4))[0, :, 0]
-        tensor([ 5.,  7., 13., 15.])
-    """
-    h, w = grid
-    dim = dim % x.dim()
-    if x.shape[dim] != h * w or h % 2 or w % 2:
-        raise ValueError(f"query pooling of a {h}x{w} grid needs {h * w} tokens and even "
-                         f"sides, got {x.shape[dim]} tokens")
-    shape = (*x.shape[:dim], h // 2, 2, w // 2, 2, *x.shape[dim + 1:])
-    y = x.reshape(shape).amax(dim=(dim + 1, dim + 3))
-    return y.reshape(*x.shape[:dim], (h // 2) * (w // 2), *x.shape[dim + 1:])
 
 
 @dataclass(frozen=True)

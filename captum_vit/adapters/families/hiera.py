@@ -66,7 +66,12 @@ from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import library, randomize_
 from captum_vit.adapters.families._hf import is_transformers_model
-from captum_vit.adapters.families._timm import has_active_dropout, timm_gelus, timm_head
+from captum_vit.adapters.families._timm import (
+    has_active_dropout,
+    timm_classes,
+    timm_gelus,
+    timm_head,
+)
 from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops
@@ -265,7 +270,7 @@ class TimmHieraAdapter(_HieraBase):
 
     def __init__(self, model: ModelTree) -> None:
         super().__init__()
-        (Hiera,) = _timm_classes("Hiera")
+        (Hiera,) = timm_classes("timm.models.hiera", "Hiera")
         name = type(model).__name__
         if not isinstance(model, Hiera):
             raise TypeError(f"{name} is not timm's Hiera")
@@ -349,12 +354,6 @@ class TimmHieraAdapter(_HieraBase):
             x = conv_projection(inputs, m.patch_embed.proj, ops,
                                 f"{type(m).__name__}.patch_embed.proj")
         return m._pos_embed(x)
-
-
-def _timm_classes(*names: str) -> tuple[type, ...]:
-    from captum_vit.adapters.families._timm import timm_classes
-
-    return timm_classes("timm.models.hiera", *names)
 
 
 def hf_hiera_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
