@@ -188,13 +188,12 @@ class PLUS(ViTGradientAttribution):
     @property
     def pools_queries(self) -> bool:  # type: ignore[override]
         """Whether the sub-networks' maps run through query pooling (Hiera): a gradient
-        route's kind or a Captum base (the forward's gradients), a package method as it
-        declares; not a method's own per-block hook (its maps stay on the stages' grids)."""
+        route's kind or a Captum base (the forward's gradients), a package method (its
+        fast path included) as it declares."""
         route = getattr(self, "route", "kind")
         if route in ("kind", "captum"):
             return True
-        probe = getattr(self, "_probe", None)
-        return route == "method" and bool(getattr(probe, "pools_queries", False))
+        return bool(getattr(getattr(self, "_probe", None), "pools_queries", False))
 
     def __init__(self, model: nn.Module, base: BaseLike, *,
                  layers: Iterable[int] | None = None, aggregate: str = "subnetwork",

@@ -217,7 +217,7 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
             for k in reversed(range(len(rel))):
                 v = st.unmerge(v, first + k)  # stages: through the merge (¼ weights)
                 # query pooling (Hiera): the residual's own token mixing (child shares)
-                v = st.residual(v, first + k, tr.blocks[k].pool_shares) \
+                v = st.residual(v, first + k, tr.blocks[first + k - tr.start].pool_shares) \
                     + st.token_mix(v, abar(k), first + k)
                 rows[first + k] = v
             return torch.stack([st.carry(rows[l + s], l + s, split=True) for l in layers])

@@ -148,12 +148,22 @@ def test_bad_inputs_and_refusals():
 
 
 def test_plus_over_stages():
-    """PLUS and SkipPLUS over the stages with gradient bases: maps on the first grid."""
+    """PLUS and SkipPLUS over the stages: each base's fast path (one pass, every start
+    block's map carried to the first grid through the pooling) equals the sum of the base
+    run on each sub-network (``fast=False``), and gradient bases give maps on the first
+    grid."""
+    from captum_vit.combinators import PLUS, SkipPLUS
+
     model, x = _model("timm_hiera")
+    t = torch.tensor([1, 2])
     for name in ("plus:ixg", "skipplus:captum:Saliency"):
-        out = build_method(name, model).attribute(x, target=torch.tensor([1, 2]),
-                                                  output="tokens")
+        out = build_method(name, model).attribute(x, target=t, output="tokens")
         assert out.shape == (2, 64) and torch.isfinite(out).all()
+    for cls, base in ((SkipPLUS, "attnlrp"), (SkipPLUS, "decompx"), (SkipPLUS, "gae"),
+                      (SkipPLUS, "chefer21"), (PLUS, "rollout")):
+        fast = cls(model, base).attribute(x, target=t, output="tokens")
+        slow = cls(model, base, fast=False).attribute(x, target=t, output="tokens")
+        torch.testing.assert_close(fast, slow, rtol=0, atol=1e-12, msg=f"{cls.__name__} {base}")
 
 
 def _dense_blocks(model, x):
