@@ -7,7 +7,7 @@ Run::
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
                                     hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2|
-                                    hf-timesformer] \
+                                    hf-timesformer|timm-hiera] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -35,8 +35,9 @@ pooler; a GPU-sized run) and ``hf-vjepa2-s`` the same at ViT-S width on 4 frames
 the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
 ``SwinTransformerV2`` / ``Swinv2ForImageClassification``, 256 px, 64 x 64 tokens, window
 8; ``hf-timesformer``: a TimeSformer-B-shaped ``TimesformerForVideoClassification``,
-divided space-time attention, 8 frames of 224 px), measured in the same run as the
-methods. Methods that refuse a
+divided space-time attention, 8 frames of 224 px; ``timm-hiera``: a Hiera-T-shaped timm
+``Hiera``, 224 px, 56 x 56 tokens first, mask units and three query poolings), measured in
+the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
@@ -344,6 +345,16 @@ def hf_swinv2_t(img_size: int = 256) -> torch.nn.Module:
     return Swinv2ForImageClassification(cfg).eval()
 
 
+def hiera_t(img_size: int = 224) -> torch.nn.Module:
+    """A Hiera-T-shaped timm ``Hiera`` (width 96, heads 1-2-4-8, stages 1-2-7-2, mask units
+    of 8 x 8 tokens in the first two stages, three query poolings; 56 x 56 tokens first)."""
+    from timm.models.hiera import Hiera
+
+    torch.manual_seed(0)
+    return Hiera(img_size=(img_size, img_size), embed_dim=96, num_heads=1,
+                 stages=(1, 2, 7, 2), drop_path_rate=0.0).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224] (256 px for a Swin V2), or
@@ -366,7 +377,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
     "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
-    "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b}
+    "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b, "timm-hiera": hiera_t}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -484,7 +495,7 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
           "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)",
-          "hf-timesformer": "TimeSformer-B"}
+          "hf-timesformer": "TimeSformer-B", "timm-hiera": "Hiera-T"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:

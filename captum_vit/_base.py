@@ -521,6 +521,12 @@ class ViTFront:
     block whose windows share a token (TimeSformer's spatial attention: the class token
     in every frame's window, :mod:`captum_vit.adapters.families.hf_timesformer`) refuses
     such a method by name."""
+    pools_queries: bool = False
+    """Whether the method runs through blocks with query pooling (Hiera's stage changes,
+    :class:`~captum_vit.adapters.windows.QueryPool`): methods that need only the canonical
+    forward, its gradients, its rule sets or its decomposition, and the matrix methods
+    whose chains carry a pooling block's ``N/4 × N`` mixing (``Stages.residual``). Any
+    other method refuses such a model by name."""
 
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
@@ -556,6 +562,8 @@ class ViTFront:
                 "window and its rows are averaged back), so it does not apply; use a "
                 "method that chains the token maps (rollout, GAE, TokenTM, Chefer21, "
                 "AttCAT) or a decomposition or LRP method (DecompX, AttnLRP, CP-LRP)")
+        if not self.pools_queries and any(b.pool is not None for b in self.adapter.blocks):
+            raise ValueError(_pooling_refusal(type(self).__name__, type(self.model).__name__))
         obj = p.embedding if isinstance(p.embedding, Target) else None
         layers = None if obj is None else obj.readout_layers(len(self.adapter.blocks))
         if obj is not None and obj.contrast and self.class_agnostic:
@@ -676,6 +684,17 @@ def _windowed_refusal(method: str, model: str) -> str:
     return windowed_refusal(method, model)
 
 
+def _pooling_refusal(method: str, model: str) -> str:
+    """The refusal of a method that reads token-mixing matrices by a model with query
+    pooling (Hiera), naming the registered methods that run there."""
+    from captum_vit.methods.table import pooling_methods
+
+    runs = pooling_methods()
+    return (f"{method} reads the blocks' token-mixing matrices, and {model} pools its "
+            "queries at the stage changes (each block mixing N tokens into N/4), which "
+            f"{method} does not carry: use one of {runs}")
+
+
 _PER_HEAD: dict[str, None] = {}
 """Names of the classes with ``per_head = True`` (ordered set), for the refusal message."""
 
@@ -729,6 +748,8 @@ class ViTGradientAttribution(ViTFront, GradientAttribution):
 
 class ViTPerturbationAttribution(ViTFront, PerturbationAttribution):
     """Base of the perturbation-based ViT methods."""
+
+    pools_queries = True  # they run the model's forward only (query pooling included)
 
 
 def gradients_with_pool(tr: Trace, scores: Tensor, tensors: Sequence[Tensor]

@@ -185,6 +185,16 @@ class PLUS(ViTGradientAttribution):
 
     sums_subnetworks = True
 
+    @property
+    def pools_queries(self) -> bool:  # type: ignore[override]
+        """Whether the sub-networks' maps run through query pooling (Hiera): a gradient
+        route's kind or a Captum base (the forward's gradients), a package method (its
+        fast path included) as it declares."""
+        route = getattr(self, "route", "kind")
+        if route in ("kind", "captum"):
+            return True
+        return bool(getattr(getattr(self, "_probe", None), "pools_queries", False))
+
     def __init__(self, model: nn.Module, base: BaseLike, *,
                  layers: Iterable[int] | None = None, aggregate: str = "subnetwork",
                  fast: bool = True) -> None:

@@ -192,7 +192,27 @@ def family_marks(family: str, method: str | None = None) -> tuple:
     if "windowed" in tags and method in WINDOW_REFUSERS:
         marks += (pytest.mark.xfail(raises=ValueError, strict=True,
                                     reason=f"{method} refuses windowed models by name"),)
+    elif "pooling" in fam.example_tags(family) and method is not None \
+            and not pools_queries(method, family):
+        marks += (pytest.mark.xfail(raises=ValueError, strict=True,
+                                    reason=f"{method} refuses query pooling by name"),)
     return marks
+
+
+_POOLS: dict[tuple[str, str], bool] = {}
+
+
+def pools_queries(method: str, family: str) -> bool:
+    """Whether ``method`` (a registry name, compositions included) runs through the query
+    pooling of the example ``family`` (its ``pools_queries`` declaration, read from the
+    method built on the example; methods reading token-mixing matrices refuse by name)."""
+    key = (method, family)
+    if key not in _POOLS:
+        from captum_vit.registry import build_method
+
+        _POOLS[key] = bool(getattr(build_method(method, make_model(family)), "pools_queries",
+                                   False))
+    return _POOLS[key]
 
 
 def make_model(family: str = "vit", *, seed: int = 0, depth: int = 3,

@@ -338,6 +338,13 @@ class ViTAdapter(Readout, abc.ABC):
             p = _detached(p)
         n = ops.value(x).shape[1]  # the block's tokens, before any ``rows`` cut
         u = x if p.norm1 is None else ops.norm(x, p.norm1)
+        # query pooling (Hiera): the residual branch is the projected, max-pooled LN1(x)
+        res, shares = x, None
+        if p.pool is not None:
+            pre = ops.linear(u, p.pool.weight, p.pool.bias)
+            res = ops.maxpool(pre, p.pool)
+            if record is not None:
+                shares = p.pool.shares(ops.value(pre).detach())
         a, attn = ops.attention(u, p)
         heads = attn if isinstance(attn, Heads) else None
         if attention_only:
@@ -345,10 +352,10 @@ class ViTAdapter(Readout, abc.ABC):
                 # an attention-only record has None after attn (BlockRecord's docstring)
                 record.append(BlockRecord(
                     ops.value(x), ops.value(u), None if heads is not None else attn,
-                    None, None, None, None, heads))  # type: ignore[arg-type]
+                    None, None, None, None, heads, shares))  # type: ignore[arg-type]
             return None
         if rows is not None:  # only these rows reach the readout
-            a, x = a[:, :rows], x[:, :rows]
+            a, x, res = a[:, :rows], x[:, :rows], res[:, :rows]
         if p.inner_norm is not None:  # N_in (EVA-02's scale_attn_inner)
             a = ops.norm(a, p.inner_norm)
         a = ops.linear(a, p.proj_weight, p.proj_bias)
@@ -361,7 +368,7 @@ class ViTAdapter(Readout, abc.ABC):
             keep = xv.new_ones(xv.shape[1], 1)
             keep[:p.fixed_rows] = 0
             a = ops.scale(a, keep)
-        mid = ops.add(x, a)
+        mid = ops.add(res, a)
         u2 = mid if p.norm2 is None else ops.norm(mid, p.norm2)
         h = ops.linear(u2, p.fc1_weight, p.fc1_bias)
         if p.gate_weight is None:
@@ -393,7 +400,7 @@ class ViTAdapter(Readout, abc.ABC):
         if record is not None:
             v = ops.value
             record.append(BlockRecord(v(x), v(u), None if heads is not None else attn, v(a),
-                                      v(mid), v(f), v(out), heads))
+                                      v(mid), v(f), v(out), heads, shares))
         return out
 
     def small_attention(self, inputs: Tensor) -> bool:

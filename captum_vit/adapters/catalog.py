@@ -35,6 +35,8 @@ TAGS: dict[str, str] = {
                       "token in every frame's window); methods reading window slots one "
                       "token each refuse it",
     "hierarchical": "stages with patch merges between them",
+    "pooling": "query pooling at the stage changes (Hiera): methods reading the blocks' "
+               "token-mixing matrices refuse by name",
     "video": "takes videos [B, T, C, H, W]",
     "vlm-tower": "the vision tower of a vision-language model",
     "packed": "one packed q/k/v in-projection (nn.MultiheadAttention)",

@@ -224,6 +224,12 @@ class Ops:
         (:class:`~captum_vit.adapters.windows.MergeParts`) on token states [B, N, C]."""
         return merge.gather(x)
 
+    def maxpool(self, x: Any, pool: Any) -> Any:
+        """The channel-wise maximum over each 2×2 group of token states [B, N, C] (a block's
+        :class:`~captum_vit.adapters.windows.QueryPool`, Hiera): piecewise linear, its
+        gradient the maximal child's."""
+        return pool.max(x)
+
     def mean(self, xs: Sequence[Any]) -> Any:
         return xs[0] if len(xs) == 1 else sum(xs[1:], xs[0]) / len(xs)
 

@@ -295,8 +295,26 @@ class BlockParts(AttentionParts):
     """The MLP branch's post-norm, ``x_{l+1} = x_mid + LN(ls2(MLP(·)))``; ``None`` =
     none."""
 
+    pool: Any = None
+    """Query pooling at the block's input (a
+    :class:`~captum_vit.adapters.windows.QueryPool`, Hiera), or ``None``: the queries and
+    the residual branch (``pool.weight`` applied to ``LN1(x)``) are max-pooled over each
+    2×2 group of the input grid, so the block's output lies on the pooled grid; keys and
+    values are every input token's. With :attr:`window` the key windows are on the input
+    grid and the queries' windows are the same windows on the pooled grid (probabilities
+    ``[B, H, n_W, M/4, M]``). ``None`` = none."""
+
+    @property
+    def regrid(self) -> Any:
+        """What takes this block's input grid to the next block's: its :attr:`merge` (at
+        the end of the block) or its :attr:`pool` (at its start); ``None`` = neither. Both
+        list each new token's children (``children()``), so per-token values go back
+        alike (:mod:`captum_vit.adapters.stages`)."""
+        return self.merge if self.merge is not None else self.pool
+
     def _qkv(self, u: Tensor, detach_qk: bool, positions: Tensor | None = None,
-             rules: AttentionRules | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             rules: AttentionRules | None = None, pool_grid: tuple[int, int] | None = None
+             ) -> tuple[Tensor, Tensor, Tensor]:
         weight = _consecutive(self.q_weight, self.k_weight, self.v_weight)
         bias = _consecutive(self.q_bias, self.k_bias, self.v_bias)
         no_bias = self.q_bias is None and self.k_bias is None and self.v_bias is None
@@ -314,6 +332,8 @@ class BlockParts(AttentionParts):
             v = self._heads(u, self.v_weight, self.v_bias, linear)
         if self.rotary is not None:  # after q/k norm, before detaching (timm's Eva)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if pool_grid is not None:  # query pooling (Hiera): the 2x2 maximum of q
+            q = pool_tokens(q, pool_grid)
         if detach_qk:
             q, k = q.detach(), k.detach()
         if rules is not None and rules.heads is not None:
@@ -406,7 +426,14 @@ class BlockParts(AttentionParts):
             raise ValueError("attention rules need the explicit path (materialize=True)")
         if self.window is not None:
             return self._windowed(u, materialize, key_mask, positions, detach_qk, rules, heads)
-        q, k, v = self._qkv(u, detach_qk, positions, rules)
+        pool_grid = None
+        if self.pool is not None:
+            if key_mask is not None or positions is not None:
+                raise ValueError("a block with query pooling keeps every token of its grid: "
+                                 "true token removal and token subsets do not apply; "
+                                 "remove pixels instead")
+            pool_grid = self.pool.grid
+        q, k, v = self._qkv(u, detach_qk, positions, rules, pool_grid)
         return self.attend(q, k, v, materialize=materialize, key_mask=key_mask,
                            positions=positions, rules=rules, heads=heads)
 
@@ -424,12 +451,15 @@ class BlockParts(AttentionParts):
                              "remove pixels instead (the metrics' removal='mean', 'black' "
                              "or 'blur'; RISE or ViT-CX instead of TIS)")
         b = u.shape[0]
-        q, k, v = self._qkv(win.partition(u), detach_qk, None, rules)
+        # query pooling (Hiera): each window's queries pooled on its own slots
+        out = win if self.pool is None else self.pool.query_window(win)
+        q, k, v = self._qkv(win.partition(u), detach_qk, None, rules,
+                            None if self.pool is None else win.size)
         rel = None if self.attn_bias is None else self.attn_bias()
         bias = self._query_bias(q, win.logit_bias(rel, b, q.dtype, q.device))
         if not materialize:
             mix, _ = self._mix(q, k, v, bias, False, rules, heads)
-            return win.reverse(mix), None
+            return out.reverse(mix), None
         # the probabilities returned are the tensor the mix reads (gradients reach them)
         attn = self.by_window(self._probs(q, k, bias, rules))  # [B, H, n_W, M, M]
         read = attn
@@ -447,7 +477,7 @@ class BlockParts(AttentionParts):
         if heads is not None:
             heads.append(Heads(q, k, v, o, bias, self))
         mix = o.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.inner_dim)
-        return win.reverse(mix), attn
+        return out.reverse(mix), attn
 
     def by_window(self, probs: Tensor) -> Tensor:
         """Windowed per-head matrices ``[B · n_W, H, M, M]`` as ``[B, H, n_W, M, M]`` (the
@@ -928,6 +958,27 @@ def require_timm(minimum: tuple[int, ...], model_name: str, why: str) -> None:
         raise TypeError(f"captum_vit reads timm's {model_name} as timm >= {need} computes it; "
                         f"timm {timm.__version__} {why}. Upgrade timm "
                         f"(pip install 'timm>={need}')")
+
+
+def pool_tokens(x: Tensor, grid: tuple[int, int], dim: int = -2) -> Tensor:
+    """The maximum over each 2×2 group of a grid's tokens: ``x`` ``[..., h w, ...]`` with the
+    tokens of the ``(h, w)`` grid (raster order) along ``dim`` gives ``[..., h/2 · w/2,
+    ...]`` (raster order of the ``(h/2, w/2)`` grid; ``h`` and ``w`` even). The gradient
+    goes to each channel's maximal child (``torch.amax`` shares it on exact ties).
+
+    Examples::
+
+        >>> pool_tokens(torch.arange(16.0).reshape(1, 16, 1), (4, 4))[0, :, 0]
+        tensor([ 5.,  7., 13., 15.])
+    """
+    h, w = grid
+    dim = dim % x.dim()
+    if x.shape[dim] != h * w or h % 2 or w % 2:
+        raise ValueError(f"query pooling of a {h}x{w} grid needs {h * w} tokens and even "
+                         f"sides, got {x.shape[dim]} tokens")
+    shape = (*x.shape[:dim], h // 2, 2, w // 2, 2, *x.shape[dim + 1:])
+    y = x.reshape(shape).amax(dim=(dim + 1, dim + 3))
+    return y.reshape(*x.shape[:dim], (h // 2) * (w // 2), *x.shape[dim + 1:])
 
 
 def affine(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -78,9 +78,10 @@ class Stages:
     # -- what the geometry is ---------------------------------------------------------------
     @property
     def hierarchical(self) -> bool:
-        """Whether the blocks form stages joined by patch merges (Swin): token maps of a
+        """Whether the blocks form stages joined by patch merges (Swin) or query pooling
+        (Hiera, :attr:`~captum_vit.adapters.parts.BlockParts.regrid`): token maps of a
         later stage are carried to the maps' grid by :meth:`carry`."""
-        return any(p.merge is not None for p in self._source.blocks)
+        return any(p.regrid is not None for p in self._source.blocks)
 
     @property
     def has_windows(self) -> bool:
@@ -91,8 +92,12 @@ class Stages:
     def final_tokens(self) -> int | None:
         """The token count of the last state for a model with windows (its last block's
         grid), ``None`` otherwise (the embedding's count, which depends on the images)."""
-        last = self._source.blocks[self._source.num_blocks - 1].window
-        return None if last is None else last.num_tokens
+        last = self._source.blocks[self._source.num_blocks - 1]
+        if last.window is None:
+            return None
+        regrid = last.regrid  # a last block that pools (Hiera) writes the pooled grid
+        return last.window.num_tokens if regrid is None \
+            else regrid.out_grid[0] * regrid.out_grid[1]
 
     def window(self, layer: int) -> Windows | None:
         """Block ``layer``'s window partition (:class:`~captum_vit.adapters.windows.Windows`),
@@ -135,7 +140,7 @@ class Stages:
         blocks = self._source.blocks
         first = 0 if down_to is None else self._offset + down_to
         stop = len(blocks) if layer is None else self._offset + layer
-        merges = [p.merge for p in blocks[first:stop] if p.merge is not None]
+        merges = [p.regrid for p in blocks[first:stop] if p.regrid is not None]
         if layer is None:
             while merges and merges[-1].out_grid[0] * merges[-1].out_grid[1] != values.shape[-1]:
                 merges.pop()
@@ -153,7 +158,7 @@ class Stages:
         of the gradient-free and gradient-weighted matrix methods, or by ``weights``
         ``[B, N_{l+1}, 4]`` per child in concatenation order, a method's own); ``v``
         itself for a block without merge. The step of a vector chain through a merge."""
-        m = self._block(layer).merge
+        m = self._block(layer).merge  # a query pooling is in the block's own mixing
         return v if m is None else _unmerge(v, m, True, weights)
 
     def carry_down(self, w: Tensor, layer: int) -> Tensor:
@@ -162,8 +167,11 @@ class Stages:
         included), on the grid of ``x_layer``: the readout of a single block's matrix in a
         model with stages."""
         source = self._source
-        for k in reversed(range(self._offset + layer, source.num_blocks)):
-            m = source.blocks[k].merge
+        first = self._offset + layer
+        for k in reversed(range(first, source.num_blocks)):
+            # a later block's query pooling as a merge (¼); block ``layer``'s own is in its
+            # token mixing, whose rows are on its output grid
+            m = source.blocks[k].merge if k == first else source.blocks[k].regrid
             if m is not None:
                 w = _unmerge(w, m, True)
         return w
@@ -176,7 +184,8 @@ class Stages:
         :meth:`~captum_vit.adapters.windows.Windows.left_multiply`). The leading
         dimensions broadcast (``v`` [B, N] against per-head ``C`` [B, H, ...] gives
         [B, H, N])."""
-        win = self._block(layer).window
+        p = self._block(layer)
+        win = p.window
         v = v.to(matrix.dtype)
         lead = matrix.dim() - (2 if win is None else 3)  # matrix dims before [(n_W,) N, N]
         while v.dim() - 1 < lead:
@@ -185,7 +194,20 @@ class Stages:
             matrix, lead = matrix.unsqueeze(1), lead + 1
         if win is None:
             return torch.einsum("...n,...nm->...m", v, matrix)
+        if p.pool is not None:  # pooled queries: rows on the output grid's windows
+            return win.left_multiply(v, matrix, rows=p.pool.query_window(win))
         return win.left_multiply(v, matrix)
+
+    def received(self, probs: Tensor, layer: int) -> Tensor:
+        """The attention each key token of block ``layer`` receives, averaged over its
+        queries: ``mean_i A[i, j]`` [B, H, N] (:meth:`token_mix` of the uniform row
+        vector; a pooling block's queries are the ``N/4`` of its output grid)."""
+        p = self._block(layer)
+        if p.window is None:
+            return probs.mean(-2)
+        rows = p.window if p.pool is None else p.pool.query_window(p.window)
+        ones = probs.new_ones(probs.shape[0], 1, rows.num_tokens)
+        return self.token_mix(ones, probs, layer) / rows.num_tokens
 
     def real_keys(self, matrix: Tensor, layer: int) -> Tensor:
         """A token-mixing matrix of block ``layer`` (:meth:`token_mix`) without the
@@ -202,8 +224,64 @@ class Stages:
         """The identity in the form of block ``layer``'s token-mixing matrices
         (:meth:`token_mix`): ``[n, n]`` (``n = N``), or ``[M, M]`` (every window's) for a
         windowed block."""
-        win = self._block(layer).window
+        p = self._block(layer)
+        win = p.window
+        if p.pool is not None:
+            return self._pool_mix(layer, dtype, device)
         return torch.eye(n if win is None else win.area, dtype=dtype, device=device)
+
+    def residual(self, v: Tensor, layer: int, shares: Tensor | None = None) -> Tensor:
+        """Row vectors ``v`` ``[..., N_out]`` times the token mixing of block ``layer``'s
+        residual branch: ``v`` itself (the identity), or for a block with query pooling
+        (Hiera) each pooled token's weight shared among its children by ``shares``
+        ``[B, N', 4]`` (the record's ``pool_shares``; ``None`` = ¼ each), ``[..., N_in]``.
+        The identity term of a vector chain ``vᵀ(R_l + Ā_l)``."""
+        pool = self._block(layer).pool
+        if pool is None:
+            return v
+        w = None if shares is None else shares.reshape(
+            shares.shape[0], *([1] * (v.dim() - 2)), *shares.shape[1:])
+        return _unmerge(v, pool, True, w)
+
+    def residual_mix(self, layer: int, n: int, dtype: torch.dtype,
+                     device: torch.device | None = None, shares: Tensor | None = None
+                     ) -> Tensor:
+        """The token mixing of block ``layer``'s residual branch in the form of its
+        token-mixing matrices (:meth:`token_mix`): the identity (:meth:`token_eye`), or for
+        a block with query pooling (Hiera) the pooling's ``[B or 1, n_W, M/4, M]``, each
+        pooled token's row holding its children's ``shares`` ``[B, N', 4]`` (the record's
+        ``pool_shares``: each child's share of the channels where it is the maximum; ``None``
+        = ¼ each)."""
+        if self._block(layer).pool is None:
+            return self.token_eye(layer, n, dtype, device)
+        return self._pool_mix(layer, dtype, device, shares)
+
+    def _pool_mix(self, layer: int, dtype: torch.dtype, device: torch.device | None,
+                  shares: Tensor | None = None) -> Tensor:
+        p = self._block(layer)
+        pool, win = p.pool, p.window
+        assert pool is not None
+        keys = win if win is not None else Windows(grid=pool.grid, size=pool.grid)
+        rows = pool.query_window(keys)
+        kids = pool.children(device)  # [N', 4] grid indices of the input grid
+        if shares is None:
+            shares = torch.full((1, *kids.shape), 0.25, dtype=dtype, device=device)
+        shares = shares.to(dtype)
+        b = shares.shape[0]
+        # per input token: its slot in its window; per output token: its window and slot
+        slot_in = torch.empty(keys.num_tokens, dtype=torch.long, device=device)
+        idx_in = keys.index(device)
+        slot_in[idx_in.reshape(-1)] = torch.arange(keys.area, device=device).repeat(
+            keys.num_windows)
+        idx_out = rows.index(device)  # [n_W, M']
+        out = torch.zeros(b, keys.num_windows, rows.area, keys.area, dtype=dtype,
+                          device=device)
+        w_of = torch.arange(keys.num_windows, device=device)[:, None].expand_as(idx_out)
+        s_of = torch.arange(rows.area, device=device)[None].expand_as(idx_out)
+        tok = idx_out.reshape(-1)  # output tokens in window order
+        cols = slot_in[kids[tok]]  # [n_W M', 4]
+        out[:, w_of.reshape(-1)[:, None], s_of.reshape(-1)[:, None], cols] = shares[:, tok]
+        return out
 
 
 def _unmerge(values: Tensor, merge: MergeParts, split: bool, weights: Tensor | None = None

@@ -35,6 +35,11 @@ class BlockRecord:
     ffn_out: Tensor  # ls2(MLP(LN2(x_mid,l)))
     out: Tensor  # x_{l+1} (after the block's patch merge, if it has one)
     heads: Heads | None = None  # a fused trace's per-head q, k, v, o (attn is None)
+    pool_shares: Tensor | None = None
+    """A block with query pooling (Hiera): each pooled token's children's shares [B, N', 4]
+    of the channels where they are the maximum of the pooled residual
+    (:meth:`~captum_vit.adapters.windows.QueryPool.shares`), the pooling's token mixing;
+    ``None`` otherwise."""
 
     def require_attn(self) -> Tensor:
         """:attr:`attn`, for a method that reads the probabilities.

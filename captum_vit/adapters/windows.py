@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from captum_vit.adapters.parts import NormParts
+from captum_vit.adapters.parts import NormParts, pool_tokens
+
+__all__ = ["MERGE_ORDER", "MergeParts", "QueryPool", "Windows", "pool_tokens"]
 
 MERGE_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))
 """The children ``(row offset, column offset)`` of a 2×2 merge in the order their states
@@ -165,7 +167,7 @@ class Windows:
         ids = torch.arange(self.num_tokens, device=device).reshape(1, *self.grid, 1)
         return self._windows(ids, fill=-1)[..., 0]
 
-    def left_multiply(self, v: Tensor, matrix: Tensor) -> Tensor:
+    def left_multiply(self, v: Tensor, matrix: Tensor, rows: Windows | None = None) -> Tensor:
         """``vᵀ C`` for a token-mixing matrix ``C`` of this block in window form,
         ``[..., n_W, M, M]`` (the probabilities ``[B, H, n_W, M, M]``, their head mean
         ``[B, n_W, M, M]``, or anything built from them slot by slot), and row vectors
@@ -179,11 +181,19 @@ class Windows:
             >>> probs = torch.full((1, 1, 4, 4), 0.25)
             >>> win.left_multiply(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), probs)
             tensor([[0.2500, 0.2500, 0.2500, 0.2500]])
+
+        ``rows``: the windows of the matrix's rows when they are not these (pooled queries,
+        :meth:`QueryPool.query_window`): ``v`` is then on their grid, ``[..., N_rows]``.
         """
         idx = self.index(v.device)  # [n_W, M]
         real = idx >= 0
-        slots = v.new_zeros(*v.shape[:-1], *idx.shape)
-        slots[..., real] = v[..., idx[real]]
+        if rows is not None and v.shape[-1] != rows.num_tokens:
+            raise ValueError(f"row vectors of {v.shape[-1]} tokens for a mixing whose rows "
+                             f"are the {rows.num_tokens} tokens of the pooled grid")
+        ridx = idx if rows is None else rows.index(v.device)
+        rreal = ridx >= 0
+        slots = v.new_zeros(*v.shape[:-1], *ridx.shape)
+        slots[..., rreal] = v[..., ridx[rreal]]
         out_w = torch.einsum("...wi,...wij->...wj", slots, matrix.to(v.dtype))
         out = out_w.new_zeros(*out_w.shape[:-2], self.num_tokens)
         out[..., idx[real]] = out_w[..., real]
@@ -304,3 +314,66 @@ class MergeParts:
         ids = torch.arange(h * w, device=device).reshape(h, w)
         ids = F.pad(ids, (0, w % 2, 0, h % 2), value=-1)
         return torch.stack([ids[dh::2, dw::2].reshape(-1) for dh, dw in self.order], -1)
+
+
+@dataclass(frozen=True)
+class QueryPool:
+    r"""Query pooling at the input of a block (Hiera, Ryali et al., ICML 2023; MViT's
+    pooling attention): the block reads the ``(h, w)`` grid and writes the ``(h/2, w/2)``
+    grid. With :math:`u = \mathrm{LN}_1(x)` on the input grid, its queries are
+    :math:`\max_{c} (u_c W_q + b_q)` over the 2×2 children ``c`` of each output token (per
+    channel), its keys and values those of every input token, and its residual branch is
+    :math:`\max_c (u_c W_p + b_p)` (a projection to the new width, max-pooled alike) in
+    place of ``x``. :meth:`children` lists the children in :data:`MERGE_ORDER`, as
+    :class:`MergeParts` does, so a per-token value of the output grid goes back to the
+    input grid the way a merge's does (:mod:`captum_vit.adapters.stages`).
+
+    Attributes:
+        grid (tuple[int, int]): the input grid ``(h, w)`` (even sides).
+        weight (Tensor): ``W_p`` [D', D] (views of the model's parameters).
+        bias (Tensor or None): ``b_p`` [D'].
+        order (tuple): the children's ``(row, column)`` offsets (:data:`MERGE_ORDER`).
+    """
+
+    grid: tuple[int, int]
+    weight: Tensor
+    bias: Tensor | None = None
+    order: tuple[tuple[int, int], ...] = MERGE_ORDER
+
+    def __post_init__(self) -> None:
+        if self.grid[0] % 2 or self.grid[1] % 2:
+            raise ValueError(f"query pooling needs a grid of even sides, got {self.grid}")
+
+    @property
+    def out_grid(self) -> tuple[int, int]:
+        """The pooled grid ``(h/2, w/2)``."""
+        return (self.grid[0] // 2, self.grid[1] // 2)
+
+    def max(self, x: Tensor) -> Tensor:
+        """Token states ``[..., N, C]`` of the input grid max-pooled to the output grid
+        (:func:`pool_tokens`)."""
+        return pool_tokens(x, self.grid)
+
+    def children(self, device: torch.device | None = None) -> Tensor:
+        """[N', 4]: the raster index of each pooled token's children in :attr:`order`."""
+        h, w = self.grid
+        ids = torch.arange(h * w, device=device).reshape(h, w)
+        return torch.stack([ids[dh::2, dw::2].reshape(-1) for dh, dw in self.order], -1)
+
+    def shares(self, x: Tensor) -> Tensor:
+        """Each child's share ``[..., N', 4]`` (children in :attr:`order`) of the channels
+        where it is the maximum, ``x`` ``[..., N, C]`` being what is pooled: the
+        sub-gradient of the channel-wise maximum averaged over the channels (¼ each to
+        the tied children of a channel). The merge weights of the matrix methods."""
+        kids = x[..., self.children(x.device), :]  # [..., N', 4, C]
+        top = (kids == kids.amax(-2, keepdim=True)).to(x.dtype)
+        return (top / top.sum(-2, keepdim=True)).mean(-1)
+
+    def query_window(self, window: Windows) -> Windows:
+        """The windows of the pooled queries for key windows ``window`` of the input grid:
+        the same windows, each with half the side on the output grid."""
+        if window.size[0] % 2 or window.size[1] % 2 or any(window.shift) \
+                or window.padded != window.grid:
+            raise ValueError(f"query pooling inside windows needs unshifted windows of even "
+                             f"sides that tile the grid, got {window}")
+        return Windows(grid=self.out_grid, size=(window.size[0] // 2, window.size[1] // 2))

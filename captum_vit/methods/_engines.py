@@ -98,13 +98,12 @@ class LayerGradients:
         dt = accumulation_dtype(self.trace.x0)
         with torch.no_grad():
             out = []
-            for l, rec in enumerate(self.trace.blocks):
-                win = None if self.adapter is None else \
-                    self.adapter.stages.window(self.trace.start + l)
-                attn = rec.require_attn().detach().to(dt)
-                out.append(attn.mean(dim=(1, 2)) if win is None
-                           else win.received(attn).mean(1))
             st = None if self.adapter is None else self.adapter.stages
+            for l, rec in enumerate(self.trace.blocks):
+                win = None if st is None else st.window(self.trace.start + l)
+                attn = rec.require_attn().detach().to(dt)
+                out.append(attn.mean(dim=(1, 2)) if st is None or win is None
+                           else st.received(attn, self.trace.start + l).mean(1))  # per key
             if st is not None and st.hierarchical:
                 out = [st.carry(a, self.trace.start + l) for l, a in enumerate(out)]
             return torch.stack(out)

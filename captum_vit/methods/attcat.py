@@ -28,6 +28,8 @@ class AttCAT(ScoredAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
+    pools_queries = True  # α per key token of each block (Stages.received)
+
     score_doc = r"""score (str, optional): ``"logit"`` (default, as the paper) or
         ``"probability"``."""
     returns_doc = r"""the signed attribution map in the requested ``output`` format."""

@@ -39,6 +39,8 @@ class AttnGradCAM(HeadsAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
+    pools_queries = True  # the last block read through Stages (pooled query rows)
+
     layer_local = True
     """PLUS evaluates it on a one-block window: the map at block ``l``."""
     per_head = True

@@ -102,6 +102,8 @@ class _TokenCAM(PLUSFastPath, ScoredAttribution):
     Subclasses implement :meth:`cam` only.
     """
 
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
+
     layer_local = True
     """PLUS evaluates it on a one-block window: the map at block ``l``
     (:mod:`captum_vit.combinators`)."""

@@ -151,6 +151,8 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
         >>> paper_eval = TransformerAttribution(model, start_layer=1)
     """
 
+    pools_queries = True  # vector chains through query pooling (Stages.residual)
+
     plus_aggregates = AGGREGATES
 
     def __init__(self, model: nn.Module, start_layer: int = 0) -> None:
@@ -214,6 +216,8 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
             rows, v = {}, w
             for k in reversed(range(len(rel))):
                 v = st.unmerge(v, first + k)  # stages: through the merge (¼ weights)
-                v = v + st.token_mix(v, abar(k), first + k)
+                # query pooling (Hiera): the residual's own token mixing (child shares)
+                v = st.residual(v, first + k, tr.blocks[first + k - tr.start].pool_shares) \
+                    + st.token_mix(v, abar(k), first + k)
                 rows[first + k] = v
             return torch.stack([st.carry(rows[l + s], l + s, split=True) for l in layers])

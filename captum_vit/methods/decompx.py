@@ -162,12 +162,25 @@ class DecompositionOps(Ops):
             v = u.with_bias(v.reshape(b, s, win.num_windows, win.area, -1), p.v_bias)
             v = v.reshape(b, s, win.num_windows, win.area, p.num_heads, p.head_dim)
             mixed = torch.einsum("bhwij,bswjhe->bswihe", attn.to(v.dtype), v)
-            mixed = win.reverse(mixed.reshape(b * s * win.num_windows, win.area, -1))
-            return Decomposed(real, mixed.reshape(b, s, n, p.inner_dim), u.has_bias)
+            pool = getattr(p, "pool", None)  # pooled queries (Hiera): their own windows
+            out = win if pool is None else pool.query_window(win)
+            mixed = out.reverse(mixed.reshape(b * s * win.num_windows, out.area, -1))
+            return Decomposed(real, mixed.reshape(b, s, out.num_tokens, p.inner_dim),
+                              u.has_bias)
         v = F.linear(u.parts, p.v_weight.to(u.parts.dtype))
         v = u.with_bias(v, p.v_bias).reshape(b, s, n, p.num_heads, p.head_dim)
         mixed = torch.einsum("bhij,bsjhe->bsihe", attn.to(v.dtype), v)
         return Decomposed(real, mixed.reshape(b, s, -1, p.inner_dim), u.has_bias)
+
+    def maxpool(self, x: Decomposed, pool: Any) -> Decomposed:
+        """Query pooling's channel-wise maximum (Hiera): piecewise linear, so each channel
+        of a pooled token takes the decomposition of its maximal child (the first on exact
+        ties), every source alike; exact (the parts still sum to the real value)."""
+        kids = pool.children(x.real.device)  # [N', 4]
+        top = x.real[:, kids].argmax(2)  # [B, N', C]
+        parts = x.parts[:, :, kids]  # [B, S, N', 4, C]
+        idx = top[:, None, :, None, :].expand(-1, parts.shape[1], -1, 1, -1)
+        return Decomposed(pool.max(x.real), parts.gather(3, idx).squeeze(3), x.has_bias)
 
     def gather(self, x: Decomposed, merge: Any) -> Decomposed:
         """A patch merge's concatenated children, every source's part alike (Swin)."""
@@ -355,6 +368,8 @@ class DecompX(GradientRoute, PlainAttribution):
         max_memory (int or None, optional): explicit route only: bytes of decomposed
             activations per pass (default 1 GiB); ``None`` = all sources in one pass.
     """
+
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
     conserves = True
     gradient_kind = "decompx"  # PLUS / SkipPLUS: IxG with the linearised backward

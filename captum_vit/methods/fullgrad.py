@@ -102,6 +102,8 @@ class FullGradPlus(ScoredAttribution):
         head_biases (bool, optional): also count the final norm's shift. Default False.
     """
 
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
+
     sums_subnetworks = True
 
     def __init__(self, model: nn.Module, skip: bool = False, *,

@@ -59,6 +59,8 @@ class GAE(PLUSFastPath, HeadsAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
+    pools_queries = True  # vector chains through query pooling (Stages.residual)
+
     plus_aggregates = AGGREGATES
     per_head = True
     """``attribute`` takes ``heads="all"``: one map per head of the last block."""
@@ -112,7 +114,7 @@ class GAE(PLUSFastPath, HeadsAttribution):
             rows, v = {}, w
             for k in reversed(need):
                 v = st.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-                v = v + st.token_mix(v, abar(k), k)
+                v = st.residual(v, k, self._shares.get(k)) + st.token_mix(v, abar(k), k)
                 rows[k] = v
             return torch.stack([st.carry(rows[l], l, split=True) for l in layers])
 
@@ -123,10 +125,11 @@ class GAE(PLUSFastPath, HeadsAttribution):
         w, abar = self._relevance(inputs, target, range(last + 1), score)
         st = self.adapter.stages
         with torch.no_grad():
-            v = w[:, None] + st.token_mix(w, abar(last, per_head=True), last)
+            v = st.residual(w, last, self._shares.get(last))[:, None] \
+                + st.token_mix(w, abar(last, per_head=True), last)
             for k in reversed(range(last)):
                 v = st.unmerge(v, k)
-                v = v + st.token_mix(v, abar(k), k)
+                v = st.residual(v, k, self._shares.get(k)) + st.token_mix(v, abar(k), k)
             return st.carry(v, 0, split=True)
 
     def _relevance(self, inputs: Tensor, target: Tensor | None, need: Sequence[int],
@@ -141,8 +144,12 @@ class GAE(PLUSFastPath, HeadsAttribution):
         # last block's FFN runs on the rows the head reads only.
         explicit = self.adapter.small_attention(inputs)
         kept: dict[int, Any] = {}
+        # query pooling (Hiera): the residual's token mixing (Stages.residual)
+        self._shares: dict[int, Tensor] = {}
 
         def keep(l: int, rec: BlockRecord) -> None:  # A_k, or q, k, v, o (fused)
+            if rec.pool_shares is not None:
+                self._shares[l] = rec.pool_shares
             if l in need:
                 kept[l] = rec.require_attn() if explicit else cast(Heads, rec.heads)
 

@@ -58,6 +58,8 @@ class GradSAM(ScoredAttribution):
         >>> attr = skip.attribute(images, target=labels, output="tokens")
     """
 
+    pools_queries = True  # GAE's per-block rows (Stages.carry_down / carry, ¼ shares)
+
     def __init__(self, model: nn.Module, layers: Iterable[int] | None = None,
                  average: bool = False) -> None:
         if not isinstance(average, bool):

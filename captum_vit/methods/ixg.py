@@ -77,6 +77,8 @@ class TokenIxG(_LayerTerm):
         layer (int, optional): block index ``l`` in ``[0, L]``. Default 0.
     """
 
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
+
     term = gradient_kind = "ixg"  # the PLUS gradient route's kind (GradientRoute)
     allow_end = True
 
@@ -91,6 +93,8 @@ class AttIxG(_LayerTerm):
         model (torch.nn.Module): a supported Vision Transformer.
         layer (int, optional): block index ``l`` in ``[0, L-1]``. Default 0.
     """
+
+    pools_queries = True  # α per key token of each block (Stages.received)
 
     term = gradient_kind = "att_ixg"  # the PLUS gradient route's kind (GradientRoute)
     allow_end = False

@@ -101,8 +101,11 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
             m = pix.new_zeros(pix.shape[0], lay.num_tokens)
             m[:, lay.num_prefix:] = patch_sums(pix, lay)
             return m[None], tr, t
-        maps = torch.stack([(x.detach().to(dt) * g.to(dt)).sum(-1)
-                            for x, g in zip(wrt, grads, strict=True)])
+        # a model with stages (Swin, Hiera): each block input's map on the first grid,
+        # shared among a merged or pooled token's children (the identity otherwise)
+        maps = torch.stack([adapter.stages.carry((x.detach().to(dt) * g.to(dt)).sum(-1), l,
+                                                 split=True)
+                            for l, x, g in zip(layers, wrt, grads, strict=True)])
     return maps, tr, t
 
 
@@ -221,6 +224,8 @@ class CPLRP(_LRPAttribution):
         >>> pix = CPLRP(model, act_rule="gradient", at="pixels").attribute(images)
     """
 
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
+
     def __init__(self, model: nn.Module, act_rule: str = "identity", epsilon: float = 0.0,
                  at: str = "tokens") -> None:
         act_rule = check_choice("act_rule", act_rule, ACT_RULES)
@@ -321,6 +326,8 @@ class AttnLRP(_LRPAttribution):
         ...                    at="pixels")
         >>> pix = lxt_like.attribute(images, target=labels)
     """
+
+    pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
     def __init__(self, model: nn.Module, attention: str = "attnlrp", gamma: float = 0.0,
                  epsilon: float = 0.0, at: str = "tokens",

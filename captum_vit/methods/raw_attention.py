@@ -49,6 +49,8 @@ class RawAttention(PlainAttribution):
     ``source="pool"`` an attention-pool head's map does not depend on the block).
     """
 
+    pools_queries = True  # vector chains through query pooling (Stages.residual_mix)
+
     class_agnostic = True
 
     layer_local = True

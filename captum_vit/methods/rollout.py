@@ -53,6 +53,8 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
             Chefer et al.'s evaluation scripts use 1.
     """
 
+    pools_queries = True  # vector chains through query pooling (Stages.residual_mix)
+
     class_agnostic = True
 
     plus_aggregates = AGGREGATES
@@ -101,11 +103,14 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         w = readout_rows(tr, dtype=dt, target=None if tr.logits is None
                          else resolve_target(target, tr.logits))
         st, n = self.adapter.stages, w.shape[-1]
-        m = st.real_keys(means.pop(last), last) + st.token_eye(last, n, dt, w.device)
+        shares = self._shares
+        m = st.real_keys(means.pop(last), last) + st.residual_mix(last, n, dt, w.device,
+                                                                  shares.get(last))
         v = st.token_mix(w, m / m.sum(-1, keepdim=True), last)  # [B, H, N]
         for k in reversed(range(start_layer, last)):  # stages: through the merges (¼)
             v = st.unmerge(v, k)
-            m = st.real_keys(means.pop(k), k) + st.token_eye(k, n, dt, w.device)
+            m = st.real_keys(means.pop(k), k) + st.residual_mix(k, n, dt, w.device,
+                                                                shares.get(k))
             v = st.token_mix(v, m / m.sum(-1, keepdim=True), k)
         v = st.carry(v, start_layer, split=True)
         return v
@@ -117,8 +122,13 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         as the block has run (streamed, :meth:`ViTAdapter.trace`'s ``on_block``). Block
         ``per_head`` keeps its heads [B, H, N, N] instead of their mean."""
         want, means = set(blocks), {}
+        # query pooling (Hiera): the residual's token mixing, each child's share of the
+        # channels where it is the maximum (Stages.residual_mix)
+        self._shares: dict[int, Tensor] = {}
 
         def keep(l: int, rec: BlockRecord) -> None:
+            if rec.pool_shares is not None:
+                self._shares[l] = rec.pool_shares
             if l == per_head:
                 means[l] = rec.require_attn().to(accumulation_dtype(rec.require_attn()))
             elif l in want:
@@ -178,7 +188,8 @@ class Rollout(PLUSFastPath, ViTGradientAttribution):
         rows, v = {}, w
         for k in reversed(range(min(need), L)):  # r^T M_{L-1} ... M_k, one vector
             v = st.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-            m = st.real_keys(means.pop(k), k) + st.token_eye(k, n, dt, w.device)
+            m = st.real_keys(means.pop(k), k) + st.residual_mix(k, n, dt, w.device,
+                                                                self._shares.get(k))
             v = st.token_mix(v, m / m.sum(-1, keepdim=True), k)
             if k in need:
                 rows[k] = v

@@ -301,6 +301,23 @@ def windowed_methods(*, refused: bool = False) -> list[str]:
     return [e.name for e in _ENTRIES.values() if refuses_windows(e.cls) == refused]
 
 
+def pooling_methods() -> list[str]:
+    """Canonical names of the registered methods that run through query pooling (Hiera),
+    in table order: those whose class declares ``pools_queries = True`` and keeps every
+    token.
+
+    Returns:
+        list[str]: canonical names.
+
+    Examples::
+
+        >>> "decompx" in pooling_methods(), "rollout" in pooling_methods()
+        (True, False)
+    """
+    return [e.name for e in _ENTRIES.values() if getattr(e.cls, "pools_queries", False)
+            and not refuses_windows(e.cls)]
+
+
 def windowed_refusal(method: str, model: str) -> str:
     """The message of a model with windowed attention refusing a method that removes
     tokens: the registered methods that mask pixels instead (the perturbation methods

@@ -102,6 +102,8 @@ class TAM(FeedbackMethod):
         >>> plain = TAM(model, integrated=False).attribute(images, target=labels)
     """
 
+    pools_queries = True  # the σ chain through query pooling (Stages.residual)
+
     def __init__(self, model: nn.Module, start_layer: int | None = None,
                  n_steps: int = N_STEPS, integrated: bool = True,
                  internal_batch_size: int | None = None) -> None:
@@ -195,7 +197,9 @@ class TAM(FeedbackMethod):
             for k in reversed(range(min(starts.values()), L - 1)):
                 a = tr.blocks[k].require_attn().detach().to(dt).mean(1)
                 sigma = st.unmerge(sigma, k)  # stages: through the merge (¼ weights)
-                sigma = sigma + st.token_mix(sigma, a, k)
+                # query pooling (Hiera): the residual's own token mixing (child shares)
+                sigma = st.residual(sigma, k, tr.blocks[k].pool_shares) \
+                    + st.token_mix(sigma, a, k)
                 got[k] = sigma
             # stages: ω (a weight per last-stage token) copied onto the chain's grid
             return torch.stack([st.carry(got.get(starts[l], top) * st.carry(
