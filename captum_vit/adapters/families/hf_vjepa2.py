@@ -52,7 +52,7 @@ Only this file knows V-JEPA 2's attribute names. Verified in the installed trans
   ``layernorm`` is the last encoder block's output norm (:attr:`BlockParts.out_norm`:
   per token, it mixes nothing), ``cross_attention_layer.layer_norm1`` is the head's
   final norm and the cross-attention is an attention-pool head (readout ``"map"``,
-  :class:`~captum_vit.adapters.parts.PoolParts`, as timm's ``map`` pool, SPEC_NEXT §7.3:
+  :class:`~captum_vit.adapters.parts.PoolParts`, as timm's ``map`` pool:
   one more attention layer without identity for the gradient-weighted methods): its
   output projection is the identity and its bias is ℓ (the residual from the query is a
   constant of the input, so DecompX sends it to the bias source and stays complete).
