@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, patch_projection
+from captum_vit.adapters.ops import Ops, patch_projection, tubelet_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
@@ -283,3 +283,103 @@ def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:
     transformers = sys.modules["transformers"]  # imported: the model's class is from it
     return isinstance(model, tuple(getattr(transformers, n) for n in names
                                    if hasattr(transformers, n)))
+
+
+def linear_head(classifier: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
+    """``(weight, bias)`` of a linear ``classifier``; ``(None, None)`` for none or an
+    ``nn.Identity`` (a model built with ``num_labels=0``)."""
+    if isinstance(classifier, nn.Linear):
+        return classifier.weight, classifier.bias
+    return None, None
+
+
+class HFVideoAdapter(ViTAdapter):
+    """What the Hugging Face video adapters (VideoMAE, ViViT, V-JEPA 2, TimeSformer) share:
+    the configuration, one frame's ``(channels, (H, W))`` from ``config.image_size``, the
+    frame count ``config.num_frames``, dropout read from the config fields
+    :attr:`dropout_fields`, and for tubelet models (``tubelet`` frames x ``patch_size``)
+    the layout, the fixed-size input check and the embedding through
+    :func:`~captum_vit.adapters.ops.tubelet_projection`.
+
+    Maps are returned per tubelet: ``output="tokens"`` [B, F·gh·gw], ``"grid"`` [B, 1, F,
+    gh, gw] and pixels shaped like the video [B, T, C, H, W]
+    (:mod:`captum_vit.adapters.layout`).
+    """
+
+    model: ModelTree
+    backbone: ModelTree
+    layers: Any  # the transformer layers, in order
+    tubelet: int
+    patch_size: tuple[int, int]
+
+    video = True
+    dropout_fields: tuple[str, ...] = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+    """The configuration's dropout rates; the model is random in training mode when one
+    is positive."""
+
+    @property
+    def config(self):  # noqa: ANN201 (a transformers configuration)
+        """The model's transformers configuration."""
+        return self.model.config
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        """``(channels, (H, W))`` of one frame (the frame count is :attr:`num_frames`)."""
+        return self.in_chans, pair(self.config.image_size)
+
+    @property
+    def num_frames(self) -> int:
+        """``T``: the frames of a video the model takes (``config.num_frames``)."""
+        return int(self.config.num_frames)
+
+    def is_random(self) -> bool:
+        cfg = self.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0
+                                           for n in self.dropout_fields)
+
+    def check_fixed_video(self, inputs: Tensor) -> None:
+        """Refuse frames of another size than ``image_size`` and another frame count than
+        :attr:`num_frames` (a model with a fixed position table)."""
+        t, (h, w) = inputs.shape[1], tuple(inputs.shape[-2:])
+        size = self.input_shape[1]
+        if (h, w) != size:
+            raise ValueError(f"inputs frame size {(h, w)} does not match the model's fixed "
+                             f"image_size {size}; resize the frames")
+        if t != self.num_frames:
+            raise ValueError(f"inputs have {t} frames but the model takes num_frames="
+                             f"{self.num_frames} (its fixed position table); sample "
+                             f"{self.num_frames} frames from the video")
+
+    def layout(self, inputs: Tensor) -> Layout:
+        t, h, w = (int(s) for s in inputs.shape[-4:-3] + inputs.shape[-2:])
+        ph, pw = self.patch_size
+        frames = t // self.tubelet
+        return Layout(num_prefix=self.num_prefix, grid=(frames * (h // ph), w // pw),
+                      patch_size=(ph, pw), readout=self.readout, num_blocks=self.num_blocks,
+                      num_heads=self.blocks[0].num_heads, image_size=(h, w),
+                      frames=frames, tubelet=self.tubelet)
+
+    def tubelet_embed(self, inputs: Tensor, ops: Ops | None, embeddings: Any,
+                      conv: nn.Module) -> Tensor:
+        """``embeddings(inputs)``; with ``ops`` (:meth:`ViTAdapter.embed`) the embedding of
+        the detached video is the value and the tubelet projection ``p`` (``conv``, a
+        ``Conv3d``, as ``ops.linear`` of the unfolded tubelets,
+        :func:`~captum_vit.adapters.ops.tubelet_projection`) is added to the patch rows as
+        ``p - p.detach()`` (exactly 0): every pixel gradient runs through ``ops.linear``.
+        """
+        if ops is None:
+            return embeddings(inputs)
+        x = embeddings(inputs.detach())
+        p = tubelet_projection(inputs, conv, ops,
+                               f"{type(self.model).__name__} tubelet projection")
+        zero = p - p.detach()
+        if self.num_prefix:
+            zero = F.pad(zero, (0, 0, self.num_prefix, 0))
+        return x + zero
+
+    def head_then_layers(self, *head: nn.Module | None) -> list[list[nn.Parameter]]:
+        """:meth:`ViTAdapter.parameter_stages`: the parameters of the ``head`` modules
+        (``None`` skipped), then each layer's, last first."""
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
+        return stages

@@ -79,10 +79,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
-from captum_vit.adapters.families._hf import is_transformers_model, pair
+from captum_vit.adapters.families._examples import library, transformers_model
+from captum_vit.adapters.families._hf import (
+    HFVideoAdapter,
+    is_transformers_model,
+    linear_head,
+    pair,
+)
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
@@ -282,9 +286,7 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
             attention_type="divided_space_time")
         kwargs.update(extra)
         kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = getattr(transformers, cls_name)(transformers.TimesformerConfig(**kwargs))
-        return randomize_(model, seed).to(dtype).eval()
+        return transformers_model(cls_name, transformers.TimesformerConfig(**kwargs), seed, dtype)
 
     return build
 
@@ -322,7 +324,7 @@ def _fused_qkv(att: ModelTree, d: int) -> tuple[Tensor, ...]:
                                         library="transformers", target="embedding",
                                         suite=False),
     })
-class HFTimesformerAdapter(ViTAdapter):
+class HFTimesformerAdapter(HFVideoAdapter):
     """Canonical view of a Hugging Face ``TimesformerForVideoClassification`` or
     ``TimesformerModel`` (never modified): a divided layer as two blocks with structured
     token maps (module docstring), a joint layer as a plain block.
@@ -350,8 +352,7 @@ class HFTimesformerAdapter(ViTAdapter):
         (4, (4, 2))
     """
 
-    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
-    backbone: ModelTree
+    dropout_fields = ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate")
 
     def __init__(self, model: ModelTree) -> None:
         self.model = model
@@ -452,27 +453,11 @@ class HFTimesformerAdapter(ViTAdapter):
     def _head(self) -> HeadParts:
         """The final ``layernorm`` and the classifier on row 0 (the class token)."""
         classifier = getattr(self.model, "classifier", None)
-        w, b = ((classifier.weight, classifier.bias) if isinstance(classifier, nn.Linear)
-                else (None, None))
+        w, b = linear_head(classifier)
         final = _norm(self.backbone.layernorm, f"{type(self.model).__name__}.layernorm")
         return HeadParts(final, None, ((0, w, b),))
 
     # -- geometry --------------------------------------------------------------------------
-    @property
-    def config(self):  # noqa: ANN201 (a transformers configuration)
-        """The model's ``TimesformerConfig``."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        """``(channels, (H, W))`` of one frame (the frame count is :attr:`num_frames`)."""
-        return self.in_chans, pair(self.config.image_size)
-
-    @property
-    def num_frames(self) -> int:
-        """``T``: the frames of a video the model takes (``config.num_frames``)."""
-        return int(self.config.num_frames)
-
     def check_inputs(self, inputs: Tensor) -> None:
         name = type(self.model).__name__
         if not self.video and inputs.dim() == 5:
@@ -489,11 +474,6 @@ class HFTimesformerAdapter(ViTAdapter):
                              f"num_frames={self.num_frames} (its layers reshape by the "
                              f"configured count); sample {self.num_frames} frames from the "
                              "video")
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
 
     def layout(self, inputs: Tensor) -> Layout:
         self.refresh()

@@ -33,8 +33,8 @@ Only this file knows VideoMAE's attribute names. Verified in the installed trans
   ``layernorm``); a choice of captum_vit. A classifier built with ``num_labels=0`` outputs
   its own ``logits``, ``fc_norm`` of the mean (an ``nn.Identity`` classifier).
 
-Maps are returned per tubelet: ``output="tokens"`` [B, F·gh·gw], ``"grid"`` [B, 1, F, gh,
-gw] and pixels shaped like the video [B, T, C, H, W] (:mod:`captum_vit.adapters.layout`).
+Maps are returned per tubelet, as for every
+:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`.
 """
 
 from __future__ import annotations
@@ -46,12 +46,16 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
-from captum_vit.adapters.families._hf import is_transformers_model, layer_parts, pair
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, tubelet_projection
+from captum_vit.adapters.families._examples import library, transformers_model
+from captum_vit.adapters.families._hf import (
+    HFVideoAdapter,
+    is_transformers_model,
+    layer_parts,
+    linear_head,
+    pair,
+)
+from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
@@ -84,9 +88,7 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
             intermediate_size=64, num_labels=num_classes, qv_bias=True, layer_norm_eps=1e-6)
         kwargs.update(extra)
         kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = getattr(transformers, cls_name)(transformers.VideoMAEConfig(**kwargs))
-        return randomize_(model, seed).to(dtype).eval()
+        return transformers_model(cls_name, transformers.VideoMAEConfig(**kwargs), seed, dtype)
 
     return build
 
@@ -119,7 +121,7 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
                                      (4, 16, 16), library="transformers", target="embedding",
                                      suite=False),
     })
-class HFVideoMAEAdapter(ViTAdapter):
+class HFVideoMAEAdapter(HFVideoAdapter):
     """Canonical view of a Hugging Face ``VideoMAEForVideoClassification`` or
     ``VideoMAEModel`` (never modified): the ViT on tubelet tokens.
 
@@ -145,11 +147,6 @@ class HFVideoMAEAdapter(ViTAdapter):
         >>> a.layout(torch.zeros(1, 4, 3, 32, 32)).grid   # 2 frame slices of 4 x 4
         (8, 4)
     """
-
-    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
-    backbone: ModelTree
-
-    video = True
 
     def __init__(self, model: ModelTree) -> None:
         self.model = model
@@ -178,8 +175,7 @@ class HFVideoMAEAdapter(ViTAdapter):
         :attr:`readout`."""
         model, name = self.model, type(self.model).__name__
         classifier = getattr(model, "classifier", None)
-        w, b = ((classifier.weight, classifier.bias) if isinstance(classifier, nn.Linear)
-                else (None, None))
+        w, b = linear_head(classifier)
         final = self.backbone.layernorm
         fc_norm = getattr(model, "fc_norm", None)
         if final is None:  # use_mean_pooling: the mean of all tokens (no class token)
@@ -189,65 +185,17 @@ class HFVideoMAEAdapter(ViTAdapter):
         self.readout = "token"  # row 0: the first tubelet
         return HeadParts(_norm(final, f"{name}.videomae.layernorm"), None, ((0, w, b),))
 
-    @property
-    def config(self):  # noqa: ANN201 (a transformers configuration)
-        """The model's ``VideoMAEConfig``."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        """``(channels, (H, W))`` of one frame (the frame count is
-        :attr:`num_frames`)."""
-        return self.in_chans, pair(self.config.image_size)
-
-    @property
-    def num_frames(self) -> int:
-        """``T``: the frames of a video the model takes (its position table's)."""
-        return int(self.config.num_frames)
-
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        t, (h, w) = inputs.shape[1], tuple(inputs.shape[-2:])
-        size = self.input_shape[1]
-        if (h, w) != size:
-            raise ValueError(f"inputs frame size {(h, w)} does not match the model's fixed "
-                             f"image_size {size}; resize the frames")
-        if t != self.num_frames:
-            raise ValueError(f"inputs have {t} frames but the model takes num_frames="
-                             f"{self.num_frames} (its fixed position table); sample "
-                             f"{self.num_frames} frames from the video")
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        t, h, w = (int(s) for s in inputs.shape[-4:-3] + inputs.shape[-2:])
-        ph, pw = self.patch_size
-        frames = t // self.tubelet
-        return Layout(num_prefix=0, grid=(frames * (h // ph), w // pw), patch_size=(ph, pw),
-                      readout=self.readout, num_blocks=self.num_blocks,
-                      num_heads=self.blocks[0].num_heads, image_size=(h, w),
-                      frames=frames, tubelet=self.tubelet)
+        self.check_fixed_video(inputs)
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's own ``embeddings(pixel_values, None)`` (tubelet projection plus the
-        sinusoid table).
-
-        With ``ops`` (:meth:`ViTAdapter.embed`) the model's embedding of the detached
-        video is the value and the tubelet projection ``p``, the ``Conv3d`` as
-        ``ops.linear`` of the unfolded tubelets (:func:`tubelet_projection`), is added as
-        ``p - p.detach()`` (exactly 0): every pixel gradient runs through ``ops.linear``.
-        """
+        sinusoid table); with ``ops`` as :meth:`HFVideoAdapter.tubelet_embed
+        <captum_vit.adapters.families._hf.HFVideoAdapter.tubelet_embed>`."""
         emb = self.backbone.embeddings
-        if ops is None:
-            return emb(inputs, None)
-        x = emb(inputs.detach(), None)
-        conv = emb.patch_embeddings.projection
-        p = tubelet_projection(inputs, conv, ops,
-                               f"{type(self.model).__name__} tubelet projection")
-        return x + (p - p.detach())
+        return self.tubelet_embed(inputs, ops, lambda x: emb(x, None),
+                                  emb.patch_embeddings.projection)
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The logits; for an embedding model the pooled vector (module docstring)."""
@@ -258,9 +206,5 @@ class HFVideoMAEAdapter(ViTAdapter):
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
         m = self.model
-        head = [self.backbone.layernorm, getattr(m, "fc_norm", None),
-                getattr(m, "classifier", None)]
-        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
-        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
-        return stages
-
+        return self.head_then_layers(self.backbone.layernorm, getattr(m, "fc_norm", None),
+                                     getattr(m, "classifier", None))

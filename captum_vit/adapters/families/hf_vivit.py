@@ -36,8 +36,8 @@ Only this file knows ViViT's attribute names. Verified in the installed transfor
   0]`` (a choice of captum_vit: what the classifier reads). The pooler is the head's
   representation layer (:class:`~captum_vit.adapters.parts.PreLogitsHeadParts`).
 
-Maps are returned per tubelet: ``output="tokens"`` [B, F·gh·gw], ``"grid"`` [B, 1, F, gh,
-gw] and pixels shaped like the video [B, T, C, H, W] (:mod:`captum_vit.adapters.layout`).
+Maps are returned per tubelet, as for every
+:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`.
 """
 
 from __future__ import annotations
@@ -46,16 +46,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
-from captum_vit.adapters.families._hf import encoder_blocks, is_transformers_model, pair
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, tubelet_projection
+from captum_vit.adapters.families._examples import library, transformers_model
+from captum_vit.adapters.families._hf import (
+    HFVideoAdapter,
+    encoder_blocks,
+    is_transformers_model,
+    linear_head,
+)
+from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PreLogitsHeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
@@ -88,9 +90,7 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
             intermediate_size=64, num_labels=num_classes)
         kwargs.update(extra)
         kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = getattr(transformers, cls_name)(transformers.VivitConfig(**kwargs))
-        return randomize_(model, seed).to(dtype).eval()
+        return transformers_model(cls_name, transformers.VivitConfig(**kwargs), seed, dtype)
 
     return build
 
@@ -115,7 +115,7 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
         "hf_vivit_model": Example(_example("VivitModel"), (4, 16, 16), library="transformers",
                                   target="embedding", suite=False),
     })
-class HFVivitAdapter(ViTAdapter):
+class HFVivitAdapter(HFVideoAdapter):
     """Canonical view of a Hugging Face ``VivitForVideoClassification`` or ``VivitModel``
     (never modified): the ViT with a class token on tubelet tokens.
 
@@ -140,11 +140,6 @@ class HFVivitAdapter(ViTAdapter):
         >>> a.layout(torch.zeros(1, 4, 3, 32, 32)).grid   # 2 frame slices of 4 x 4
         (8, 4)
     """
-
-    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
-    backbone: ModelTree
-
-    video = True
 
     def __init__(self, model: ModelTree) -> None:
         self.model = model
@@ -172,8 +167,7 @@ class HFVivitAdapter(ViTAdapter):
         norm = _norm(self.backbone.layernorm, f"{name}.layernorm")
         classifier = getattr(model, "classifier", None)
         if classifier is not None:
-            w, b = ((classifier.weight, classifier.bias) if isinstance(classifier, nn.Linear)
-                    else (None, None))
+            w, b = linear_head(classifier)
             return HeadParts(norm, None, ((0, w, b),))
         pooler = getattr(model, "pooler", None)
         if pooler is None:
@@ -185,21 +179,6 @@ class HFVivitAdapter(ViTAdapter):
         return PreLogitsHeadParts(norm, None, ((0, None, None),),
                                   pre_logits=(dense.weight, dense.bias, act))
 
-    @property
-    def config(self):  # noqa: ANN201 (a transformers configuration)
-        """The model's ``VivitConfig``."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        """``(channels, (H, W))`` of one frame (the frame count is :attr:`num_frames`)."""
-        return self.in_chans, pair(self.config.image_size)
-
-    @property
-    def num_frames(self) -> int:
-        """``T``: the frames of a video the model takes (its position table's)."""
-        return int(self.config.num_frames)
-
     def check_inputs(self, inputs: Tensor) -> None:
         if inputs.dim() != 5:
             raise ValueError(f"inputs of shape {tuple(inputs.shape)} are not a video batch: "
@@ -207,49 +186,15 @@ class HFVivitAdapter(ViTAdapter):
                              f"{self.num_frames} frames (an image batch [B, C, H, W] needs "
                              "frames: e.g. x[:, None].repeat(1, T, 1, 1, 1))")
         super().check_inputs(inputs)
-        t, (h, w) = inputs.shape[1], tuple(inputs.shape[-2:])
-        size = self.input_shape[1]
-        if (h, w) != size:
-            raise ValueError(f"inputs frame size {(h, w)} does not match the model's fixed "
-                             f"image_size {size}; resize the frames")
-        if t != self.num_frames:
-            raise ValueError(f"inputs have {t} frames but the model takes num_frames="
-                             f"{self.num_frames} (its fixed position table); sample "
-                             f"{self.num_frames} frames from the video")
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        t, h, w = (int(s) for s in inputs.shape[-4:-3] + inputs.shape[-2:])
-        ph, pw = self.patch_size
-        frames = t // self.tubelet
-        return Layout(num_prefix=1, grid=(frames * (h // ph), w // pw), patch_size=(ph, pw),
-                      readout=self.readout, num_blocks=self.num_blocks,
-                      num_heads=self.blocks[0].num_heads, image_size=(h, w),
-                      frames=frames, tubelet=self.tubelet)
+        self.check_fixed_video(inputs)
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's own ``embeddings(pixel_values)`` (class token, tubelet projection,
-        position table).
-
-        With ``ops`` (:meth:`ViTAdapter.embed`) the model's embedding of the detached
-        video is the value and the tubelet projection ``p`` (the ``Conv3d`` as
-        ``ops.linear`` of the unfolded tubelets,
-        :func:`~captum_vit.adapters.ops.tubelet_projection`) is added to the patch rows
-        as ``p - p.detach()`` (exactly 0): every pixel gradient runs through
-        ``ops.linear``.
-        """
+        position table); with ``ops`` as :meth:`HFVideoAdapter.tubelet_embed
+        <captum_vit.adapters.families._hf.HFVideoAdapter.tubelet_embed>` (the class token's
+        row gets no projection)."""
         emb = self.backbone.embeddings
-        if ops is None:
-            return emb(inputs)
-        x = emb(inputs.detach())
-        conv = emb.patch_embeddings.projection
-        p = tubelet_projection(inputs, conv, ops,
-                               f"{type(self.model).__name__} tubelet projection")
-        return x + F.pad(p - p.detach(), (0, 0, 1, 0))
+        return self.tubelet_embed(inputs, ops, emb, emb.patch_embeddings.projection)
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The logits; for a ``VivitModel`` its ``pooler_output`` (the normed CLS row
@@ -262,8 +207,5 @@ class HFVivitAdapter(ViTAdapter):
 
     def parameter_stages(self) -> list[list[nn.Parameter]]:
         m = self.model
-        head = [self.backbone.layernorm, getattr(m, "pooler", None),
-                getattr(m, "classifier", None)]
-        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
-        stages += [list(layer.parameters()) for layer in reversed(self.layers)]
-        return stages
+        return self.head_then_layers(self.backbone.layernorm, getattr(m, "pooler", None),
+                                     getattr(m, "classifier", None))

@@ -57,8 +57,8 @@ Only this file knows V-JEPA 2's attribute names. Verified in the installed trans
   output projection is the identity and its bias is ℓ (the residual from the query is a
   constant of the input, so DecompX sends it to the bias source and stays complete).
 
-Maps are returned per tubelet: ``output="tokens"`` [B, F·gh·gw], ``"grid"`` [B, 1, F, gh,
-gw] and pixels shaped like the video [B, T, C, H, W] (:mod:`captum_vit.adapters.layout`).
+Maps are returned per tubelet, as for every
+:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`.
 """
 
 from __future__ import annotations
@@ -72,12 +72,15 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
-from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import library, randomize_
-from captum_vit.adapters.families._hf import is_transformers_model, layer_parts, pair
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, tubelet_projection
+from captum_vit.adapters.families._hf import (
+    HFVideoAdapter,
+    is_transformers_model,
+    layer_parts,
+    pair,
+)
+from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
@@ -146,7 +149,7 @@ def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
         "hf_vjepa2_model": Example(_example("VJEPA2Model"), (4, 16, 16),
                                    library="transformers", target="embedding", suite=False),
     })
-class HFVJEPA2Adapter(ViTAdapter):
+class HFVJEPA2Adapter(HFVideoAdapter):
     """Canonical view of a Hugging Face ``VJEPA2ForVideoClassification`` or
     ``VJEPA2Model`` (never modified): a ViT without class token on tubelet tokens with a
     3-D RoPE, and the classifier's attentive pooler (module docstring).
@@ -174,10 +177,7 @@ class HFVJEPA2Adapter(ViTAdapter):
         (8, 4)
     """
 
-    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
-    backbone: ModelTree
-
-    video = True
+    dropout_fields = ("attention_probs_dropout_prob", "attention_dropout", "drop_path_rate")
 
     def __init__(self, model: ModelTree) -> None:
         self.model = model
@@ -278,11 +278,6 @@ class HFVJEPA2Adapter(ViTAdapter):
             self.head = self._head()
 
     @property
-    def config(self):  # noqa: ANN201 (a transformers configuration)
-        """The model's ``VJEPA2Config``."""
-        return self.model.config
-
-    @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
         """``(channels, (H, W))`` of one frame (``crop_size``)."""
         return self.in_chans, pair(self.config.crop_size)
@@ -313,36 +308,12 @@ class HFVJEPA2Adapter(ViTAdapter):
                              f"model: pass x.repeat(1, {self.tubelet}, 1, 1, 1) for one "
                              "frame; sample or trim the frames otherwise)")
 
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "attention_probs_dropout_prob", "attention_dropout", "drop_path_rate"))
-
-    def layout(self, inputs: Tensor) -> Layout:
-        t, h, w = (int(s) for s in inputs.shape[-4:-3] + inputs.shape[-2:])
-        ph, pw = self.patch_size
-        frames = t // self.tubelet
-        return Layout(num_prefix=0, grid=(frames * (h // ph), w // pw), patch_size=(ph, pw),
-                      readout=self.readout, num_blocks=self.num_blocks,
-                      num_heads=self.blocks[0].num_heads, image_size=(h, w),
-                      frames=frames, tubelet=self.tubelet)
-
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's own ``encoder.embeddings(pixel_values_videos)`` (the tubelet
-        projection; no position table).
-
-        With ``ops`` (:meth:`ViTAdapter.embed`) the model's embedding of the detached
-        video is the value and the tubelet projection ``p`` as ``ops.linear``
-        (:func:`~captum_vit.adapters.ops.tubelet_projection`) is added as
-        ``p - p.detach()`` (exactly 0): every pixel gradient runs through ``ops.linear``.
-        """
+        projection; no position table); with ``ops`` as :meth:`HFVideoAdapter.tubelet_embed
+        <captum_vit.adapters.families._hf.HFVideoAdapter.tubelet_embed>`."""
         emb = self.backbone.encoder.embeddings
-        if ops is None:
-            return emb(inputs)
-        x = emb(inputs.detach())
-        p = tubelet_projection(inputs, emb.patch_embeddings.proj, ops,
-                               f"{type(self.model).__name__} tubelet projection")
-        return x + (p - p.detach())
+        return self.tubelet_embed(inputs, ops, emb, emb.patch_embeddings.proj)
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The logits; for a ``VJEPA2Model`` the token mean of its ``last_hidden_state``
