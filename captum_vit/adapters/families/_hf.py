@@ -129,13 +129,17 @@ def encoder_blocks(layers: Sequence[nn.Module], cfg: Any, name: str) -> list[Blo
             for i, layer in enumerate(layers)]
 
 
-class HFPatchGrid(ViTAdapter):
-    """The geometry shared by the Hugging Face adapters with a fixed patch size (ViT, DeiT,
-    DINOv2, BEiT, CLIP/SigLIP towers, YOLOS): the configuration, the input shape and its
-    check, the dropout test and the token layout. A subclass sets :attr:`model`,
-    ``in_chans``, ``num_prefix``, ``readout`` and the blocks."""
+class HFConfigured(ViTAdapter):
+    """What every Hugging Face adapter built on :class:`HFPatchGrid` or
+    :class:`HFVideoAdapter` reads from ``model.config``: the configuration itself, the
+    input shape from ``image_size`` and the dropout test on :attr:`dropout_fields`."""
 
     model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    dropout_fields: tuple[str, ...] = ("hidden_dropout_prob", "attention_probs_dropout_prob",
+                                       "drop_path_rate")
+    """The configuration's dropout rates; the model is random in training mode when one
+    is positive."""
 
     @property
     def config(self) -> Any:
@@ -144,16 +148,25 @@ class HFPatchGrid(ViTAdapter):
 
     @property
     def input_shape(self) -> tuple[int, tuple[int, int]]:
+        """``(channels, (H, W))`` (of one frame for a video model: the frame count is
+        ``num_frames``)."""
         return self.in_chans, pair(self.config.image_size)
+
+    def is_random(self) -> bool:
+        cfg = self.config
+        return self.model.training and any(getattr(cfg, n, 0) > 0
+                                           for n in self.dropout_fields)
+
+
+class HFPatchGrid(HFConfigured):
+    """The geometry shared by the Hugging Face adapters with a fixed patch size (ViT, DeiT,
+    DINOv2, BEiT, CLIP/SigLIP towers, YOLOS): the input check and the token layout. A
+    subclass sets :attr:`model`, ``in_chans``, ``num_prefix``, ``readout`` and the
+    blocks."""
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
         self.check_patch_multiple(inputs, pair(self.config.patch_size))
-
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]
@@ -293,20 +306,17 @@ def linear_head(classifier: nn.Module | None) -> tuple[Tensor | None, Tensor | N
     return None, None
 
 
-class HFVideoAdapter(ViTAdapter):
+class HFVideoAdapter(HFConfigured):
     """What the Hugging Face video adapters (VideoMAE, ViViT, V-JEPA 2, TimeSformer) share:
-    the configuration, one frame's ``(channels, (H, W))`` from ``config.image_size``, the
-    frame count ``config.num_frames``, dropout read from the config fields
-    :attr:`dropout_fields`, and for tubelet models (``tubelet`` frames x ``patch_size``)
-    the layout, the fixed-size input check and the embedding through
-    :func:`~captum_vit.adapters.ops.tubelet_projection`.
+    the frame count ``config.num_frames``, the classifier check, and for tubelet models
+    (``tubelet`` frames x ``patch_size``) the layout, the fixed-size input check and the
+    embedding through :func:`~captum_vit.adapters.ops.tubelet_projection`.
 
     Maps are returned per tubelet: ``output="tokens"`` [B, F·gh·gw], ``"grid"`` [B, 1, F,
     gh, gw] and pixels shaped like the video [B, T, C, H, W]
     (:mod:`captum_vit.adapters.layout`).
     """
 
-    model: ModelTree
     backbone: ModelTree
     layers: Any  # the transformer layers, in order
     tubelet: int
@@ -314,28 +324,25 @@ class HFVideoAdapter(ViTAdapter):
 
     video = True
     dropout_fields: tuple[str, ...] = ("hidden_dropout_prob", "attention_probs_dropout_prob")
-    """The configuration's dropout rates; the model is random in training mode when one
-    is positive."""
-
-    @property
-    def config(self):  # noqa: ANN201 (a transformers configuration)
-        """The model's transformers configuration."""
-        return self.model.config
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        """``(channels, (H, W))`` of one frame (the frame count is :attr:`num_frames`)."""
-        return self.in_chans, pair(self.config.image_size)
 
     @property
     def num_frames(self) -> int:
         """``T``: the frames of a video the model takes (``config.num_frames``)."""
         return int(self.config.num_frames)
 
-    def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0
-                                           for n in self.dropout_fields)
+    def read_classifier(self, family: str) -> None:
+        """Set :attr:`embedding`: the model has no ``classifier``, or an ``nn.Identity`` one
+        (built with ``num_labels=0``).
+
+        Raises:
+            TypeError: a classifier other than the linear one of ``family``.
+        """
+        classifier = getattr(self.model, "classifier", None)
+        if classifier is not None and not isinstance(classifier, nn.Linear | nn.Identity):
+            raise TypeError(f"{type(self.model).__name__}.classifier is "
+                            f"{type(classifier).__name__}; captum_vit supports {family}'s "
+                            "linear classifier")
+        self.embedding = classifier is None or isinstance(classifier, nn.Identity)
 
     def check_fixed_video(self, inputs: Tensor) -> None:
         """Refuse frames of another size than ``image_size`` and another frame count than

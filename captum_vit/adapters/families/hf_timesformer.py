@@ -371,11 +371,7 @@ class HFTimesformerAdapter(HFVideoAdapter):
         self.num_prefix = 1
         self.readout = "token"
         self.patch_size = pair(cfg.patch_size)
-        classifier = getattr(model, "classifier", None)
-        self.embedding = classifier is None or isinstance(classifier, nn.Identity)
-        if classifier is not None and not isinstance(classifier, nn.Linear | nn.Identity):
-            raise TypeError(f"{name}.classifier is {type(classifier).__name__}; captum_vit "
-                            "supports TimeSformer's linear classifier")
+        self.read_classifier("TimeSformer")
         self._key: tuple = ()
         self.refresh()
 

@@ -163,11 +163,7 @@ class HFVideoMAEAdapter(HFVideoAdapter):
         self.num_prefix = 0
         self.tubelet = int(cfg.tubelet_size)
         self.patch_size = pair(cfg.patch_size)
-        classifier = getattr(model, "classifier", None)
-        self.embedding = classifier is None or isinstance(classifier, nn.Identity)
-        if classifier is not None and not isinstance(classifier, nn.Linear | nn.Identity):
-            raise TypeError(f"{name}.classifier is {type(classifier).__name__}; captum_vit "
-                            "supports VideoMAE's linear classifier")
+        self.read_classifier("VideoMAE")
         self.head = self._head()
 
     def _head(self) -> HeadParts:

@@ -36,8 +36,8 @@ Only this file knows ViViT's attribute names. Verified in the installed transfor
   0]`` (a choice of captum_vit: what the classifier reads). The pooler is the head's
   representation layer (:class:`~captum_vit.adapters.parts.PreLogitsHeadParts`).
 
-Maps are returned per tubelet, as for every
-:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`.
+Maps are returned per tubelet, as VideoMAE's
+(:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`).
 """
 
 from __future__ import annotations
@@ -153,11 +153,7 @@ class HFVivitAdapter(HFVideoAdapter):
         self.readout = "token"
         t, ph, pw = (int(s) for s in cfg.tubelet_size)
         self.tubelet, self.patch_size = t, (ph, pw)
-        classifier = getattr(model, "classifier", None)
-        if classifier is not None and not isinstance(classifier, nn.Linear | nn.Identity):
-            raise TypeError(f"{name}.classifier is {type(classifier).__name__}; captum_vit "
-                            "supports ViViT's linear classifier")
-        self.embedding = classifier is None or isinstance(classifier, nn.Identity)
+        self.read_classifier("ViViT")
         self.head = self._head()
 
     def _head(self) -> HeadParts:

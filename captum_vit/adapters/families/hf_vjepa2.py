@@ -57,8 +57,8 @@ Only this file knows V-JEPA 2's attribute names. Verified in the installed trans
   output projection is the identity and its bias is ℓ (the residual from the query is a
   constant of the input, so DecompX sends it to the bias source and stays complete).
 
-Maps are returned per tubelet, as for every
-:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`.
+Maps are returned per tubelet, as VideoMAE's
+(:class:`~captum_vit.adapters.families._hf.HFVideoAdapter`).
 """
 
 from __future__ import annotations
