@@ -28,6 +28,7 @@ from captum_vit.metrics import (
 )
 from captum_vit.registry import available_methods, build_method
 from tests.contract.test_contract import FAST
+from tests.families._video import video as _video
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -46,11 +47,6 @@ CONFIGS = {  # name -> (family, config overrides)
     "model_mean": ("hf_videomae_model", {}),
     "model_token": ("hf_videomae_model", {"use_mean_pooling": False}),
 }
-
-
-def _video(batch: int = 2, frames: int = 4, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, frames, 3, 16, 16, generator=g, dtype=torch.float64)
 
 
 def _reference(model: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None):

@@ -10,10 +10,13 @@ import torch
 from torch import nn
 
 from captum_vit import DecompX, EmbeddingTarget
-from captum_vit.adapters import adapt, catalog
+from captum_vit.adapters import adapt
 from captum_vit.adapters.families.hf_vivit import HFVivitAdapter
 from captum_vit.registry import available_methods, build_method
 from tests.contract.test_contract import FAST
+from tests.families._video import assert_refuses_other_layouts
+from tests.families._video import example_model as _build
+from tests.families._video import video as _video
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -21,11 +24,6 @@ from tests.helpers import (
     needs_transformers,
     snapshot,
 )
-
-
-def _build(family: str, **overrides) -> nn.Module:
-    """The catalogue's example ``family`` with config ``overrides``."""
-    return catalog.example(family)[1].model(**overrides)
 
 pytestmark = needs_transformers
 METHODS = available_methods(compositions=True)
@@ -36,11 +34,6 @@ CONFIGS = {  # name -> (example, overrides, frames)
     "model_pooler": ("hf_vivit_model", {}, 4),
     "model_pooler_t2": ("hf_vivit_model", {"num_frames": 2}, 2),
 }
-
-
-def _video(batch: int = 2, frames: int = 4, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, frames, 3, 16, 16, generator=g, dtype=torch.float64)
 
 
 def _own(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -203,10 +196,7 @@ def test_clear_errors_and_the_model_unchanged():
     gae = build_method("gae", model)
     with pytest.raises(ValueError, match=r"3 frames but the model takes num_frames=4"):
         gae.attribute(_video(frames=3), target=0)
-    with pytest.raises(ValueError, match=r"\[B, C, T, H, W\].*permute\(0, 2, 1, 3, 4\)"):
-        gae.attribute(_video().permute(0, 2, 1, 3, 4).contiguous(), target=0)
-    with pytest.raises(ValueError, match=r"images \[B, C, H, W\] is not a video"):
-        gae.attribute(_video()[:, 0], target=0)
+    assert_refuses_other_layouts(gae, _video())
     with pytest.raises(ValueError, match=r"frame size \(24, 24\).*image_size"):
         gae.attribute(torch.zeros(1, 4, 3, 24, 24, dtype=torch.float64), target=0)
     assert_unchanged(model, before)

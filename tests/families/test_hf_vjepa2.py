@@ -17,9 +17,12 @@ import torch
 from torch import nn
 
 from captum_vit import GAE, AttnGradCAM, DecompX, EmbeddingTarget, RawAttention, Rollout
-from captum_vit.adapters import adapt, catalog
+from captum_vit.adapters import adapt
 from captum_vit.adapters.families.hf_vjepa2 import HFVJEPA2Adapter
 from captum_vit.registry import build_method
+from tests.families._video import assert_refuses_other_layouts
+from tests.families._video import example_model as _build
+from tests.families._video import video as _video
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -29,15 +32,6 @@ from tests.helpers import (
 )
 
 pytestmark = needs_transformers
-
-
-def _build(family: str, **overrides) -> nn.Module:
-    return catalog.example(family)[1].model(**overrides)
-
-
-def _video(batch: int = 2, frames: int = 4, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, frames, 3, 16, 16, generator=g, dtype=torch.float64)
 
 
 def _encoder(model: nn.Module) -> nn.Module:
@@ -287,10 +281,7 @@ def test_clear_errors_and_the_model_unchanged():
         gae.attribute(_video(frames=3), target=0)
     with pytest.raises(ValueError, match=r"1 frames.*x.repeat\(1, 2, 1, 1, 1\)"):
         gae.attribute(_video(frames=1), target=0)
-    with pytest.raises(ValueError, match=r"\[B, C, T, H, W\].*permute\(0, 2, 1, 3, 4\)"):
-        gae.attribute(_video().permute(0, 2, 1, 3, 4).contiguous(), target=0)
-    with pytest.raises(ValueError, match=r"images \[B, C, H, W\] is not a video"):
-        gae.attribute(_video()[:, 0], target=0)
+    assert_refuses_other_layouts(gae, _video())
     with pytest.raises(ValueError, match=r"frame size \(24, 24\).*crop_size"):
         gae.attribute(torch.zeros(1, 4, 3, 24, 24, dtype=torch.float64), target=0)
     assert_unchanged(model, before)
