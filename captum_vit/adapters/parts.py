@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -1033,3 +1033,41 @@ def _detached(parts: Any) -> Any:
         changes["post_add"] = lambda positions, n: post(positions, n).detach()
     return dataclasses.replace(parts, **changes)
 
+
+
+@overload
+def rotary_rows(positions: None, seq_len: int, num_prefix: int, num: int,
+                device: torch.device) -> None: ...
+
+
+@overload
+def rotary_rows(positions: Tensor, seq_len: int, num_prefix: int, num: int,
+                device: torch.device) -> Tensor: ...
+
+
+def rotary_rows(positions: Tensor | None, seq_len: int, num_prefix: int, num: int,
+                device: torch.device) -> Tensor | None:
+    """The row of a rotary table of ``num`` patch rows (that of the last embedded input)
+    for each patch row of a sequence of ``seq_len`` tokens, the first ``num_prefix`` of
+    them unrotated: ``None`` for the full sequence (``positions`` ``None``; it must hold
+    ``num`` patch rows), else the original patch index [B, n - num_prefix] of each kept
+    token (``positions`` [B, n], the tokens' original indices), on ``device``.
+
+    Raises:
+        ValueError: a sequence or positions that the table does not cover.
+    """
+    k = num_prefix
+    if positions is None:
+        if seq_len - k != num:
+            raise ValueError(
+                f"the rotary embedding of the last embedded input covers {num} patch "
+                f"tokens but this sequence has {seq_len - k}; embed these images "
+                "with adapter.embed first, or pass the kept tokens' positions")
+        return None
+    idx = positions[:, k:].to(device) - k  # original patch index of each row
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num):
+        raise ValueError(
+            f"token positions {int(idx.min()) + k}..{int(idx.max()) + k} fall "
+            f"outside the {num} patch tokens of the last embedded input; embed "
+            "the images of these tokens with adapter.embed first")
+    return idx

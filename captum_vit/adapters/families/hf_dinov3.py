@@ -58,7 +58,7 @@ from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import library, transformers_model
 from captum_vit.adapters.families._hf import HFPatchGrid, encoder_blocks, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import HeadParts
+from captum_vit.adapters.parts import HeadParts, rotary_rows
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("DINOv3ViTModel",)
@@ -171,22 +171,13 @@ class HFDinov3Adapter(HFPatchGrid):
         cos, sin = self._rope
         k, num = self.num_prefix, cos.shape[0]
         if positions is None:
-            if h.shape[2] - k != num:
-                raise ValueError(
-                    f"the rotary embedding of the last embedded input covers {num} patch "
-                    f"tokens but this sequence has {h.shape[2] - k}; embed these images "
-                    "with adapter.embed first, or pass the kept tokens' positions")
+            rotary_rows(None, h.shape[2], k, num, cos.device)
         else:
             cached = self._gathered
             if cached is not None and cached[0] is positions and cached[1] is cos:
                 cos, sin = cached[2], cached[3]
             else:
-                idx = positions[:, k:].to(cos.device) - k  # original patch index of each row
-                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num):
-                    raise ValueError(
-                        f"token positions {int(idx.min()) + k}..{int(idx.max()) + k} fall "
-                        f"outside the {num} patch tokens of the last embedded input; embed "
-                        "the images of these tokens with adapter.embed first")
+                idx = rotary_rows(positions, h.shape[2], k, num, cos.device)
                 gathered = (cos[idx].unsqueeze(1), sin[idx].unsqueeze(1))  # [B, 1, n-K, d]
                 self._gathered = (positions, cos, *gathered)
                 cos, sin = gathered

@@ -77,7 +77,7 @@ from captum_vit.adapters.families._timm import (
 )
 from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.ops import Ops
-from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, rotary_rows
 
 
 def _gated_acts() -> tuple[type, ...]:
@@ -289,23 +289,14 @@ class TimmEvaAdapter(TimmViTBase):
         num, table = self._table()
         table = table.to(h.device)
         if positions is None:
-            if h.shape[2] - k != num:
-                raise ValueError(
-                    f"the rotary embedding of the last embedded input covers {num} patch "
-                    f"tokens but this sequence has {h.shape[2] - k}; embed these images "
-                    "with adapter.embed first, or pass the kept tokens' positions")
+            rotary_rows(None, h.shape[2], k, num, h.device)
             rope = table
         else:
             cached = self._gathered
             if cached is not None and cached[0] is positions and cached[1] is table:
                 rope = cached[2]
             else:
-                idx = positions[:, k:].to(h.device) - k  # original patch index of each row
-                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num):
-                    raise ValueError(
-                        f"token positions {int(idx.min()) + k}..{int(idx.max()) + k} fall "
-                        f"outside the {num} patch tokens of the last embedded input; embed "
-                        "the images of these tokens with adapter.embed first")
+                idx = rotary_rows(positions, h.shape[2], k, num, h.device)
                 rope = apply_keep_indices_nlc(h, table, idx).unsqueeze(1)  # [B, 1, n-K, 2d]
                 self._gathered = (positions, table, rope)
         rotated = apply_rot_embed_cat(h[:, :, k:], rope, half=half)
