@@ -3,11 +3,16 @@ their catalogue examples take 16 x 16 frames."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 from captum_vit.adapters import catalog
+from captum_vit.registry import build_method
+from tests.contract.test_contract import FAST
+from tests.helpers import assert_close_scaled, assert_unchanged, snapshot
 
 
 def example_model(family: str, **overrides) -> nn.Module:
@@ -28,3 +33,27 @@ def assert_refuses_other_layouts(method, x: torch.Tensor) -> None:
         method.attribute(x.permute(0, 2, 1, 3, 4).contiguous(), target=0)
     with pytest.raises(ValueError, match=r"images \[B, C, H, W\] is not a video"):
         method.attribute(x[:, 0], target=0)
+
+
+def assert_one_slice_twin_maps(name: str, model: nn.Module, twin: nn.Module,
+                               twin_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Method ``name`` (the contract suite's fast options) gives a one-slice video
+    (T = t = 1) of ``model`` the maps of its frame under the image ``twin``, tokens and
+    pixels, to 1e-10 of the map's largest magnitude (of ``twin_logits``' for a
+    rounding-sized map); RISE and ViT-CX run on the twin with ``removal="tokens"`` (they
+    mask tubelets on videos). ``model`` stays unchanged."""
+    x = video(frames=1)
+    before = snapshot(model)
+    kw = dict(FAST.get(name, {}))
+    if name in ("rise", "vit_cx"):
+        kw["removal"] = "tokens"
+    ours = build_method(name, model).attribute(x, target=[1, 3], output="tokens", **kw)
+    ref = build_method(name, twin).attribute(x[:, 0], target=[1, 3], output="tokens", **kw)
+    assert ours.shape == ref.shape == (2, 4)
+    scale = None if ref.abs().max() > 1e-10 else twin_logits(x[:, 0]).abs().max().item()
+    assert_close_scaled(ours, ref, rel=1e-10, scale=scale, msg=name)
+    pixels = build_method(name, model).attribute(x, target=[1, 3], **kw)
+    ref_pixels = build_method(name, twin).attribute(x[:, 0], target=[1, 3], **kw)
+    assert pixels.shape == x.shape
+    assert_close_scaled(pixels[:, 0], ref_pixels, rel=1e-10, scale=scale, msg=name)
+    assert_unchanged(model, before)

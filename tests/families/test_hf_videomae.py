@@ -28,6 +28,7 @@ from captum_vit.metrics import (
 )
 from captum_vit.registry import available_methods, build_method
 from tests.contract.test_contract import FAST
+from tests.families._video import assert_one_slice_twin_maps
 from tests.families._video import video as _video
 from tests.helpers import (
     assert_close_scaled,
@@ -170,21 +171,7 @@ def test_one_slice_video_gets_the_timm_twins_maps(name):
     tubelets on videos (true token removal), so the twin runs them with
     ``removal="tokens"``."""
     vm, twin = _one_slice_pair()
-    x = _video(frames=1)
-    before = snapshot(vm)
-    kw = dict(FAST.get(name, {}))
-    if name in ("rise", "vit_cx"):
-        kw["removal"] = "tokens"
-    ours = build_method(name, vm).attribute(x, target=[1, 3], output="tokens", **kw)
-    ref = build_method(name, twin).attribute(x[:, 0], target=[1, 3], output="tokens", **kw)
-    assert ours.shape == ref.shape == (2, 4)
-    scale = None if ref.abs().max() > 1e-10 else twin(x[:, 0]).abs().max().item()
-    assert_close_scaled(ours, ref, rel=1e-10, scale=scale, msg=name)
-    pixels = build_method(name, vm).attribute(x, target=[1, 3], **kw)
-    ref_pixels = build_method(name, twin).attribute(x[:, 0], target=[1, 3], **kw)
-    assert pixels.shape == x.shape
-    assert_close_scaled(pixels[:, 0], ref_pixels, rel=1e-10, scale=scale, msg=name)
-    assert_unchanged(vm, before)
+    assert_one_slice_twin_maps(name, vm, twin, lambda x: twin(x))
 
 
 _HEADLESS: dict[str, nn.Module] = {}

@@ -13,8 +13,7 @@ from captum_vit import DecompX, EmbeddingTarget
 from captum_vit.adapters import adapt
 from captum_vit.adapters.families.hf_vivit import HFVivitAdapter
 from captum_vit.registry import available_methods, build_method
-from tests.contract.test_contract import FAST
-from tests.families._video import assert_refuses_other_layouts
+from tests.families._video import assert_one_slice_twin_maps, assert_refuses_other_layouts
 from tests.families._video import example_model as _build
 from tests.families._video import video as _video
 from tests.helpers import (
@@ -171,22 +170,7 @@ def test_one_slice_vivit_gets_the_vit_twins_maps(name):
     logits' for a rounding-sized map), tokens and pixels. RISE and ViT-CX mask tubelets on
     videos (true token removal), so the twin runs them with ``removal="tokens"``."""
     vv, twin = _one_slice_pair()
-    x = _video(frames=1)
-    before = snapshot(vv)
-    kw = dict(FAST.get(name, {}))
-    if name in ("rise", "vit_cx"):
-        kw["removal"] = "tokens"
-    ours = build_method(name, vv).attribute(x, target=[1, 3], output="tokens", **kw)
-    ref = build_method(name, twin).attribute(x[:, 0], target=[1, 3], output="tokens", **kw)
-    assert ours.shape == ref.shape == (2, 4)
-    scale = None if ref.abs().max() > 1e-10 else \
-        twin(pixel_values=x[:, 0]).logits.abs().max().item()
-    assert_close_scaled(ours, ref, rel=1e-10, scale=scale, msg=name)
-    pixels = build_method(name, vv).attribute(x, target=[1, 3], **kw)
-    ref_pixels = build_method(name, twin).attribute(x[:, 0], target=[1, 3], **kw)
-    assert pixels.shape == x.shape
-    assert_close_scaled(pixels[:, 0], ref_pixels, rel=1e-10, scale=scale, msg=name)
-    assert_unchanged(vv, before)
+    assert_one_slice_twin_maps(name, vv, twin, lambda x: twin(pixel_values=x).logits)
 
 
 # -- errors ---------------------------------------------------------------------------------
