@@ -12,7 +12,7 @@ from torch import nn
 from captum_vit.adapters import catalog
 from captum_vit.registry import build_method
 from tests.contract.test_contract import FAST
-from tests.helpers import assert_close_scaled, assert_unchanged, snapshot
+from tests.helpers import assert_close_scaled, assert_unchanged, make_model, snapshot
 
 
 def example_model(family: str, **overrides) -> nn.Module:
@@ -26,13 +26,25 @@ def video(batch: int = 2, frames: int = 4, seed: int = 1) -> torch.Tensor:
     return torch.randn(batch, frames, 3, 16, 16, generator=g, dtype=torch.float64)
 
 
-def assert_refuses_other_layouts(method, x: torch.Tensor) -> None:
-    """``method`` refuses the video ``x`` [B, T, C, H, W] as [B, C, T, H, W] (naming the
-    permutation back) and its first frames as images, by name."""
+def assert_video_refusals(family: str, size_field: str, frame_errors: dict[int, str]) -> None:
+    """GAE on the example ``family`` refuses, by name and leaving the model unchanged: the
+    frame counts of ``frame_errors`` (each with its message pattern), a video [B, T, C, H,
+    W] passed as [B, C, T, H, W] (naming the permutation back), its first frames as images,
+    and 24 x 24 frames (naming the configuration's ``size_field``)."""
+    model = make_model(family)
+    before = snapshot(model)
+    gae = build_method("gae", model)
+    for frames, match in frame_errors.items():
+        with pytest.raises(ValueError, match=match):
+            gae.attribute(video(frames=frames), target=0)
+    x = video()
     with pytest.raises(ValueError, match=r"\[B, C, T, H, W\].*permute\(0, 2, 1, 3, 4\)"):
-        method.attribute(x.permute(0, 2, 1, 3, 4).contiguous(), target=0)
+        gae.attribute(x.permute(0, 2, 1, 3, 4).contiguous(), target=0)
     with pytest.raises(ValueError, match=r"images \[B, C, H, W\] is not a video"):
-        method.attribute(x[:, 0], target=0)
+        gae.attribute(x[:, 0], target=0)
+    with pytest.raises(ValueError, match=rf"frame size \(24, 24\).*{size_field}"):
+        gae.attribute(torch.zeros(1, 4, 3, 24, 24, dtype=torch.float64), target=0)
+    assert_unchanged(model, before)
 
 
 def assert_one_slice_twin_maps(name: str, model: nn.Module, twin: nn.Module,

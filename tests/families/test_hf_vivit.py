@@ -13,7 +13,7 @@ from captum_vit import DecompX, EmbeddingTarget
 from captum_vit.adapters import adapt
 from captum_vit.adapters.families.hf_vivit import HFVivitAdapter
 from captum_vit.registry import available_methods, build_method
-from tests.families._video import assert_one_slice_twin_maps, assert_refuses_other_layouts
+from tests.families._video import assert_one_slice_twin_maps, assert_video_refusals
 from tests.families._video import example_model as _build
 from tests.families._video import video as _video
 from tests.helpers import (
@@ -175,15 +175,8 @@ def test_one_slice_vivit_gets_the_vit_twins_maps(name):
 
 # -- errors ---------------------------------------------------------------------------------
 def test_clear_errors_and_the_model_unchanged():
-    model = make_model("hf_vivit")
-    before = snapshot(model)
-    gae = build_method("gae", model)
-    with pytest.raises(ValueError, match=r"3 frames but the model takes num_frames=4"):
-        gae.attribute(_video(frames=3), target=0)
-    assert_refuses_other_layouts(gae, _video())
-    with pytest.raises(ValueError, match=r"frame size \(24, 24\).*image_size"):
-        gae.attribute(torch.zeros(1, 4, 3, 24, 24, dtype=torch.float64), target=0)
-    assert_unchanged(model, before)
+    assert_video_refusals("hf_vivit", "image_size",
+                          {3: r"3 frames but the model takes num_frames=4"})
 
 
 @pytest.mark.parametrize("method", ["cp_lrp", "attnlrp"])
