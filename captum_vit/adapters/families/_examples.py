@@ -99,6 +99,28 @@ def timm_builder(module: str, cls_name: str, size: tuple[int, int],
     return build
 
 
+def twin_builder(timm_build: Callable[..., nn.Module], twin: Callable[..., nn.Module], *,
+                 pooled: bool = False) -> Callable[..., nn.Module]:
+    """A builder of the Hugging Face twin of a timm example: ``twin(timm_model,
+    pooled=pooled)`` of the model ``timm_build`` draws.
+
+    Args:
+        timm_build (Callable): the timm example's builder.
+        twin (Callable): the family's twin converter (e.g. ``hf_swin_twin``).
+        pooled (bool, optional): build the head-less model. Default ``False``.
+
+    Returns:
+        Callable: ``build(*, seed, depth, dtype, num_classes, **overrides)`` (``depth`` is
+        not used).
+    """
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        return twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes, **overrides),
+                    pooled=pooled)
+
+    return build
+
+
 def hf_builder(cls_name: str, cfg_name: str, *, dual: str | None = None,
                **extra: Any) -> Callable[..., nn.Module]:
     """A builder of a small Hugging Face model from its config (image size 32, patch 8,

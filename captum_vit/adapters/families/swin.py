@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
+from captum_vit.adapters.families._examples import library, randomize_, twin_builder
 from captum_vit.adapters.families._hf import is_transformers_model
 from captum_vit.adapters.families._timm import (
     has_active_dropout,
@@ -336,14 +336,7 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
 def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Module]:
     """A builder of the Hugging Face twin (:func:`hf_swin_twin`; ``pooled``: the head-less
     ``SwinModel``) of a timm Swin example."""
-    timm_build = _example(**extra)
-
-    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
-              num_classes: int = 5, **overrides: Any) -> nn.Module:
-        return hf_swin_twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes,
-                                       **overrides), pooled=pooled)
-
-    return build
+    return twin_builder(_example(**extra), hf_swin_twin, pooled=pooled)
 
 
 @register_family(
