@@ -2,7 +2,8 @@
 Hugging Face families: the layer reader :func:`layer_parts` (ViT, DeiT, DINOv2, CLIP,
 SigLIP, VideoMAE and YOLOS layers) and :func:`encoder_blocks`, the patch-grid geometry
 :class:`HFPatchGrid` (with YOLOS), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
-backbone and CLIP/SigLIP adapters extend, and :func:`is_transformers_model`.
+backbone and CLIP/SigLIP adapters extend, the Swin engine :class:`HFSwinBase` of the Swin
+and Swin V2 adapters, and :func:`is_transformers_model`.
 
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
 ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,
@@ -57,6 +58,14 @@ def pair(v: Any) -> tuple[int, int]:
     return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
 
 
+
+
+def has_config_dropout(model: ModelTree) -> bool:
+    """Whether a Hugging Face ``model`` in training mode drops out (its configuration's
+    hidden, attention or drop-path rate is positive)."""
+    cfg = model.config
+    return bool(model.training) and any(getattr(cfg, n, 0) > 0 for n in (
+        "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
 
 
 def first_attribute(m: ModelTree, *names: str) -> ModelTree:
@@ -151,9 +160,7 @@ class HFPatchGrid(ViTAdapter):
         self.check_patch_multiple(inputs, pair(self.config.patch_size))
 
     def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
+        return has_config_dropout(self.model)
 
     def layout(self, inputs: Tensor) -> Layout:
         h, w = inputs.shape[-2:]
@@ -267,6 +274,88 @@ class HFViTBase(HFPatchGrid):
                    for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
+
+
+class HFSwinBase(ViTAdapter):
+    """The reading shared by the Hugging Face Swin and Swin V2 adapters (the same
+    ``embeddings``, ``encoder.layers[s].blocks`` / ``downsample``, ``layernorm``,
+    ``pooler`` and ``classifier`` names): the pooler check, the mean head, the input and
+    patch size, the parameter stages, the dropout test, the embedding and the outputs
+    (logits, or ``pooler_output`` for the head-less model). A subclass sets
+    :attr:`backbone` (``model.swin`` / ``model.swinv2`` or the head-less model itself).
+    """
+
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+    backbone: ModelTree
+
+    def _check_pooler(self) -> None:
+        """Refuse a head-less model built without its pooling layer."""
+        if getattr(self.backbone, "pooler", None) is None:
+            raise TypeError(f"{type(self.model).__name__} has no pooling layer "
+                            "(add_pooling_layer=False): captum_vit explains its pooled "
+                            "embedding; build it with add_pooling_layer=True")
+
+    def _read_hf_head(self, backbone_name: str) -> None:
+        """The final ``layernorm`` and the ``classifier`` of the mean readout (an embedding
+        without one); ``backbone_name`` is the attribute the refusal names."""
+        m = self.model
+        name = type(m).__name__
+        classifier = getattr(m, "classifier", None)
+        self.embedding = classifier is None
+        if classifier is not None and not isinstance(classifier, nn.Linear):
+            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
+                            f"backbone model.{backbone_name} (an embedding model) with vector "
+                            "targets")
+        weight = None if classifier is None else classifier.weight
+        bias = None if classifier is None else classifier.bias
+        self.head = HeadParts(_norm(self.backbone.layernorm, f"{name}.layernorm"), None,
+                              (("avg", weight, bias),))
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, pair(self.model.config.image_size)
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The head (final norm, classifier), then the layers from the top; a merge's
+        parameters go with the layer it follows."""
+        m, bb = self.model, self.backbone
+        head = [bb.layernorm, getattr(m, "classifier", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        blocks: list[list[nn.Parameter]] = []
+        for stage in bb.encoder.layers:
+            blocks += [list(layer.parameters()) for layer in stage.blocks]
+            if stage.downsample is not None:
+                blocks[-1] += list(stage.downsample.parameters())
+        return stages + blocks[::-1]
+
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        return pair(self.model.config.patch_size)
+
+    def is_random(self) -> bool:
+        return has_config_dropout(self.model)
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``embeddings`` (patch projection, norm, absolute positions if
+        configured); with ``ops`` the projection through ``ops.linear`` and the norm
+        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs)[0]
+        name = f"{type(self.model).__name__}.embeddings"
+        pe = emb.patch_embeddings
+        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
+                             f"{name}.patch_embeddings.projection")
+        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm(emb.norm, f"{name}.norm"))
+        pos = emb.position_embeddings
+        return x if pos is None else x + pos.to(x.dtype)
+
+    def embedding_norms(self) -> tuple[str, ...]:
+        return ("embeddings.norm",)
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        out = self.model(pixel_values=inputs)
+        return out.pooler_output if self.embedding else out.logits
 
 
 def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:

@@ -62,17 +62,14 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import library, randomize_, twin_builder
-from captum_vit.adapters.families._hf import is_transformers_model
+from captum_vit.adapters.families._hf import HFSwinBase, is_transformers_model, pair
 from captum_vit.adapters.families._timm import (
-    has_active_dropout,
+    TimmSwinBase,
     timm_classes,
     timm_gelus,
-    timm_head,
 )
 from captum_vit.adapters.families._torch import is_loaded_instance
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, CosineNorm, HeadParts, require_timm
+from captum_vit.adapters.parts import BlockParts, CosineNorm, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
 from captum_vit.adapters.windows import MergeParts, Windows
 
@@ -115,9 +112,6 @@ class ContinuousPositionBias:
         bias = table[index.view(-1)].view(m, m, -1).permute(2, 0, 1).contiguous()
         return (16 * torch.sigmoid(bias))[None]
 
-
-def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _cosine(logit_scale: Tensor) -> dict[str, Any]:
@@ -174,7 +168,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
         "timm_swinv2_pad": Example(_example(img_size=(40, 40), pretrained_window_sizes=(6, 3)),
                                    (40, 40), suite=False),
     })
-class TimmSwinV2Adapter(ViTAdapter):
+class TimmSwinV2Adapter(TimmSwinBase):
     """Canonical view of a timm ``SwinTransformerV2``: windowed post-norm blocks with cosine
     attention, reduce-then-norm merges between stages, mean readout
     (:mod:`captum_vit.adapters.families.swin_v2`).
@@ -206,11 +200,7 @@ class TimmSwinV2Adapter(ViTAdapter):
                 if type(blk) is not Block:
                     raise TypeError(f"{name}.layers[{s}].blocks[{j}] is {type(blk).__name__}; "
                                     "captum_vit supports timm's SwinTransformerV2Block")
-        head = m.head
-        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
-        if pool != "avg" or getattr(head, "use_conv", False):
-            raise TypeError(f"{name}.head pools with {pool!r}; captum_vit supports Swin V2's "
-                            "global average pooling (global_pool='avg')")
+        self._check_avg_head("Swin V2")
         self.readout = "avg"
         self.num_prefix = 0
         self.in_chans = int(m.patch_embed.proj.in_channels)
@@ -237,7 +227,7 @@ class TimmSwinV2Adapter(ViTAdapter):
                         raise TypeError(f"{name}.layers[{s + 1}].downsample is "
                                         f"{type(down).__name__}; captum_vit supports timm's "
                                         "Swin V2 PatchMerging between stages")
-                    merge = MergeParts(grid=_pair(blk.input_resolution),
+                    merge = MergeParts(grid=pair(blk.input_resolution),
                                        norm=_norm_parts(down.norm, f"{name}.layers[{s + 1}]"
                                                         ".downsample.norm"),
                                        weight=down.reduction.weight, bias=down.reduction.bias,
@@ -255,80 +245,13 @@ class TimmSwinV2Adapter(ViTAdapter):
                     act=cast(Callable[[Tensor], Tensor], mlp.act),  # a GELU, checked above
                     fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
                     attn_bias=ContinuousPositionBias(attn, attn.cpb_mlp, heads),
-                    window=Windows(grid=_pair(blk.input_resolution), size=_pair(blk.window_size),
-                                   shift=_pair(blk.shift_size)),
+                    window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
+                                   shift=pair(blk.shift_size)),
                     merge=merge,
                     post_norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
                     post_norm2=_norm_parts(blk.norm2, f"{where}.norm2")))
         self.blocks = parts
-        weight, bias = timm_head(m.head.fc, f"{name}.head.fc")
-        self.embedding = weight is None
-        self.head = HeadParts(_norm_parts(m.norm, f"{name}.norm"), None,
-                              (("avg", weight, bias),))
-
-    def refresh(self) -> None:
-        first = self.model.layers[0].blocks[0].attn.qkv.weight
-        # storage replaced (a block's q_weight is never None)
-        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
-            self._read_parts()
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        size = self.model.patch_embed.img_size
-        return self.in_chans, (int(size[0]), int(size[1]))
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The head (final norm, classifier), then the blocks from the top; a merge's
-        parameters go with the block it follows (the block that carries it)."""
-        m = self.model
-        stages: list[list[nn.Parameter]] = [list(m.norm.parameters()) + list(m.head.parameters())]
-        blocks: list[list[nn.Parameter]] = []
-        for s, stage in enumerate(m.layers):
-            if s > 0:
-                blocks[-1] += list(stage.downsample.parameters())
-            blocks += [list(blk.parameters()) for blk in stage.blocks]
-        return stages + blocks[::-1]
-
-    @property
-    def patch_size(self) -> tuple[int, int]:
-        """The patch size ``(ph, pw)`` of the patch embedding."""
-        return _pair(self.model.patch_embed.patch_size)
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        self.check_fixed_size(inputs, self.input_shape[1], type(self.model).__name__)
-
-    def is_random(self) -> bool:
-        return has_active_dropout(self.model)
-
-    def layout(self, inputs: Tensor) -> Layout:
-        self.refresh()
-        h, w = inputs.shape[-2:]
-        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
-                      patch_size=self.patch_size, readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)))
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``patch_embed`` (projection and norm) as tokens [B, N, C] of the
-        first stage's grid; with ``ops`` the projection through ``ops.linear`` and the norm
-        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
-        self.refresh()
-        pe = self.model.patch_embed
-        name = type(self.model).__name__
-        if ops is None:
-            x = pe(inputs)  # [B, gh, gw, C]
-            return x.reshape(x.shape[0], -1, x.shape[-1])
-        x = patch_projection(inputs, pe.proj, ops, f"{name}.patch_embed.proj")
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        if isinstance(pe.norm, nn.Identity):
-            return x
-        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        """The patch embedding's norm."""
-        return () if isinstance(self.model.patch_embed.norm, nn.Identity) \
-            else ("patch_embed.norm",)
+        self._read_head()
 
 
 def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
@@ -434,7 +357,7 @@ def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Mod
                                    library="transformers", target="embedding",
                                    tags=("matrix",), suite=False),
     })
-class HFSwinV2Adapter(TimmSwinV2Adapter):
+class HFSwinV2Adapter(HFSwinBase, TimmSwinV2Adapter):
     """Canonical view of a Hugging Face ``Swinv2ForImageClassification`` or ``Swinv2Model``
     (an image embedding: its ``pooler_output``), the second reader of the same canonical
     form as :class:`TimmSwinV2Adapter`: separate ``query``/``key``/``value``, the grid
@@ -449,13 +372,9 @@ class HFSwinV2Adapter(TimmSwinV2Adapter):
 
     def __init__(self, model: ModelTree) -> None:  # noqa: D107 - documented on the class
         ViTAdapter.__init__(self)
-        name = type(model).__name__
         self.model = model
         self.backbone = getattr(model, "swinv2", model)
-        if getattr(self.backbone, "pooler", None) is None:
-            raise TypeError(f"{name} has no pooling layer (add_pooling_layer=False): "
-                            "captum_vit explains its pooled embedding; build it with "
-                            "add_pooling_layer=True")
+        self._check_pooler()
         cfg = model.config
         self.readout = "avg"
         self.num_prefix = 0
@@ -465,8 +384,8 @@ class HFSwinV2Adapter(TimmSwinV2Adapter):
     def _read_parts(self) -> None:
         m, cfg = self.model, self.model.config
         name = type(m).__name__
-        ph, pw = _pair(cfg.patch_size)
-        h, w = _pair(cfg.image_size)
+        ph, pw = pair(cfg.patch_size)
+        h, w = pair(cfg.image_size)
         grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
         parts: list[BlockParts] = []
         for s, stage in enumerate(self.backbone.encoder.layers):
@@ -505,65 +424,9 @@ class HFSwinV2Adapter(TimmSwinV2Adapter):
         if not parts:
             raise TypeError(f"{name} has no Swin V2 layers")
         self.blocks = parts
-        classifier = getattr(m, "classifier", None)
-        self.embedding = classifier is None
-        if classifier is not None and not isinstance(classifier, nn.Linear):
-            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
-                            "backbone model.swinv2 (an embedding model) with vector targets")
-        weight = None if classifier is None else classifier.weight
-        bias = None if classifier is None else classifier.bias
-        self.head = HeadParts(_norm_parts(self.backbone.layernorm, f"{name}.layernorm"), None,
-                              (("avg", weight, bias),))
+        self._read_hf_head("swinv2")
 
     def refresh(self) -> None:
         first = self.backbone.encoder.layers[0].blocks[0].attention.self.query.weight
         if self.blocks[0].q_weight is not first:  # a parameter was replaced
             self._read_parts()
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.model.config.image_size)
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The head (final norm, classifier), then the layers from the top; a merge's
-        parameters go with the layer it follows."""
-        m, bb = self.model, self.backbone
-        head = [bb.layernorm, getattr(m, "classifier", None)]
-        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
-        blocks: list[list[nn.Parameter]] = []
-        for stage in bb.encoder.layers:
-            blocks += [list(layer.parameters()) for layer in stage.blocks]
-            if stage.downsample is not None:
-                blocks[-1] += list(stage.downsample.parameters())
-        return stages + blocks[::-1]
-
-    @property
-    def patch_size(self) -> tuple[int, int]:
-        return _pair(self.model.config.patch_size)
-
-    def is_random(self) -> bool:
-        cfg = self.model.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``embeddings`` (patch projection, norm, absolute positions if
-        configured); with ``ops`` the projection through ``ops.linear`` and the norm
-        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
-        emb = self.backbone.embeddings
-        if ops is None:
-            return emb(inputs)[0]
-        name = f"{type(self.model).__name__}.embeddings"
-        pe = emb.patch_embeddings
-        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
-                             f"{name}.patch_embeddings.projection")
-        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm_parts(emb.norm, f"{name}.norm"))
-        pos = emb.position_embeddings
-        return x if pos is None else x + pos.to(x.dtype)
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        return ("embeddings.norm",)
-
-    def model_outputs(self, inputs: Tensor) -> Tensor:
-        out = self.model(pixel_values=inputs)
-        return out.pooler_output if self.embedding else out.logits
