@@ -288,6 +288,27 @@ class HFSwinBase(ViTAdapter):
     model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
     backbone: ModelTree
 
+    def _read_parts(self) -> None:
+        raise NotImplementedError
+
+    def _adopt_hf(self, model: ModelTree, backbone_name: str) -> None:
+        """Read ``model`` (its backbone ``model.<backbone_name>``, or the head-less model
+        itself): the pooler check, the mean readout without prefix tokens, the blocks."""
+        self.model = model
+        self.backbone = getattr(model, backbone_name, model)
+        self._check_pooler()
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(model.config.num_channels)
+        self._read_parts()
+
+    def _first_grid(self) -> tuple[int, int]:
+        """The first stage's token grid: the configured image padded to whole patches."""
+        cfg = self.model.config
+        ph, pw = pair(cfg.patch_size)
+        h, w = pair(cfg.image_size)
+        return (-(-h // ph), -(-w // pw))
+
     def _check_pooler(self) -> None:
         """Refuse a head-less model built without its pooling layer."""
         if getattr(self.backbone, "pooler", None) is None:

@@ -276,6 +276,19 @@ def mlp_fields(mlp: ModelTree, where: str) -> dict:
                 fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
 
 
+def gelu_mlp_fields(mlp: ModelTree, where: str) -> dict:
+    """The :class:`BlockParts` MLP fields of timm's plain ``Mlp`` with a GELU (no hidden
+    norm), as in Swin and Swin V2 blocks; ``where`` names the block.
+
+    Raises:
+        TypeError: another MLP.
+    """
+    if not isinstance(mlp.norm, nn.Identity) or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
+        raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
+    return dict(fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls1=None, ls2=None)
+
+
 def timm_attention_fields(blk: ModelTree, where: str) -> dict:
     """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,
     BEiT and Eva blocks).
@@ -402,6 +415,26 @@ class TimmSwinBase(ViTAdapter):
 
     def _read_parts(self) -> None:
         raise NotImplementedError
+
+    def _adopt(self, model: ModelTree, block_cls: type, what: str) -> None:
+        """Read ``model`` after checking it: every stage has blocks, every block is a
+        ``block_cls``, the head pools by the mean (``what``: the model, in words)."""
+        name = type(model).__name__
+        self.model = model
+        m = self.model
+        if any(len(stage.blocks) == 0 for stage in m.layers):
+            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
+                            "stage to have at least one block")
+        for s, stage in enumerate(m.layers):
+            for j, blk in enumerate(stage.blocks):
+                if type(blk) is not block_cls:
+                    raise TypeError(f"{name}.layers[{s}].blocks[{j}] is {type(blk).__name__}; "
+                                    f"captum_vit supports timm's {block_cls.__name__}")
+        self._check_avg_head(what)
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(m.patch_embed.proj.in_channels)
+        self._read_parts()
 
     def _check_avg_head(self, what: str) -> None:
         """Refuse a head without global average pooling (``what``: the model, in words)."""

@@ -21,18 +21,18 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_, twin_builder
+from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
 from captum_vit.adapters.families._hf import HFSwinBase, is_transformers_model, pair
 from captum_vit.adapters.families._timm import (
     TimmSwinBase,
+    gelu_mlp_fields,
     timm_attention_fields,
     timm_classes,
-    timm_gelus,
 )
 from captum_vit.adapters.families._torch import is_loaded_instance, loaded_class
 from captum_vit.adapters.parts import BlockParts, require_timm
@@ -78,11 +78,8 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
                                       embed_dim=16, depths=depths, num_heads=heads,
                                       mlp_ratio=2.0, num_classes=num_classes,
                                       drop_path_rate=0.0)
-        kwargs.update(extra)
-        kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = library("timm.models.swin_transformer").SwinTransformer(**kwargs)
-        return randomize_(model, seed).to(dtype).eval()
+        return seeded_model("timm.models.swin_transformer", "SwinTransformer", seed,
+                            **{**kwargs, **extra, **overrides}).to(dtype).eval()
 
     return build
 
@@ -132,21 +129,7 @@ class TimmSwinAdapter(TimmSwinBase):
                 "a learned logit scale, continuous position bias (an MLP over log-spaced "
                 "coordinates) and post-norm blocks do not fit the pre-LN canonical block; "
                 "use a Swin v1 (timm SwinTransformer, e.g. swin_tiny_patch4_window7_224)")
-        self.model = model
-        m = self.model  # read by attribute names (the isinstance check narrows model)
-        blocks = [blk for stage in m.layers for blk in stage.blocks]
-        if not blocks or any(len(stage.blocks) == 0 for stage in m.layers):
-            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
-                            "stage to have at least one block")
-        for i, blk in enumerate(blocks):
-            if type(blk) is not SwinTransformerBlock:
-                raise TypeError(f"{name} block {i} is {type(blk).__name__}; captum_vit "
-                                "supports timm's SwinTransformerBlock")
-        self._check_avg_head("Swin")
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(m.patch_embed.proj.in_channels)
-        self._read_parts()
+        self._adopt(model, SwinTransformerBlock, "Swin")
 
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
@@ -158,19 +141,12 @@ class TimmSwinAdapter(TimmSwinBase):
             nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
             for j, blk in enumerate(stage.blocks):
                 where = f"{name}.layers[{s}].blocks[{j}]"
-                mlp = blk.mlp
-                if not isinstance(mlp.norm, nn.Identity) \
-                        or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
-                    raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
                 merge = None
                 if nxt is not None and j == len(stage.blocks) - 1:
                     merge = _timm_merge(nxt.downsample, tuple(blk.input_resolution),
                                         f"{name}.layers[{s + 1}].downsample")
                 parts.append(BlockParts(
-                    **timm_attention_fields(blk, where), ls1=None,
-                    fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias,
-                    act=cast(Callable[[Tensor], Tensor], mlp.act),  # a GELU, checked above
-                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
+                    **timm_attention_fields(blk, where), **gelu_mlp_fields(blk.mlp, where),
                     attn_bias=blk.attn._get_rel_pos_bias,
                     window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
                                    shift=pair(blk.shift_size)),
@@ -305,21 +281,12 @@ class HFSwinAdapter(HFSwinBase, TimmSwinAdapter):
                 f"captum_vit cannot explain {name}: Swin V2's cosine attention with a learned "
                 "logit scale, continuous position bias and post-norm blocks do not fit the "
                 "pre-LN canonical block; use a Swin v1 (SwinForImageClassification)")
-        self.model = model
-        self.backbone = getattr(model, "swin", model)
-        self._check_pooler()
-        cfg = model.config
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(cfg.num_channels)
-        self._read_parts()
+        self._adopt_hf(model, "swin")
 
     def _read_parts(self) -> None:
         m, cfg = self.model, self.model.config
         name = type(m).__name__
-        ph, pw = pair(cfg.patch_size)
-        h, w = pair(cfg.image_size)
-        grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
+        grid = self._first_grid()
         parts: list[BlockParts] = []
         stages = self.backbone.encoder.layers
         for s, stage in enumerate(stages):

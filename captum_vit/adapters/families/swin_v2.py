@@ -61,12 +61,12 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_, twin_builder
+from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
 from captum_vit.adapters.families._hf import HFSwinBase, is_transformers_model, pair
 from captum_vit.adapters.families._timm import (
     TimmSwinBase,
+    gelu_mlp_fields,
     timm_classes,
-    timm_gelus,
 )
 from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.parts import BlockParts, CosineNorm, require_timm
@@ -134,11 +134,8 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
                                       embed_dim=16, depths=depths, num_heads=heads,
                                       window_size=4, mlp_ratio=2.0, num_classes=num_classes,
                                       drop_path_rate=0.0)
-        kwargs.update(extra)
-        kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = library("timm.models.swin_transformer_v2").SwinTransformerV2(**kwargs)
-        randomize_(model, seed)
+        model = seeded_model("timm.models.swin_transformer_v2", "SwinTransformerV2", seed,
+                             **{**kwargs, **extra, **overrides})
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -190,21 +187,7 @@ class TimmSwinV2Adapter(TimmSwinBase):
         require_timm((1, 0, 31), name, "sizes a stage's windows differently where its grid is "
                      "smaller than the window (timm 1.0.31 resolves one window size per stage)")
         (Block,) = timm_classes("timm.models.swin_transformer_v2", "SwinTransformerV2Block")
-        self.model = model
-        m = self.model
-        if any(len(stage.blocks) == 0 for stage in m.layers):
-            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
-                            "stage to have at least one block")
-        for s, stage in enumerate(m.layers):
-            for j, blk in enumerate(stage.blocks):
-                if type(blk) is not Block:
-                    raise TypeError(f"{name}.layers[{s}].blocks[{j}] is {type(blk).__name__}; "
-                                    "captum_vit supports timm's SwinTransformerV2Block")
-        self._check_avg_head("Swin V2")
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(m.patch_embed.proj.in_channels)
-        self._read_parts()
+        self._adopt(model, Block, "Swin V2")
 
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
@@ -216,10 +199,7 @@ class TimmSwinV2Adapter(TimmSwinBase):
             nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
             for j, blk in enumerate(stage.blocks):
                 where = f"{name}.layers[{s}].blocks[{j}]"
-                attn, mlp = blk.attn, blk.mlp
-                if not isinstance(mlp.norm, nn.Identity) \
-                        or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
-                    raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
+                attn = blk.attn
                 merge = None
                 if nxt is not None and j == len(stage.blocks) - 1:
                     down = nxt.downsample
@@ -241,9 +221,7 @@ class TimmSwinV2Adapter(TimmSwinBase):
                     q_bias=attn.q_bias, k_bias=attn.k_bias, v_bias=attn.v_bias,
                     num_heads=heads, head_dim=a // heads, **_cosine(attn.logit_scale),
                     proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-                    ls1=None, fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias,
-                    act=cast(Callable[[Tensor], Tensor], mlp.act),  # a GELU, checked above
-                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
+                    **gelu_mlp_fields(blk.mlp, where),
                     attn_bias=ContinuousPositionBias(attn, attn.cpb_mlp, heads),
                     window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
                                    shift=pair(blk.shift_size)),
@@ -372,21 +350,12 @@ class HFSwinV2Adapter(HFSwinBase, TimmSwinV2Adapter):
 
     def __init__(self, model: ModelTree) -> None:  # noqa: D107 - documented on the class
         ViTAdapter.__init__(self)
-        self.model = model
-        self.backbone = getattr(model, "swinv2", model)
-        self._check_pooler()
-        cfg = model.config
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(cfg.num_channels)
-        self._read_parts()
+        self._adopt_hf(model, "swinv2")
 
     def _read_parts(self) -> None:
-        m, cfg = self.model, self.model.config
+        m = self.model
         name = type(m).__name__
-        ph, pw = pair(cfg.patch_size)
-        h, w = pair(cfg.image_size)
-        grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
+        grid = self._first_grid()
         parts: list[BlockParts] = []
         for s, stage in enumerate(self.backbone.encoder.layers):
             for j, layer in enumerate(stage.blocks):
