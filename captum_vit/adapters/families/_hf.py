@@ -379,6 +379,66 @@ class HFSwinBase(ViTAdapter):
         return out.pooler_output if self.embedding else out.logits
 
 
+def swin_twin_config(timm_model: nn.Module) -> dict[str, Any]:
+    """The configuration keywords a Hugging Face Swin / Swin V2 twin of a timm
+    ``SwinTransformer`` / ``SwinTransformerV2`` shares (sizes, depths, heads, window, MLP
+    ratio, no dropout, no absolute positions, eps 1e-5).
+
+    Args:
+        timm_model (nn.Module): the timm model.
+
+    Returns:
+        dict: ``SwinConfig`` / ``Swinv2Config`` keywords.
+    """
+    m = cast(ModelTree, timm_model)
+    return dict(
+        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
+        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim,
+        depths=[len(st.blocks) for st in m.layers],
+        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
+        window_size=m.layers[0].blocks[0].attn.window_size[0],
+        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+        use_absolute_embeddings=False, num_labels=m.num_classes, layer_norm_eps=1e-5)
+
+
+def swin_twin_weights(timm_model: nn.Module, pre: str, pooled: bool) -> dict[str, Tensor]:
+    """The Hugging Face names of the weights a timm Swin / Swin V2 shares with its twin:
+    patch embedding and its norm, final norm, classifier (unless ``pooled``), every block's
+    ``norm1`` / ``norm2`` (``layernorm_before`` / ``layernorm_after``), stage ``s``'s merge
+    (stage ``s - 1``'s ``downsample`` in Hugging Face). The attention and MLP are the
+    family's own.
+
+    Args:
+        timm_model (nn.Module): the timm model.
+        pre (str): the backbone's prefix in the twin (``"swin."``, ``"swinv2."`` or ``""``).
+        pooled (bool): the twin is head-less.
+
+    Returns:
+        dict: twin name -> timm tensor.
+    """
+    m = cast(ModelTree, timm_model)
+    src = timm_model.state_dict()
+    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
+           for k in ("weight", "bias")}
+    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
+                for k in ("weight", "bias")})
+    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
+    if not pooled:
+        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    for s, st in enumerate(m.layers):
+        for j in range(len(st.blocks)):
+            a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
+            for k in ("weight", "bias"):
+                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
+                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
+        if s > 0:
+            for k in ("reduction.weight", "norm.weight", "norm.bias"):
+                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
+                    src[f"layers.{s}.downsample.{k}"]
+    return out
+
+
 def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:
     """Whether ``model`` is an instance of one of the transformers classes ``names`` (those
     the installed version has); transformers is never imported for other models.

@@ -27,7 +27,13 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
-from captum_vit.adapters.families._hf import HFSwinBase, is_transformers_model, pair
+from captum_vit.adapters.families._hf import (
+    HFSwinBase,
+    is_transformers_model,
+    pair,
+    swin_twin_config,
+    swin_twin_weights,
+)
 from captum_vit.adapters.families._timm import (
     TimmSwinBase,
     gelu_mlp_fields,
@@ -186,32 +192,16 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
     """
     transformers = library("transformers")
     m = cast(ModelTree, timm_model)
-    depths = [len(st.blocks) for st in m.layers]
-    cfg = transformers.SwinConfig(
-        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
-        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim, depths=depths,
-        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
-        window_size=m.layers[0].blocks[0].attn.window_size[0],
-        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
-        use_absolute_embeddings=False, num_labels=m.num_classes, layer_norm_eps=1e-5)
+    cfg = transformers.SwinConfig(**swin_twin_config(timm_model))
     cls = transformers.SwinModel if pooled else transformers.SwinForImageClassification
     hf = cls(cfg).to(next(timm_model.parameters()).dtype).eval()
     src = timm_model.state_dict()
     pre = "" if pooled else "swin."
-    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
-           for k in ("weight", "bias")}
-    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
-                for k in ("weight", "bias")})
-    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
-    if not pooled:
-        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    out = swin_twin_weights(timm_model, pre, pooled)
     for s, st in enumerate(m.layers):
         for j in range(len(st.blocks)):
             a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
             for k in ("weight", "bias"):
-                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
-                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
                 out[f"{b}mlp.fc1.{k}"] = src[f"{a}mlp.fc1.{k}"]
                 out[f"{b}mlp.fc2.{k}"] = src[f"{a}mlp.fc2.{k}"]
                 out[f"{b}attention.o_proj.{k}"] = src[f"{a}attn.proj.{k}"]
@@ -220,10 +210,6 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
                     out[f"{b}attention.{name}_proj.{k}"] = t
             out[f"{b}attention.relative_position_bias.relative_position_bias_table"] = \
                 src[f"{a}attn.relative_position_bias_table"]
-        if s > 0:
-            for k in ("reduction.weight", "norm.weight", "norm.bias"):
-                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
-                    src[f"layers.{s}.downsample.{k}"]
     missing, unexpected = hf.load_state_dict(out, strict=False)
     if unexpected or not all("relative_position_index" in k for k in missing):
         raise ValueError(f"the timm weights do not map onto {cls.__name__}: missing "

@@ -62,7 +62,13 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
-from captum_vit.adapters.families._hf import HFSwinBase, is_transformers_model, pair
+from captum_vit.adapters.families._hf import (
+    HFSwinBase,
+    is_transformers_model,
+    pair,
+    swin_twin_config,
+    swin_twin_weights,
+)
 from captum_vit.adapters.families._timm import (
     TimmSwinBase,
     gelu_mlp_fields,
@@ -257,36 +263,20 @@ def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module
     """
     transformers = library("transformers")
     m = cast(ModelTree, timm_model)
-    depths = [len(st.blocks) for st in m.layers]
     cfg = transformers.Swinv2Config(
-        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
-        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim, depths=depths,
-        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
-        window_size=m.layers[0].blocks[0].attn.window_size[0],
+        **swin_twin_config(timm_model), hidden_act="gelu",
         pretrained_window_sizes=[st.blocks[0].attn.pretrained_window_size[0]
-                                 for st in m.layers],
-        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
-        hidden_act="gelu", use_absolute_embeddings=False, num_labels=m.num_classes,
-        layer_norm_eps=1e-5)
+                                 for st in m.layers])
     cls = transformers.Swinv2Model if pooled else transformers.Swinv2ForImageClassification
     hf = cls(cfg).to(next(timm_model.parameters()).dtype).eval()
     src = timm_model.state_dict()
     pre = "" if pooled else "swinv2."
-    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
-           for k in ("weight", "bias")}
-    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
-                for k in ("weight", "bias")})
-    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
-    if not pooled:
-        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    out = swin_twin_weights(timm_model, pre, pooled)
     for s, st in enumerate(m.layers):
         for j in range(len(st.blocks)):
             a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
             att = f"{b}attention.self."
             for k in ("weight", "bias"):
-                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
-                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
                 out[f"{b}intermediate.dense.{k}"] = src[f"{a}mlp.fc1.{k}"]
                 out[f"{b}output.dense.{k}"] = src[f"{a}mlp.fc2.{k}"]
                 out[f"{b}attention.output.dense.{k}"] = src[f"{a}attn.proj.{k}"]
@@ -298,10 +288,6 @@ def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module
             out[f"{att}logit_scale"] = src[f"{a}attn.logit_scale"]
             for k in ("0.weight", "0.bias", "2.weight"):
                 out[f"{att}continuous_position_bias_mlp.{k}"] = src[f"{a}attn.cpb_mlp.{k}"]
-        if s > 0:
-            for k in ("reduction.weight", "norm.weight", "norm.bias"):
-                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
-                    src[f"layers.{s}.downsample.{k}"]
     missing, unexpected = hf.load_state_dict(out, strict=False)
     if unexpected or missing:
         raise ValueError(f"the timm weights do not map onto {cls.__name__}: missing "
