@@ -14,6 +14,7 @@ modules and parameters and runs the embedding through the model's own code (with
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
+from captum_vit.adapters.windows import MergeParts
 
 
 def optional_norm(m: ModelTree, what: str) -> NormParts | None:
@@ -435,6 +437,30 @@ class TimmSwinBase(ViTAdapter):
         self.num_prefix = 0
         self.in_chans = int(m.patch_embed.proj.in_channels)
         self._read_parts()
+
+    def _blocks_and_merges(self, merging: Any, *, norm_last: bool = False
+                           ) -> Iterator[tuple[str, ModelTree, MergeParts | None]]:
+        """Every block as ``(where, block, merge)``: ``merge`` is the next stage's
+        ``downsample`` (a ``merging`` module, else refused) on the last block of a stage
+        that has a next one, read as :class:`MergeParts` (``norm_last``: Swin V2's
+        reduce-then-norm), else ``None``."""
+        m = self.model
+        name = type(m).__name__
+        for s, stage in enumerate(m.layers):
+            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
+            for j, blk in enumerate(stage.blocks):
+                merge = None
+                if nxt is not None and j == len(stage.blocks) - 1:
+                    down, where = nxt.downsample, f"{name}.layers[{s + 1}].downsample"
+                    if type(down) is not merging:
+                        raise TypeError(f"{where} is {type(down).__name__}; captum_vit "
+                                        f"supports timm's {merging.__module__}."
+                                        f"{merging.__name__} between stages")
+                    merge = MergeParts(grid=pair(blk.input_resolution),
+                                       norm=_norm_parts(down.norm, f"{where}.norm"),
+                                       weight=down.reduction.weight, bias=down.reduction.bias,
+                                       norm_last=norm_last)
+                yield f"{name}.layers[{s}].blocks[{j}]", blk, merge
 
     def _check_avg_head(self, what: str) -> None:
         """Refuse a head without global average pooling (``what``: the model, in words)."""

@@ -140,37 +140,18 @@ class TimmSwinAdapter(TimmSwinBase):
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
 
-        m = self.model
-        name = type(m).__name__
+        (PatchMerging,) = timm_classes("timm.models.swin_transformer", "PatchMerging")
         parts: list[BlockParts] = []
-        for s, stage in enumerate(m.layers):
-            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
-            for j, blk in enumerate(stage.blocks):
-                where = f"{name}.layers[{s}].blocks[{j}]"
-                merge = None
-                if nxt is not None and j == len(stage.blocks) - 1:
-                    merge = _timm_merge(nxt.downsample, tuple(blk.input_resolution),
-                                        f"{name}.layers[{s + 1}].downsample")
-                parts.append(BlockParts(
-                    **timm_attention_fields(blk, where), **gelu_mlp_fields(blk.mlp, where),
-                    attn_bias=blk.attn._get_rel_pos_bias,
-                    window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
-                                   shift=pair(blk.shift_size)),
-                    merge=merge))
+        for where, blk, merge in self._blocks_and_merges(PatchMerging):
+            parts.append(BlockParts(
+                **timm_attention_fields(blk, where), **gelu_mlp_fields(blk.mlp, where),
+                attn_bias=blk.attn._get_rel_pos_bias,
+                window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
+                               shift=pair(blk.shift_size)),
+                merge=merge))
         self.blocks = parts
         self._read_head()
 
-
-
-def _timm_merge(down: ModelTree, grid: tuple[int, int], where: str) -> MergeParts:
-    """The :class:`MergeParts` of timm's ``PatchMerging`` on the ``grid`` before it."""
-    (PatchMerging,) = timm_classes("timm.models.swin_transformer", "PatchMerging")
-
-    if type(down) is not PatchMerging:
-        raise TypeError(f"{where} is {type(down).__name__}; captum_vit supports timm's "
-                        "PatchMerging between Swin stages")
-    return MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where}.norm"),
-                      weight=down.reduction.weight, bias=down.reduction.bias)
 
 
 HF_SWIN_CLASSES = ("SwinForImageClassification", "SwinModel")

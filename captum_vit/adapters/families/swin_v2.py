@@ -197,43 +197,26 @@ class TimmSwinV2Adapter(TimmSwinBase):
 
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
-        m = self.model
-        name = type(m).__name__
         (Merging,) = timm_classes("timm.models.swin_transformer_v2", "PatchMerging")
         parts: list[BlockParts] = []
-        for s, stage in enumerate(m.layers):
-            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
-            for j, blk in enumerate(stage.blocks):
-                where = f"{name}.layers[{s}].blocks[{j}]"
-                attn = blk.attn
-                merge = None
-                if nxt is not None and j == len(stage.blocks) - 1:
-                    down = nxt.downsample
-                    if type(down) is not Merging:
-                        raise TypeError(f"{name}.layers[{s + 1}].downsample is "
-                                        f"{type(down).__name__}; captum_vit supports timm's "
-                                        "Swin V2 PatchMerging between stages")
-                    merge = MergeParts(grid=pair(blk.input_resolution),
-                                       norm=_norm_parts(down.norm, f"{name}.layers[{s + 1}]"
-                                                        ".downsample.norm"),
-                                       weight=down.reduction.weight, bias=down.reduction.bias,
-                                       norm_last=True)
-                w = attn.qkv.weight.detach()
-                a = w.shape[0] // 3
-                heads = int(attn.num_heads)
-                parts.append(BlockParts(
-                    norm1=None, norm2=None,
-                    q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
-                    q_bias=attn.q_bias, k_bias=attn.k_bias, v_bias=attn.v_bias,
-                    num_heads=heads, head_dim=a // heads, **_cosine(attn.logit_scale),
-                    proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-                    **gelu_mlp_fields(blk.mlp, where),
-                    attn_bias=ContinuousPositionBias(attn, attn.cpb_mlp, heads),
-                    window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
-                                   shift=pair(blk.shift_size)),
-                    merge=merge,
-                    post_norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-                    post_norm2=_norm_parts(blk.norm2, f"{where}.norm2")))
+        for where, blk, merge in self._blocks_and_merges(Merging, norm_last=True):
+            attn = blk.attn
+            w = attn.qkv.weight.detach()
+            a = w.shape[0] // 3
+            heads = int(attn.num_heads)
+            parts.append(BlockParts(
+                norm1=None, norm2=None,
+                q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
+                q_bias=attn.q_bias, k_bias=attn.k_bias, v_bias=attn.v_bias,
+                num_heads=heads, head_dim=a // heads, **_cosine(attn.logit_scale),
+                proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
+                **gelu_mlp_fields(blk.mlp, where),
+                attn_bias=ContinuousPositionBias(attn, attn.cpb_mlp, heads),
+                window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
+                               shift=pair(blk.shift_size)),
+                merge=merge,
+                post_norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
+                post_norm2=_norm_parts(blk.norm2, f"{where}.norm2")))
         self.blocks = parts
         self._read_head()
 
