@@ -454,8 +454,8 @@ class TimmSwinBase(ViTAdapter):
                     down, where = nxt.downsample, f"{name}.layers[{s + 1}].downsample"
                     if type(down) is not merging:
                         raise TypeError(f"{where} is {type(down).__name__}; captum_vit "
-                                        f"supports timm's {merging.__module__}."
-                                        f"{merging.__name__} between stages")
+                                        f"supports {merging.__module__}.{merging.__name__} "
+                                        "between stages")
                     merge = MergeParts(grid=pair(blk.input_resolution),
                                        norm=_norm_parts(down.norm, f"{where}.norm"),
                                        weight=down.reduction.weight, bias=down.reduction.bias,
