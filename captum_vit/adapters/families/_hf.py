@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.windows import MergeParts
 
 
 def pair(v: Any) -> tuple[int, int]:
@@ -308,6 +309,26 @@ class HFSwinBase(ViTAdapter):
         ph, pw = pair(cfg.patch_size)
         h, w = pair(cfg.image_size)
         return (-(-h // ph), -(-w // pw))
+
+    def _layers_and_merges(self, *, norm_last: bool = False
+                           ) -> Iterator[tuple[str, ModelTree, tuple[int, int], MergeParts | None]]:
+        """Every layer as ``(where, layer, grid, merge)``: ``grid`` is its token grid,
+        ``merge`` the stage's ``downsample`` on its last layer, read as
+        :class:`MergeParts` (``norm_last``: Swin V2's reduce-then-norm), else ``None``."""
+        name = type(self.model).__name__
+        grid = self._first_grid()
+        for s, stage in enumerate(self.backbone.encoder.layers):
+            for j, layer in enumerate(stage.blocks):
+                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
+                merge = None
+                if j == len(stage.blocks) - 1 and stage.downsample is not None:
+                    down = stage.downsample
+                    merge = MergeParts(grid=grid, norm=_norm(down.norm, f"{where} merge"),
+                                       weight=down.reduction.weight, bias=down.reduction.bias,
+                                       norm_last=norm_last)
+                yield where, layer, grid, merge
+                if merge is not None:
+                    grid = merge.out_grid
 
     def _check_pooler(self) -> None:
         """Refuse a head-less model built without its pooling layer."""

@@ -43,7 +43,7 @@ from captum_vit.adapters.families._timm import (
 from captum_vit.adapters.families._torch import is_loaded_instance, loaded_class
 from captum_vit.adapters.parts import BlockParts, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
-from captum_vit.adapters.windows import MergeParts, Windows
+from captum_vit.adapters.windows import Windows
 
 TIMM_SWIN_V2_CLASSES = (("timm.models.swin_transformer_v2", "SwinTransformerV2"),
                         ("timm.models.swin_transformer_v2_cr", "SwinTransformerV2Cr"))
@@ -253,40 +253,29 @@ class HFSwinAdapter(HFSwinBase, TimmSwinAdapter):
     def _read_parts(self) -> None:
         m, cfg = self.model, self.model.config
         name = type(m).__name__
-        grid = self._first_grid()
         parts: list[BlockParts] = []
-        stages = self.backbone.encoder.layers
-        for s, stage in enumerate(stages):
-            for j, layer in enumerate(stage.blocks):
-                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
-                attn = layer.attention
-                ws, shift = int(cfg.window_size), int(layer.shift_size)
-                if min(grid) <= ws:  # the model's clamp (set_shift_and_window_size)
-                    ws, shift = min(grid), 0
-                merge = None
-                if j == len(stage.blocks) - 1 and stage.downsample is not None:
-                    down = stage.downsample
-                    merge = MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where} merge"),
-                                       weight=down.reduction.weight, bias=down.reduction.bias)
-                heads = int(attn.num_attention_heads)
-                parts.append(BlockParts(
-                    norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
-                    q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight,
-                    v_weight=attn.v_proj.weight, q_bias=attn.q_proj.bias,
-                    k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, num_heads=heads,
-                    head_dim=int(attn.head_dim), scale=float(attn.scaling),
-                    q_norm=nn.Identity(), k_norm=nn.Identity(),
-                    proj_weight=attn.o_proj.weight, proj_bias=attn.o_proj.bias,
-                    norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after"),
-                    ls1=None, fc1_weight=layer.mlp.fc1.weight, fc1_bias=layer.mlp.fc1.bias,
-                    act=layer.mlp.activation_fn, fc2_weight=layer.mlp.fc2.weight,
-                    fc2_bias=layer.mlp.fc2.bias, ls2=None,
-                    attn_bias=attn.relative_position_bias,
-                    window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
-                                   pad_first=True),
-                    merge=merge))
-                if merge is not None:
-                    grid = merge.out_grid
+        for where, layer, grid, merge in self._layers_and_merges():
+            attn = layer.attention
+            ws, shift = int(cfg.window_size), int(layer.shift_size)
+            if min(grid) <= ws:  # the model's clamp (set_shift_and_window_size)
+                ws, shift = min(grid), 0
+            heads = int(attn.num_attention_heads)
+            parts.append(BlockParts(
+                norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
+                q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight,
+                v_weight=attn.v_proj.weight, q_bias=attn.q_proj.bias,
+                k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, num_heads=heads,
+                head_dim=int(attn.head_dim), scale=float(attn.scaling),
+                q_norm=nn.Identity(), k_norm=nn.Identity(),
+                proj_weight=attn.o_proj.weight, proj_bias=attn.o_proj.bias,
+                norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after"),
+                ls1=None, fc1_weight=layer.mlp.fc1.weight, fc1_bias=layer.mlp.fc1.bias,
+                act=layer.mlp.activation_fn, fc2_weight=layer.mlp.fc2.weight,
+                fc2_bias=layer.mlp.fc2.bias, ls2=None,
+                attn_bias=attn.relative_position_bias,
+                window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
+                               pad_first=True),
+                merge=merge))
         if not parts:
             raise TypeError(f"{name} has no Swin layers")
         self.blocks = parts

@@ -77,7 +77,7 @@ from captum_vit.adapters.families._timm import (
 from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.parts import BlockParts, CosineNorm, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
-from captum_vit.adapters.windows import MergeParts, Windows
+from captum_vit.adapters.windows import Windows
 
 HF_SWIN_V2_CLASSES = ("Swinv2ForImageClassification", "Swinv2Model")
 """The Hugging Face Swin V2 classes :class:`HFSwinV2Adapter` reads."""
@@ -322,43 +322,31 @@ class HFSwinV2Adapter(HFSwinBase, TimmSwinV2Adapter):
         self._adopt_hf(model, "swinv2")
 
     def _read_parts(self) -> None:
-        m = self.model
-        name = type(m).__name__
-        grid = self._first_grid()
+        name = type(self.model).__name__
         parts: list[BlockParts] = []
-        for s, stage in enumerate(self.backbone.encoder.layers):
-            for j, layer in enumerate(stage.blocks):
-                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
-                attn, heads = layer.attention.self, int(layer.attention.self.num_attention_heads)
-                dense = layer.attention.output.dense
-                ws, shift = int(layer.window_size), int(layer.shift_size)  # the model's own
-                merge = None
-                if j == len(stage.blocks) - 1 and stage.downsample is not None:
-                    down = stage.downsample
-                    merge = MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where} merge"),
-                                       weight=down.reduction.weight, bias=down.reduction.bias,
-                                       norm_last=True)
-                parts.append(BlockParts(
-                    norm1=None, norm2=None,
-                    q_weight=attn.query.weight, k_weight=attn.key.weight,
-                    v_weight=attn.value.weight, q_bias=attn.query.bias,
-                    k_bias=attn.key.bias, v_bias=attn.value.bias, num_heads=heads,
-                    head_dim=int(attn.attention_head_size), **_cosine(attn.logit_scale),
-                    proj_weight=dense.weight, proj_bias=dense.bias,
-                    ls1=None, fc1_weight=layer.intermediate.dense.weight,
-                    fc1_bias=layer.intermediate.dense.bias,
-                    act=layer.intermediate.intermediate_act_fn,
-                    fc2_weight=layer.output.dense.weight, fc2_bias=layer.output.dense.bias,
-                    ls2=None,
-                    attn_bias=ContinuousPositionBias(attn, attn.continuous_position_bias_mlp,
-                                                     heads),
-                    window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
-                                   pad_first=True, seam=-200.0),
-                    merge=merge,
-                    post_norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
-                    post_norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after")))
-                if merge is not None:
-                    grid = merge.out_grid
+        for where, layer, grid, merge in self._layers_and_merges(norm_last=True):
+            attn, heads = layer.attention.self, int(layer.attention.self.num_attention_heads)
+            dense = layer.attention.output.dense
+            ws, shift = int(layer.window_size), int(layer.shift_size)  # the model's own
+            parts.append(BlockParts(
+                norm1=None, norm2=None,
+                q_weight=attn.query.weight, k_weight=attn.key.weight,
+                v_weight=attn.value.weight, q_bias=attn.query.bias,
+                k_bias=attn.key.bias, v_bias=attn.value.bias, num_heads=heads,
+                head_dim=int(attn.attention_head_size), **_cosine(attn.logit_scale),
+                proj_weight=dense.weight, proj_bias=dense.bias,
+                ls1=None, fc1_weight=layer.intermediate.dense.weight,
+                fc1_bias=layer.intermediate.dense.bias,
+                act=layer.intermediate.intermediate_act_fn,
+                fc2_weight=layer.output.dense.weight, fc2_bias=layer.output.dense.bias,
+                ls2=None,
+                attn_bias=ContinuousPositionBias(attn, attn.continuous_position_bias_mlp,
+                                                 heads),
+                window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
+                               pad_first=True, seam=-200.0),
+                merge=merge,
+                post_norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
+                post_norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after")))
         if not parts:
             raise TypeError(f"{name} has no Swin V2 layers")
         self.blocks = parts
