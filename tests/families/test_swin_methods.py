@@ -91,11 +91,9 @@ class DenseSwin:
         return out
 
 
-def _setup(family="timm_swin_pad", **kw):
-    model = make_swin_model(family, **kw)
-    size = model.patch_embed.img_size[0]
-    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(5),
-                    dtype=torch.float64)
+def dense_setup(model, x):
+    """The model, ``x``, the argmax targets, the :class:`DenseSwin` reference and every
+    block's dense probabilities ``a`` and their gradients ``g`` (of the target logits)."""
     ref = DenseSwin(model)
     logits = ref(x)
     t = logits.argmax(-1)
@@ -103,6 +101,14 @@ def _setup(family="timm_swin_pad", **kw):
     a = [ref.dense(l, p.detach()) for l, p in enumerate(ref.probs)]
     g = [ref.dense(l, p.grad) for l, p in enumerate(ref.probs)]
     return model, x, t, ref, a, g
+
+
+def _setup(family="timm_swin_pad", **kw):
+    model = make_swin_model(family, **kw)
+    size = model.patch_embed.img_size[0]
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(5),
+                    dtype=torch.float64)
+    return dense_setup(model, x)
 
 
 CASES = [("timm_swin_pad", {}),  # padded windows, shifts, one merge
@@ -116,17 +122,10 @@ def _down(v: torch.Tensor, merges: dict[int, torch.Tensor], l: int) -> torch.Ten
     return v
 
 
-@pytest.mark.parametrize(("family", "kw"), CASES)
-def test_vector_chains_equal_dense_references(family, kw):
-    """Rollout, RawAttention, GAE, Grad-SAM and attention Grad-CAM on Swin equal the
-    dense products of the full N x N matrices and the merges' P (¼ weights)."""
-    model, x, t, ref, a, g = _setup(family, **kw)
-    before = snapshot(model)
-    merges = ref.merges()
+def assert_chains_equal_references(model, x, t, a, g, merges, w):
+    """Rollout, GAE and Grad-SAM of ``model`` equal their dense products over the blocks'
+    probabilities ``a`` (gradients ``g``) and the merges' P, from the readout row ``w``."""
     L = len(a)
-    n_last = a[-1].shape[-1]
-    w = torch.full((2, n_last), 1.0 / n_last, dtype=torch.float64)
-
     # Rollout: v <- v P_k; v <- v (Ā_k + I) / rowsum
     v = w
     for k in reversed(range(L)):
@@ -149,6 +148,19 @@ def test_vector_chains_equal_dense_references(family, kw):
         gradsam = gradsam + _down(torch.einsum("bn,bnm->bm", wk, abar[k]), merges, k)
     assert_close_scaled(GAE(model).attribute(x, t, output="tokens"), v, rel=1e-10)
     assert_close_scaled(GradSAM(model).attribute(x, t, output="tokens"), gradsam, rel=1e-10)
+
+
+@pytest.mark.parametrize(("family", "kw"), CASES)
+def test_vector_chains_equal_dense_references(family, kw):
+    """Rollout, RawAttention, GAE, Grad-SAM and attention Grad-CAM on Swin equal the
+    dense products of the full N x N matrices and the merges' P (¼ weights)."""
+    model, x, t, ref, a, g = _setup(family, **kw)
+    before = snapshot(model)
+    merges = ref.merges()
+    L = len(a)
+    n_last = a[-1].shape[-1]
+    w = torch.full((2, n_last), 1.0 / n_last, dtype=torch.float64)
+    assert_chains_equal_references(model, x, t, a, g, merges, w)
 
     # RawAttention and attention Grad-CAM read the last block; the last-stage map is
     # copied to its children on the first grid

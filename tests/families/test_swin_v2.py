@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captum_vit import GAE, DecompX, EmbeddingTarget, GradSAM, Rollout, TokenTM
+from captum_vit import GAE, DecompX, EmbeddingTarget, TokenTM
 from captum_vit.adapters import adapt, catalog
 from captum_vit.adapters.families.swin_v2 import (
     HFSwinV2Adapter,
@@ -21,7 +21,11 @@ from captum_vit.adapters.families.swin_v2 import (
     hf_swin_v2_twin,
 )
 from captum_vit.registry import available_methods, build_method
-from tests.families.test_swin_methods import DenseSwin
+from tests.families.test_swin_methods import (
+    DenseSwin,
+    assert_chains_equal_references,
+    dense_setup,
+)
 from tests.helpers import (
     assert_close_scaled,
     assert_unchanged,
@@ -137,14 +141,7 @@ def test_pretrained_window_size_changes_the_table():
 # -- vector chains and DecompX ------------------------------------------------------------
 def _setup(family):
     model = make_model(family)
-    x = make_inputs(family, batch=2, seed=5)
-    ref = DenseSwin(model)
-    logits = ref(x)
-    t = logits.argmax(-1)
-    logits.gather(1, t[:, None]).sum().backward()
-    a = [ref.dense(l, p.detach()) for l, p in enumerate(ref.probs)]
-    g = [ref.dense(l, p.grad) for l, p in enumerate(ref.probs)]
-    return model, x, t, ref, a, g
+    return dense_setup(model, make_inputs(family, batch=2, seed=5))
 
 
 @pytest.mark.parametrize("family", ["timm_swinv2", "timm_swinv2_pad"])
@@ -154,30 +151,9 @@ def test_vector_chains_equal_dense_references(family):
     model, x, t, ref, a, g = _setup(family)
     before = snapshot(model)
     merges = ref.merges()
-    L, n_last = len(a), a[-1].shape[-1]
+    n_last = a[-1].shape[-1]
     w = torch.full((2, n_last), 1.0 / n_last, dtype=torch.float64)
-    v = w
-    for k in reversed(range(L)):
-        if k in merges:
-            v = v @ merges[k]
-        m = a[k].mean(1) + torch.eye(a[k].shape[-1], dtype=torch.float64)
-        v = torch.einsum("bn,bnm->bm", v, m / m.sum(-1, keepdim=True))
-    assert_close_scaled(Rollout(model).attribute(x, output="tokens"), v, rel=1e-10)
-    abar = [(gk * ak).clamp(min=0).mean(1) for gk, ak in zip(g, a, strict=True)]
-    v, gradsam = w, 0
-    for k in reversed(range(L)):
-        if k in merges:
-            v = v @ merges[k]
-        v = v + torch.einsum("bn,bnm->bm", v, abar[k])
-        wk = w
-        for j in sorted((j for j in merges if j >= k), reverse=True):
-            wk = wk @ merges[j]
-        term = torch.einsum("bn,bnm->bm", wk, abar[k])
-        for j in sorted((j for j in merges if j < k), reverse=True):
-            term = term @ merges[j]
-        gradsam = gradsam + term
-    assert_close_scaled(GAE(model).attribute(x, t, output="tokens"), v, rel=1e-10)
-    assert_close_scaled(GradSAM(model).attribute(x, t, output="tokens"), gradsam, rel=1e-10)
+    assert_chains_equal_references(model, x, t, a, g, merges, w)
     assert_unchanged(model, before)
 
 

@@ -71,6 +71,24 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def seeded_model(module: str, cls_name: str, seed: int, **kwargs: Any) -> nn.Module:
+    """The model ``module.cls_name(**kwargs)`` built after ``torch.manual_seed(seed)`` and
+    re-initialised by :func:`randomize_` from ``seed`` (float32, train mode as built).
+
+    Args:
+        module (str): the library module, e.g. ``"timm.models.hiera"``.
+        cls_name (str): the model class there, e.g. ``"Hiera"``.
+        seed (int): the seed of construction and of the weights.
+        **kwargs: the constructor's keywords.
+
+    Returns:
+        nn.Module: the model.
+    """
+    cls = getattr(library(module), cls_name)
+    torch.manual_seed(seed)
+    return randomize_(cls(**kwargs), seed)
+
+
 def timm_builder(module: str, cls_name: str, size: tuple[int, int],
                  **extra: Any) -> Callable[..., nn.Module]:
     """A builder of a small timm model taking ``VisionTransformer``'s keywords (patch 8,
@@ -87,14 +105,32 @@ def timm_builder(module: str, cls_name: str, size: tuple[int, int],
     """
     def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
               num_classes: int = 5) -> nn.Module:
-        cls = getattr(library(module), cls_name)
         kwargs: dict[str, Any] = dict(
             img_size=size, patch_size=8, in_chans=3, embed_dim=32, depth=depth,
             num_heads=4, mlp_ratio=2.0, num_classes=num_classes, qkv_bias=True)
-        kwargs.update(extra)
-        torch.manual_seed(seed)
-        model = cls(**kwargs)
-        return randomize_(model, seed).to(dtype).eval()
+        return seeded_model(module, cls_name, seed, **{**kwargs, **extra}).to(dtype).eval()
+
+    return build
+
+
+def twin_builder(timm_build: Callable[..., nn.Module], twin: Callable[..., nn.Module], *,
+                 pooled: bool = False) -> Callable[..., nn.Module]:
+    """A builder of the Hugging Face twin of a timm example: ``twin(timm_model,
+    pooled=pooled)`` of the model ``timm_build`` draws.
+
+    Args:
+        timm_build (Callable): the timm example's builder.
+        twin (Callable): the family's twin converter (e.g. ``hf_swin_twin``).
+        pooled (bool, optional): build the head-less model. Default ``False``.
+
+    Returns:
+        Callable: ``build(*, seed, depth, dtype, num_classes, **overrides)`` (``depth`` is
+        not used).
+    """
+    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        return twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes, **overrides),
+                    pooled=pooled)
 
     return build
 

@@ -2,7 +2,8 @@
 Hugging Face families: the layer reader :func:`layer_parts` (ViT, DeiT, DINOv2, CLIP,
 SigLIP, VideoMAE and YOLOS layers) and :func:`encoder_blocks`, the patch-grid geometry
 :class:`HFPatchGrid` (with YOLOS), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
-backbone and CLIP/SigLIP adapters extend, and :func:`is_transformers_model`.
+backbone and CLIP/SigLIP adapters extend, the Swin engine :class:`HFSwinBase` of the Swin
+and Swin V2 adapters, and :func:`is_transformers_model`.
 
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
 ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch.nn.functional as F
@@ -51,12 +52,24 @@ from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection, tubelet_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.windows import MergeParts
 
 
 def pair(v: Any) -> tuple[int, int]:
     return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
 
 
+
+
+DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate")
+"""The configuration fields of the usual Hugging Face dropout rates."""
+
+
+def has_config_dropout(model: ModelTree, fields: tuple[str, ...] = DROPOUT_FIELDS) -> bool:
+    """Whether a Hugging Face ``model`` in training mode drops out (one of its
+    configuration's rates ``fields`` is positive)."""
+    cfg = model.config
+    return bool(model.training) and any(getattr(cfg, n, 0) > 0 for n in fields)
 
 
 def first_attribute(m: ModelTree, *names: str) -> ModelTree:
@@ -136,8 +149,7 @@ class HFConfigured(ViTAdapter):
 
     model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
 
-    dropout_fields: tuple[str, ...] = ("hidden_dropout_prob", "attention_probs_dropout_prob",
-                                       "drop_path_rate")
+    dropout_fields: tuple[str, ...] = DROPOUT_FIELDS
     """The configuration's dropout rates; the model is random in training mode when one
     is positive."""
 
@@ -153,9 +165,7 @@ class HFConfigured(ViTAdapter):
         return self.in_chans, pair(self.config.image_size)
 
     def is_random(self) -> bool:
-        cfg = self.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0
-                                           for n in self.dropout_fields)
+        return has_config_dropout(self.model, self.dropout_fields)
 
 
 class HFPatchGrid(HFConfigured):
@@ -280,6 +290,189 @@ class HFViTBase(HFPatchGrid):
                    for p in mod.parameters()]]
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
+
+
+class HFSwinBase(ViTAdapter):
+    """The reading shared by the Hugging Face Swin and Swin V2 adapters (the same
+    ``embeddings``, ``encoder.layers[s].blocks`` / ``downsample``, ``layernorm``,
+    ``pooler`` and ``classifier`` names): the pooler check, the mean head, the input and
+    patch size, the parameter stages, the dropout test, the embedding and the outputs
+    (logits, or ``pooler_output`` for the head-less model). A subclass sets
+    :attr:`backbone` (``model.swin`` / ``model.swinv2`` or the head-less model itself).
+    """
+
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+    backbone: ModelTree
+
+    def _read_parts(self) -> None:
+        raise NotImplementedError
+
+    def _adopt_hf(self, model: ModelTree, backbone_name: str) -> None:
+        """Read ``model`` (its backbone ``model.<backbone_name>``, or the head-less model
+        itself): the pooler check, the mean readout without prefix tokens, the blocks."""
+        self.model = model
+        self.backbone = getattr(model, backbone_name, model)
+        self._check_pooler()
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(model.config.num_channels)
+        self._read_parts()
+
+    def _first_grid(self) -> tuple[int, int]:
+        """The first stage's token grid: the configured image padded to whole patches."""
+        cfg = self.model.config
+        ph, pw = pair(cfg.patch_size)
+        h, w = pair(cfg.image_size)
+        return (-(-h // ph), -(-w // pw))
+
+    def _layers_and_merges(self, *, norm_last: bool = False
+                           ) -> Iterator[tuple[str, ModelTree, tuple[int, int], MergeParts | None]]:
+        """Every layer as ``(where, layer, grid, merge)``: ``grid`` is its token grid,
+        ``merge`` the stage's ``downsample`` on its last layer, read as
+        :class:`MergeParts` (``norm_last``: Swin V2's reduce-then-norm), else ``None``."""
+        name = type(self.model).__name__
+        grid = self._first_grid()
+        for s, stage in enumerate(self.backbone.encoder.layers):
+            for j, layer in enumerate(stage.blocks):
+                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
+                merge = None
+                if j == len(stage.blocks) - 1 and stage.downsample is not None:
+                    down = stage.downsample
+                    merge = MergeParts(grid=grid, norm=_norm(down.norm, f"{where} merge"),
+                                       weight=down.reduction.weight, bias=down.reduction.bias,
+                                       norm_last=norm_last)
+                yield where, layer, grid, merge
+                if merge is not None:
+                    grid = merge.out_grid
+
+    def _check_pooler(self) -> None:
+        """Refuse a head-less model built without its pooling layer."""
+        if getattr(self.backbone, "pooler", None) is None:
+            raise TypeError(f"{type(self.model).__name__} has no pooling layer "
+                            "(add_pooling_layer=False): captum_vit explains its pooled "
+                            "embedding; build it with add_pooling_layer=True")
+
+    def _read_hf_head(self, backbone_name: str) -> None:
+        """The final ``layernorm`` and the ``classifier`` of the mean readout (an embedding
+        without one); ``backbone_name`` is the attribute the refusal names."""
+        m = self.model
+        name = type(m).__name__
+        classifier = getattr(m, "classifier", None)
+        self.embedding = classifier is None
+        if classifier is not None and not isinstance(classifier, nn.Linear):
+            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
+                            f"backbone model.{backbone_name} (an embedding model) with vector "
+                            "targets")
+        weight = None if classifier is None else classifier.weight
+        bias = None if classifier is None else classifier.bias
+        self.head = HeadParts(_norm(self.backbone.layernorm, f"{name}.layernorm"), None,
+                              (("avg", weight, bias),))
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        return self.in_chans, pair(self.model.config.image_size)
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The head (final norm, classifier), then the layers from the top; a merge's
+        parameters go with the layer it follows."""
+        m, bb = self.model, self.backbone
+        head = [bb.layernorm, getattr(m, "classifier", None)]
+        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
+        blocks: list[list[nn.Parameter]] = []
+        for stage in bb.encoder.layers:
+            blocks += [list(layer.parameters()) for layer in stage.blocks]
+            if stage.downsample is not None:
+                blocks[-1] += list(stage.downsample.parameters())
+        return stages + blocks[::-1]
+
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        return pair(self.model.config.patch_size)
+
+    def is_random(self) -> bool:
+        return has_config_dropout(self.model)
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``embeddings`` (patch projection, norm, absolute positions if
+        configured); with ``ops`` the projection through ``ops.linear`` and the norm
+        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
+        emb = self.backbone.embeddings
+        if ops is None:
+            return emb(inputs)[0]
+        name = f"{type(self.model).__name__}.embeddings"
+        pe = emb.patch_embeddings
+        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
+                             f"{name}.patch_embeddings.projection")
+        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm(emb.norm, f"{name}.norm"))
+        pos = emb.position_embeddings
+        return x if pos is None else x + pos.to(x.dtype)
+
+    def embedding_norms(self) -> tuple[str, ...]:
+        return ("embeddings.norm",)
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        out = self.model(pixel_values=inputs)
+        return out.pooler_output if self.embedding else out.logits
+
+
+def swin_twin_config(timm_model: nn.Module) -> dict[str, Any]:
+    """The configuration keywords a Hugging Face Swin / Swin V2 twin of a timm
+    ``SwinTransformer`` / ``SwinTransformerV2`` shares (sizes, depths, heads, window, MLP
+    ratio, no dropout, no absolute positions, eps 1e-5).
+
+    Args:
+        timm_model (nn.Module): the timm model.
+
+    Returns:
+        dict: ``SwinConfig`` / ``Swinv2Config`` keywords.
+    """
+    m = cast(ModelTree, timm_model)
+    return dict(
+        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
+        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim,
+        depths=[len(st.blocks) for st in m.layers],
+        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
+        window_size=m.layers[0].blocks[0].attn.window_size[0],
+        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+        use_absolute_embeddings=False, num_labels=m.num_classes, layer_norm_eps=1e-5)
+
+
+def swin_twin_weights(timm_model: nn.Module, pre: str, pooled: bool) -> dict[str, Tensor]:
+    """The Hugging Face names of the weights a timm Swin / Swin V2 shares with its twin:
+    patch embedding and its norm, final norm, classifier (unless ``pooled``), every block's
+    ``norm1`` / ``norm2`` (``layernorm_before`` / ``layernorm_after``), stage ``s``'s merge
+    (stage ``s - 1``'s ``downsample`` in Hugging Face). The attention and MLP are the
+    family's own.
+
+    Args:
+        timm_model (nn.Module): the timm model.
+        pre (str): the backbone's prefix in the twin (``"swin."``, ``"swinv2."`` or ``""``).
+        pooled (bool): the twin is head-less.
+
+    Returns:
+        dict: twin name -> timm tensor.
+    """
+    m = cast(ModelTree, timm_model)
+    src = timm_model.state_dict()
+    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
+           for k in ("weight", "bias")}
+    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
+                for k in ("weight", "bias")})
+    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
+    if not pooled:
+        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    for s, st in enumerate(m.layers):
+        for j in range(len(st.blocks)):
+            a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
+            for k in ("weight", "bias"):
+                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
+                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
+        if s > 0:
+            for k in ("reduction.weight", "norm.weight", "norm.bias"):
+                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
+                    src[f"layers.{s}.downsample.{k}"]
+    return out
 
 
 def is_transformers_model(model: nn.Module, names: Sequence[str]) -> bool:

@@ -1,6 +1,7 @@
 """Readers of timm's modules, written once for the timm families (ViT, BEiT, Eva, Swin,
-SAM): the ``VisionTransformer`` engine :class:`TimmViTBase` that the ViT, BEiT and Eva
-adapters extend, the attention, head, attention-pool and dropout readers, and
+Swin V2, Hiera, SAM): the ``VisionTransformer`` engine :class:`TimmViTBase` that the ViT,
+BEiT and Eva adapters extend, the Swin engine :class:`TimmSwinBase` of the Swin and Swin V2
+adapters, the attention, head, attention-pool and dropout readers, and
 :func:`timm_classes` (timm's classes, imported when first read: ``import captum_vit``
 stays light).
 
@@ -13,6 +14,7 @@ modules and parameters and runs the embedding through the model's own code (with
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch.nn.functional as F
@@ -20,10 +22,12 @@ from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
+from captum_vit.adapters.families._hf import pair
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
+from captum_vit.adapters.windows import MergeParts
 
 
 def optional_norm(m: ModelTree, what: str) -> NormParts | None:
@@ -274,6 +278,19 @@ def mlp_fields(mlp: ModelTree, where: str) -> dict:
                 fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias)
 
 
+def gelu_mlp_fields(mlp: ModelTree, where: str) -> dict:
+    """The :class:`BlockParts` MLP fields of timm's plain ``Mlp`` with a GELU (no hidden
+    norm), as in Swin and Swin V2 blocks; ``where`` names the block.
+
+    Raises:
+        TypeError: another MLP.
+    """
+    if not isinstance(mlp.norm, nn.Identity) or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
+        raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
+    return dict(fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.act,
+                fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls1=None, ls2=None)
+
+
 def timm_attention_fields(blk: ModelTree, where: str) -> dict:
     """The :class:`BlockParts` fields of a timm pre-LN block's norms and attention (ViT,
     BEiT and Eva blocks).
@@ -386,3 +403,141 @@ def timm_classes(module: str, *names: str) -> tuple[Any, ...]:
     """
     mod = importlib.import_module(module)
     return tuple(getattr(mod, n) for n in names)
+
+
+class TimmSwinBase(ViTAdapter):
+    """The reading shared by timm's Swin and Swin V2 adapters (``SwinTransformer``,
+    ``SwinTransformerV2``: the same ``patch_embed``, ``layers[s].blocks`` /
+    ``layers[s].downsample``, ``norm`` and ``head.fc`` attribute names): the refresh, input
+    size, parameter stages, patch size, fixed-size input check, layout, embedding and mean
+    head. A subclass reads its blocks in ``_read_parts``.
+    """
+
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+
+    def _read_parts(self) -> None:
+        raise NotImplementedError
+
+    def _adopt(self, model: ModelTree, block_cls: type, what: str) -> None:
+        """Read ``model`` after checking it: every stage has blocks, every block is a
+        ``block_cls``, the head pools by the mean (``what``: the model, in words)."""
+        name = type(model).__name__
+        self.model = model
+        m = self.model
+        if any(len(stage.blocks) == 0 for stage in m.layers):
+            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
+                            "stage to have at least one block")
+        for s, stage in enumerate(m.layers):
+            for j, blk in enumerate(stage.blocks):
+                if type(blk) is not block_cls:
+                    raise TypeError(f"{name}.layers[{s}].blocks[{j}] is {type(blk).__name__}; "
+                                    f"captum_vit supports timm's {block_cls.__name__}")
+        self._check_avg_head(what)
+        self.readout = "avg"
+        self.num_prefix = 0
+        self.in_chans = int(m.patch_embed.proj.in_channels)
+        self._read_parts()
+
+    def _blocks_and_merges(self, merging: Any, *, norm_last: bool = False
+                           ) -> Iterator[tuple[str, ModelTree, MergeParts | None]]:
+        """Every block as ``(where, block, merge)``: ``merge`` is the next stage's
+        ``downsample`` (a ``merging`` module, else refused) on the last block of a stage
+        that has a next one, read as :class:`MergeParts` (``norm_last``: Swin V2's
+        reduce-then-norm), else ``None``."""
+        m = self.model
+        name = type(m).__name__
+        for s, stage in enumerate(m.layers):
+            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
+            for j, blk in enumerate(stage.blocks):
+                merge = None
+                if nxt is not None and j == len(stage.blocks) - 1:
+                    down, where = nxt.downsample, f"{name}.layers[{s + 1}].downsample"
+                    if type(down) is not merging:
+                        raise TypeError(f"{where} is {type(down).__name__}; captum_vit "
+                                        f"supports {merging.__module__}.{merging.__name__} "
+                                        "between stages")
+                    merge = MergeParts(grid=pair(blk.input_resolution),
+                                       norm=_norm_parts(down.norm, f"{where}.norm"),
+                                       weight=down.reduction.weight, bias=down.reduction.bias,
+                                       norm_last=norm_last)
+                yield f"{name}.layers[{s}].blocks[{j}]", blk, merge
+
+    def _check_avg_head(self, what: str) -> None:
+        """Refuse a head without global average pooling (``what``: the model, in words)."""
+        head = self.model.head
+        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
+        if pool != "avg" or getattr(head, "use_conv", False):
+            raise TypeError(f"{type(self.model).__name__}.head pools with {pool!r}; captum_vit "
+                            f"supports {what}'s global average pooling (global_pool='avg')")
+
+    def _read_head(self) -> None:
+        """The final norm and the classifier of the mean readout (an embedding without one)."""
+        m = self.model
+        name = type(m).__name__
+        weight, bias = timm_head(m.head.fc, f"{name}.head.fc")
+        self.embedding = weight is None
+        self.head = HeadParts(_norm_parts(m.norm, f"{name}.norm"), None, (("avg", weight, bias),))
+
+    def refresh(self) -> None:
+        first = self.model.layers[0].blocks[0].attn.qkv.weight
+        # storage replaced (a block's q_weight is never None)
+        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
+            self._read_parts()
+
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        size = self.model.patch_embed.img_size
+        return self.in_chans, (int(size[0]), int(size[1]))
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """The head (final norm, classifier), then the blocks from the top; a merge's
+        parameters go with the block it follows (the block that carries it)."""
+        m = self.model
+        stages: list[list[nn.Parameter]] = [list(m.norm.parameters()) + list(m.head.parameters())]
+        blocks: list[list[nn.Parameter]] = []
+        for s, stage in enumerate(m.layers):
+            if s > 0:
+                blocks[-1] += list(stage.downsample.parameters())
+            blocks += [list(blk.parameters()) for blk in stage.blocks]
+        return stages + blocks[::-1]
+
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        """The patch size ``(ph, pw)`` of the patch embedding."""
+        return pair(self.model.patch_embed.patch_size)
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        self.check_fixed_size(inputs, self.input_shape[1], type(self.model).__name__)
+
+    def is_random(self) -> bool:
+        return has_active_dropout(self.model)
+
+    def layout(self, inputs: Tensor) -> Layout:
+        self.refresh()
+        h, w = inputs.shape[-2:]
+        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
+                      patch_size=self.patch_size, readout=self.readout,
+                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
+                      image_size=(int(h), int(w)))
+
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``patch_embed`` (projection and norm) as tokens [B, N, C] of the
+        first stage's grid; with ``ops`` the projection through ``ops.linear`` and the norm
+        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
+        self.refresh()
+        pe = self.model.patch_embed
+        name = type(self.model).__name__
+        if ops is None:
+            x = pe(inputs)  # [B, gh, gw, C]
+            return x.reshape(x.shape[0], -1, x.shape[-1])
+        x = patch_projection(inputs, pe.proj, ops, f"{name}.patch_embed.proj")
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        if isinstance(pe.norm, nn.Identity):
+            return x
+        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
+
+    def embedding_norms(self) -> tuple[str, ...]:
+        """The patch embedding's norm (Swin's ``patch_norm``)."""
+        return () if isinstance(self.model.patch_embed.norm, nn.Identity) \
+            else ("patch_embed.norm",)

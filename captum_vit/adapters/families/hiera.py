@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
+from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
 from captum_vit.adapters.families._hf import is_transformers_model
 from captum_vit.adapters.families._timm import (
     has_active_dropout,
@@ -230,11 +230,8 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
             img_size=(32, 32), in_chans=3, embed_dim=8, num_heads=1, num_classes=num_classes,
             stages=(1, 2, 1), q_pool=2, q_stride=(2, 2), mask_unit_size=(4, 4),
             mask_unit_attn=(True, False, False), mlp_ratio=2.0, drop_path_rate=0.0)
-        kwargs.update(extra)
-        kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = library("timm.models.hiera").Hiera(**kwargs)
-        return randomize_(model, seed).to(dtype).eval()
+        return seeded_model("timm.models.hiera", "Hiera", seed,
+                            **{**kwargs, **extra, **overrides}).to(dtype).eval()
 
     return build
 
@@ -421,14 +418,7 @@ def hf_hiera_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
 
 def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Module]:
     """A builder of the Hugging Face twin (:func:`hf_hiera_twin`) of a timm Hiera example."""
-    timm_build = _example(**extra)
-
-    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
-              num_classes: int = 5, **overrides: Any) -> nn.Module:
-        return hf_hiera_twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes,
-                                        **overrides), pooled=pooled)
-
-    return build
+    return twin_builder(_example(**extra), hf_hiera_twin, pooled=pooled)
 
 
 @register_family(

@@ -21,26 +21,29 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
-from captum_vit.adapters.families._hf import is_transformers_model
+from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
+from captum_vit.adapters.families._hf import (
+    HFSwinBase,
+    is_transformers_model,
+    pair,
+    swin_twin_config,
+    swin_twin_weights,
+)
 from captum_vit.adapters.families._timm import (
-    has_active_dropout,
+    TimmSwinBase,
+    gelu_mlp_fields,
     timm_attention_fields,
     timm_classes,
-    timm_gelus,
-    timm_head,
 )
 from captum_vit.adapters.families._torch import is_loaded_instance, loaded_class
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts, require_timm
+from captum_vit.adapters.parts import BlockParts, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
-from captum_vit.adapters.windows import MergeParts, Windows
+from captum_vit.adapters.windows import Windows
 
 TIMM_SWIN_V2_CLASSES = (("timm.models.swin_transformer_v2", "SwinTransformerV2"),
                         ("timm.models.swin_transformer_v2_cr", "SwinTransformerV2Cr"))
@@ -81,11 +84,8 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
                                       embed_dim=16, depths=depths, num_heads=heads,
                                       mlp_ratio=2.0, num_classes=num_classes,
                                       drop_path_rate=0.0)
-        kwargs.update(extra)
-        kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = library("timm.models.swin_transformer").SwinTransformer(**kwargs)
-        return randomize_(model, seed).to(dtype).eval()
+        return seeded_model("timm.models.swin_transformer", "SwinTransformer", seed,
+                            **{**kwargs, **extra, **overrides}).to(dtype).eval()
 
     return build
 
@@ -107,7 +107,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
         # a 10x10 grid padded to whole windows of 3, an odd 5x5 second stage
         "timm_swin_pad": Example(_example(window_size=3, img_size=(40, 40)), (40, 40)),
     })
-class TimmSwinAdapter(ViTAdapter):
+class TimmSwinAdapter(TimmSwinBase):
     """Canonical view of a timm ``SwinTransformer`` (v1): windowed blocks, merges between
     stages, mean readout (:mod:`captum_vit.adapters.families.swin`).
 
@@ -135,138 +135,23 @@ class TimmSwinAdapter(ViTAdapter):
                 "a learned logit scale, continuous position bias (an MLP over log-spaced "
                 "coordinates) and post-norm blocks do not fit the pre-LN canonical block; "
                 "use a Swin v1 (timm SwinTransformer, e.g. swin_tiny_patch4_window7_224)")
-        self.model = model
-        m = self.model  # read by attribute names (the isinstance check narrows model)
-        blocks = [blk for stage in m.layers for blk in stage.blocks]
-        if not blocks or any(len(stage.blocks) == 0 for stage in m.layers):
-            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
-                            "stage to have at least one block")
-        for i, blk in enumerate(blocks):
-            if type(blk) is not SwinTransformerBlock:
-                raise TypeError(f"{name} block {i} is {type(blk).__name__}; captum_vit "
-                                "supports timm's SwinTransformerBlock")
-        head = m.head
-        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
-        if pool != "avg" or getattr(head, "use_conv", False):
-            raise TypeError(f"{name}.head pools with {pool!r}; captum_vit supports Swin's "
-                            "global average pooling (global_pool='avg')")
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(m.patch_embed.proj.in_channels)
-        self._read_parts()
+        self._adopt(model, SwinTransformerBlock, "Swin")
 
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
 
-        m = self.model
-        name = type(m).__name__
+        (PatchMerging,) = timm_classes("timm.models.swin_transformer", "PatchMerging")
         parts: list[BlockParts] = []
-        for s, stage in enumerate(m.layers):
-            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
-            for j, blk in enumerate(stage.blocks):
-                where = f"{name}.layers[{s}].blocks[{j}]"
-                mlp = blk.mlp
-                if not isinstance(mlp.norm, nn.Identity) \
-                        or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
-                    raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
-                merge = None
-                if nxt is not None and j == len(stage.blocks) - 1:
-                    merge = _timm_merge(nxt.downsample, tuple(blk.input_resolution),
-                                        f"{name}.layers[{s + 1}].downsample")
-                parts.append(BlockParts(
-                    **timm_attention_fields(blk, where), ls1=None,
-                    fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias,
-                    act=cast(Callable[[Tensor], Tensor], mlp.act),  # a GELU, checked above
-                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
-                    attn_bias=blk.attn._get_rel_pos_bias,
-                    window=Windows(grid=_pair(blk.input_resolution), size=_pair(blk.window_size),
-                                   shift=_pair(blk.shift_size)),
-                    merge=merge))
+        for where, blk, merge in self._blocks_and_merges(PatchMerging):
+            parts.append(BlockParts(
+                **timm_attention_fields(blk, where), **gelu_mlp_fields(blk.mlp, where),
+                attn_bias=blk.attn._get_rel_pos_bias,
+                window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
+                               shift=pair(blk.shift_size)),
+                merge=merge))
         self.blocks = parts
-        weight, bias = timm_head(m.head.fc, f"{name}.head.fc")
-        self.embedding = weight is None
-        self.head = HeadParts(_norm_parts(m.norm, f"{name}.norm"), None,
-                              (("avg", weight, bias),))
+        self._read_head()
 
-    def refresh(self) -> None:
-        first = self.model.layers[0].blocks[0].attn.qkv.weight
-        # storage replaced (a block's q_weight is never None)
-        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
-            self._read_parts()
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        size = self.model.patch_embed.img_size
-        return self.in_chans, (int(size[0]), int(size[1]))
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The head (final norm, classifier), then the blocks from the top; a merge's
-        parameters go with the block it follows (the block that carries it)."""
-        m = self.model
-        stages: list[list[nn.Parameter]] = [list(m.norm.parameters()) + list(m.head.parameters())]
-        blocks: list[list[nn.Parameter]] = []
-        for s, stage in enumerate(m.layers):
-            if s > 0:
-                blocks[-1] += list(stage.downsample.parameters())
-            blocks += [list(blk.parameters()) for blk in stage.blocks]
-        return stages + blocks[::-1]
-
-    @property
-    def patch_size(self) -> tuple[int, int]:
-        """The patch size ``(ph, pw)`` of the patch embedding."""
-        return _pair(self.model.patch_embed.patch_size)
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        self.check_fixed_size(inputs, self.input_shape[1], type(self.model).__name__)
-
-    def is_random(self) -> bool:
-
-        return has_active_dropout(self.model)
-
-    def layout(self, inputs: Tensor) -> Layout:
-        self.refresh()
-        h, w = inputs.shape[-2:]
-        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
-                      patch_size=self.patch_size, readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)))
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``patch_embed`` (projection and norm) as tokens [B, N, C] of the
-        first stage's grid; with ``ops`` the projection through ``ops.linear`` and the norm
-        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
-        self.refresh()
-        pe = self.model.patch_embed
-        name = type(self.model).__name__
-        if ops is None:
-            x = pe(inputs)  # [B, gh, gw, C]
-            return x.reshape(x.shape[0], -1, x.shape[-1])
-        x = patch_projection(inputs, pe.proj, ops, f"{name}.patch_embed.proj")
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        if isinstance(pe.norm, nn.Identity):
-            return x
-        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        """The patch embedding's norm (Swin's ``patch_norm``)."""
-        return () if isinstance(self.model.patch_embed.norm, nn.Identity) \
-            else ("patch_embed.norm",)
-
-
-def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
-def _timm_merge(down: ModelTree, grid: tuple[int, int], where: str) -> MergeParts:
-    """The :class:`MergeParts` of timm's ``PatchMerging`` on the ``grid`` before it."""
-    (PatchMerging,) = timm_classes("timm.models.swin_transformer", "PatchMerging")
-
-    if type(down) is not PatchMerging:
-        raise TypeError(f"{where} is {type(down).__name__}; captum_vit supports timm's "
-                        "PatchMerging between Swin stages")
-    return MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where}.norm"),
-                      weight=down.reduction.weight, bias=down.reduction.bias)
 
 
 HF_SWIN_CLASSES = ("SwinForImageClassification", "SwinModel")
@@ -288,32 +173,16 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
     """
     transformers = library("transformers")
     m = cast(ModelTree, timm_model)
-    depths = [len(st.blocks) for st in m.layers]
-    cfg = transformers.SwinConfig(
-        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
-        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim, depths=depths,
-        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
-        window_size=m.layers[0].blocks[0].attn.window_size[0],
-        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
-        use_absolute_embeddings=False, num_labels=m.num_classes, layer_norm_eps=1e-5)
+    cfg = transformers.SwinConfig(**swin_twin_config(timm_model))
     cls = transformers.SwinModel if pooled else transformers.SwinForImageClassification
     hf = cls(cfg).to(next(timm_model.parameters()).dtype).eval()
     src = timm_model.state_dict()
     pre = "" if pooled else "swin."
-    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
-           for k in ("weight", "bias")}
-    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
-                for k in ("weight", "bias")})
-    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
-    if not pooled:
-        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    out = swin_twin_weights(timm_model, pre, pooled)
     for s, st in enumerate(m.layers):
         for j in range(len(st.blocks)):
             a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
             for k in ("weight", "bias"):
-                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
-                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
                 out[f"{b}mlp.fc1.{k}"] = src[f"{a}mlp.fc1.{k}"]
                 out[f"{b}mlp.fc2.{k}"] = src[f"{a}mlp.fc2.{k}"]
                 out[f"{b}attention.o_proj.{k}"] = src[f"{a}attn.proj.{k}"]
@@ -322,10 +191,6 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
                     out[f"{b}attention.{name}_proj.{k}"] = t
             out[f"{b}attention.relative_position_bias.relative_position_bias_table"] = \
                 src[f"{a}attn.relative_position_bias_table"]
-        if s > 0:
-            for k in ("reduction.weight", "norm.weight", "norm.bias"):
-                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
-                    src[f"layers.{s}.downsample.{k}"]
     missing, unexpected = hf.load_state_dict(out, strict=False)
     if unexpected or not all("relative_position_index" in k for k in missing):
         raise ValueError(f"the timm weights do not map onto {cls.__name__}: missing "
@@ -336,14 +201,7 @@ def hf_swin_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
 def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Module]:
     """A builder of the Hugging Face twin (:func:`hf_swin_twin`; ``pooled``: the head-less
     ``SwinModel``) of a timm Swin example."""
-    timm_build = _example(**extra)
-
-    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
-              num_classes: int = 5, **overrides: Any) -> nn.Module:
-        return hf_swin_twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes,
-                                       **overrides), pooled=pooled)
-
-    return build
+    return twin_builder(_example(**extra), hf_swin_twin, pooled=pooled)
 
 
 @register_family(
@@ -367,7 +225,7 @@ def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Mod
         "hf_swin_pad": Example(_twin_example(window_size=3, img_size=(40, 40)), (40, 40),
                                library="transformers"),
     })
-class HFSwinAdapter(TimmSwinAdapter):
+class HFSwinAdapter(HFSwinBase, TimmSwinAdapter):
     """Canonical view of a Hugging Face ``SwinForImageClassification`` or ``SwinModel``
     (an image embedding: its ``pooler_output``), the second reader of the same canonical
     form as :class:`TimmSwinAdapter`: separate ``q_proj``/``k_proj``/``v_proj``, the
@@ -390,119 +248,40 @@ class HFSwinAdapter(TimmSwinAdapter):
                 f"captum_vit cannot explain {name}: Swin V2's cosine attention with a learned "
                 "logit scale, continuous position bias and post-norm blocks do not fit the "
                 "pre-LN canonical block; use a Swin v1 (SwinForImageClassification)")
-        self.model = model
-        self.backbone = getattr(model, "swin", model)
-        if getattr(self.backbone, "pooler", None) is None:
-            raise TypeError(f"{name} has no pooling layer (add_pooling_layer=False): "
-                            "captum_vit explains its pooled embedding; build it with "
-                            "add_pooling_layer=True")
-        cfg = model.config
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(cfg.num_channels)
-        self._read_parts()
+        self._adopt_hf(model, "swin")
 
     def _read_parts(self) -> None:
         m, cfg = self.model, self.model.config
         name = type(m).__name__
-        ph, pw = _pair(cfg.patch_size)
-        h, w = _pair(cfg.image_size)
-        grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
         parts: list[BlockParts] = []
-        stages = self.backbone.encoder.layers
-        for s, stage in enumerate(stages):
-            for j, layer in enumerate(stage.blocks):
-                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
-                attn = layer.attention
-                ws, shift = int(cfg.window_size), int(layer.shift_size)
-                if min(grid) <= ws:  # the model's clamp (set_shift_and_window_size)
-                    ws, shift = min(grid), 0
-                merge = None
-                if j == len(stage.blocks) - 1 and stage.downsample is not None:
-                    down = stage.downsample
-                    merge = MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where} merge"),
-                                       weight=down.reduction.weight, bias=down.reduction.bias)
-                heads = int(attn.num_attention_heads)
-                parts.append(BlockParts(
-                    norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
-                    q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight,
-                    v_weight=attn.v_proj.weight, q_bias=attn.q_proj.bias,
-                    k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, num_heads=heads,
-                    head_dim=int(attn.head_dim), scale=float(attn.scaling),
-                    q_norm=nn.Identity(), k_norm=nn.Identity(),
-                    proj_weight=attn.o_proj.weight, proj_bias=attn.o_proj.bias,
-                    norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after"),
-                    ls1=None, fc1_weight=layer.mlp.fc1.weight, fc1_bias=layer.mlp.fc1.bias,
-                    act=layer.mlp.activation_fn, fc2_weight=layer.mlp.fc2.weight,
-                    fc2_bias=layer.mlp.fc2.bias, ls2=None,
-                    attn_bias=attn.relative_position_bias,
-                    window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
-                                   pad_first=True),
-                    merge=merge))
-                if merge is not None:
-                    grid = merge.out_grid
+        for where, layer, grid, merge in self._layers_and_merges():
+            attn = layer.attention
+            ws, shift = int(cfg.window_size), int(layer.shift_size)
+            if min(grid) <= ws:  # the model's clamp (set_shift_and_window_size)
+                ws, shift = min(grid), 0
+            heads = int(attn.num_attention_heads)
+            parts.append(BlockParts(
+                norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
+                q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight,
+                v_weight=attn.v_proj.weight, q_bias=attn.q_proj.bias,
+                k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, num_heads=heads,
+                head_dim=int(attn.head_dim), scale=float(attn.scaling),
+                q_norm=nn.Identity(), k_norm=nn.Identity(),
+                proj_weight=attn.o_proj.weight, proj_bias=attn.o_proj.bias,
+                norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after"),
+                ls1=None, fc1_weight=layer.mlp.fc1.weight, fc1_bias=layer.mlp.fc1.bias,
+                act=layer.mlp.activation_fn, fc2_weight=layer.mlp.fc2.weight,
+                fc2_bias=layer.mlp.fc2.bias, ls2=None,
+                attn_bias=attn.relative_position_bias,
+                window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
+                               pad_first=True),
+                merge=merge))
         if not parts:
             raise TypeError(f"{name} has no Swin layers")
         self.blocks = parts
-        classifier = getattr(m, "classifier", None)
-        self.embedding = classifier is None
-        if classifier is not None and not isinstance(classifier, nn.Linear):
-            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
-                            "backbone model.swin (an embedding model) with vector targets")
-        weight = None if classifier is None else classifier.weight
-        bias = None if classifier is None else classifier.bias
-        self.head = HeadParts(_norm_parts(self.backbone.layernorm, f"{name}.layernorm"), None,
-                              (("avg", weight, bias),))
+        self._read_hf_head("swin")
 
     def refresh(self) -> None:
         first = self.backbone.encoder.layers[0].blocks[0].attention.q_proj.weight
         if self.blocks[0].q_weight is not first:  # a parameter was replaced
             self._read_parts()
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.model.config.image_size)
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The head (final norm, classifier), then the layers from the top; a merge's
-        parameters go with the layer it follows."""
-        m, bb = self.model, self.backbone
-        head = [bb.layernorm, getattr(m, "classifier", None)]
-        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
-        blocks: list[list[nn.Parameter]] = []
-        for stage in bb.encoder.layers:
-            blocks += [list(layer.parameters()) for layer in stage.blocks]
-            if stage.downsample is not None:
-                blocks[-1] += list(stage.downsample.parameters())
-        return stages + blocks[::-1]
-
-    @property
-    def patch_size(self) -> tuple[int, int]:
-        return _pair(self.model.config.patch_size)
-
-    def is_random(self) -> bool:
-        cfg = self.model.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``embeddings`` (patch projection, norm, absolute positions if
-        configured); with ``ops`` the projection through ``ops.linear`` and the norm
-        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
-        emb = self.backbone.embeddings
-        if ops is None:
-            return emb(inputs)[0]
-        name = f"{type(self.model).__name__}.embeddings"
-        pe = emb.patch_embeddings
-        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
-                             f"{name}.patch_embeddings.projection")
-        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm_parts(emb.norm, f"{name}.norm"))
-        pos = emb.position_embeddings
-        return x if pos is None else x + pos.to(x.dtype)
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        return ("embeddings.norm",)
-
-    def model_outputs(self, inputs: Tensor) -> Tensor:
-        out = self.model(pixel_values=inputs)
-        return out.pooler_output if self.embedding else out.logits

@@ -61,20 +61,23 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, randomize_
-from captum_vit.adapters.families._hf import is_transformers_model
+from captum_vit.adapters.families._examples import library, seeded_model, twin_builder
+from captum_vit.adapters.families._hf import (
+    HFSwinBase,
+    is_transformers_model,
+    pair,
+    swin_twin_config,
+    swin_twin_weights,
+)
 from captum_vit.adapters.families._timm import (
-    has_active_dropout,
+    TimmSwinBase,
+    gelu_mlp_fields,
     timm_classes,
-    timm_gelus,
-    timm_head,
 )
 from captum_vit.adapters.families._torch import is_loaded_instance
-from captum_vit.adapters.layout import Layout
-from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, CosineNorm, HeadParts, require_timm
+from captum_vit.adapters.parts import BlockParts, CosineNorm, require_timm
 from captum_vit.adapters.parts import layer_norm_parts as _norm_parts
-from captum_vit.adapters.windows import MergeParts, Windows
+from captum_vit.adapters.windows import Windows
 
 HF_SWIN_V2_CLASSES = ("Swinv2ForImageClassification", "Swinv2Model")
 """The Hugging Face Swin V2 classes :class:`HFSwinV2Adapter` reads."""
@@ -116,9 +119,6 @@ class ContinuousPositionBias:
         return (16 * torch.sigmoid(bias))[None]
 
 
-def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
 
 def _cosine(logit_scale: Tensor) -> dict[str, Any]:
     """The q/k norms and softmax scale of cosine attention with ``logit_scale``."""
@@ -140,11 +140,8 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
                                       embed_dim=16, depths=depths, num_heads=heads,
                                       window_size=4, mlp_ratio=2.0, num_classes=num_classes,
                                       drop_path_rate=0.0)
-        kwargs.update(extra)
-        kwargs.update(overrides)
-        torch.manual_seed(seed)
-        model = library("timm.models.swin_transformer_v2").SwinTransformerV2(**kwargs)
-        randomize_(model, seed)
+        model = seeded_model("timm.models.swin_transformer_v2", "SwinTransformerV2", seed,
+                             **{**kwargs, **extra, **overrides})
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -174,7 +171,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
         "timm_swinv2_pad": Example(_example(img_size=(40, 40), pretrained_window_sizes=(6, 3)),
                                    (40, 40), suite=False),
     })
-class TimmSwinV2Adapter(ViTAdapter):
+class TimmSwinV2Adapter(TimmSwinBase):
     """Canonical view of a timm ``SwinTransformerV2``: windowed post-norm blocks with cosine
     attention, reduce-then-norm merges between stages, mean readout
     (:mod:`captum_vit.adapters.families.swin_v2`).
@@ -196,139 +193,32 @@ class TimmSwinV2Adapter(ViTAdapter):
         require_timm((1, 0, 31), name, "sizes a stage's windows differently where its grid is "
                      "smaller than the window (timm 1.0.31 resolves one window size per stage)")
         (Block,) = timm_classes("timm.models.swin_transformer_v2", "SwinTransformerV2Block")
-        self.model = model
-        m = self.model
-        if any(len(stage.blocks) == 0 for stage in m.layers):
-            raise TypeError(f"{name} has a stage without blocks; captum_vit needs every "
-                            "stage to have at least one block")
-        for s, stage in enumerate(m.layers):
-            for j, blk in enumerate(stage.blocks):
-                if type(blk) is not Block:
-                    raise TypeError(f"{name}.layers[{s}].blocks[{j}] is {type(blk).__name__}; "
-                                    "captum_vit supports timm's SwinTransformerV2Block")
-        head = m.head
-        pool = getattr(getattr(head, "global_pool", None), "pool_type", None)
-        if pool != "avg" or getattr(head, "use_conv", False):
-            raise TypeError(f"{name}.head pools with {pool!r}; captum_vit supports Swin V2's "
-                            "global average pooling (global_pool='avg')")
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(m.patch_embed.proj.in_channels)
-        self._read_parts()
+        self._adopt(model, Block, "Swin V2")
 
     def _read_parts(self) -> None:
         """The canonical parts of every block and of the head (views of the model)."""
-        m = self.model
-        name = type(m).__name__
         (Merging,) = timm_classes("timm.models.swin_transformer_v2", "PatchMerging")
         parts: list[BlockParts] = []
-        for s, stage in enumerate(m.layers):
-            nxt = m.layers[s + 1] if s + 1 < len(m.layers) else None
-            for j, blk in enumerate(stage.blocks):
-                where = f"{name}.layers[{s}].blocks[{j}]"
-                attn, mlp = blk.attn, blk.mlp
-                if not isinstance(mlp.norm, nn.Identity) \
-                        or not isinstance(mlp.act, (nn.GELU, *timm_gelus())):
-                    raise TypeError(f"{where}.mlp must be timm's Mlp with a GELU activation")
-                merge = None
-                if nxt is not None and j == len(stage.blocks) - 1:
-                    down = nxt.downsample
-                    if type(down) is not Merging:
-                        raise TypeError(f"{name}.layers[{s + 1}].downsample is "
-                                        f"{type(down).__name__}; captum_vit supports timm's "
-                                        "Swin V2 PatchMerging between stages")
-                    merge = MergeParts(grid=_pair(blk.input_resolution),
-                                       norm=_norm_parts(down.norm, f"{name}.layers[{s + 1}]"
-                                                        ".downsample.norm"),
-                                       weight=down.reduction.weight, bias=down.reduction.bias,
-                                       norm_last=True)
-                w = attn.qkv.weight.detach()
-                a = w.shape[0] // 3
-                heads = int(attn.num_heads)
-                parts.append(BlockParts(
-                    norm1=None, norm2=None,
-                    q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
-                    q_bias=attn.q_bias, k_bias=attn.k_bias, v_bias=attn.v_bias,
-                    num_heads=heads, head_dim=a // heads, **_cosine(attn.logit_scale),
-                    proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
-                    ls1=None, fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias,
-                    act=cast(Callable[[Tensor], Tensor], mlp.act),  # a GELU, checked above
-                    fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=None,
-                    attn_bias=ContinuousPositionBias(attn, attn.cpb_mlp, heads),
-                    window=Windows(grid=_pair(blk.input_resolution), size=_pair(blk.window_size),
-                                   shift=_pair(blk.shift_size)),
-                    merge=merge,
-                    post_norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
-                    post_norm2=_norm_parts(blk.norm2, f"{where}.norm2")))
+        for where, blk, merge in self._blocks_and_merges(Merging, norm_last=True):
+            attn = blk.attn
+            w = attn.qkv.weight.detach()
+            a = w.shape[0] // 3
+            heads = int(attn.num_heads)
+            parts.append(BlockParts(
+                norm1=None, norm2=None,
+                q_weight=w[:a], k_weight=w[a:2 * a], v_weight=w[2 * a:],
+                q_bias=attn.q_bias, k_bias=attn.k_bias, v_bias=attn.v_bias,
+                num_heads=heads, head_dim=a // heads, **_cosine(attn.logit_scale),
+                proj_weight=attn.proj.weight, proj_bias=attn.proj.bias,
+                **gelu_mlp_fields(blk.mlp, where),
+                attn_bias=ContinuousPositionBias(attn, attn.cpb_mlp, heads),
+                window=Windows(grid=pair(blk.input_resolution), size=pair(blk.window_size),
+                               shift=pair(blk.shift_size)),
+                merge=merge,
+                post_norm1=_norm_parts(blk.norm1, f"{where}.norm1"),
+                post_norm2=_norm_parts(blk.norm2, f"{where}.norm2")))
         self.blocks = parts
-        weight, bias = timm_head(m.head.fc, f"{name}.head.fc")
-        self.embedding = weight is None
-        self.head = HeadParts(_norm_parts(m.norm, f"{name}.norm"), None,
-                              (("avg", weight, bias),))
-
-    def refresh(self) -> None:
-        first = self.model.layers[0].blocks[0].attn.qkv.weight
-        # storage replaced (a block's q_weight is never None)
-        if cast(Tensor, self.blocks[0].q_weight).data_ptr() != first.data_ptr():
-            self._read_parts()
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        size = self.model.patch_embed.img_size
-        return self.in_chans, (int(size[0]), int(size[1]))
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The head (final norm, classifier), then the blocks from the top; a merge's
-        parameters go with the block it follows (the block that carries it)."""
-        m = self.model
-        stages: list[list[nn.Parameter]] = [list(m.norm.parameters()) + list(m.head.parameters())]
-        blocks: list[list[nn.Parameter]] = []
-        for s, stage in enumerate(m.layers):
-            if s > 0:
-                blocks[-1] += list(stage.downsample.parameters())
-            blocks += [list(blk.parameters()) for blk in stage.blocks]
-        return stages + blocks[::-1]
-
-    @property
-    def patch_size(self) -> tuple[int, int]:
-        """The patch size ``(ph, pw)`` of the patch embedding."""
-        return _pair(self.model.patch_embed.patch_size)
-
-    def check_inputs(self, inputs: Tensor) -> None:
-        super().check_inputs(inputs)
-        self.check_fixed_size(inputs, self.input_shape[1], type(self.model).__name__)
-
-    def is_random(self) -> bool:
-        return has_active_dropout(self.model)
-
-    def layout(self, inputs: Tensor) -> Layout:
-        self.refresh()
-        h, w = inputs.shape[-2:]
-        return Layout(num_prefix=0, grid=self.blocks[0].window.grid,
-                      patch_size=self.patch_size, readout=self.readout,
-                      num_blocks=self.num_blocks, num_heads=self.blocks[0].num_heads,
-                      image_size=(int(h), int(w)))
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``patch_embed`` (projection and norm) as tokens [B, N, C] of the
-        first stage's grid; with ``ops`` the projection through ``ops.linear`` and the norm
-        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
-        self.refresh()
-        pe = self.model.patch_embed
-        name = type(self.model).__name__
-        if ops is None:
-            x = pe(inputs)  # [B, gh, gw, C]
-            return x.reshape(x.shape[0], -1, x.shape[-1])
-        x = patch_projection(inputs, pe.proj, ops, f"{name}.patch_embed.proj")
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        if isinstance(pe.norm, nn.Identity):
-            return x
-        return ops.norm(x, _norm_parts(pe.norm, f"{name}.patch_embed.norm"))
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        """The patch embedding's norm."""
-        return () if isinstance(self.model.patch_embed.norm, nn.Identity) \
-            else ("patch_embed.norm",)
+        self._read_head()
 
 
 def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module:
@@ -356,36 +246,20 @@ def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module
     """
     transformers = library("transformers")
     m = cast(ModelTree, timm_model)
-    depths = [len(st.blocks) for st in m.layers]
     cfg = transformers.Swinv2Config(
-        image_size=tuple(m.patch_embed.img_size), patch_size=m.patch_embed.patch_size[0],
-        num_channels=m.patch_embed.proj.in_channels, embed_dim=m.embed_dim, depths=depths,
-        num_heads=[st.blocks[0].attn.num_heads for st in m.layers],
-        window_size=m.layers[0].blocks[0].attn.window_size[0],
+        **swin_twin_config(timm_model), hidden_act="gelu",
         pretrained_window_sizes=[st.blocks[0].attn.pretrained_window_size[0]
-                                 for st in m.layers],
-        mlp_ratio=m.layers[0].blocks[0].mlp.fc1.out_features / m.embed_dim, qkv_bias=True,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
-        hidden_act="gelu", use_absolute_embeddings=False, num_labels=m.num_classes,
-        layer_norm_eps=1e-5)
+                                 for st in m.layers])
     cls = transformers.Swinv2Model if pooled else transformers.Swinv2ForImageClassification
     hf = cls(cfg).to(next(timm_model.parameters()).dtype).eval()
     src = timm_model.state_dict()
     pre = "" if pooled else "swinv2."
-    out = {f"{pre}embeddings.patch_embeddings.projection.{k}": src[f"patch_embed.proj.{k}"]
-           for k in ("weight", "bias")}
-    out.update({f"{pre}embeddings.norm.{k}": src[f"patch_embed.norm.{k}"]
-                for k in ("weight", "bias")})
-    out.update({f"{pre}layernorm.{k}": src[f"norm.{k}"] for k in ("weight", "bias")})
-    if not pooled:
-        out.update({f"classifier.{k}": src[f"head.fc.{k}"] for k in ("weight", "bias")})
+    out = swin_twin_weights(timm_model, pre, pooled)
     for s, st in enumerate(m.layers):
         for j in range(len(st.blocks)):
             a, b = f"layers.{s}.blocks.{j}.", f"{pre}encoder.layers.{s}.blocks.{j}."
             att = f"{b}attention.self."
             for k in ("weight", "bias"):
-                out[f"{b}layernorm_before.{k}"] = src[f"{a}norm1.{k}"]
-                out[f"{b}layernorm_after.{k}"] = src[f"{a}norm2.{k}"]
                 out[f"{b}intermediate.dense.{k}"] = src[f"{a}mlp.fc1.{k}"]
                 out[f"{b}output.dense.{k}"] = src[f"{a}mlp.fc2.{k}"]
                 out[f"{b}attention.output.dense.{k}"] = src[f"{a}attn.proj.{k}"]
@@ -397,10 +271,6 @@ def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module
             out[f"{att}logit_scale"] = src[f"{a}attn.logit_scale"]
             for k in ("0.weight", "0.bias", "2.weight"):
                 out[f"{att}continuous_position_bias_mlp.{k}"] = src[f"{a}attn.cpb_mlp.{k}"]
-        if s > 0:
-            for k in ("reduction.weight", "norm.weight", "norm.bias"):
-                out[f"{pre}encoder.layers.{s - 1}.downsample.{k}"] = \
-                    src[f"layers.{s}.downsample.{k}"]
     missing, unexpected = hf.load_state_dict(out, strict=False)
     if unexpected or missing:
         raise ValueError(f"the timm weights do not map onto {cls.__name__}: missing "
@@ -411,14 +281,7 @@ def hf_swin_v2_twin(timm_model: nn.Module, *, pooled: bool = False) -> nn.Module
 def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Module]:
     """A builder of the Hugging Face twin (:func:`hf_swin_v2_twin`; ``pooled``: the
     head-less ``Swinv2Model``) of a timm Swin V2 example."""
-    timm_build = _example(**extra)
-
-    def build(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
-              num_classes: int = 5, **overrides: Any) -> nn.Module:
-        return hf_swin_v2_twin(timm_build(seed=seed, dtype=dtype, num_classes=num_classes,
-                                          **overrides), pooled=pooled)
-
-    return build
+    return twin_builder(_example(**extra), hf_swin_v2_twin, pooled=pooled)
 
 
 @register_family(
@@ -441,7 +304,7 @@ def _twin_example(*, pooled: bool = False, **extra: Any) -> Callable[..., nn.Mod
                                    library="transformers", target="embedding",
                                    tags=("matrix",), suite=False),
     })
-class HFSwinV2Adapter(TimmSwinV2Adapter):
+class HFSwinV2Adapter(HFSwinBase, TimmSwinV2Adapter):
     """Canonical view of a Hugging Face ``Swinv2ForImageClassification`` or ``Swinv2Model``
     (an image embedding: its ``pooler_output``), the second reader of the same canonical
     form as :class:`TimmSwinV2Adapter`: separate ``query``/``key``/``value``, the grid
@@ -456,121 +319,40 @@ class HFSwinV2Adapter(TimmSwinV2Adapter):
 
     def __init__(self, model: ModelTree) -> None:  # noqa: D107 - documented on the class
         ViTAdapter.__init__(self)
-        name = type(model).__name__
-        self.model = model
-        self.backbone = getattr(model, "swinv2", model)
-        if getattr(self.backbone, "pooler", None) is None:
-            raise TypeError(f"{name} has no pooling layer (add_pooling_layer=False): "
-                            "captum_vit explains its pooled embedding; build it with "
-                            "add_pooling_layer=True")
-        cfg = model.config
-        self.readout = "avg"
-        self.num_prefix = 0
-        self.in_chans = int(cfg.num_channels)
-        self._read_parts()
+        self._adopt_hf(model, "swinv2")
 
     def _read_parts(self) -> None:
-        m, cfg = self.model, self.model.config
-        name = type(m).__name__
-        ph, pw = _pair(cfg.patch_size)
-        h, w = _pair(cfg.image_size)
-        grid = (-(-h // ph), -(-w // pw))  # the image is padded to whole patches
+        name = type(self.model).__name__
         parts: list[BlockParts] = []
-        for s, stage in enumerate(self.backbone.encoder.layers):
-            for j, layer in enumerate(stage.blocks):
-                where = f"{name}.encoder.layers[{s}].blocks[{j}]"
-                attn, heads = layer.attention.self, int(layer.attention.self.num_attention_heads)
-                dense = layer.attention.output.dense
-                ws, shift = int(layer.window_size), int(layer.shift_size)  # the model's own
-                merge = None
-                if j == len(stage.blocks) - 1 and stage.downsample is not None:
-                    down = stage.downsample
-                    merge = MergeParts(grid=grid, norm=_norm_parts(down.norm, f"{where} merge"),
-                                       weight=down.reduction.weight, bias=down.reduction.bias,
-                                       norm_last=True)
-                parts.append(BlockParts(
-                    norm1=None, norm2=None,
-                    q_weight=attn.query.weight, k_weight=attn.key.weight,
-                    v_weight=attn.value.weight, q_bias=attn.query.bias,
-                    k_bias=attn.key.bias, v_bias=attn.value.bias, num_heads=heads,
-                    head_dim=int(attn.attention_head_size), **_cosine(attn.logit_scale),
-                    proj_weight=dense.weight, proj_bias=dense.bias,
-                    ls1=None, fc1_weight=layer.intermediate.dense.weight,
-                    fc1_bias=layer.intermediate.dense.bias,
-                    act=layer.intermediate.intermediate_act_fn,
-                    fc2_weight=layer.output.dense.weight, fc2_bias=layer.output.dense.bias,
-                    ls2=None,
-                    attn_bias=ContinuousPositionBias(attn, attn.continuous_position_bias_mlp,
-                                                     heads),
-                    window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
-                                   pad_first=True, seam=-200.0),
-                    merge=merge,
-                    post_norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
-                    post_norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after")))
-                if merge is not None:
-                    grid = merge.out_grid
+        for where, layer, grid, merge in self._layers_and_merges(norm_last=True):
+            attn, heads = layer.attention.self, int(layer.attention.self.num_attention_heads)
+            dense = layer.attention.output.dense
+            ws, shift = int(layer.window_size), int(layer.shift_size)  # the model's own
+            parts.append(BlockParts(
+                norm1=None, norm2=None,
+                q_weight=attn.query.weight, k_weight=attn.key.weight,
+                v_weight=attn.value.weight, q_bias=attn.query.bias,
+                k_bias=attn.key.bias, v_bias=attn.value.bias, num_heads=heads,
+                head_dim=int(attn.attention_head_size), **_cosine(attn.logit_scale),
+                proj_weight=dense.weight, proj_bias=dense.bias,
+                ls1=None, fc1_weight=layer.intermediate.dense.weight,
+                fc1_bias=layer.intermediate.dense.bias,
+                act=layer.intermediate.intermediate_act_fn,
+                fc2_weight=layer.output.dense.weight, fc2_bias=layer.output.dense.bias,
+                ls2=None,
+                attn_bias=ContinuousPositionBias(attn, attn.continuous_position_bias_mlp,
+                                                 heads),
+                window=Windows(grid=grid, size=(ws, ws), shift=(shift, shift),
+                               pad_first=True, seam=-200.0),
+                merge=merge,
+                post_norm1=_norm_parts(layer.layernorm_before, f"{where}.layernorm_before"),
+                post_norm2=_norm_parts(layer.layernorm_after, f"{where}.layernorm_after")))
         if not parts:
             raise TypeError(f"{name} has no Swin V2 layers")
         self.blocks = parts
-        classifier = getattr(m, "classifier", None)
-        self.embedding = classifier is None
-        if classifier is not None and not isinstance(classifier, nn.Linear):
-            raise TypeError(f"{name} has no linear classifier (num_labels=0?); pass its "
-                            "backbone model.swinv2 (an embedding model) with vector targets")
-        weight = None if classifier is None else classifier.weight
-        bias = None if classifier is None else classifier.bias
-        self.head = HeadParts(_norm_parts(self.backbone.layernorm, f"{name}.layernorm"), None,
-                              (("avg", weight, bias),))
+        self._read_hf_head("swinv2")
 
     def refresh(self) -> None:
         first = self.backbone.encoder.layers[0].blocks[0].attention.self.query.weight
         if self.blocks[0].q_weight is not first:  # a parameter was replaced
             self._read_parts()
-
-    @property
-    def input_shape(self) -> tuple[int, tuple[int, int]]:
-        return self.in_chans, _pair(self.model.config.image_size)
-
-    def parameter_stages(self) -> list[list[nn.Parameter]]:
-        """The head (final norm, classifier), then the layers from the top; a merge's
-        parameters go with the layer it follows."""
-        m, bb = self.model, self.backbone
-        head = [bb.layernorm, getattr(m, "classifier", None)]
-        stages = [[p for mod in head if mod is not None for p in mod.parameters()]]
-        blocks: list[list[nn.Parameter]] = []
-        for stage in bb.encoder.layers:
-            blocks += [list(layer.parameters()) for layer in stage.blocks]
-            if stage.downsample is not None:
-                blocks[-1] += list(stage.downsample.parameters())
-        return stages + blocks[::-1]
-
-    @property
-    def patch_size(self) -> tuple[int, int]:
-        return _pair(self.model.config.patch_size)
-
-    def is_random(self) -> bool:
-        cfg = self.model.config
-        return self.model.training and any(getattr(cfg, n, 0) > 0 for n in (
-            "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"))
-
-    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
-        """The model's ``embeddings`` (patch projection, norm, absolute positions if
-        configured); with ``ops`` the projection through ``ops.linear`` and the norm
-        through ``ops.norm`` (:meth:`ViTAdapter.embed`)."""
-        emb = self.backbone.embeddings
-        if ops is None:
-            return emb(inputs)[0]
-        name = f"{type(self.model).__name__}.embeddings"
-        pe = emb.patch_embeddings
-        x = patch_projection(pe.maybe_pad(inputs, *inputs.shape[-2:]), pe.projection, ops,
-                             f"{name}.patch_embeddings.projection")
-        x = ops.norm(x.reshape(x.shape[0], -1, x.shape[-1]), _norm_parts(emb.norm, f"{name}.norm"))
-        pos = emb.position_embeddings
-        return x if pos is None else x + pos.to(x.dtype)
-
-    def embedding_norms(self) -> tuple[str, ...]:
-        return ("embeddings.norm",)
-
-    def model_outputs(self, inputs: Tensor) -> Tensor:
-        out = self.model(pixel_values=inputs)
-        return out.pooler_output if self.embedding else out.logits
