@@ -64,14 +64,22 @@ DOCS_BUILD_SKIP = pytest.mark.skip(
            "step runs after installing the docs extra (.ci/docs)")
 
 
+INTEGRATION_SKIP = pytest.mark.skip(
+    reason="runs whole programs in subprocesses (training runs, torchrun, a wheel's install): "
+           "selected with -m integration, which CI runs after the README's command (.ci/run)")
+
+
 def pytest_collection_modifyitems(config, items):
-    # The documentation builds (the site, the API pages, the tutorials executed) are collected
-    # (counted) by every run but run only when selected by marker, in CI's docs step; the
-    # README's test command stays within minutes.
-    if "docs_build" not in (config.getoption("markexpr") or ""):
-        for item in items:
-            if item.get_closest_marker("docs_build"):
-                item.add_marker(DOCS_BUILD_SKIP)
+    # The documentation builds (the site, the API pages, the tutorials executed) and the
+    # integration runs of whole programs are collected (counted) by every run but run only
+    # when selected by marker, in CI's later steps; the README's test command stays within
+    # minutes.
+    markexpr = config.getoption("markexpr") or ""
+    for marker, skip_mark in (("docs_build", DOCS_BUILD_SKIP), ("integration", INTEGRATION_SKIP)):
+        if marker not in markexpr:
+            for item in items:
+                if item.get_closest_marker(marker):
+                    item.add_marker(skip_mark)
     if _timm_release() >= (1, 0, 31):
         return
     skip = pytest.mark.skip(reason="timm's Swin and SAM need timm >= 1.0.31 (the adapters "

@@ -96,6 +96,7 @@ def test_name_resolution_and_synthetic_data():
     assert 0 < mask.float().mean() < 0.5
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("torchrun") is None and
                     not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")

@@ -62,6 +62,7 @@ def test_init_from_refuses_a_source_it_cannot_map(train_zoo, tmp_path):
         train_zoo.init_from(train_zoo.build_model(wider), str(path))
 
 
+@pytest.mark.integration
 @needs_fashion_mnist
 def test_a_tiny_run_is_deterministic_and_writes_weights_and_card(tmp_path):
     args = ["--name", "tiny", "--embed-dim", "16", "--depth", "1", "--heads", "2",
@@ -83,6 +84,7 @@ def test_a_tiny_run_is_deterministic_and_writes_weights_and_card(tmp_path):
     VisionTransformer(**card["timm_kwargs"]).load_state_dict(wa)
 
 
+@pytest.mark.integration
 @needs_fashion_mnist
 def test_two_processes_take_the_steps_of_one(tmp_path):
     """Under torchrun each process takes half of every batch and the gradients are

@@ -42,6 +42,7 @@ def _build(tmp_path: Path, env: dict[str, str]) -> tuple[Path, Path]:
     return sdist, wheel
 
 
+@pytest.mark.integration
 def test_the_sdist_and_its_wheel_install_and_explain_without_the_checkout(tmp_path):
     pytest.importorskip("setuptools")
     pytest.importorskip("build")
