@@ -452,6 +452,103 @@ def format_output(tokens: Tensor, layout: Layout, images: Tensor, output: str) -
     return pix.expand(-1, images.shape[1], -1, -1).contiguous()
 
 
+def _is_batch(inputs: Any) -> bool:
+    """Whether ``inputs`` is a processor's output: a mapping, or transformers'
+    ``BatchFeature`` (a ``UserDict``), recognised without importing transformers."""
+    return isinstance(inputs, Mapping) or (
+        not isinstance(inputs, Tensor) and hasattr(inputs, "keys")
+        and hasattr(inputs, "__getitem__"))
+
+
+def _group_target(target: TargetLike, index: Tensor, total: int, groups: int) -> TargetLike:
+    """The target of one group of a processor batch's images (``index``: their positions):
+    per-image class indices or vectors are indexed, one for all passes as it is."""
+    if target is None or isinstance(target, int | np.integer):
+        return target
+    if isinstance(target, Target) or not isinstance(target, Tensor | np.ndarray | list
+                                                     | tuple):
+        if groups == 1:
+            return target
+        raise ValueError(f"target is a {type(target).__name__}, and the processor's batch "
+                         f"holds images of {groups} different grids, explained one grid at "
+                         "a time: give class indices (one per image or one for all), or "
+                         "explain the images of each grid in their own call")
+    t = torch.as_tensor(np.asarray(target)) if not isinstance(target, Tensor) else target
+    if t.dim() == 0 or t.shape[0] == 1:
+        return target
+    if t.shape[0] != total:
+        raise ValueError(f"target has {count_noun(t.shape[0], 'entry', 'entries')} but the "
+                         f"processor's batch holds {count_noun(total, 'image')}; give one "
+                         "per image or one for all")
+    return t[index.to(t.device)]
+
+
+def attribute_processed(attribute: Callable[..., Any], adapter: ViTAdapter,
+                        batch: Mapping[str, Any], target: TargetLike, output: str,
+                        **kwargs: Any) -> Tensor | list[Tensor]:
+    """Explain a processor's output (SPEC_FRONTIER §14.2) for a family whose
+    ``pixel_values`` are not images ``[B, C, H, W]`` (:attr:`ViTAdapter.processor_keys`:
+    SigLIP2 NaFlex, Qwen-VL's packed patches).
+
+    The batch is split into groups of images of one grid
+    (:meth:`ViTAdapter.processor_images`: each image unpadded, on its own grid) and each
+    group is explained by ``attribute`` (the method's front, one call per grid), so a
+    batch of different sizes is one call and padding is never explained. The maps come
+    back per image:
+
+    - ``"pixels"`` and ``"grid"``: one tensor ``[B, ...]`` when every image has the same
+      grid, else a list of per-image ``[1, ...]`` maps (image order), each on its own
+      grid;
+    - ``"tokens"``: ``[ΣN]`` (``[H, ΣN]`` per head): every image's patch tokens in raster
+      order, one image after the other;
+    - ``"inputs"``: shaped like ``batch["pixel_values"]`` (Captum's rule;
+      :meth:`ViTAdapter.processor_pixels`), padding zero.
+
+    Args:
+        attribute (Callable): the method's ``_attribute(images, target, output,
+            **kwargs)``.
+        adapter (ViTAdapter): the model's adapter.
+        batch (Mapping): the processor's output.
+        target (int, list, Tensor, Target, optional): one per image or one for all; a
+            :class:`~captum_vit.adapters.scoring.Target` object when the batch holds one
+            grid.
+        output (str): ``"pixels"``, ``"grid"``, ``"tokens"`` or ``"inputs"``.
+        **kwargs: the method's options.
+
+    Returns:
+        Tensor or list of Tensor: the maps per image (above).
+
+    Raises:
+        ValueError: keys missing or inconsistent (the family's rules), a target of
+            another length than the images, a ``Target`` object with several grids.
+
+    Examples::
+
+        >>> batch = processor(images=[small, large], return_tensors="pt")  # NaFlex
+        >>> maps = GAE(model).attribute(batch, target=[3, 7])  # two [1, C, H_i, W_i]
+    """
+    check_choice("output", output, (*OUTPUTS, "inputs"))
+    groups = adapter.processor_images(batch)
+    total = sum(int(index.numel()) for index, _ in groups)
+    per_image: list[Tensor | None] = [None] * total
+    for index, images in groups:
+        maps = attribute(images, _group_target(target, index, total, len(groups)),
+                         "pixels" if output == "inputs" else output, **kwargs)
+        for j, i in enumerate(index.tolist()):
+            per_image[i] = maps[j] if output == "tokens" else maps[j:j + 1]
+    done = [m for m in per_image if m is not None]
+    if len(done) != total:
+        raise ValueError("the processor's batch split into groups that do not cover every "
+                         "image once (the family's processor_images)")
+    if output == "tokens":
+        return torch.cat(done, -1)
+    if output == "inputs":
+        return adapter.processor_pixels(done, batch)
+    if all(m.shape == done[0].shape for m in done):
+        return torch.cat(done)
+    return done
+
+
 def accumulation_dtype(t: Tensor) -> torch.dtype:
     """float32 for half/bfloat16 tensors (maps accumulate products), else the dtype itself."""
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
@@ -547,6 +644,9 @@ class ViTFront:
 
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
                    **kwargs: Any) -> Tensor | tuple[Tensor]:
+        if self.adapter.processor_keys and _is_batch(inputs):
+            return attribute_processed(self._attribute, self.adapter, inputs, target,
+                                       output, **kwargs)
         check_choice("output", output, OUTPUTS)
         heads = check_choice("heads", kwargs.pop("heads", "mean"), HEADS)
         maps_of = self._token_maps if heads == "mean" else self._head_maps

@@ -52,6 +52,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ FAMILY_CONTRACT = ("layout", "embed", "input_shape", "parameter_stages")
 
 FAMILY_HOOKS = ("refresh", "embedding_norms", "check_inputs", "is_random", "model_outputs",
                 "output_extras", "self_check_outputs", "video", "embedding",
-                "no_output_reason")
+                "no_output_reason", "processor_keys", "processor_images", "processor_pixels")
 """The members of :class:`ViTAdapter` a family may override (methods with defaults,
 class attributes): every other member is the engine's."""
 
@@ -266,6 +267,41 @@ class ViTAdapter(Readout, abc.ABC):
     embedding). When set, :meth:`model_outputs` and, with no
     :class:`~captum_vit.adapters.scoring.Target` in force, :attr:`num_classes` raise
     ``TypeError`` with it."""
+
+    processor_keys: tuple[str, ...] = ()
+    """The keys of a processor's output besides ``pixel_values`` that this family reads
+    when its ``pixel_values`` are not images ``[B, C, H, W]`` (SPEC_FRONTIER §14.2:
+    SigLIP2 NaFlex's ``pixel_attention_mask`` and ``spatial_shapes``, Qwen-VL's
+    ``image_grid_thw``). Empty (default): the family takes image tensors, and a
+    processor's output stands for its ``pixel_values``. When set, ``attribute`` takes the
+    processor's output itself, splits it into groups of images of one grid
+    (:meth:`processor_images`), explains each group and returns the maps per image
+    (:func:`captum_vit._base.attribute_processed`)."""
+
+    def processor_images(self, batch: Mapping[str, Any]) -> list[tuple[Tensor, Tensor]]:
+        """Split a processor's output into groups of images that share one grid (a family
+        with :attr:`processor_keys` implements it).
+
+        Args:
+            batch (Mapping): the processor's output (``BatchFeature`` or dict).
+
+        Returns:
+            list of ``(index, images)``: ``index`` [k] (int64) the positions of the
+            group's images in the batch's image order, ``images`` the images as this
+            adapter takes them (``[k, C, H, W]``, unpadded, on their own grid).
+
+        Raises:
+            TypeError: the family takes image tensors (the default).
+            ValueError: keys missing or inconsistent (the family's rules).
+        """
+        raise TypeError(f"{type(self.model).__name__} takes image tensors [B, C, H, W]; "
+                        "pass the processor output's pixel_values")
+
+    def processor_pixels(self, maps: Sequence[Tensor], batch: Mapping[str, Any]) -> Tensor:
+        """Per-image pixel maps ``[1, C, H_i, W_i]`` (in the batch's image order) laid out
+        as ``batch["pixel_values"]`` (``output="inputs"``, Captum's rule: shaped like
+        the inputs); families with :attr:`processor_keys` implement it."""
+        raise TypeError(f"{type(self.model).__name__} takes image tensors [B, C, H, W]")
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The model's own output for ``inputs``: logits [B, classes] or the image
