@@ -58,7 +58,8 @@ class VLMParts:
     Attributes:
         model (nn.Module): the VLM itself; its forward runs the language model.
         tower (nn.Module): the vision tower the methods explain.
-        family (str): ``"llava"`` or ``"paligemma"``.
+        family (str): ``"llava"``, ``"paligemma"`` (or a subclass's: ``"internvl"``,
+            ``"gemma3"``, :mod:`captum_vit.adapters.vlm_internvl`).
         layers (tuple of int or None): the tower's ``hidden_states`` indices read (LLaVA),
             ``None``: its final-normed last state (PaliGemma).
         keep_cls (bool): the class token is kept (LLaVA's ``"full"`` strategy).

@@ -41,9 +41,9 @@ class VLMAnswer(Target):
     vision-language model gives an answer, explained on its vision tower.
 
     Any method explains the **vision tower** (``VLMAnswer.tower(model)``; a Hugging Face
-    CLIP or SigLIP vision model); this target continues from the tower's token states as
-    the VLM does and runs the rest of the model as it is, with teacher forcing on the
-    answer:
+    CLIP, SigLIP or InternViT vision model); this target continues from the tower's token
+    states as the VLM does and runs the rest of the model as it is, with teacher forcing on
+    the answer:
 
     - ``LlavaForConditionalGeneration``: the tower's ``hidden_states`` at
       ``config.vision_feature_layer`` (default ``-2``: the output of the last block but
@@ -52,6 +52,16 @@ class VLMAnswer(Target):
       ``"full"``), ``multi_modal_projector``;
     - ``PaliGemmaForConditionalGeneration``: the tower's ``last_hidden_state`` (all rows,
       after ``post_layernorm``), ``multi_modal_projector``;
+    - ``InternVLForConditionalGeneration`` (InternViT tower,
+      :mod:`~captum_vit.adapters.families.hf_internvl`): the tower's state at
+      ``config.vision_feature_layer`` (``-1``, the default: ``last_hidden_state``; another
+      index: that block's output, which the target reads), the class token dropped, the
+      model's ``pixel_shuffle`` (``downsample_ratio`` 0.5: 2×2 tokens into one),
+      ``multi_modal_projector``; an image is **several tiles** (below);
+    - ``Gemma3ForConditionalGeneration`` (SigLIP tower): the tower's ``last_hidden_state``,
+      ``multi_modal_projector`` (average pool to ``mm_tokens_per_image``, RMSNorm,
+      projection), ``token_type_ids`` 1 at the image tokens (the model's bidirectional
+      attention among one image's tokens); pan-and-scan crops are tiles;
 
     then the VLM's own forward on ``prompt ; answer`` with the projected features at the
     image-token positions (the model's own merge; PaliGemma: the prompt is the prefix,
@@ -74,12 +84,48 @@ class VLMAnswer(Target):
     a row's prompt must come from its column, not from its position. Explain distinct
     per-image prompts one image at a time where ``B²`` sequences are too many.
 
+    Tiles (InternVL's dynamic tiling, Gemma 3's pan-and-scan crops): the processor
+    gives an image as several rows of ``pixel_values`` ``[ΣN_tiles, C, H, W]`` (InternVL:
+    the tiles row by row, then the thumbnail), and the features of a prompt's tiles fill
+    its image tokens in turn. The explained batch is those rows: prompt ``i`` owns rows
+    ``i·m … i·m + m - 1`` (``m`` = the prompt's image tokens / one tile's features; one
+    prompt for all: every ``m`` rows are an image). Each row is scored in its prompt with
+    the **other tiles clean** (their features from the tower's own forward on the
+    unperturbed rows, fixed by :meth:`resolve`): one column per tile. So the gradient of a
+    row is exactly that tile's share of the gradient of the whole prompt, and a
+    perturbation method masks one tile at a time. A row costs one language-model run per
+    tile of the batch.
+
+    Per-token maps (``per_token=True``, SPEC_FRONTIER §14.3): every answer token ``t`` is a
+    column ``log p(answer_t | prompt, image, answer_<t)`` beside the whole answer's (the
+    default column, so ``attribute(images, target=target)`` is the answer's map).
+    ``target.token(t)`` selects token ``t``'s column and :func:`per_token_maps` stacks one
+    map per token, ``[B, A, ...]``, labelled by ``target.labels`` (the decoded tokens, when
+    a tokenizer is given). All token scores come from one language-model run per
+    sequence; each token's map is one ``attribute`` call (forward and backward). For a
+    method linear in the score the token maps sum to the answer's map.
+
+    Prompt layouts (what each processor's chat template writes; pass its ``input_ids``):
+
+    - LLaVA-1.5: ``"USER: <image>\n{question} ASSISTANT:"``, ``<image>`` expanded to one
+      image token per patch (per kept row);
+    - PaliGemma: ``<image>`` × 256 (or 1024, 4096) + ``<bos>{question}\n`` (the image
+      first);
+    - InternVL (``OpenGVLab/InternVL3-*-hf``): ``"<|im_start|>user\n<image>\n{question}
+      <|im_end|>\n<|im_start|>assistant\n"``, ``<image>`` expanded to ``<img>`` +
+      ``<IMG_CONTEXT>`` × ``256 · N_tiles`` + ``</img>``;
+    - Gemma 3: ``"<bos><start_of_turn>user\n<start_of_image>{question}<end_of_turn>\n
+      <start_of_turn>model\n"``, ``<start_of_image>`` expanded to ``"\n\n<start_of_image>"``
+      + ``<image_soft_token>`` × 256 + ``"<end_of_image>\n\n"`` (pan-and-scan: one such
+      block per crop after the image's).
+
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
 
     Args:
-        model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration`` or
-            ``PaliGemmaForConditionalGeneration``.
+        model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration``,
+            ``PaliGemmaForConditionalGeneration``, ``InternVLForConditionalGeneration`` or
+            ``Gemma3ForConditionalGeneration``.
         input_ids (Tensor or sequence of int): the prompt ids ``[T]``, ``[1, T]`` (for every
             image) or ``[B, T]`` (one per image), holding the model's image placeholder
             (``config.image_token_id``) once per image feature, as its processor writes
@@ -94,6 +140,11 @@ class VLMAnswer(Target):
             tiled. Default ``"pixel_values"``.
         attention_mask (Tensor, optional): ``[B, T]`` (1 = token, 0 = padding) of the
             prompts; default all ones.
+        per_token (bool, optional): one column per answer token besides the whole
+            answer's (above). Default False.
+        tokenizer (optional): anything with ``decode(ids)`` (the model's tokenizer or
+            processor): ``target.labels[i][t]`` is answer ``i``'s token ``t`` decoded.
+            Default ``None`` (``labels`` is ``None``).
 
     Raises:
         TypeError: ``model`` is not a supported VLM (LLaVA-NeXT and other VLMs that tile
@@ -102,7 +153,9 @@ class VLMAnswer(Target):
             outside the model's vocabulary (the image token excepted), tiled
             images in a processor's output,
             prompts and answers of different batch sizes, a prompt whose image tokens do
-            not match the tower's features, or tower states of another model.
+            not match the tower's features (or are no whole number of tiles), rows of
+            ``pixel_values`` that are not whole prompts' tiles, or tower states of another
+            model.
 
     Examples::
 
@@ -114,6 +167,22 @@ class VLMAnswer(Target):
         >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
         >>> target = VLMAnswer(vlm, batch["input_ids"], answer)
         >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(batch["pixel_values"], target=target)
+
+        InternVL with tiles, one map per answer token::
+
+        >>> from captum_vit import TokenIxG
+        >>> from captum_vit.targets.vlm import per_token_maps
+        >>> vlm = InternVLForConditionalGeneration.from_pretrained(path).eval()
+        >>> messages = [{"role": "user", "content": [{"type": "image", "image": image},
+        ...                                          {"type": "text", "text": "Colour?"}]}]
+        >>> batch = processor.apply_chat_template(messages, add_generation_prompt=True,
+        ...                                       tokenize=True, return_dict=True,
+        ...                                       return_tensors="pt")
+        >>> answer = processor.tokenizer(" red car", add_special_tokens=False).input_ids
+        >>> target = VLMAnswer(vlm, batch, answer, per_token=True, tokenizer=processor)
+        >>> tiles = batch["pixel_values"]            # [N_tiles, 3, 448, 448]
+        >>> maps = per_token_maps(TokenIxG(VLMAnswer.tower(vlm)), tiles, target)
+        >>> maps.shape[:2], target.labels[0]         # [N_tiles, A], the decoded tokens
     """
 
     reads_tokens = True
