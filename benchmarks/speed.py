@@ -7,7 +7,7 @@ Run::
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
                                     hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2|
-                                    hf-timesformer|timm-hiera] \
+                                    hf-timesformer|timm-hiera|hf-internvl] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -30,7 +30,9 @@ same shape with a class token; ``hf-vjepa2``: a V-JEPA 2-L-shaped
 ``VJEPA2ForVideoClassification`` (16 frames of 256 px, 2048 tokens, 3-D RoPE, attentive
 pooler; a GPU-sized run) and ``hf-vjepa2-s`` the same at ViT-S width on 4 frames of 224 px;
 ``hf-dinov3``: a DINOv3-S-shaped ``DINOv3ViTModel`` (4 registers, RoPE), explained like
-``hf-clip``; ``timm-swin`` / ``hf-swin``: a Swin-T-shaped timm
+``hf-clip``; ``hf-internvl``: an InternViT tower (``InternVLVisionModel``) at ViT-S/16
+size, its patch-mean embedding explained like ``hf-clip``; ``timm-swin`` / ``hf-swin``: a
+Swin-T-shaped timm
 ``SwinTransformer`` / Hugging Face ``SwinForImageClassification``, 224 px, 56 x 56 tokens in
 the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
 ``SwinTransformerV2`` / ``Swinv2ForImageClassification``, 256 px, 64 x 64 tokens, window
@@ -323,6 +325,20 @@ def hf_dinov3_s16(img_size: int = 224) -> torch.nn.Module:
     return DINOv3ViTModel(cfg).eval()
 
 
+def hf_internvl_s16(img_size: int = 224) -> torch.nn.Module:
+    """An InternViT-shaped Hugging Face ``InternVLVisionModel`` at ViT-S/16 size (width
+    384, 12 layers, 6 heads, LayerScale, q/k/v biases; SDPA attention; the patch-mean
+    embedding of ``use_mean_pooling``), explained against one random target vector per
+    image like :func:`hf_clip_s16`."""
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    torch.manual_seed(0)
+    cfg = InternVLVisionConfig(image_size=img_size, patch_size=16, hidden_size=384,
+                               num_hidden_layers=12, num_attention_heads=6,
+                               intermediate_size=1536, attention_bias=True)
+    return InternVLVisionModel(cfg).eval()
+
+
 def swinv2_t(img_size: int = 256) -> torch.nn.Module:
     """A Swin V2-T-shaped timm ``SwinTransformerV2`` (patch 4, width 96, depths 2-2-6-2,
     heads 3-6-12-24, window 8, 256 px: 64 x 64 tokens in the first stage)."""
@@ -385,7 +401,8 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "open-clip": open_clip_s16, "hf-videomae": hf_videomae_s16, "timm-swin": swin_t,
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
     "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
-    "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b, "timm-hiera": hiera_t}
+    "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b, "timm-hiera": hiera_t,
+    "hf-internvl": hf_internvl_s16}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -444,6 +461,9 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
         dim, embed = model.output_dim, model
     elif type(model).__name__ == "DINOv3ViTModel":  # its pooler_output, the normed CLS
         dim, embed = model.config.hidden_size, lambda x: model(pixel_values=x).pooler_output
+    elif type(model).__name__ == "InternVLVisionModel":  # the patch mean (use_mean_pooling)
+        dim = model.config.hidden_size
+        embed = lambda x: model(pixel_values=x).last_hidden_state[:, 1:].mean(1)  # noqa: E731
     else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t

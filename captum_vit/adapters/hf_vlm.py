@@ -58,7 +58,8 @@ class VLMParts:
     Attributes:
         model (nn.Module): the VLM itself; its forward runs the language model.
         tower (nn.Module): the vision tower the methods explain.
-        family (str): ``"llava"`` or ``"paligemma"``.
+        family (str): ``"llava"``, ``"paligemma"`` (or a subclass's: ``"internvl"``,
+            ``"gemma3"``, :mod:`captum_vit.adapters.vlm_internvl`).
         layers (tuple of int or None): the tower's ``hidden_states`` indices read (LLaVA),
             ``None``: its final-normed last state (PaliGemma).
         keep_cls (bool): the class token is kept (LLaVA's ``"full"`` strategy).
@@ -91,8 +92,19 @@ class VLMParts:
         x = states[0] if len(states) == 1 else torch.cat(states, dim=-1)
         return self.projector(x)
 
+    def tile_features(self) -> int | None:
+        """Image positions of one tile for a VLM whose processor cuts an image into tiles
+        (rows of ``pixel_values`` feeding one prompt's image tokens in turn); ``None``: one
+        image is one row."""
+        return None
+
+    def forward_kwargs(self, input_ids: Tensor, answer_tokens: int) -> dict[str, Any]:
+        """Further keywords of the VLM's forward for ``input_ids`` ``[m, T + A]`` (the
+        last ``answer_tokens`` are the answer)."""
+        return {}
+
     def answer_log_probs(self, features: Tensor, input_ids: Tensor, attention_mask: Tensor,
-                         answer: Tensor) -> Tensor:
+                         answer: Tensor, per_token: bool = False) -> Tensor:
         """``Σ_t log p(answer_t | prompt, image, answer_<t)`` for each of ``m`` sequences.
 
         Args:
@@ -101,6 +113,9 @@ class VLMParts:
                 already replaced by a valid id).
             attention_mask (Tensor): ``[m, T + A]``.
             answer (Tensor): the answer ids ``[m, A]``, ``-100`` where not scored.
+
+            per_token (bool, optional): return each answer token's log-probability
+                ``[m, A]`` (0 where not scored) instead of their sum. Default False.
 
         Returns:
             Tensor: ``[m]`` summed log-probabilities (float32 at least).
@@ -112,6 +127,7 @@ class VLMParts:
             tt = torch.zeros_like(input_ids)
             tt[:, -a:] = 1
             kwargs["token_type_ids"] = tt
+        kwargs.update(self.forward_kwargs(input_ids, a))
         for name in ("logits_to_keep", "num_logits_to_keep"):
             if name in params:
                 kwargs[name] = a + 1
@@ -130,7 +146,8 @@ class VLMParts:
         logp = logits.log_softmax(-1)
         scored = answer != -100
         picked = logp.gather(-1, answer.clamp_min(0)[..., None].to(logp.device))[..., 0]
-        return (picked * scored.to(logp.device)).sum(-1)
+        tokens = picked * scored.to(logp.device)
+        return tokens if per_token else tokens.sum(-1)
 
     def _merged(self, features: Tensor, input_ids: Tensor) -> Tensor:
         """Input embeddings with the image features at the image positions (the forward's
@@ -152,6 +169,11 @@ def vlm_parts(model: Any) -> VLMParts:
             LLaVAs), another model, or a layout this transformers version does not have.
     """
     name = type(model).__name__
+    from captum_vit.adapters import vlm_internvl  # InternVL, Gemma 3
+
+    parts = vlm_internvl.vlm_parts(model)
+    if parts is not None:
+        return parts
     if any(name.startswith(p) for p in TILED):
         raise TypeError(f"{name} tiles each image into crops (anyres) and packs their "
                         "features with newline embeddings: not supported; explain a "

@@ -3,8 +3,9 @@ model side: :mod:`captum_vit.adapters.hf_vlm`)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -40,9 +41,9 @@ class VLMAnswer(Target):
     vision-language model gives an answer, explained on its vision tower.
 
     Any method explains the **vision tower** (``VLMAnswer.tower(model)``; a Hugging Face
-    CLIP or SigLIP vision model); this target continues from the tower's token states as
-    the VLM does and runs the rest of the model as it is, with teacher forcing on the
-    answer:
+    CLIP, SigLIP or InternViT vision model); this target continues from the tower's token
+    states as the VLM does and runs the rest of the model as it is, with teacher forcing on
+    the answer:
 
     - ``LlavaForConditionalGeneration``: the tower's ``hidden_states`` at
       ``config.vision_feature_layer`` (default ``-2``: the output of the last block but
@@ -51,6 +52,16 @@ class VLMAnswer(Target):
       ``"full"``), ``multi_modal_projector``;
     - ``PaliGemmaForConditionalGeneration``: the tower's ``last_hidden_state`` (all rows,
       after ``post_layernorm``), ``multi_modal_projector``;
+    - ``InternVLForConditionalGeneration`` (InternViT tower,
+      :mod:`~captum_vit.adapters.families.hf_internvl`): the tower's state at
+      ``config.vision_feature_layer`` (``-1``, the default: ``last_hidden_state``; another
+      index: that block's output, which the target reads), the class token dropped, the
+      model's ``pixel_shuffle`` (``downsample_ratio`` 0.5: 2×2 tokens into one),
+      ``multi_modal_projector``; an image is **several tiles** (below);
+    - ``Gemma3ForConditionalGeneration`` (SigLIP tower): the tower's ``last_hidden_state``,
+      ``multi_modal_projector`` (average pool to ``mm_tokens_per_image``, RMSNorm,
+      projection), ``token_type_ids`` 1 at the image tokens (the model's bidirectional
+      attention among one image's tokens); pan-and-scan crops are tiles;
 
     then the VLM's own forward on ``prompt ; answer`` with the projected features at the
     image-token positions (the model's own merge; PaliGemma: the prompt is the prefix,
@@ -73,12 +84,48 @@ class VLMAnswer(Target):
     a row's prompt must come from its column, not from its position. Explain distinct
     per-image prompts one image at a time where ``B²`` sequences are too many.
 
+    Tiles (InternVL's dynamic tiling, Gemma 3's pan-and-scan crops): the processor
+    gives an image as several rows of ``pixel_values`` ``[ΣN_tiles, C, H, W]`` (InternVL:
+    the tiles row by row, then the thumbnail), and the features of a prompt's tiles fill
+    its image tokens in turn. The explained batch is those rows: prompt ``i`` owns rows
+    ``i·m … i·m + m - 1`` (``m`` = the prompt's image tokens / one tile's features; one
+    prompt for all: every ``m`` rows are an image). Each row is scored in its prompt with
+    the **other tiles clean** (their features from the tower's own forward on the
+    unperturbed rows, fixed by :meth:`resolve`): one column per tile. So the gradient of a
+    row is exactly that tile's share of the gradient of the whole prompt, and a
+    perturbation method masks one tile at a time. A row costs one language-model run per
+    tile of the batch.
+
+    Per-token maps (``per_token=True``, SPEC_FRONTIER §14.3): every answer token ``t`` is a
+    column ``log p(answer_t | prompt, image, answer_<t)`` beside the whole answer's (the
+    default column, so ``attribute(images, target=target)`` is the answer's map).
+    ``target.token(t)`` selects token ``t``'s column and :func:`per_token_maps` stacks one
+    map per token, ``[B, A, ...]``, labelled by ``target.labels`` (the decoded tokens, when
+    a tokenizer is given). All token scores come from one language-model run per
+    sequence; each token's map is one ``attribute`` call (forward and backward). For a
+    method linear in the score the token maps sum to the answer's map.
+
+    Prompt layouts (what each processor's chat template writes; pass its ``input_ids``):
+
+    - LLaVA-1.5: ``"USER: <image>\n{question} ASSISTANT:"``, ``<image>`` expanded to one
+      image token per patch (per kept row);
+    - PaliGemma: ``<image>`` × 256 (or 1024, 4096) + ``<bos>{question}\n`` (the image
+      first);
+    - InternVL (``OpenGVLab/InternVL3-*-hf``): ``"<|im_start|>user\n<image>\n{question}
+      <|im_end|>\n<|im_start|>assistant\n"``, ``<image>`` expanded to ``<img>`` +
+      ``<IMG_CONTEXT>`` × ``256 · N_tiles`` + ``</img>``;
+    - Gemma 3: ``"<bos><start_of_turn>user\n<start_of_image>{question}<end_of_turn>\n
+      <start_of_turn>model\n"``, ``<start_of_image>`` expanded to ``"\n\n<start_of_image>"``
+      + ``<image_soft_token>`` × 256 + ``"<end_of_image>\n\n"`` (pan-and-scan: one such
+      block per crop after the image's).
+
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
 
     Args:
-        model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration`` or
-            ``PaliGemmaForConditionalGeneration``.
+        model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration``,
+            ``PaliGemmaForConditionalGeneration``, ``InternVLForConditionalGeneration`` or
+            ``Gemma3ForConditionalGeneration``.
         input_ids (Tensor or sequence of int): the prompt ids ``[T]``, ``[1, T]`` (for every
             image) or ``[B, T]`` (one per image), holding the model's image placeholder
             (``config.image_token_id``) once per image feature, as its processor writes
@@ -93,6 +140,11 @@ class VLMAnswer(Target):
             tiled. Default ``"pixel_values"``.
         attention_mask (Tensor, optional): ``[B, T]`` (1 = token, 0 = padding) of the
             prompts; default all ones.
+        per_token (bool, optional): one column per answer token besides the whole
+            answer's (above). Default False.
+        tokenizer (optional): anything with ``decode(ids)`` (the model's tokenizer or
+            processor): ``target.labels[i][t]`` is answer ``i``'s token ``t`` decoded.
+            Default ``None`` (``labels`` is ``None``).
 
     Raises:
         TypeError: ``model`` is not a supported VLM (LLaVA-NeXT and other VLMs that tile
@@ -101,7 +153,9 @@ class VLMAnswer(Target):
             outside the model's vocabulary (the image token excepted), tiled
             images in a processor's output,
             prompts and answers of different batch sizes, a prompt whose image tokens do
-            not match the tower's features, or tower states of another model.
+            not match the tower's features (or are no whole number of tiles), rows of
+            ``pixel_values`` that are not whole prompts' tiles, or tower states of another
+            model.
 
     Examples::
 
@@ -113,13 +167,30 @@ class VLMAnswer(Target):
         >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
         >>> target = VLMAnswer(vlm, batch["input_ids"], answer)
         >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(batch["pixel_values"], target=target)
+
+        InternVL with tiles, one map per answer token::
+
+        >>> from captum_vit import TokenIxG
+        >>> from captum_vit.targets.vlm import per_token_maps
+        >>> vlm = InternVLForConditionalGeneration.from_pretrained(path).eval()
+        >>> messages = [{"role": "user", "content": [{"type": "image", "image": image},
+        ...                                          {"type": "text", "text": "Colour?"}]}]
+        >>> batch = processor.apply_chat_template(messages, add_generation_prompt=True,
+        ...                                       tokenize=True, return_dict=True,
+        ...                                       return_tensors="pt")
+        >>> answer = processor.tokenizer(" red car", add_special_tokens=False).input_ids
+        >>> target = VLMAnswer(vlm, batch, answer, per_token=True, tokenizer=processor)
+        >>> tiles = batch["pixel_values"]            # [N_tiles, 3, 448, 448]
+        >>> maps = per_token_maps(TokenIxG(VLMAnswer.tower(vlm)), tiles, target)
+        >>> maps.shape[:2], target.labels[0]         # [N_tiles, A], the decoded tokens
     """
 
     reads_tokens = True
     probability = "sigmoid"
 
     def __init__(self, model: nn.Module, input_ids: Any, answer_ids: Any,
-                 pixel_key: str = "pixel_values", attention_mask: Any = None) -> None:
+                 pixel_key: str = "pixel_values", attention_mask: Any = None,
+                 per_token: bool = False, tokenizer: Any = None) -> None:
         self.parts: VLMParts = vlm_parts(model)
         if not isinstance(pixel_key, str):
             raise TypeError(f"pixel_key must be a str, got {type(pixel_key).__name__}")
@@ -177,6 +248,7 @@ class VLMAnswer(Target):
                              f"(id {self.parts.image_token_id}) once per image feature; "
                              f"got {counts.tolist()} per prompt")
         self.image_tokens = int(counts[0])
+        self._extend(per_token, tokenizer)
         # one column per DISTINCT (prompt, mask, answer): a processor's batch repeats the same
         # question for every image, and each column costs one language-model run per row
         t, a = self.input_ids.shape[1], self.answer_ids.shape[1]
@@ -202,9 +274,14 @@ class VLMAnswer(Target):
         return vlm_parts(model).tower
 
     def num_columns(self, num_classes: int) -> int:
+        if self.tiles > 1 or self.per_token:
+            return self._bases() * self.slots
         return self.prompts
 
     def index(self, batch: int) -> Tensor:
+        if self.tiles > 1 or self.per_token:
+            base = torch.arange(self._bases()) if self.tiles > 1 else self._column_of
+            return per_image(base * self.slots + self._slot, batch, "VLMAnswer's columns")
         return per_image(self._column_of, batch, "VLMAnswer's prompts")
 
     def _states(self, out: Outputs) -> list[Tensor]:
@@ -216,6 +293,8 @@ class VLMAnswer(Target):
         return [out.hidden[k] for k in keys]
 
     def columns(self, out: Outputs) -> Tensor:
+        if self.tiles > 1 or self.per_token:
+            return self._columns(out)
         states = self._states(out)
         x = states[0]
         n, rows, width = x.shape
@@ -237,3 +316,175 @@ class VLMAnswer(Target):
         logp = self.parts.answer_log_probs(feats.repeat_interleave(k, 0), seq, am,
                                            answer.repeat(n, 1))
         return logp.reshape(n, k).to(x.dtype)
+
+    # -- tiles and per-token columns (SPEC_FRONTIER §14.2, §14.3) ---------------------------
+    def _extend(self, per_token: Any, tokenizer: Any) -> None:
+        """Per-token columns, their labels and the tiles of a prompt (set in ``__init__``
+        once the prompts' image tokens are counted)."""
+        if not isinstance(per_token, bool):
+            raise TypeError(f"per_token must be a bool, got {per_token!r}")
+        self.per_token = per_token
+        self.answer_length = int(self.answer_ids.shape[1])
+        self.slots = 1 + self.answer_length if per_token else 1
+        self._slot = 0
+        self.labels: list[list[str]] | None = None
+        if tokenizer is not None:
+            decode = getattr(tokenizer, "decode", None)
+            if not callable(decode):
+                raise TypeError("tokenizer must have decode(ids) (the model's tokenizer or "
+                                f"processor), got {type(tokenizer).__name__}")
+            self.labels = [[str(decode([int(t)])) for t in row if t != -100]
+                           for row in self.answer_ids]
+        self.tiles = 1
+        self._clean: Tensor | None = None
+        self._image_column: Tensor | None = None
+        tile = self.parts.tile_features()
+        if tile is not None and tile > 0:
+            if self.image_tokens % tile:
+                raise ValueError(
+                    f"input_ids: every prompt holds {self.image_tokens} image tokens, not a "
+                    f"whole number of tiles of {tile} features ({type(self.parts.model).__name__}"
+                    "): give the ids the model's processor made for these images")
+            self.tiles = self.image_tokens // tile
+
+    def token(self, t: int) -> VLMAnswer:
+        """This target explaining answer token ``t`` alone (``log p(answer_t | …)``, its
+        column of a ``per_token=True`` target); the default column is the whole answer.
+
+        Raises:
+            ValueError: not a ``per_token=True`` target, or ``t`` outside the answer.
+        """
+        if not self.per_token:
+            raise ValueError("token(t) needs VLMAnswer(..., per_token=True)")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.answer_length:
+            raise ValueError(f"t must be an answer position in [0, {self.answer_length}), "
+                             f"got {t!r}")
+        out = copy.copy(self)
+        out._slot = 1 + t
+        return out
+
+    def resolve(self, adapter: Any, images: Tensor) -> VLMAnswer:
+        """With tiles (several rows of ``pixel_values`` per prompt): the projected features
+        of every clean tile, from the tower's own forward, fixed before any perturbed
+        forward (a row is scored in its prompt with the other tiles clean). Without tiles:
+        itself.
+
+        Raises:
+            ValueError: the rows do not split into whole prompts' tiles.
+        """
+        if self.tiles == 1:
+            return self
+        n, m = int(images.shape[0]), self.tiles
+        prompts = int(self._column_of.shape[0])
+        if n % m or (prompts != 1 and n != prompts * m):
+            raise ValueError(
+                f"pixel_values has {n} rows (tiles), but the {prompts} prompt(s) of input_ids "
+                f"hold {self.image_tokens} image tokens each: {m} tiles of "
+                f"{self.image_tokens // m} features per prompt; give the processor's "
+                "pixel_values for these prompts (every tile of every image, in order)")
+        tower = self.parts.tower
+        with torch.no_grad():
+            own = tower(pixel_values=images, output_hidden_states=self.parts.layers is not None)
+            states = [own.last_hidden_state] if self.parts.layers is None else \
+                [own.hidden_states[l] for l in self.parts.layers]
+            rows = int(states[0].shape[1])
+            if self.parts.num_features(rows) != self.image_tokens // m:
+                raise ValueError(
+                    f"pixel_values: tiles of {tuple(images.shape[-2:])} pixels make {rows} "
+                    f"tower tokens, not the {self.image_tokens // m} image features of a tile "
+                    "of this prompt: explain VLMAnswer.tower(model) on the tiles of the size "
+                    "the processor made")
+            clean = self.parts.features(states)
+        out = copy.copy(self)
+        out._clean = clean.detach()
+        out._image_column = per_image(self._column_of, n // m, "input_ids")
+        return out
+
+    def _bases(self) -> int:
+        """The columns of the whole answer: one per distinct prompt, or with tiles one per
+        tile (a tile's row scored in its prompt)."""
+        if self.tiles == 1:
+            return self.prompts
+        if self._clean is None:
+            raise ValueError("VLMAnswer with tiles is not resolved: the other tiles of a "
+                             "prompt come from the clean forward; call target.resolve(adapt("
+                             "VLMAnswer.tower(model)), pixel_values) first (the methods and "
+                             "metrics do)")
+        return int(self._clean.shape[0])
+
+    def _columns(self, out: Outputs) -> Tensor:
+        """:meth:`columns` with tiles or per-token columns: ``[n, bases · slots]``, slot 0
+        the whole answer, slot ``1 + t`` answer token ``t``."""
+        states = self._states(out)
+        x = states[0]
+        n, rows, width = x.shape
+        tower_width = int(self.parts.tower.config.hidden_size)
+        per_tile = self.image_tokens // self.tiles
+        if width != tower_width or self.parts.num_features(rows) != per_tile:
+            raise ValueError(
+                f"VLMAnswer read tower states of {rows} rows × {width} features, but the "
+                f"prompts hold {self.image_tokens} image tokens ({self.tiles} tile(s)) and the "
+                f"VLM's tower has {tower_width} features: explain VLMAnswer.tower(model) on "
+                "images of the size the prompts were made for")
+        feats = self.parts.features(states)  # [n, f, D]
+        dev = feats.device
+        k = self._bases()
+        if self.tiles == 1:
+            seq_feats = feats.repeat_interleave(k, 0)  # row i·k + j: image i, prompt j
+            which = torch.arange(k).repeat(n)
+        else:  # column j: tile j's row among the clean tiles of its prompt
+            m, (f, d) = self.tiles, feats.shape[1:]
+            clean = cast(Tensor, self._clean).to(device=dev, dtype=feats.dtype)
+            cols = torch.arange(k, device=dev)
+            context = clean.reshape(k // m, m, f, d)[cols // m]  # [k, m, f, D]
+            own = torch.nn.functional.one_hot(cols % m, m).bool()[None, :, :, None, None]
+            seq_feats = torch.where(own, feats[:, None, None], context[None])
+            seq_feats = seq_feats.reshape(n * k, m * f, d)
+            which = cast(Tensor, self._image_column)[torch.arange(k) // m].repeat(n)
+        ids, mask = self.input_ids[which].to(dev), self.attention_mask[which].to(dev)
+        answer = self.answer_ids[which].to(dev)
+        seq = torch.cat([ids, answer.clamp_min(0)], 1)
+        am = torch.cat([mask, torch.ones_like(answer)], 1)
+        logp = self.parts.answer_log_probs(seq_feats, seq, am, answer, per_token=self.per_token)
+        if self.per_token:
+            logp = torch.cat([logp.sum(-1, keepdim=True), logp], 1)
+        return logp.reshape(n, k * self.slots).to(x.dtype)
+
+
+def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any) -> Tensor:
+    r"""One map per answer token: ``method``'s map of ``log p(answer_t | …)`` for every
+    ``t`` of a ``VLMAnswer(..., per_token=True)``, stacked ``[B, A, ...]`` (``A`` answer
+    tokens; a shorter answer's padded tokens get zero maps); ``target.labels[i][t]``
+    names them when a tokenizer was given.
+
+    One call of ``method.attribute`` per token, each with its own forward and backward
+    (the whole answer's log-probabilities of all tokens come from one language-model run
+    per sequence; the tower's forward is repeated per token). For a method linear in the
+    score (input×gradient, DecompX, CP-LRP, AttnLRP, plain gradients) the token maps sum to
+    the whole answer's map.
+
+    Args:
+        method: a captum_vit method on ``VLMAnswer.tower(model)``.
+        inputs (Tensor): the images (or tiles) as for ``method.attribute``.
+        target (VLMAnswer): built with ``per_token=True``.
+        **kwargs: further options of ``method.attribute``.
+
+    Returns:
+        Tensor: ``[B, A, *map]``.
+
+    Raises:
+        TypeError: ``target`` is not a ``per_token=True`` :class:`VLMAnswer`.
+
+    Examples::
+
+        >>> target = VLMAnswer(vlm, batch, answer, per_token=True, tokenizer=processor)
+        >>> maps = per_token_maps(IxG(VLMAnswer.tower(vlm)), batch["pixel_values"], target)
+        >>> maps.shape[1] == len(target.labels[0])
+        True
+    """
+    if not isinstance(target, VLMAnswer) or not target.per_token:
+        raise TypeError("target must be VLMAnswer(..., per_token=True) for per_token_maps, got "
+                        f"{target!r}")
+    maps = [method.attribute(inputs, target=target.token(t), **kwargs)
+            for t in range(target.answer_length)]
+    return torch.stack(maps, 1)

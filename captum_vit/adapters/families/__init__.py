@@ -20,6 +20,7 @@ from captum_vit.adapters.families import hf_beit  # noqa: F401
 from captum_vit.adapters.families import hf_backbone  # noqa: F401
 from captum_vit.adapters.families import hf_yolos  # noqa: F401
 from captum_vit.adapters.families import hf_dinov3  # noqa: F401
+from captum_vit.adapters.families import hf_internvl  # noqa: F401
 from captum_vit.adapters.families import torchvision_vit  # noqa: F401
 from captum_vit.adapters.families import open_clip  # noqa: F401
 from captum_vit.adapters.families import hf_timesformer  # noqa: F401
