@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from captum_vit import CPLRP, GAE, RISE, AttnLRP, TokenIxG
+from captum_vit.adapters.rules import lrp_linear
 from captum_vit.targets import EmbeddingTarget, TextEmbeddingTarget, clip_text_target
 from tests.helpers import (
     assert_close_scaled,
@@ -36,6 +37,9 @@ from tests.helpers import (
 )
 
 KINDS = ("CLIP", "Siglip", "open_clip")
+FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16},  # the contract suite's options
+        "bt_h": {"n_steps": 3, "start_layer": 1}, "bt_t": {"n_steps": 3, "start_layer": 1},
+        "tam": {"n_steps": 3, "start_layer": 0}}
 TEXTS = ["a photo of a dog", "a small cat"]
 EOS = 99
 
@@ -230,6 +234,39 @@ def test_the_image_map_is_unchanged_by_text_relevance(kind):
     assert_unchanged(model, before)
 
 
+@needs_open_clip
+def test_every_registered_method_keeps_its_map_and_gets_the_text_side():
+    """Every registered method and composition (ViT-CX aside: many forwards, a
+    perturbation method like RISE): the map is the one without ``text_relevance``, the
+    text side is input×gradient but for CP-LRP and AttnLRP; NoiseTunnel's last noisy batch
+    is what the target holds."""
+    from captum.attr import NoiseTunnel
+
+    from captum_vit.registry import available_methods, build_method
+
+    model, tok = model_of("open_clip"), tokenizer_of("open_clip")
+    x = images_of("open_clip")
+    before = snapshot(model)
+    ref, _, _ = ixg_reference("open_clip", model, tok, x, torch.tensor([0, 1]))
+    for name in available_methods(compositions=True):
+        if name == "vit_cx":
+            continue
+        kw = FAST.get(name, {})
+        plain = clip_text_target(model, tok, TEXTS, index=[0, 1])
+        both = clip_text_target(model, tok, TEXTS, index=[0, 1], text_relevance=True)
+        torch.manual_seed(0)
+        a = build_method(name, model).attribute(x, target=plain, output="tokens", **kw)
+        torch.manual_seed(0)
+        b = build_method(name, model).attribute(x, target=both, output="tokens", **kw)
+        assert_close_scaled(b, a, rel=1e-10, msg=name)
+        if name not in ("cp_lrp", "attnlrp"):
+            assert_close_scaled(both.text_relevance, ref, rel=1e-10, msg=name)
+    noisy = clip_text_target(model, tok, TEXTS, index=0, text_relevance=True)
+    NoiseTunnel(TokenIxG(model)).attribute(x, target=noisy, nt_samples=3, stdevs=0.01)
+    assert noisy.text_relevance.shape == (6, 8) and noisy.text_index.tolist() == [0] * 6
+    assert_unchanged(model, before)
+
+
 def _without_biases(model: nn.Module) -> nn.Module:
     """A copy whose text tower has no biases and no position embeddings."""
     twin = copy.deepcopy(model)
@@ -293,9 +330,15 @@ def _attention(u, q, k, v, heads, mask, rule):
     return (logits.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)
 
 
-def lrp_reference(kind, model, inputs, e, rule):
+def lrp_reference(kind, model, inputs, e, rule, gamma=0.0, epsilon=0.0):
     """``[K, L]`` relevance of AttnLRP (``rule`` ``"attnlrp"`` or ``"cp"``: the attention
-    rule) through the text tower, written from the model's parameters."""
+    rule) through the text tower, written from the model's parameters; ``gamma`` /
+    ``epsilon``: the γ-rule (the package's ``lrp_linear``) on the ``nn.Linear`` modules the
+    tower calls (not OpenCLIP's packed attention projections nor its projection matrix)."""
+
+    def lin(m, u):
+        return lrp_linear(u, m.weight, m.bias, gamma, epsilon) if gamma or epsilon else m(u)
+
     ids = inputs["input_ids"]
     n = ids.shape[1]
     valid = inputs.get("attention_mask", torch.ones_like(ids)).bool()
@@ -309,8 +352,8 @@ def lrp_reference(kind, model, inputs, e, rule):
             q, k, v = (F.linear(u, wi, bi) for wi, bi in zip(w.chunk(3), bb.chunk(3), strict=True))
             a = _attention(u, q, k, v, blk.attn.num_heads, mask, rule)
             h = h + blk.attn.out_proj(a)
-            z = blk.mlp.c_fc(_frozen_ln(h, blk.ln_2))
-            h = h + blk.mlp.c_proj(_identity_rule(z, blk.mlp.gelu))
+            z = lin(blk.mlp.c_fc, _frozen_ln(h, blk.ln_2))
+            h = h + lin(blk.mlp.c_proj, _identity_rule(z, blk.mlp.gelu))
         h = _frozen_ln(h, model.ln_final)
         t = h[torch.arange(len(ids)), ids.argmax(-1)] @ model.text_projection
     else:
@@ -323,16 +366,16 @@ def lrp_reference(kind, model, inputs, e, rule):
         for layer in tm.encoder.layers:
             u = _frozen_ln(h, layer.layer_norm1)
             at = layer.self_attn
-            a = _attention(u, at.q_proj(u), at.k_proj(u), at.v_proj(u), at.num_heads, mask,
-                           rule)
-            h = h + at.out_proj(a)
-            z = layer.mlp.fc1(_frozen_ln(h, layer.layer_norm2))
-            h = h + layer.mlp.fc2(_identity_rule(z, layer.mlp.activation_fn))
+            a = _attention(u, lin(at.q_proj, u), lin(at.k_proj, u), lin(at.v_proj, u),
+                           at.num_heads, mask, rule)
+            h = h + lin(at.out_proj, a)
+            z = lin(layer.mlp.fc1, _frozen_ln(h, layer.layer_norm2))
+            h = h + lin(layer.mlp.fc2, _identity_rule(z, layer.mlp.activation_fn))
         h = _frozen_ln(h, tm.final_layer_norm)
         if kind == "CLIP":
-            t = model.text_projection(h[torch.arange(len(ids)), (ids == EOS).int().argmax(-1)])
+            t = lin(model.text_projection, h[torch.arange(len(ids)), (ids == EOS).int().argmax(-1)])
         else:
-            t = tm.head(h[:, -1])
+            t = lin(tm.head, h[:, -1])
     scale, bias = logit_parts(model)
     s = scale * (F.normalize(e, dim=-1) * t / t.norm(dim=-1, keepdim=True).detach()).sum(-1)
     (g,) = torch.autograd.grad((s + bias).sum(), [x])
@@ -360,6 +403,21 @@ def test_attnlrp_text_relevance_equals_the_rules_written_out(kind, attention):
         CPLRP(model).attribute(x, target=cp)
         assert_close_scaled(cp.text_relevance, target.text_relevance, rel=1e-10)
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("kind", PARAMS)
+def test_attnlrp_gamma_reaches_the_text_towers_linear_modules(kind):
+    model, tok = model_of(kind), tokenizer_of(kind)
+    x = images_of(kind)
+    target = clip_text_target(model, tok, TEXTS, index=[1, 0], text_relevance=True)
+    AttnLRP(model, gamma=0.25, epsilon=1e-3).attribute(x, target=target)
+    inputs = {k: v[torch.tensor([1, 0])]
+              for k, v in text_inputs(kind, model, tok, TEXTS).items()}
+    with torch.no_grad():
+        e = image_features(model, x)
+    ref = lrp_reference(kind, model, inputs, e, "attnlrp", gamma=0.25, epsilon=1e-3)
+    assert_close_scaled(target.text_relevance, ref, rel=1e-10)
+    assert (ref - lrp_reference(kind, model, inputs, e, "attnlrp")).abs().max() > 1e-4
 
 
 # -- tokens, viz and bad input --------------------------------------------------------------
