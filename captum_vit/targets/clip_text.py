@@ -141,7 +141,7 @@ class _TextSide:
         self.tower, self.inputs, self.tokens = tower, inputs, tokens
         self.relevance: Tensor | None = None
         self.index: Tensor | None = None
-        self.rules: str = ""
+        self.rules: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,9 @@ class TextEmbeddingTarget(EmbeddingTarget):
     the other fixed):
 
     - :attr:`text_relevance` ``[B, L]``: for image ``b`` and its prompt ``k_b``,
-      :math:`R_{b,j} = \sum_f X_{k_b,j,f}\,	ilde g_{b,j,f}` with :math:`X` the token
+      :math:`R_{b,j} = \sum_f X_{k_b,j,f}\,\tilde g_{b,j,f}` with :math:`X` the token
       embeddings (the token embedding's output, before position embeddings are added)
-      and :math:`	ilde g` the gradient of the image–text logit
+      and :math:`\tilde g` the gradient of the image–text logit
       :math:`s_b = \mathrm{scale}\cdot\cos(e_b, t_{k_b}) + \mathrm{bias}` — the true
       gradient (input×gradient) for every method but CP-LRP and AttnLRP, whose text pass
       runs their own rule set through the text tower's modules
@@ -171,11 +171,12 @@ class TextEmbeddingTarget(EmbeddingTarget):
       resolved to each image's best prompt).
     - :attr:`text_tokens`: the token strings of each image's prompt (``B`` lists of
       ``L``), ``None`` when the tokenizer cannot decode single ids.
+    - :attr:`text_rules`: ``"input×gradient"`` or the LRP method whose rules ran.
 
     The text side explains the logit ``s_b`` whatever the method's ``score``; it is
     overwritten by every call (NoiseTunnel's last noisy batch), so read it after the
     call you mean. What the sums mean: input×gradient is a first-order statement,
-    :math:`\sum_j R_{b,j} = rac{d}{d\lambda} s_b(\lambda X)|_{\lambda=1}`; the cosine
+    :math:`\sum_j R_{b,j} = \frac{d}{d\lambda} s_b(\lambda X)|_{\lambda=1}`; the cosine
     is invariant to the scale of ``t``, so a text tower homogeneous in ``X`` (no biases,
     no position embedding) gives relevances summing to 0, and they are *not* a share of
     the logit. CP-LRP's do sum to it: without biases and position embeddings,
@@ -205,6 +206,12 @@ class TextEmbeddingTarget(EmbeddingTarget):
         if side is None or side.tokens is None or side.index is None:
             return None
         return [side.tokens[i] for i in side.index.tolist()]
+
+    @property
+    def text_rules(self) -> str | None:
+        """How the last call explained the text: ``"input×gradient"``, or the LRP method
+        whose rule set ran through the text tower (``"AttnLRP"``, ``"CPLRP"``)."""
+        return None if self.text is None else self.text.rules
 
     @property
     def text_ids(self) -> Tensor | None:

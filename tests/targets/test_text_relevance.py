@@ -261,6 +261,9 @@ def test_every_registered_method_keeps_its_map_and_gets_the_text_side():
         assert_close_scaled(b, a, rel=1e-10, msg=name)
         if name not in ("cp_lrp", "attnlrp"):
             assert_close_scaled(both.text_relevance, ref, rel=1e-10, msg=name)
+            assert both.text_rules == "input×gradient"
+        else:
+            assert both.text_rules == {"cp_lrp": "CPLRP", "attnlrp": "AttnLRP"}[name]
     noisy = clip_text_target(model, tok, TEXTS, index=0, text_relevance=True)
     NoiseTunnel(TokenIxG(model)).attribute(x, target=noisy, nt_samples=3, stdevs=0.01)
     assert noisy.text_relevance.shape == (6, 8) and noisy.text_index.tolist() == [0] * 6
