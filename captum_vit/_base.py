@@ -33,7 +33,12 @@ from captum_vit.adapters import (
     tokens_to_grid,
 )
 from captum_vit.adapters.scoring import Outputs, Target, per_image
-from captum_vit.targets import as_target, embedding_target, is_embedding_target
+from captum_vit.targets import (
+    TextEmbeddingTarget,
+    as_target,
+    embedding_target,
+    is_embedding_target,
+)
 
 OUTPUTS = ("pixels", "grid", "tokens")
 SCORES = ("logit", "probability")
@@ -689,6 +694,8 @@ class ViTFront:
         if not isinstance(obj, _BlockGradient) and not isinstance(self.adapter,
                                                                    SubnetworkAdapter):
             self._warn_if_flat(p, patches)
+        if isinstance(target, TextEmbeddingTarget):  # its text side, after the image map
+            target.explain_text(self, p.images, p.target)
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out
 

@@ -930,3 +930,67 @@ __all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "RE
            "plot_grid", "plot_heads", "plot_overlay", "plot_video", "prediction_title",
            "upsample_map", "video_sheet"]
 
+
+
+def plot_text_relevance(tokens: Sequence[str], relevance: Tensor | Sequence[float], *,
+                        ax: Any = None, title: str | None = None, cmap: Any = "bwr",
+                        per_line: int = 12, skip_empty: bool = True) -> Any:
+    r"""Tokens coloured by their relevance: red positive, blue negative, white zero, on a
+    scale symmetric about 0 (``max |relevance|``); e.g. a prompt's tokens from
+    :class:`~captum_vit.targets.TextEmbeddingTarget` (``clip_text_target(...,
+    text_relevance=True)``).
+
+    Args:
+        tokens (sequence of str): the token strings, ``L``.
+        relevance (Tensor or sequence of float): ``[L]``, one value per token.
+        ax (matplotlib axis, optional): draw there; default a new figure's.
+        title (str, optional): the axis title.
+        cmap (str or Colormap, optional): a diverging colormap. Default ``"bwr"``.
+        per_line (int, optional): tokens per line. Default 12.
+        skip_empty (bool, optional): leave out empty tokens (OpenCLIP's padding after
+            the end token). Default ``True``.
+
+    Returns:
+        the matplotlib axis; each token is one of ``ax.texts``, its box coloured.
+
+    Raises:
+        TypeError: ``tokens`` is a string or not strings.
+        ValueError: ``relevance`` is not one value per token.
+
+    Examples::
+
+        >>> from captum_vit.viz import plot_text_relevance
+        >>> ax = plot_text_relevance(target.text_tokens[0], target.text_relevance[0])
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+
+    if isinstance(tokens, str) or not isinstance(tokens, Sequence) or not all(
+            isinstance(t, str) for t in tokens):
+        raise TypeError("tokens must be a sequence of token strings (e.g. "
+                        "target.text_tokens[b]), not one string")
+    r = torch.as_tensor(relevance).detach().double().cpu().reshape(-1)
+    if r.numel() != len(tokens):
+        raise ValueError(f"relevance has {r.numel()} values for {len(tokens)} tokens: give "
+                         "one value per token (e.g. target.text_relevance[b])")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(12.0, 1.0 * per_line), 0.5 + 0.45 * math.ceil(
+            max(len(tokens), 1) / per_line)))
+    colours = colormaps[cmap] if isinstance(cmap, str) else cmap
+    peak = float(r.abs().max()) if r.numel() else 0.0
+    shown = [(t, float(v)) for t, v in zip(tokens, r.tolist(), strict=True)
+             if t or not skip_empty]
+    rows = max(1, math.ceil(len(shown) / per_line))
+    for i, (tok, value) in enumerate(shown):
+        level = 0.5 + 0.5 * value / peak if peak > 0 else 0.5
+        ax.text((i % per_line + 0.5) / per_line, 1 - (i // per_line + 0.5) / rows, tok,
+                ha="center", va="center", fontsize=9, transform=ax.transAxes,
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": colours(level),
+                      "edgecolor": "none"})
+    ax.set_axis_off()
+    if title is not None:
+        ax.set_title(title)
+    return ax
+
+
+__all__ += ["plot_text_relevance"]

@@ -8,11 +8,12 @@ vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding)
 :class:`DepthTarget`, :class:`SamMaskTarget` (a mask of the Segment Anything Model), or a
 subclass of your own) or a plain callable on the logits.
 :func:`clip_text_target` turns text prompts into the :class:`EmbeddingTarget` of a CLIP-style
-model (OpenCLIP, Hugging Face CLIP and SigLIP).
+model (OpenCLIP, Hugging Face CLIP and SigLIP); with ``text_relevance=True`` it is a
+:class:`TextEmbeddingTarget`, which also explains the prompt's tokens.
 """
 
 from captum_vit.adapters.scoring import Outputs, Target, per_image
-from captum_vit.targets.clip_text import clip_text_target
+from captum_vit.targets.clip_text import TextEmbeddingTarget, clip_text_target
 from captum_vit.targets.depth import DepthTarget
 from captum_vit.targets.detection import DetectionTarget
 from captum_vit.targets.embedding import (
@@ -40,7 +41,7 @@ from captum_vit.targets.vlm import VLMAnswer
 __all__ = [
     "CLASS_SCORES", "LINEAR_IN_SCORE", "SIMILARITIES", "CallableTarget", "ClassTarget",
     "Contrastive", "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
-    "Outputs", "SamMaskTarget", "Target", "TokenTarget", "VLMAnswer",
+    "Outputs", "SamMaskTarget", "Target", "TextEmbeddingTarget", "TokenTarget", "VLMAnswer",
     "as_target", "clip_text_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]

@@ -33,6 +33,7 @@ is the model's own ``embeddings(pixel_values, interpolate_pos_encoding=...)``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -50,6 +51,7 @@ from captum_vit.adapters.families._hf import HFViTBase, encoder_blocks, is_trans
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import HeadParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.text import TextTower
 
 CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
            "CLIPModel", "SiglipModel")
@@ -84,6 +86,63 @@ def _siglip_pool(head: ModelTree, where: str) -> PoolParts:
         act=head.mlp.activation_fn, fc2_weight=head.mlp.fc2.weight,
         fc2_bias=head.mlp.fc2.bias,
     )
+
+
+def text_tower(model: ModelTree) -> TextTower:
+    """The text side of a dual ``CLIPModel`` / ``SiglipModel``
+    (:class:`~captum_vit.adapters.text.TextTower`): ``text_model`` (its ``embeddings
+    .token_embedding``, the encoder's layers with ``self_attn.q_proj/k_proj/v_proj`` and
+    ``mlp.activation_fn``, every LayerNorm and ``nn.Linear`` of it: SigLIP's ``head``) and
+    CLIP's ``text_projection``; the features are ``get_text_features``.
+
+    Args:
+        model (nn.Module): the dual model.
+
+    Returns:
+        TextTower: ``blockers`` name what the LRP rules do not know (input×gradient runs
+        anyway).
+
+    Raises:
+        TypeError: no ``text_model`` with a token embedding.
+    """
+    name = type(model).__name__
+    text = getattr(model, "text_model", None)
+    while text is not None and not hasattr(text, "embeddings") and hasattr(text, "text_model"):
+        text = text.text_model
+    emb = getattr(getattr(text, "embeddings", None), "token_embedding", None)
+    if text is None or not isinstance(emb, nn.Embedding):
+        raise TypeError(f"text_relevance needs the text tower of a Hugging Face CLIPModel / "
+                        f"SiglipModel (text_model.embeddings.token_embedding); {name} has "
+                        "none")
+    qkv: list[tuple[nn.Module, nn.Module, nn.Module]] = []
+    acts: list[nn.Module] = []
+    blockers: list[str] = []
+    for i, layer in enumerate(getattr(getattr(text, "encoder", None), "layers", [])):
+        att = getattr(layer, "self_attn", None)
+        q, k, v = (getattr(att, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+        if isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear):
+            qkv.append((q, k, v))
+        else:
+            blockers.append(f"text layer {i}'s attention {type(att).__name__}")
+        act = getattr(getattr(layer, "mlp", None), "activation_fn", None)
+        if isinstance(act, nn.Module):
+            acts.append(act)
+        else:
+            blockers.append(f"text layer {i}'s MLP without an activation module")
+    if not qkv and not blockers:
+        blockers.append("a text encoder without layers")
+    parts = [text] + [m for m in (getattr(model, "text_projection", None),)
+                      if isinstance(m, nn.Module)]
+    modules = [m for part in parts for m in part.modules()]
+
+    def features(inputs: Mapping[str, Tensor]) -> Tensor:
+        out = model.get_text_features(**inputs)
+        return out if isinstance(out, Tensor) else out.pooler_output
+
+    return TextTower(embedding=emb, features=features,
+                     norms=[m for m in modules if isinstance(m, nn.LayerNorm)], acts=acts,
+                     qkv=qkv, linears=[m for m in modules if isinstance(m, nn.Linear)],
+                     blockers=tuple(blockers))
 
 
 def is_hf_clip_classifier(model: nn.Module) -> bool:

@@ -53,7 +53,7 @@ norms compute in the input's dtype (the same in float32).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -69,6 +69,7 @@ from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 from captum_vit.adapters.parts import linear_module as _linear
+from captum_vit.adapters.text import TextTower
 
 CUSTOM_BLOCK_OPTIONS = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner",
                         "scale_attn", "scale_fc")
@@ -148,6 +149,60 @@ def _attention_pool(pool: ModelTree, where: str) -> PoolParts:
         proj_weight=mha.out_proj.weight, proj_bias=mha.out_proj.bias,
         norm=None, fc1_weight=None, fc1_bias=None, act=None, fc2_weight=None, fc2_bias=None,
     )
+
+
+def text_tower(model: ModelTree) -> TextTower:
+    """The text side of an OpenCLIP model (:class:`~captum_vit.adapters.text.TextTower`):
+    ``token_embedding``, ``transformer.resblocks`` (``nn.MultiheadAttention`` called as
+    ``attn(x, x, x, ...)``, ``mlp.gelu``), ``ln_final`` and a linear ``text_projection``
+    of ``open_clip.CLIP`` itself or of its ``text`` (``CustomTextCLIP``, ``CoCa``: a
+    ``TextTransformer``); the features are ``encode_text(ids, normalize=False)``.
+
+    Args:
+        model (nn.Module): the OpenCLIP model.
+
+    Returns:
+        TextTower: ``blockers`` name the custom blocks the LRP rules do not know.
+
+    Raises:
+        TypeError: a text tower without OpenCLIP's own token embedding (a Hugging Face
+            text encoder, ``HFTextEncoder``).
+    """
+    name = type(model).__name__
+    root = model if hasattr(model, "token_embedding") else getattr(model, "text", None)
+    emb = getattr(root, "token_embedding", None)
+    blocks = getattr(getattr(root, "transformer", None), "resblocks", None)
+    if root is None or not isinstance(emb, nn.Embedding) or blocks is None:
+        kind = type(root).__name__ if root is not None else "no text tower"
+        raise TypeError(f"text_relevance needs OpenCLIP's own text transformer "
+                        f"(token_embedding, transformer.resblocks); {name} has {kind} (a "
+                        "Hugging Face text encoder is not read)")
+    attentions: list[nn.MultiheadAttention] = []
+    acts: list[nn.Module] = []
+    blockers: list[str] = []
+    for i, blk in enumerate(blocks):
+        mlp = getattr(blk, "mlp", None)
+        act = getattr(mlp, "gelu", None)
+        if type(blk).__name__ != "ResidualAttentionBlock" or hasattr(blk, "ln_1_kv") \
+                or not isinstance(blk.attn, nn.MultiheadAttention) \
+                or not isinstance(act, nn.Module):
+            blockers.append(f"text block {i} ({type(blk).__name__})")
+            continue
+        attentions.append(blk.attn)
+        acts.append(act)
+    parts = [emb, root.transformer] + [m for m in (getattr(root, "ln_final", None),
+                                                   getattr(root, "text_projection", None))
+                                       if isinstance(m, nn.Module)]
+    modules = [m for part in parts for m in part.modules()]
+
+    def features(inputs: Mapping[str, Tensor]) -> Tensor:
+        return cast(Tensor, model.encode_text(inputs["input_ids"], normalize=False))
+
+    return TextTower(embedding=emb, features=features,
+                     norms=[m for m in modules if isinstance(m, nn.LayerNorm)], acts=acts,
+                     attentions=attentions,
+                     linears=[m for m in modules if isinstance(m, nn.Linear)],
+                     blockers=tuple(blockers))
 
 
 def _vision_transformer_class() -> Any:  # open_clip.transformer.VisionTransformer, or None
