@@ -491,7 +491,7 @@ def _group_target(target: TargetLike, index: Tensor, total: int, groups: int) ->
 def attribute_processed(attribute: Callable[..., Any], adapter: ViTAdapter,
                         batch: Mapping[str, Any], target: TargetLike, output: str,
                         **kwargs: Any) -> Tensor | list[Tensor]:
-    """Explain a processor's output (SPEC_FRONTIER §14.2) for a family whose
+    """Explain a processor's output for a family whose
     ``pixel_values`` are not images ``[B, C, H, W]`` (:attr:`ViTAdapter.processor_keys`:
     SigLIP2 NaFlex, Qwen-VL's packed patches).
 
@@ -647,8 +647,12 @@ class ViTFront:
     def _attribute(self, inputs: tuple[Tensor], target: TargetLike, output: str,
                    **kwargs: Any) -> tuple[Tensor]: ...
 
+    @overload
+    def _attribute(self, inputs: Mapping[str, Any], target: TargetLike, output: str,
+                   **kwargs: Any) -> Tensor | list[Tensor]: ...
+
     def _attribute(self, inputs: Any, target: TargetLike, output: str,
-                   **kwargs: Any) -> Tensor | tuple[Tensor]:
+                   **kwargs: Any) -> Tensor | tuple[Tensor] | list[Tensor]:
         if self.adapter.processor_keys and _is_batch(inputs):
             return attribute_processed(self._attribute, self.adapter, inputs, target,
                                        output, **kwargs)

@@ -270,12 +270,12 @@ class ViTAdapter(Readout, abc.ABC):
 
     processor_keys: tuple[str, ...] = ()
     """The keys of a processor's output besides ``pixel_values`` that this family reads
-    when its ``pixel_values`` are not images ``[B, C, H, W]`` (SPEC_FRONTIER §14.2:
-    SigLIP2 NaFlex's ``pixel_attention_mask`` and ``spatial_shapes``, Qwen-VL's
-    ``image_grid_thw``). Empty (default): the family takes image tensors, and a
-    processor's output stands for its ``pixel_values``. When set, ``attribute`` takes the
-    processor's output itself, splits it into groups of images of one grid
-    (:meth:`processor_images`), explains each group and returns the maps per image
+    when its ``pixel_values`` are not images ``[B, C, H, W]`` (SigLIP2 NaFlex's
+    ``pixel_attention_mask`` and ``spatial_shapes``, Qwen-VL's ``image_grid_thw``).
+    Empty (default): the family takes image tensors, and a processor's output stands for
+    its ``pixel_values``. When set, ``attribute`` takes the processor's output itself,
+    splits it into groups of images of one grid (:meth:`processor_images`), explains
+    each group and returns the maps per image
     (:func:`captum_vit._base.attribute_processed`)."""
 
     def processor_images(self, batch: Mapping[str, Any]) -> list[tuple[Tensor, Tensor]]:
