@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 
 SUPPORTED = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
-TILED = ("LlavaNext", "LlavaOnevision", "VideoLlava", "LlavaNextVideo")
+TILED = ("LlavaNext", "VideoLlava", "LlavaNextVideo")
 """Class-name prefixes of VLMs that tile an image into crops (``anyres``): refused."""
 
 
@@ -148,10 +148,16 @@ def vlm_parts(model: Any) -> VLMParts:
     """The :class:`VLMParts` of a supported vision-language model.
 
     Raises:
-        TypeError: a VLM that tiles its images (LLaVA-NeXT, LLaVA-OneVision, video
-            LLaVAs), another model, or a layout this transformers version does not have.
+        TypeError: a VLM that tiles its images (LLaVA-NeXT, video LLaVAs; the tiled VLMs
+            of :mod:`captum_vit.adapters.vlm_tiles` are served there), another model, or a
+            layout this transformers version does not have.
     """
     name = type(model).__name__
+    from captum_vit.adapters.vlm_tiles import tiled_parts  # tiled VLMs (imports this module)
+
+    tiled = tiled_parts(model)
+    if tiled is not None:
+        return tiled
     if any(name.startswith(p) for p in TILED):
         raise TypeError(f"{name} tiles each image into crops (anyres) and packs their "
                         "features with newline embeddings: not supported; explain a "

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters.hf_vlm import VLMParts, vlm_parts
+from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles
 from captum_vit.adapters.scoring import Outputs, Target, per_image
 
 
@@ -124,19 +125,26 @@ class VLMAnswer(Target):
         if not isinstance(pixel_key, str):
             raise TypeError(f"pixel_key must be a str, got {type(pixel_key).__name__}")
         self.pixel_key = pixel_key
+        self.tiles: Tiles | None = None
         if not isinstance(input_ids, Tensor | Sequence) and hasattr(input_ids, "keys"):
             batch = input_ids
             if "input_ids" not in batch:
                 raise ValueError("input_ids is a mapping without 'input_ids'; pass the "
                                  "processor's output or the ids themselves")
             pixels = batch.get(pixel_key)
-            if isinstance(pixels, Tensor) and pixels.dim() != 4:
+            if isinstance(self.parts, TiledParts):  # captum_vit.adapters.vlm_tiles
+                self.tiles = self.parts.read_tiles(batch, pixel_key)
+            elif isinstance(pixels, Tensor) and pixels.dim() != 4:
                 raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)}: tiled images "
                                  "(one image as several crops) are not supported; give "
                                  "[B, C, H, W] images")
             if attention_mask is None:
                 attention_mask = batch.get("attention_mask")
             input_ids = batch["input_ids"]
+        elif isinstance(self.parts, TiledParts):
+            raise ValueError(f"input_ids: {type(model).__name__} splits each image into "
+                             "tiles; pass the processor's whole output (a mapping with "
+                             f"input_ids, {pixel_key}, ...) as input_ids")
         self.input_ids = _ids(input_ids, "input_ids")
         self.answer_ids = _ids(answer_ids, "answer_ids")
         if self.answer_ids.shape[1] == 0 or (self.answer_ids == -100).all(1).any():
@@ -172,6 +180,16 @@ class VLMAnswer(Target):
                              f"{self.answer_ids.shape[0]} answers: give one per image or one "
                              "for all")
         counts = (self.input_ids == self.parts.image_token_id).sum(1)
+        if self.tiles is not None:  # one column per tile (captum_vit.adapters.vlm_tiles)
+            assert isinstance(self.parts, TiledParts)
+            self._clean = self.parts.check_prompts(self.tiles, counts)
+            self.answer_ids = per_image(self.answer_ids, b, "answer_ids")
+            self.prompts = int(self.tiles.pixels.shape[0])
+            self._column_of = torch.arange(self.prompts)
+            self.blocks = self.parts.layers
+            if self.parts.keep_cls:
+                self.rows = tuple(range(self._clean[0].shape[1]))
+            return
         if (counts == 0).any() or (counts != counts[0]).any():
             raise ValueError(f"every prompt must hold the image token "
                              f"(id {self.parts.image_token_id}) once per image feature; "
@@ -205,7 +223,59 @@ class VLMAnswer(Target):
         return self.prompts
 
     def index(self, batch: int) -> Tensor:
+        if self.tiles is not None and batch % self.prompts:
+            raise ValueError(f"inputs has {batch} images but the processor's batch has "
+                             f"{self.prompts} real tiles: explain target.images(), the "
+                             "tiles VLMAnswer was made for")
         return per_image(self._column_of, batch, "VLMAnswer's prompts")
+
+    def images(self) -> Tensor:
+        """The tensor the methods explain on a tiled VLM: the real tiles of every prompt,
+        prompt by prompt in the processor's order, ``[N, C, S, S]`` (for Idefics3 /
+        SmolVLM ``pixel_values.flatten(0, 1)`` without the all-zero padding images; for
+        LLaVA-OneVision the first ``image_size_to_num_patches`` crops of each prompt).
+
+        Raises:
+            ValueError: the VLM does not tile its images (explain its ``pixel_values``).
+        """
+        if self.tiles is None:
+            raise ValueError(f"{type(self.parts.model).__name__} does not tile its images: "
+                             f"explain the processor's {self.pixel_key} themselves")
+        return self.tiles.pixels
+
+    def layouts(self) -> list[TileLayout]:
+        """Where each prompt's tiles lie in its image (:class:`~captum_vit.adapters.
+        vlm_tiles.TileLayout`, read from the processor's outputs and the model's
+        config), for :func:`captum_vit.viz.stitch`.
+
+        Raises:
+            ValueError: the VLM does not tile its images, or Idefics3's rows and columns
+                are not in the batch and the tile count does not fix them.
+        """
+        tiles = self.tiles
+        if tiles is None:
+            raise ValueError(f"{type(self.parts.model).__name__} does not tile its images")
+        assert isinstance(self.parts, TiledParts)
+        return [self.parts.layout(tiles, g) for g in range(len(tiles.counts))]
+
+    def stitch(self, maps: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+        """Each prompt's ``(stitched, global_view)`` (:func:`captum_vit.viz.stitch`) of the
+        maps ``[N, ...]`` of :meth:`images`.
+
+        Raises:
+            ValueError: ``maps`` has another number of rows than the tiles.
+        """
+        from captum_vit.viz import stitch
+
+        tiles = self.tiles
+        if tiles is None:
+            raise ValueError(f"{type(self.parts.model).__name__} does not tile its images")
+        if not isinstance(maps, Tensor) or maps.shape[0] != tiles.pixels.shape[0]:
+            got = tuple(maps.shape) if isinstance(maps, Tensor) else type(maps).__name__
+            raise ValueError(f"maps must be [{tiles.pixels.shape[0]}, ...] (one map per tile "
+                             f"of target.images()), got {got}")
+        chunks = maps.split(list(tiles.counts))
+        return [stitch(m, lay) for m, lay in zip(chunks, self.layouts(), strict=True)]
 
     def _states(self, out: Outputs) -> list[Tensor]:
         if self.parts.layers is None:
@@ -217,6 +287,11 @@ class VLMAnswer(Target):
 
     def columns(self, out: Outputs) -> Tensor:
         states = self._states(out)
+        if self.tiles is not None:  # captum_vit.adapters.vlm_tiles
+            assert isinstance(self.parts, TiledParts)
+            return self.parts.tile_columns(self.tiles, self._clean, states, self.input_ids,
+                                           self.attention_mask, self.answer_ids
+                                           ).to(states[0].dtype)
         x = states[0]
         n, rows, width = x.shape
         tower_width = int(self.parts.tower.config.hidden_size)
