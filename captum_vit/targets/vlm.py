@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from captum_vit.adapters.hf_vlm import VLMParts, vlm_parts
-from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles
 
 
 def _ids(value: Any, name: str) -> Tensor:
