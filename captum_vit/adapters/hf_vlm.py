@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 
 SUPPORTED = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
-TILED = ("LlavaNext", "VideoLlava", "LlavaNextVideo")
+TILED = ("VideoLlava", "LlavaNextVideo")
 """Class-name prefixes of VLMs that tile an image into crops (``anyres``): refused."""
 
 
@@ -148,7 +148,7 @@ def vlm_parts(model: Any) -> VLMParts:
     """The :class:`VLMParts` of a supported vision-language model.
 
     Raises:
-        TypeError: a VLM that tiles its images (LLaVA-NeXT, video LLaVAs; the tiled VLMs
+        TypeError: a VLM that tiles its images (video LLaVAs; the tiled VLMs
             of :mod:`captum_vit.adapters.vlm_tiles` are served there), another model, or a
             layout this transformers version does not have.
     """

@@ -50,6 +50,7 @@ every column: ``n·N`` language-model sequences for ``n`` forward rows).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,7 +61,7 @@ from torch import Tensor
 from captum_vit.adapters.hf_vlm import VLMParts, _part
 
 TILED_CLASSES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
-                 "LlavaOnevisionForConditionalGeneration")
+                 "LlavaOnevisionForConditionalGeneration", "LlavaNextForConditionalGeneration")
 """The tiled vision-language models :class:`~captum_vit.targets.VLMAnswer` serves."""
 
 
@@ -322,9 +323,10 @@ class Idefics3Parts(TiledParts):
 
 
 @dataclasses.dataclass(frozen=True)
-class OnevisionParts(TiledParts):
-    """LLaVA-OneVision: LLaVA's feature layers and projector per crop, then the model's
-    own ``pack_image_features`` (base image first, unpadding, ``image_newline``)."""
+class AnyresParts(TiledParts):
+    """LLaVA-OneVision and LLaVA-NeXT: LLaVA's feature layers and projector per crop,
+    then the model's own ``pack_image_features`` (base image first, unpadding,
+    ``image_newline``; OneVision's ``anyres_max`` downsizing)."""
 
     def _geometry(self, size: Sequence[int]) -> tuple[int, int, tuple[int, int, int, int]]:
         """``(rows, cols, crop)`` of an image of original ``(H, W)`` ``size``: the
@@ -341,10 +343,6 @@ class OnevisionParts(TiledParts):
         return bh // s, bw // s, ((bh - nh) // 2, (bw - nw) // 2, nh, nw)
 
     def read_tiles(self, batch: Mapping[str, Any], key: str) -> Tiles:
-        from transformers.models.llava_onevision.modeling_llava_onevision import (
-            image_size_to_num_patches,
-        )
-
         pixels = _pixels(batch, key)
         b = pixels.shape[0]
         sizes = batch.get("image_sizes")
@@ -359,6 +357,11 @@ class OnevisionParts(TiledParts):
         if per is not None and (torch.as_tensor(per) != 1).any():
             raise ValueError("batch_num_images: prompts with several images (not tiled by "
                              "LLaVA-OneVision) are not supported; one image per prompt")
+        # the same function in modeling_llava_onevision (a copy)
+        from transformers.models.llava_next.modeling_llava_next import (
+            image_size_to_num_patches,
+        )
+
         s = int(self.tower.config.image_size)
         counts = tuple(image_size_to_num_patches(sizes[i].tolist(),
                                                  self.model.config.image_grid_pinpoints, s)
@@ -382,9 +385,13 @@ class OnevisionParts(TiledParts):
                tiles: Tiles) -> list[Tensor]:
         assert tiles.image_sizes is not None
         inner = self.model.model
-        packed, _ = inner.pack_image_features(
-            tile_features, tiles.image_sizes[list(prompts)], image_newline=inner.image_newline,
-            vision_aspect_ratio=self.model.config.vision_aspect_ratio)
+        pack = inner.pack_image_features
+        kw: dict[str, Any] = {"image_newline": inner.image_newline}
+        if "vision_aspect_ratio" in inspect.signature(pack).parameters:  # OneVision
+            kw["vision_aspect_ratio"] = self.model.config.vision_aspect_ratio
+        else:  # LLaVA-NeXT
+            kw["vision_feature_select_strategy"] = "full" if self.keep_cls else "default"
+        packed, _ = pack(tile_features, tiles.image_sizes[list(prompts)], **kw)
         return list(packed)
 
 
@@ -399,22 +406,20 @@ def tiled_parts(model: Any) -> TiledParts | None:
     name = type(model).__name__
     if name not in TILED_CLASSES or not type(model).__module__.startswith("transformers."):
         return None
-    import inspect
-
     if "mm_encoder_outputs" not in inspect.signature(model.forward).parameters:
         raise TypeError(f"{name}: VLMAnswer needs a transformers version whose forward takes "
                         "mm_encoder_outputs (transformers 5)")
     cfg = model.config
     image_token_id = getattr(cfg, "image_token_id", None)
     image_token_id = int(cfg.image_token_index if image_token_id is None else image_token_id)
-    if name.startswith("LlavaOnevision"):
+    if name.startswith(("LlavaOnevision", "LlavaNext")):
         layer = cfg.vision_feature_layer
         layers = (int(layer),) if isinstance(layer, int) else tuple(int(v) for v in layer)
         strategy = cfg.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise TypeError(f"{name}: vision_feature_select_strategy {strategy!r} is not "
                             "'default' or 'full'")
-        return OnevisionParts(model, _part(model, "vision_tower"), "llava", layers,
+        return AnyresParts(model, _part(model, "vision_tower"), "llava", layers,
                               strategy == "full", image_token_id, "model")
     return Idefics3Parts(model, _part(model, "vision_model"), "idefics3", None, True,
                          image_token_id, "model")

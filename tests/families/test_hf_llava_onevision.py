@@ -1,7 +1,7 @@
-"""LLaVA-OneVision: VLMAnswer on its anyres tiles (base image first, the crops of the
-best grid resolution, unpadding and image_newline by the model's own
-pack_image_features), on a tiny random model built from a config (a 2-block SigLIP tower,
-32 px crops, and a 2-layer Qwen2); ids are given, no tokenizer."""
+"""LLaVA-OneVision (and LLaVA-NeXT, the same code path): VLMAnswer on its anyres tiles
+(base image first, the crops of the best grid resolution, unpadding and image_newline by
+the model's own pack_image_features), on tiny random models built from configs (a 2-block
+SigLIP tower, 32 px crops, and a 2-layer Qwen2); ids are given, no tokenizer."""
 
 from __future__ import annotations
 
@@ -35,16 +35,31 @@ def onevision(**overrides) -> torch.nn.Module:
     return transformers.LlavaOnevisionForConditionalGeneration(cfg).double().eval()
 
 
+def llava_next() -> torch.nn.Module:
+    """LLaVA-NeXT: the same tiles and packing (without OneVision's downsizing), here with
+    a CLIP tower whose class token the "default" strategy drops."""
+    torch.manual_seed(0)
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=32, patch_size=8)
+    tc = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=512)
+    cfg = transformers.LlavaNextConfig(vision_config=vc, text_config=tc, image_token_id=IMAGE,
+                                       image_grid_pinpoints=PINPOINTS)
+    return transformers.LlavaNextForConditionalGeneration(cfg).double().eval()
+
+
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
 def model_of(kind: str = "full") -> torch.nn.Module:
     if kind not in _MODELS:
         # "small": anyres_max_1 makes pack_image_features downsize the crops' grid
-        # (bilinear); "default": LLaVA's strategy drops the first row of the SigLIP tokens
+        # (bilinear); "layers": two feature layers concatenated; "next": LLaVA-NeXT
         kw = {"full": {}, "small": {"vision_aspect_ratio": "anyres_max_1"},
-              "layers": {"vision_feature_layer": [-2, -1]}}[kind]
-        _MODELS[kind] = onevision(**kw)
+              "layers": {"vision_feature_layer": [-2, -1]}, "next": {}}[kind]
+        _MODELS[kind] = llava_next() if kind == "next" else onevision(**kw)
     return _MODELS[kind]
 
 
@@ -99,7 +114,7 @@ def picked(model, target, x) -> torch.Tensor:
     return cols.gather(1, target.index(x.shape[0])[:, None].to(cols.device))[:, 0]
 
 
-@pytest.mark.parametrize("kind", ["full", "small", "layers"])
+@pytest.mark.parametrize("kind", ["full", "small", "layers", "next"])
 def test_answer_log_probability_and_its_gradient_equal_the_models_own(kind):
     """Every crop row scores the model's own answer log-probability of its prompt, and
     its gradient is the slice of the model's own gradient on that crop (the model's
@@ -119,6 +134,9 @@ def test_answer_log_probability_and_its_gradient_equal_the_models_own(kind):
     assert_close_scaled(gx, torch.cat([gp[0, :5], gp[1, :3]]), 1e-9)
     if kind == "layers":
         assert target.blocks == (-2, -1)
+    if kind == "next":
+        assert type(VLMAnswer.tower(model)).__name__ == "CLIPVisionModel"
+        assert target.blocks == (-2,) and target.rows is None  # the class token dropped
 
 
 FAST = {"tis": {"n_masks": 8}, "rise": {"n_masks": 8, "score": "logit"},
