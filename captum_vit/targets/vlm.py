@@ -74,12 +74,48 @@ class VLMAnswer(Target):
     a row's prompt must come from its column, not from its position. Explain distinct
     per-image prompts one image at a time where ``B²`` sequences are too many.
 
+    **VLMs that split an image into tiles** (:mod:`captum_vit.adapters.vlm_tiles`): pass
+    the processor's whole output as ``input_ids`` (one image per prompt) and explain the
+    tower on :meth:`images`, the real tiles of every prompt ``[N, C, S, S]``, one row per
+    tile (the processor's padding images left out); :meth:`layouts` and :meth:`stitch`
+    put the tiles' maps back on the image (:func:`captum_vit.viz.stitch`, the global view
+    apart). A tile row's score is the answer's log-probability with that tile from the row
+    and the prompt's other tiles clean (our choice): the clean score of every row is the
+    model's own, a row's gradient is the whole answer's gradient on its tile, a
+    perturbation method perturbs one tile at a time. Every tile is a column (``n·N``
+    language-model sequences for ``n`` forward rows and ``N`` tiles: explain one image at
+    a time). The prompt layouts (where the processor's chat template puts the image
+    tokens):
+
+    - ``Idefics3ForConditionalGeneration`` / ``SmolVLMForConditionalGeneration``: the
+      tower's final-normed tokens, the pixel-shuffle ``connector``; ``"User:<image>What is
+      this?<end_of_utterance>\nAssistant:"``, the processor writing for every tile (row r,
+      column c, raster order) ``<fake_token_around_image><row_r_col_c>`` and
+      ``image_seq_len`` image tokens, ``\n`` after each row, then
+      ``\n<fake_token_around_image><global-img>``, the global image's tokens and
+      ``<fake_token_around_image>`` (an image not split: the last part only). The tiles
+      are ``pixel_values.flatten(0, 1)`` without the all-zero padding images; the
+      layout's rows and columns are the image processor's ``rows`` / ``cols``
+      (``return_row_col_info=True``; the processor itself drops them: add them to the batch
+      for :meth:`layouts` unless the split is square);
+    - ``LlavaOnevisionForConditionalGeneration`` (and ``LlavaNextForConditionalGeneration``,
+      the same code): LLaVA's feature layers and projector per crop, then the model's own
+      ``pack_image_features`` (base image first, the crops' grid unpadded, an
+      ``image_newline`` per row, OneVision's ``anyres_max`` downsizing);
+      ``"<|im_start|>user <image>\nWhat is this?<|im_end|><|im_start|>assistant\n"``
+      (NeXT: ``"[INST] <image>\nWhat is this? [/INST]"``), the processor expanding
+      ``<image>`` to as many image tokens as the packed features; the tiles are the first
+      crops of each prompt's ``pixel_values`` (their count from ``image_sizes``).
+
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
 
     Args:
-        model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration`` or
-            ``PaliGemmaForConditionalGeneration``.
+        model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration``,
+            ``PaliGemmaForConditionalGeneration``, or a tiled
+            ``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``,
+            ``LlavaOnevisionForConditionalGeneration``,
+            ``LlavaNextForConditionalGeneration``.
         input_ids (Tensor or sequence of int): the prompt ids ``[T]``, ``[1, T]`` (for every
             image) or ``[B, T]`` (one per image), holding the model's image placeholder
             (``config.image_token_id``) once per image feature, as its processor writes
@@ -91,18 +127,22 @@ class VLMAnswer(Target):
             ``input_ids`` is that output (a mapping), its ``input_ids`` and
             ``attention_mask`` are read, and the images under ``pixel_key`` (what the
             method explains: pass them as its inputs) must be ``[B, C, H, W]``, not
-            tiled. Default ``"pixel_values"``.
+            tiled (a tiled VLM's: its processor's tiles, explain :meth:`images`). Default
+            ``"pixel_values"``.
         attention_mask (Tensor, optional): ``[B, T]`` (1 = token, 0 = padding) of the
             prompts; default all ones.
 
     Raises:
-        TypeError: ``model`` is not a supported VLM (LLaVA-NeXT and other VLMs that tile
-            an image into crops are refused by name), or ids are not integer tensors.
+        TypeError: ``model`` is not a supported VLM (video LLaVAs are refused by name), or
+            ids are not integer tensors.
         ValueError: an empty answer, ``-100`` before an answer's last scored token, ids
             outside the model's vocabulary (the image token excepted), tiled
             images in a processor's output,
             prompts and answers of different batch sizes, a prompt whose image tokens do
-            not match the tower's features, or tower states of another model.
+            not match the tower's features, or tower states of another model; for a
+            tiled VLM: ids instead of the processor's output, tiles that do not match
+            ``image_sizes`` or the prompts' image tokens, padded pixels inside a tile,
+            several images per prompt, or another number of inputs than :meth:`images`.
 
     Examples::
 
@@ -114,6 +154,17 @@ class VLMAnswer(Target):
         >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
         >>> target = VLMAnswer(vlm, batch["input_ids"], answer)
         >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(batch["pixel_values"], target=target)
+        >>> # a VLM that splits the image into tiles (SmolVLM; LLaVA-OneVision alike)
+        >>> vlm = SmolVLMForConditionalGeneration.from_pretrained(path).eval()
+        >>> chat = [{"role": "user", "content": [{"type": "image"},
+        ...                                      {"type": "text", "text": "Colour?"}]}]
+        >>> text = processor.apply_chat_template(chat, add_generation_prompt=True)
+        >>> batch = processor(images=[[image]], text=[text], return_tensors="pt")
+        >>> split = processor.image_processor([[image]], return_row_col_info=True)
+        >>> batch["rows"], batch["cols"] = split["rows"], split["cols"]  # for layouts()
+        >>> target = VLMAnswer(vlm, batch, answer)
+        >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(target.images(), target=target)
+        >>> [(stitched, global_view)] = target.stitch(maps)
     """
 
     reads_tokens = True
