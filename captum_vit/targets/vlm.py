@@ -154,17 +154,8 @@ class VLMAnswer(Target):
         >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
         >>> target = VLMAnswer(vlm, batch["input_ids"], answer)
         >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(batch["pixel_values"], target=target)
-        >>> # a VLM that splits the image into tiles (SmolVLM; LLaVA-OneVision alike)
-        >>> vlm = SmolVLMForConditionalGeneration.from_pretrained(path).eval()
-        >>> chat = [{"role": "user", "content": [{"type": "image"},
-        ...                                      {"type": "text", "text": "Colour?"}]}]
-        >>> text = processor.apply_chat_template(chat, add_generation_prompt=True)
-        >>> batch = processor(images=[[image]], text=[text], return_tensors="pt")
-        >>> split = processor.image_processor([[image]], return_row_col_info=True)
-        >>> batch["rows"], batch["cols"] = split["rows"], split["cols"]  # for layouts()
-        >>> target = VLMAnswer(vlm, batch, answer)
-        >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(target.images(), target=target)
-        >>> [(stitched, global_view)] = target.stitch(maps)
+
+    A VLM that splits the image into tiles: see :meth:`images`.
     """
 
     reads_tokens = True
@@ -288,6 +279,24 @@ class VLMAnswer(Target):
 
         Raises:
             ValueError: the VLM does not tile its images (explain its ``pixel_values``).
+
+        Examples::
+
+            >>> from captum_vit import GAE
+            >>> from captum_vit.targets import VLMAnswer
+            >>> vlm = Idefics3ForConditionalGeneration.from_pretrained(path).eval()
+            >>> batch = processor(images=[[image]], return_tensors="pt", text=[
+            ...     "User:<image>Colour?<end_of_utterance>\\nAssistant:"])
+            >>> split = processor.image_processor([[image]], return_row_col_info=True)
+            >>> batch["rows"], batch["cols"] = split["rows"], split["cols"]  # for layouts()
+            >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
+            >>> target = VLMAnswer(vlm, batch, answer)
+            >>> target.images().shape  # 2 × 2 tiles and the global image
+            torch.Size([5, 3, 32, 32])
+            >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(target.images(), target=target)
+            >>> [(stitched, global_view)] = target.stitch(maps)
+            >>> stitched.shape, global_view.shape
+            (torch.Size([3, 64, 64]), torch.Size([3, 32, 32]))
         """
         if self.tiles is None:
             raise ValueError(f"{type(self.parts.model).__name__} does not tile its images: "

@@ -261,23 +261,49 @@ def coordinates(h: int, w: int) -> np.ndarray:
     return np.stack([y, x, np.full_like(x, 0.5)], -1)
 
 
-def test_layout_from_the_processor_puts_every_tile_in_its_place():
-    """The image processor's own split (rows × cols in raster order, the global image
-    last): the tiles' pixels stitched back form the resized image (rows grow down, columns
-    grow right, across the tiles' seams), and the global view is the whole image."""
-    ip = transformers.Idefics3ImageProcessor(max_image_size={"longest_edge": 32},
-                                             size={"longest_edge": 64}, do_rescale=False,
-                                             do_normalize=False)
-    out = ip(images=[[coordinates(30, 90)]], return_row_col_info=True, return_tensors="pt")
-    assert out["rows"] == [[1]] and out["cols"] == [[2]]
+def processor() -> transformers.Idefics3Processor:
+    """Idefics3's processor built offline: a word-level tokenizer holding the tile tokens
+    (``<image>`` is the model's id 299), the image processor splitting at 32 pixels
+    without rescaling or normalising (the pixels stay the image's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+               *[f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]]
+    vocab = {w: i for i, w in enumerate(["<unk>", "User", ":", "Colour", "?", "Assistant",
+                                         "red", *special])}
+    vocab["<image>"] = IMAGE
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", *special]})
+    return transformers.Idefics3Processor(
+        image_processor=transformers.Idefics3ImageProcessor(
+            max_image_size={"longest_edge": 32}, size={"longest_edge": 64},
+            do_rescale=False, do_normalize=False),
+        tokenizer=tokenizer, image_seq_len=L)
+
+
+def test_the_processors_batch_and_layout_put_every_tile_in_its_place():
+    """The processor's own output (its prompt with the tile tokens, the split rows × cols in
+    raster order, the global image last): the answer's score is the model's own, and the
+    tiles' pixels stitched back form the resized image (rows grow down, columns grow right,
+    across the tiles' seams), the global view the whole image."""
+    proc = processor()
+    image = coordinates(30, 90)
+    batch = dict(proc(images=[[image]], return_tensors="pt",
+                      text=["User:<image>Colour?<end_of_utterance>\nAssistant:"]))
+    assert batch["pixel_values"].shape == (1, 3, 3, 32, 32)
+    assert (batch["input_ids"] == IMAGE).sum() == 3 * L
+    split = proc.image_processor([[image]], return_row_col_info=True)
+    assert split["rows"] == [[1]] and split["cols"] == [[2]]
     model = model_of()
-    px = out["pixel_values"].double()
-    ids = torch.tensor([[1] + [IMAGE] * (3 * L) + [7]])
-    batch = {"input_ids": ids, "pixel_values": px,
-             "pixel_attention_mask": out["pixel_attention_mask"]}
+    batch["pixel_values"] = batch["pixel_values"].double()
     with pytest.raises(ValueError, match="rows and columns are not in the batch"):
         VLMAnswer(model, batch, ANSWER).layouts()
-    target = VLMAnswer(model, dict(batch, rows=out["rows"], cols=out["cols"]), ANSWER)
+    target = VLMAnswer(model, dict(batch, rows=split["rows"], cols=split["cols"]), ANSWER)
+    with torch.no_grad():
+        assert_close_scaled(picked(model, target, target.images()),
+                            own_log_probs(model, batch).expand(3), 1e-10)
     assert target.layouts() == [TileLayout(1, 2, 2, (32, 32))]
     [(canvas, whole)] = target.stitch(target.images())
     assert canvas.shape == (3, 32, 64) and whole is not None and whole.shape == (3, 32, 32)
