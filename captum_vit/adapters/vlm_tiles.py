@@ -179,6 +179,8 @@ class TiledParts(VLMParts):
     def clean_states(self, pixels: Tensor) -> list[Tensor]:
         """The tower states the score reads, of the clean tiles ``[N, C, S, S]``: the
         model's own tower forward (no gradient)."""
+        param = next(self.tower.parameters())
+        pixels = pixels.to(param.device, param.dtype)  # as the model's get_image_features
         with torch.no_grad():
             if self.layers is None:
                 return [self.tower(pixel_values=pixels).last_hidden_state]
