@@ -7,7 +7,7 @@ Run::
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
                                     hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2|
-                                    hf-timesformer|timm-hiera|hf-internvl] \
+                                    hf-timesformer|timm-hiera|hf-internvl|hf-idefics3] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -38,7 +38,9 @@ the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
 ``SwinTransformerV2`` / ``Swinv2ForImageClassification``, 256 px, 64 x 64 tokens, window
 8; ``hf-timesformer``: a TimeSformer-B-shaped ``TimesformerForVideoClassification``,
 divided space-time attention, 8 frames of 224 px; ``timm-hiera``: a Hiera-T-shaped timm
-``Hiera``, 224 px, 56 x 56 tokens first, mask units and three query poolings), measured in
+``Hiera``, 224 px, 56 x 56 tokens first, mask units and three query poolings;
+``hf-idefics3``: SmolVLM's / Idefics3's ``Idefics3VisionTransformer`` at ViT-S/16 size,
+explained like ``hf-clip`` against the patch mean of its final-normed tokens), measured in
 the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
@@ -189,6 +191,19 @@ def hf_clip_s16(img_size: int = 224) -> torch.nn.Module:
                            num_hidden_layers=12, num_attention_heads=6,
                            intermediate_size=1536, projection_dim=256)
     return CLIPVisionModelWithProjection(cfg).eval()
+
+
+def hf_idefics3_s16(img_size: int = 224) -> torch.nn.Module:
+    """The same size as :func:`vit_s16` as a Hugging Face ``Idefics3VisionTransformer``
+    (SmolVLM's tower: SigLIP layers, no head; explained like ``hf-clip`` against the
+    patch mean of its final-normed tokens)."""
+    from transformers import Idefics3VisionConfig, Idefics3VisionTransformer
+
+    torch.manual_seed(0)
+    cfg = Idefics3VisionConfig(image_size=img_size, patch_size=16, hidden_size=384,
+                               num_hidden_layers=12, num_attention_heads=6,
+                               intermediate_size=1536)
+    return Idefics3VisionTransformer(cfg).eval()
 
 
 def torchvision_s16(img_size: int = 224) -> torch.nn.Module:
@@ -402,7 +417,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
     "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
     "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b, "timm-hiera": hiera_t,
-    "hf-internvl": hf_internvl_s16}
+    "hf-internvl": hf_internvl_s16, "hf-idefics3": hf_idefics3_s16}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -464,6 +479,9 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
     elif type(model).__name__ == "InternVLVisionModel":  # the patch mean (use_mean_pooling)
         dim = model.config.hidden_size
         embed = lambda x: model(pixel_values=x).last_hidden_state[:, 1:].mean(1)  # noqa: E731
+    elif type(model).__name__ == "Idefics3VisionTransformer":  # head-less: the token mean
+        dim = model.config.hidden_size
+        embed = lambda x: model(pixel_values=x).last_hidden_state.mean(1)  # noqa: E731
     else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 
 SUPPORTED = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
-TILED = ("LlavaNext", "LlavaOnevision", "VideoLlava", "LlavaNextVideo")
+TILED = ("VideoLlava", "LlavaNextVideo")
 """Class-name prefixes of VLMs that tile an image into crops (``anyres``): refused."""
 
 
@@ -161,19 +161,53 @@ class VLMParts:
         return x.masked_scatter(mask, features.to(x.dtype))
 
 
+def tower_states(tower: nn.Module, pixels: Tensor, layers: tuple[int, ...] | None
+                 ) -> list[Tensor]:
+    """The tower states a VLM reads of clean images ``pixels`` (no gradient): its
+    ``last_hidden_state`` when ``layers`` is ``None``, else its ``hidden_states[k]`` for
+    every ``k`` of ``layers``, computed by the adapter's canonical forward (the tower's own
+    to rounding, checked once per model): the tower's forward with
+    ``output_hidden_states=True`` would install transformers' output-capturing hooks on
+    the model for good (transformers 5), and the model is never changed."""
+    param = next(tower.parameters())
+    pixels = pixels.to(param.device, param.dtype)  # as the model's get_image_features
+    with torch.no_grad():
+        if layers is None:
+            return [tower(pixel_values=pixels).last_hidden_state]
+        from captum_vit.adapters import adapt  # the package imports this module
+        from captum_vit.adapters.ops import Ops
+
+        a = adapt(tower)
+        total = a.num_blocks
+        wanted = [k if k >= 0 else k + total + 1 for k in layers]
+        states: dict[int, Tensor] = {}
+        x = a.embed(pixels)
+        for l in range(max(wanted) + 1):
+            if l in wanted:
+                states[l] = x
+            if l < max(wanted):
+                x = a.block(x, l, Ops())
+        return [states[k] for k in wanted]
+
+
 def vlm_parts(model: Any) -> VLMParts:
     """The :class:`VLMParts` of a supported vision-language model.
 
     Raises:
-        TypeError: a VLM that tiles its images (LLaVA-NeXT, LLaVA-OneVision, video
-            LLaVAs), another model, or a layout this transformers version does not have.
+        TypeError: a VLM that tiles its images (video LLaVAs; the tiled VLMs
+            of :mod:`captum_vit.adapters.vlm_tiles` are served there), another model, or a
+            layout this transformers version does not have.
     """
     name = type(model).__name__
     from captum_vit.adapters import vlm_internvl  # InternVL, Gemma 3
+    from captum_vit.adapters.vlm_tiles import tiled_parts  # tiled VLMs (imports this module)
 
     parts = vlm_internvl.vlm_parts(model)
     if parts is not None:
         return parts
+    tiled = tiled_parts(model)
+    if tiled is not None:
+        return tiled
     if any(name.startswith(p) for p in TILED):
         raise TypeError(f"{name} tiles each image into crops (anyres) and packs their "
                         "features with newline embeddings: not supported; explain a "

@@ -10,8 +10,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.hf_vlm import VLMParts, vlm_parts
+from captum_vit.adapters.hf_vlm import VLMParts, tower_states, vlm_parts
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles
 
 
 def _ids(value: Any, name: str) -> Tensor:
@@ -96,9 +97,10 @@ class VLMAnswer(Target):
     perturbation method masks one tile at a time. A row costs one language-model run per
     tile of the batch.
 
-    Per-token maps (``per_token=True``, SPEC_FRONTIER §14.3): every answer token ``t`` is a
-    column ``log p(answer_t | prompt, image, answer_<t)`` beside the whole answer's (the
-    default column, so ``attribute(images, target=target)`` is the answer's map).
+    Per-token maps (``per_token=True``; not yet for the VLMs below that mark their tiles):
+    every answer token ``t`` is a column ``log p(answer_t | prompt, image, answer_<t)``
+    beside the whole answer's (the default column, so
+    ``attribute(images, target=target)`` is the answer's map).
     ``target.token(t)`` selects token ``t``'s column and :func:`per_token_maps` stacks one
     map per token, ``[B, A, ...]``, labelled by ``target.labels`` (the decoded tokens, when
     a tokenizer is given). All token scores come from one language-model run per
@@ -119,13 +121,50 @@ class VLMAnswer(Target):
       + ``<image_soft_token>`` × 256 + ``"<end_of_image>\n\n"`` (pan-and-scan: one such
       block per crop after the image's).
 
+    **VLMs that split an image into tiles and mark each tile in the prompt**
+    (:mod:`captum_vit.adapters.vlm_tiles`): pass
+    the processor's whole output as ``input_ids`` (one image per prompt) and explain the
+    tower on :meth:`images`, the real tiles of every prompt ``[N, C, S, S]``, one row per
+    tile (the processor's padding images left out); :meth:`layouts` and :meth:`stitch`
+    put the tiles' maps back on the image (:func:`captum_vit.viz.stitch`, the global view
+    apart). A tile row's score is the answer's log-probability with that tile from the row
+    and the prompt's other tiles clean (our choice): the clean score of every row is the
+    model's own, a row's gradient is the whole answer's gradient on its tile, a
+    perturbation method perturbs one tile at a time. Every tile is a column (``n·N``
+    language-model sequences for ``n`` forward rows and ``N`` tiles: explain one image at
+    a time). The prompt layouts (where the processor's chat template puts the image
+    tokens):
+
+    - ``Idefics3ForConditionalGeneration`` / ``SmolVLMForConditionalGeneration``: the
+      tower's final-normed tokens, the pixel-shuffle ``connector``; ``"User:<image>What is
+      this?<end_of_utterance>\nAssistant:"``, the processor writing for every tile (row r,
+      column c, raster order) ``<fake_token_around_image><row_r_col_c>`` and
+      ``image_seq_len`` image tokens, ``\n`` after each row, then
+      ``\n<fake_token_around_image><global-img>``, the global image's tokens and
+      ``<fake_token_around_image>`` (an image not split: the last part only). The tiles
+      are ``pixel_values.flatten(0, 1)`` without the all-zero padding images; the
+      layout's rows and columns are the image processor's ``rows`` / ``cols``
+      (``return_row_col_info=True``; the processor itself drops them: add them to the batch
+      for :meth:`layouts` unless the split is square);
+    - ``LlavaOnevisionForConditionalGeneration`` (and ``LlavaNextForConditionalGeneration``,
+      the same code): LLaVA's feature layers and projector per crop, then the model's own
+      ``pack_image_features`` (base image first, the crops' grid unpadded, an
+      ``image_newline`` per row, OneVision's ``anyres_max`` downsizing);
+      ``"<|im_start|>user <image>\nWhat is this?<|im_end|><|im_start|>assistant\n"``
+      (NeXT: ``"[INST] <image>\nWhat is this? [/INST]"``), the processor expanding
+      ``<image>`` to as many image tokens as the packed features; the tiles are the first
+      crops of each prompt's ``pixel_values`` (their count from ``image_sizes``).
+
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
 
     Args:
         model (nn.Module): a Hugging Face ``LlavaForConditionalGeneration``,
-            ``PaliGemmaForConditionalGeneration``, ``InternVLForConditionalGeneration`` or
-            ``Gemma3ForConditionalGeneration``.
+            ``PaliGemmaForConditionalGeneration``, ``InternVLForConditionalGeneration``,
+            ``Gemma3ForConditionalGeneration``, or a tiled
+            ``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``,
+            ``LlavaOnevisionForConditionalGeneration``,
+            ``LlavaNextForConditionalGeneration``.
         input_ids (Tensor or sequence of int): the prompt ids ``[T]``, ``[1, T]`` (for every
             image) or ``[B, T]`` (one per image), holding the model's image placeholder
             (``config.image_token_id``) once per image feature, as its processor writes
@@ -137,7 +176,8 @@ class VLMAnswer(Target):
             ``input_ids`` is that output (a mapping), its ``input_ids`` and
             ``attention_mask`` are read, and the images under ``pixel_key`` (what the
             method explains: pass them as its inputs) must be ``[B, C, H, W]``, not
-            tiled. Default ``"pixel_values"``.
+            tiled (a tiled VLM's: its processor's tiles, explain :meth:`images`). Default
+            ``"pixel_values"``.
         attention_mask (Tensor, optional): ``[B, T]`` (1 = token, 0 = padding) of the
             prompts; default all ones.
         per_token (bool, optional): one column per answer token besides the whole
@@ -147,15 +187,17 @@ class VLMAnswer(Target):
             Default ``None`` (``labels`` is ``None``).
 
     Raises:
-        TypeError: ``model`` is not a supported VLM (LLaVA-NeXT and other VLMs that tile
-            an image into crops are refused by name), or ids are not integer tensors.
+        TypeError: ``model`` is not a supported VLM (video LLaVAs are refused by name), or
+            ids are not integer tensors.
         ValueError: an empty answer, ``-100`` before an answer's last scored token, ids
             outside the model's vocabulary (the image token excepted), tiled
             images in a processor's output,
             prompts and answers of different batch sizes, a prompt whose image tokens do
             not match the tower's features (or are no whole number of tiles), rows of
             ``pixel_values`` that are not whole prompts' tiles, or tower states of another
-            model.
+            model; for a tiled VLM: ids instead of the processor's output, tiles that do not match
+            ``image_sizes`` or the prompts' image tokens, padded pixels inside a tile,
+            several images per prompt, or another number of inputs than :meth:`images`.
 
     Examples::
 
@@ -183,6 +225,7 @@ class VLMAnswer(Target):
         >>> tiles = batch["pixel_values"]            # [N_tiles, 3, 448, 448]
         >>> maps = per_token_maps(TokenIxG(VLMAnswer.tower(vlm)), tiles, target)
         >>> maps.shape[:2], target.labels[0]         # [N_tiles, A], the decoded tokens
+    A VLM that splits the image into tiles: see :meth:`images`.
     """
 
     reads_tokens = True
@@ -195,19 +238,26 @@ class VLMAnswer(Target):
         if not isinstance(pixel_key, str):
             raise TypeError(f"pixel_key must be a str, got {type(pixel_key).__name__}")
         self.pixel_key = pixel_key
+        self.tiled: Tiles | None = None  # a VLM that splits images (adapters.vlm_tiles)
         if not isinstance(input_ids, Tensor | Sequence) and hasattr(input_ids, "keys"):
             batch = input_ids
             if "input_ids" not in batch:
                 raise ValueError("input_ids is a mapping without 'input_ids'; pass the "
                                  "processor's output or the ids themselves")
             pixels = batch.get(pixel_key)
-            if isinstance(pixels, Tensor) and pixels.dim() != 4:
+            if isinstance(self.parts, TiledParts):  # captum_vit.adapters.vlm_tiles
+                self.tiled = self.parts.read_tiles(batch, pixel_key)
+            elif isinstance(pixels, Tensor) and pixels.dim() != 4:
                 raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)}: tiled images "
                                  "(one image as several crops) are not supported; give "
                                  "[B, C, H, W] images")
             if attention_mask is None:
                 attention_mask = batch.get("attention_mask")
             input_ids = batch["input_ids"]
+        elif isinstance(self.parts, TiledParts):
+            raise ValueError(f"input_ids: {type(model).__name__} splits each image into "
+                             "tiles; pass the processor's whole output (a mapping with "
+                             f"input_ids, {pixel_key}, ...) as input_ids")
         self.input_ids = _ids(input_ids, "input_ids")
         self.answer_ids = _ids(answer_ids, "answer_ids")
         if self.answer_ids.shape[1] == 0 or (self.answer_ids == -100).all(1).any():
@@ -243,6 +293,22 @@ class VLMAnswer(Target):
                              f"{self.answer_ids.shape[0]} answers: give one per image or one "
                              "for all")
         counts = (self.input_ids == self.parts.image_token_id).sum(1)
+        if self.tiled is not None:  # one column per tile (captum_vit.adapters.vlm_tiles)
+            assert isinstance(self.parts, TiledParts)
+            if per_token:
+                raise ValueError(f"per_token=True is not served on {type(model).__name__} "
+                                 "(a VLM that splits images into tiles) yet: explain the "
+                                 "whole answer, or one answer token's prefix at a time")
+            self._tiled_clean = self.parts.check_prompts(self.tiled, counts)
+            self.answer_ids = per_image(self.answer_ids, b, "answer_ids")
+            self.prompts = int(self.tiled.pixels.shape[0])
+            self._column_of = torch.arange(self.prompts)
+            self.blocks = self.parts.layers
+            self.image_tokens = int(counts[0])
+            self._extend(False, tokenizer)
+            if self.parts.keep_cls:
+                self.rows = tuple(range(self._tiled_clean[0].shape[1]))
+            return
         if (counts == 0).any() or (counts != counts[0]).any():
             raise ValueError(f"every prompt must hold the image token "
                              f"(id {self.parts.image_token_id}) once per image feature; "
@@ -279,10 +345,80 @@ class VLMAnswer(Target):
         return self.prompts
 
     def index(self, batch: int) -> Tensor:
+        if self.tiled is not None and batch % self.prompts:
+            raise ValueError(f"inputs has {batch} images but the processor's batch has "
+                             f"{self.prompts} real tiles: explain target.images(), the "
+                             "tiles VLMAnswer was made for")
         if self.tiles > 1 or self.per_token:
             base = torch.arange(self._bases()) if self.tiles > 1 else self._column_of
             return per_image(base * self.slots + self._slot, batch, "VLMAnswer's columns")
         return per_image(self._column_of, batch, "VLMAnswer's prompts")
+
+    def images(self) -> Tensor:
+        """The tensor the methods explain on a tiled VLM: the real tiles of every prompt,
+        prompt by prompt in the processor's order, ``[N, C, S, S]`` (for Idefics3 /
+        SmolVLM ``pixel_values.flatten(0, 1)`` without the all-zero padding images; for
+        LLaVA-OneVision the first ``image_size_to_num_patches`` crops of each prompt).
+
+        Raises:
+            ValueError: the VLM does not tile its images (explain its ``pixel_values``).
+
+        Examples::
+
+            >>> from captum_vit import GAE
+            >>> from captum_vit.targets import VLMAnswer
+            >>> vlm = Idefics3ForConditionalGeneration.from_pretrained(path).eval()
+            >>> batch = processor(images=[[image]], return_tensors="pt", text=[
+            ...     "User:<image>Colour?<end_of_utterance>\\nAssistant:"])
+            >>> split = processor.image_processor([[image]], return_row_col_info=True)
+            >>> batch["rows"], batch["cols"] = split["rows"], split["cols"]  # for layouts()
+            >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
+            >>> target = VLMAnswer(vlm, batch, answer)
+            >>> target.images().shape  # 2 × 2 tiles and the global image
+            torch.Size([5, 3, 32, 32])
+            >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(target.images(), target=target)
+            >>> [(stitched, global_view)] = target.stitch(maps)
+            >>> stitched.shape, global_view.shape
+            (torch.Size([3, 64, 64]), torch.Size([3, 32, 32]))
+        """
+        if self.tiled is None:
+            raise ValueError(f"{type(self.parts.model).__name__} does not tile its images: "
+                             f"explain the processor's {self.pixel_key} themselves")
+        return self.tiled.pixels
+
+    def layouts(self) -> list[TileLayout]:
+        """Where each prompt's tiles lie in its image (:class:`~captum_vit.adapters.
+        vlm_tiles.TileLayout`, read from the processor's outputs and the model's
+        config), for :func:`captum_vit.viz.stitch`.
+
+        Raises:
+            ValueError: the VLM does not tile its images, or Idefics3's rows and columns
+                are not in the batch and the tile count does not fix them.
+        """
+        tiles = self.tiled
+        if tiles is None:
+            raise ValueError(f"{type(self.parts.model).__name__} does not tile its images")
+        assert isinstance(self.parts, TiledParts)
+        return [self.parts.layout(tiles, g) for g in range(len(tiles.counts))]
+
+    def stitch(self, maps: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+        """Each prompt's ``(stitched, global_view)`` (:func:`captum_vit.viz.stitch`) of the
+        maps ``[N, ...]`` of :meth:`images`.
+
+        Raises:
+            ValueError: ``maps`` has another number of rows than the tiles.
+        """
+        from captum_vit.viz import stitch
+
+        tiles = self.tiled
+        if tiles is None:
+            raise ValueError(f"{type(self.parts.model).__name__} does not tile its images")
+        if not isinstance(maps, Tensor) or maps.shape[0] != tiles.pixels.shape[0]:
+            got = tuple(maps.shape) if isinstance(maps, Tensor) else type(maps).__name__
+            raise ValueError(f"maps must be [{tiles.pixels.shape[0]}, ...] (one map per tile "
+                             f"of target.images()), got {got}")
+        chunks = maps.split(list(tiles.counts))
+        return [stitch(m, lay) for m, lay in zip(chunks, self.layouts(), strict=True)]
 
     def _states(self, out: Outputs) -> list[Tensor]:
         if self.parts.layers is None:
@@ -296,6 +432,11 @@ class VLMAnswer(Target):
         if self.tiles > 1 or self.per_token:
             return self._columns(out)
         states = self._states(out)
+        if self.tiled is not None:  # captum_vit.adapters.vlm_tiles
+            assert isinstance(self.parts, TiledParts)
+            return self.parts.tile_columns(self.tiled, self._tiled_clean, states, self.input_ids,
+                                           self.attention_mask, self.answer_ids
+                                           ).to(states[0].dtype)
         x = states[0]
         n, rows, width = x.shape
         tower_width = int(self.parts.tower.config.hidden_size)
@@ -383,10 +524,8 @@ class VLMAnswer(Target):
                 f"{self.image_tokens // m} features per prompt; give the processor's "
                 "pixel_values for these prompts (every tile of every image, in order)")
         tower = self.parts.tower
+        states = tower_states(tower, images, self.parts.layers)
         with torch.no_grad():
-            own = tower(pixel_values=images, output_hidden_states=self.parts.layers is not None)
-            states = [own.last_hidden_state] if self.parts.layers is None else \
-                [own.hidden_states[l] for l in self.parts.layers]
             rows = int(states[0].shape[1])
             if self.parts.num_features(rows) != self.image_tokens // m:
                 raise ValueError(

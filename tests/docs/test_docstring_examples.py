@@ -9,10 +9,10 @@ statement that raises fails the test, and so does a printed output that differs 
 the docstring shows (compared as doctest does, with ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE``),
 except in the blocks of ``FREE_OUTPUT``, whose outputs depend on the model's size. Blocks
 that name what the common namespace lacks (a CLIP or SigLIP tower, a text model, a detector,
-a depth model, a DINOv2-shaped backbone, a LLaVA and its processor, Quantus' arrays) get
-tiny random models built for them (``EXTRA``); every block runs in a temporary folder, and
-a block that registers a method removes it afterwards. A block that truly cannot run
-offline would be listed in ``SKIP`` with the reason pytest prints; none is.
+a depth model, a DINOv2-shaped backbone, a LLaVA or an Idefics3 and its processor, Quantus'
+arrays) get tiny random models built for them (``EXTRA``); every block runs in a temporary
+folder, and a block that registers a method removes it afterwards. A block that truly cannot
+run offline would be listed in ``SKIP`` with the reason pytest prints; none is.
 """
 
 from __future__ import annotations
@@ -157,6 +157,40 @@ def _llava_scope() -> dict[str, Any]:
             "path": "llava", "processor": processor, "image": Image.fromarray(pixels)}
 
 
+def _idefics3_scope() -> dict[str, Any]:
+    """A tiny random Idefics3 saved in the current folder (``path``: 32-pixel tiles, 4 image
+    tokens each), its processor built offline (a word-level tokenizer with the tile tokens,
+    the image processor splitting at 32 pixels) and a 40 x 70 PIL image (2 x 2 tiles)."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+               *[f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]]
+    words = ["<unk>", "User", ":", "Colour", "?", "Assistant", "red", *special]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    processor = transformers.Idefics3Processor(
+        image_processor=transformers.Idefics3ImageProcessor(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
+        tokenizer=tokenizer, image_seq_len=4)
+    torch.manual_seed(0)
+    cfg = transformers.Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=len(words), hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0),
+        image_token_id=words.index("<image>"), scale_factor=2)
+    transformers.Idefics3ForConditionalGeneration(cfg).save_pretrained("idefics3")
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 70, 3), dtype=np.uint8)
+    return {"Idefics3ForConditionalGeneration": transformers.Idefics3ForConditionalGeneration,
+            "path": "idefics3", "processor": processor, "image": Image.fromarray(pixels)}
+
+
 def _sam_scope() -> dict[str, Any]:
     """A tiny random SAM saved in the current folder (``path``; 32-pixel images, an 8 x 8
     token grid), its processor at that size and an 800 x 1000 PIL image."""
@@ -196,6 +230,7 @@ EXTRA: dict[str, Any] = {
     "targets:DetectionTarget": _yolos_scope,
     "targets:clip_text_target": _open_clip_scope,
     "targets:VLMAnswer": _llava_scope,
+    "targets:VLMAnswer.images": _idefics3_scope,
     "targets:SamMaskTarget": _sam_scope,
 }
 

@@ -292,17 +292,19 @@ def test_a_processors_output_gives_the_prompts():
         VLMAnswer(model, ids, answer, pixel_key=0)
 
 
-def test_tiled_llava_next_is_refused_by_name():
+def test_video_llava_next_is_refused_by_name():
+    """LLaVA-NeXT's and LLaVA-OneVision's tiles are served
+    (tests/families/test_hf_llava_onevision.py); its video model is refused by name."""
     vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=4,
                                        image_size=32, patch_size=8)
     tc = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=1, num_attention_heads=4,
                                   num_key_value_heads=2)
-    nxt = transformers.LlavaNextForConditionalGeneration(transformers.LlavaNextConfig(
-        vision_config=vc, text_config=tc, image_token_id=IMAGE,
+    nxt = transformers.LlavaNextVideoForConditionalGeneration(transformers.LlavaNextVideoConfig(
+        vision_config=vc, text_config=tc, image_token_id=IMAGE, video_token_id=298,
         image_grid_pinpoints=[[32, 32]]))
-    with pytest.raises(TypeError, match="LlavaNextForConditionalGeneration tiles each image"):
+    with pytest.raises(TypeError, match="LlavaNextVideoForConditionalGeneration tiles each "):
         VLMAnswer(nxt, prompt(5), [4])
 
 

@@ -77,8 +77,8 @@ def test_adapter_forward_equals_the_models_embedding(family):
         kw = {"interpolate_pos_encoding": size != (32, 32)}
         out = model(pixel_values=x, **kw)
         ref = out.image_embeds if hasattr(out, "image_embeds") else out.pooler_output
-        if ref is None:  # no pooled output (InternVL's tower): the readout of its last state
-            last = out.last_hidden_state
+        if ref is None:  # no pooled output (InternVL's, Idefics3's towers): the readout
+            last = out.last_hidden_state  # of their last state
             ref = last[:, a.num_prefix:].mean(1) if a.readout == "avg" else last[:, 0]
         assert_close_scaled(a.run(a.embed(x)), ref)
 
