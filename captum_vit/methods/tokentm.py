@@ -184,16 +184,36 @@ def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
 
 
-def _post_norm_path(p: Any, wo: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+def _branch_of_heads(p: Any, heads: Heads) -> Tensor:
+    """The attention branch's real output before its post-norm, ``ls1(o W_Oᵀ + b_O)``
+    [B, N, D], from the heads' mix ``o`` that the forward kept (a windowed block's put
+    back on its grid): what :meth:`~captum_vit.adapters.BlockParts.branch_output`
+    recomputes from ``LN1(x)``, without recomputing ``q``, ``k``, ``v`` and the
+    attention (a block without an inner attention norm)."""
+    o = heads.o.detach()
+    mix = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+    win = p.window
+    if win is not None:
+        mix = (win if p.pool is None else p.pool.query_window(win)).reverse(mix)
+    a = torch.nn.functional.linear(mix, p.proj_weight.detach().to(mix.dtype),
+                                   None if p.proj_bias is None
+                                   else p.proj_bias.detach().to(mix.dtype))
+    return a if p.ls1 is None else a * p.ls1.detach().to(a.dtype)
+
+
+def _post_norm_path(p: Any, wo: Tensor, u: Tensor, heads: Heads | None = None
+                    ) -> tuple[Tensor, Tensor]:
     r"""``W_O`` [D, H*d] with a post-norm's centring and ``γ`` folded in, and its frozen
     ``1/σ_i`` [B, N] of the real branch output (Swin V2; our extension of Eq. 5:
     :math:`\tilde E^h_i = \gamma \odot C(u_i W_V^h W_O^h) / \sigma_i`, biases and
-    ``β`` excluded)."""
+    ``β`` excluded). The branch output is read from the forward's ``heads`` when given
+    (:func:`_branch_of_heads`), else recomputed from ``u``."""
     norm = p.post_norm1
     wo = wo - wo.mean(0, keepdim=True)
     if norm.weight is not None:
         wo = wo * norm.weight.detach().to(wo.dtype)[:, None]
-    real = p.branch_output(u).detach().to(wo.dtype)
+    real = p.branch_output(u) if heads is None else _branch_of_heads(p, heads)
+    real = real.detach().to(wo.dtype)
     return wo, torch.rsqrt(real.var(-1, unbiased=False) + norm.eps)
 
 
@@ -394,7 +414,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         if p.inner_norm is None:
             wo, scale = p.proj_weight.detach().to(dt), None
             if p.post_norm1 is not None:  # Ẽ^h through the branch's post-norm, linearised
-                wo, scale = _post_norm_path(p, wo, u)
+                # the branch output from the forward's heads (no attention recomputed)
+                wo, scale = _post_norm_path(p, wo, u, cast(Heads, rec.heads))
             w = head_weights(e, u, p.v_weight.detach().to(dt), wo, p.num_heads,
                              scale=scale)  # [B, H, N]
         elif p.post_norm1 is not None:
