@@ -209,6 +209,24 @@ class Stages:
         ones = probs.new_ones(probs.shape[0], 1, rows.num_tokens)
         return self.token_mix(ones, probs, layer) / rows.num_tokens
 
+    def dense(self, matrix: Tensor, layer: int) -> Tensor:
+        """A token-mixing matrix of block ``layer`` (:meth:`token_mix`'s form) as the
+        dense ``[..., N_out, N_in]``: ``matrix`` itself for global attention; a windowed
+        block's ``[..., n_W, M, M]`` (:meth:`~captum_vit.adapters.windows.Windows.dense`),
+        or with query pooling (Hiera) its ``[..., n_W, M/4, M]`` with the rows on the
+        pooled grid. Only for small grids (a model's last stage), never a first stage."""
+        p = self._block(layer)
+        win = p.window
+        if win is None:
+            return matrix
+        if p.pool is None:
+            return win.dense(matrix)
+        rows = p.pool.query_window(win)  # windows that tile the grid: no padded slots
+        ri, ci = rows.index(matrix.device), win.index(matrix.device)
+        out = matrix.new_zeros(*matrix.shape[:-3], rows.num_tokens, win.num_tokens)
+        out[..., ri[:, :, None], ci[:, None, :]] = matrix
+        return out
+
     def real_keys(self, matrix: Tensor, layer: int) -> Tensor:
         """A token-mixing matrix of block ``layer`` (:meth:`token_mix`) without the
         columns of padded window slots (no tokens: the dense ``N × N`` matrix has no such

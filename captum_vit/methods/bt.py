@@ -235,6 +235,9 @@ class FeedbackMethod(PLUSFastPath, ViTGradientAttribution):
 class _BeyondIntuition(FeedbackMethod):
     """Shared machinery of :class:`BTH` and :class:`BTT` (``variant`` set by each)."""
 
+    # R's chain through query pooling (Stages.residual: the residual's child shares), W's
+    # rows on the pooled grid (Stages.dense)
+    pools_queries = True
     variant = "head"
 
     @log_usage()
@@ -321,12 +324,13 @@ class _BeyondIntuition(FeedbackMethod):
             got: dict[int, Tensor] = {}
             for k in reversed(range(first, L)):
                 v = st.unmerge(v, k)  # Swin: through the merge after block k (¼ weights)
-                v = v + st.token_mix(v, self._block_matrix(tr, k, grad_of.get(k), dt), k)
+                # query pooling (Hiera): the residual's own token mixing (child shares)
+                v = st.residual(v, k, tr.blocks[k].pool_shares) \
+                    + st.token_mix(v, self._block_matrix(tr, k, grad_of.get(k), dt), k)
                 if k in starts.values():  # R <- R + Â_k R, read from its rows
                     got[k] = v
-            last = st.window(L - 1)
-            if last is not None:  # windowed (Swin): W's rows of the (small) last stage
-                feedback = last.dense(feedback)
+            # windowed (Swin, Hiera): W's rows of the (small) last stage, dense
+            feedback = st.dense(feedback, L - 1)
             ws, fb = w[:, rows], feedback[:, rows]
             maps = []
             for l in layers:
@@ -384,6 +388,12 @@ class BTH(_BeyondIntuition):
 
     Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
     path (:meth:`plus_maps`: :math:`F_k = I + \hat A_k`, then ``⊙ W``).
+
+    Query pooling (Hiera, SPEC_FRONTIER §15.5): a pooling block's factor is
+    :math:`R_k + \hat A_k` [N/4, N], :math:`R_k` the residual's pooling with each child
+    weighted by its share of the channels where it is the maximum (¼ each on exact
+    ties; :meth:`~captum_vit.adapters.Stages.residual`) in place of the identity, and
+    :math:`\hat A_k` with the pooled queries as rows. The same holds for :class:`BTT`.
 
     Args:
         model (torch.nn.Module): a supported Vision Transformer.

@@ -50,6 +50,14 @@ Two differences from that code, both our choice: its GlobEnc matrices are not
 row-normalised before the rollout (nor are they in GlobEnc's own demo,
 mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by default).
 
+Query pooling (Hiera; SPEC_FRONTIER §15.5): a pooling block's reset decomposition goes
+through the DecompX rules (each channel of a pooled token takes its maximal child's
+decomposition), so ``T_l`` has the ``N/4`` pooled tokens as rows and the ``N`` input
+tokens as columns, ``[B, n_W, M/4, M]`` per mask unit (:func:`window_scores`); the
+rollout's residual term ``r I`` becomes ``r R_l``, ``R_l`` the residual's pooling with
+each child weighted by its share of the channels where it is the maximum
+(:meth:`~captum_vit.adapters.Stages.residual`).
+
 Windowed models (Swin, SAM's image encoder; :mod:`captum_vit.adapters.windows`): a token's
 block output has sources in its own window only, so ``T_l`` is block-diagonal in window
 order and is computed per window, ``[B, n_W, M, M]`` (:func:`reset_scores`,
@@ -384,7 +392,9 @@ def _closed_form(p: BlockParts) -> str | None:
     attention branch, no inner norm), else ``None`` (also for a norm on the block's
     output; the reset decomposition then goes
     through the ops, :func:`window_scores` / :func:`decompose_block`)."""
-    if p.out_norm is not None:  # V-JEPA 2's encoder norm on the block's output
+    if p.out_norm is not None or p.pool is not None:
+        # V-JEPA 2's encoder norm on the block's output; Hiera's query pooling (its
+        # channel-wise maximum is the DecompX rule's, through the ops)
         return None
     if p.norm1 is not None and p.norm2 is not None and p.post_norm1 is None \
             and p.post_norm2 is None:
@@ -427,7 +437,8 @@ def window_scores(adapter: ViTAdapter, x: Tensor, layer: int, measure: str, *,
             (default 1 GiB); ``None`` = all slots in one pass.
 
     Returns:
-        Tensor: ``T[b, w, a, c]`` [B, n_W, M, M]: what the token at slot ``c`` of window
+        Tensor: ``T[b, w, a, c]`` [B, n_W, M, M] ([B, n_W, M/4, M] for a block with query
+        pooling, the rows its pooled tokens): what the token at slot ``c`` of window
         ``w`` gives the token at slot ``a``, in ``accumulation_dtype(x)``.
 
     Raises:
@@ -448,11 +459,15 @@ def window_scores(adapter: ViTAdapter, x: Tensor, layer: int, measure: str, *,
                          "decompose_block and token_scores")
     idx = win.index(x.device)  # [n_W, M]
     real = idx >= 0
+    pool = adapter.blocks[layer].pool
+    # query pooling (Hiera): the rows are the pooled tokens of each window (M/4 slots)
+    out = win if pool is None else pool.query_window(win)
+    out_idx = out.index(x.device)
     b, n, d = x.shape
     dt = accumulation_dtype(x)
     chunk = sources_per_chunk(adapter, x, max_memory)
-    t = x.new_zeros((b, win.num_windows, win.area, win.area), dtype=dt)
-    rows = idx.clamp_min(0)
+    t = x.new_zeros((b, win.num_windows, out.area, win.area), dtype=dt)
+    rows, real_rows = out_idx.clamp_min(0), (out_idx >= 0)[..., None].to(dt)
     for m0 in range(0, win.area, chunk):
         m1 = min(m0 + chunk, win.area)
         parts = x.new_zeros((b, m1 - m0, n, d), dtype=dt)
@@ -461,7 +476,7 @@ def window_scores(adapter: ViTAdapter, x: Tensor, layer: int, measure: str, *,
             parts[:, s, tok] = x[:, tok].to(dt)
         h = _reset_block(adapter, Decomposed(x, parts, has_bias=False), layer, mlp)
         scores = token_scores(h, measure)  # [B, N, slots]
-        t[..., m0:m1] = scores[:, rows] * real[..., None].to(dt)
+        t[..., m0:m1] = scores[:, rows] * real_rows
     return t
 
 
@@ -514,6 +529,9 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
     """The shared implementation of :class:`GlobEnc` and :class:`ALTI`."""
 
     reads_window_slots = True  # per-window products/decompositions: one token per slot
+    # query pooling (Hiera): each pooling block's reset decomposition through the DecompX
+    # rules (window_scores), R the residual's child shares in T′ (Stages.residual)
+    pools_queries = True
 
     class_agnostic = True
 
@@ -643,7 +661,10 @@ class _GlobALTI(PLUSFastPath, PlainAttribution):
         rs, rows, v = self.residual_strength, {}, w
         for k in reversed(range(first, first + len(mats))):  # v_k = v_{k+1} T′_k
             v = st.unmerge(v, k)  # stages: through the merge after block k (¼ weights)
-            v = (1 - rs) * st.token_mix(v, mats[k - first], k) + rs * v.to(mats[k - first].dtype)
+                # T′ = (1 − r) T + r R, R the residual's token mixing: the identity, or a
+            # query pooling's child shares (Hiera)
+            v = (1 - rs) * st.token_mix(v, mats[k - first], k) + rs * st.residual(
+                v.to(mats[k - first].dtype), k, tr.blocks[k - tr.start].pool_shares)
             rows[k] = v
         return torch.stack([st.carry(rows[l], l, split=True) for l in layers])
 

@@ -93,6 +93,11 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
       read here). On a model made of stages (Swin) the readout reads the last stage's
       grid and width only, so ``layers=None`` is that stage's blocks and earlier blocks
       are refused; a windowed block's mean over the query rows is taken window by window.
+      With query pooling (Hiera) the last stage starts with its pooling block, whose
+      output already has the readout's grid and width: its term is the mean over its
+      ``N/4`` pooled query rows, on its input grid, and the later blocks' terms are
+      copied to their children on that grid before the sum (our choice, as a map is
+      upsampled).
     - **Sum, not mean.** The raw sum :math:`E` (the paper averages over layers: same
       ranking); ``normalize=True`` min–max normalises each image's map as the paper.
     - **Readout.** ``readout="model"`` (default) is the model's own readout of
@@ -141,6 +146,8 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
         >>> siglip_map = LeGrad(siglip_vision, skip_final_norm=True).attribute(
         ...     pixel_values, target=text_embedding, null_target=null_embedding)
     """
+
+    pools_queries = True  # the last stage from its pooling block on (Stages.received)
 
     def __init__(self, model: nn.Module, layers: Iterable[int] | None = None, *,
                  readout: str = "model", skip_final_norm: bool = False,
@@ -244,8 +251,10 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
     def _last_stage(self) -> int:
         """The first block whose output the readout can read: 0, or for a model with
         stages (Swin) the first block after the last patch merge."""
-        merges = [l for l, b in enumerate(self.adapter.blocks) if b.merge is not None]
-        return merges[-1] + 1 if merges else 0
+        # a merge ends its block's stage; a query pooling (Hiera) starts its block's
+        ends = [l + 1 if b.merge is not None else l for l, b in enumerate(self.adapter.blocks)
+                if b.regrid is not None]
+        return ends[-1] if ends else 0
 
     def _null_head(self, null_target: Any, inputs: Tensor
                    ) -> tuple[TargetHead, Tensor] | None:
@@ -328,8 +337,13 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                             e = e[:, 0]
                         elif win is None:  # the mean over the query rows
                             e = e.mean(1)
-                        else:  # windowed (Swin): the same mean, window by window
+                        elif adapter.blocks[l].pool is None:
+                            # windowed (Swin): the same mean, window by window
                             e = win.received(e[:, None])[:, 0]
+                        else:  # query pooling (Hiera): the mean over the N/4 pooled rows
+                            e = adapter.stages.received(e[:, None], l)[:, 0]
                         e[:, :adapter.num_prefix] = 0.0
-                        out[l] = e
+                        # on the grid of the first block the readout reads (a pooling
+                        # block's keys: its input grid), each value copied to its children
+                        out[l] = adapter.stages.carry(e, l, down_to=self._last_stage())
         return terms[0][1], (terms[1][1] if null is not None else None)

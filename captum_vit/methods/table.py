@@ -311,7 +311,7 @@ def pooling_methods() -> list[str]:
 
     Examples::
 
-        >>> "decompx" in pooling_methods(), "rollout" in pooling_methods()
+        >>> "decompx" in pooling_methods(), "tis" in pooling_methods()
         (True, False)
     """
     return [e.name for e in _ENTRIES.values() if getattr(e.cls, "pools_queries", False)

@@ -53,6 +53,7 @@ class _Terms:
     w_attn: Tensor  # W^h [B, H, N] ("paper") or W_attn [B, N] ("residual")
     x_norm: Tensor  # L(x_l,i) [B, N] (Eq. 18 at block l)
     merge: Tensor | None = None  # a patch merge after the block: its children's weights
+    shares: Tensor | None = None  # query pooling (Hiera): the residual's child shares
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
 
@@ -183,16 +184,36 @@ def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
 
 
-def _post_norm_path(p: Any, wo: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+def _branch_of_heads(p: Any, heads: Heads) -> Tensor:
+    """The attention branch's real output before its post-norm, ``ls1(o W_Oᵀ + b_O)``
+    [B, N, D], from the heads' mix ``o`` that the forward kept (a windowed block's put
+    back on its grid): what :meth:`~captum_vit.adapters.BlockParts.branch_output`
+    recomputes from ``LN1(x)``, without recomputing ``q``, ``k``, ``v`` and the
+    attention (a block without an inner attention norm)."""
+    o = heads.o.detach()
+    mix = o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+    win = p.window
+    if win is not None:
+        mix = (win if p.pool is None else p.pool.query_window(win)).reverse(mix)
+    a = torch.nn.functional.linear(mix, p.proj_weight.detach().to(mix.dtype),
+                                   None if p.proj_bias is None
+                                   else p.proj_bias.detach().to(mix.dtype))
+    return a if p.ls1 is None else a * p.ls1.detach().to(a.dtype)
+
+
+def _post_norm_path(p: Any, wo: Tensor, u: Tensor, heads: Heads | None = None
+                    ) -> tuple[Tensor, Tensor]:
     r"""``W_O`` [D, H*d] with a post-norm's centring and ``γ`` folded in, and its frozen
     ``1/σ_i`` [B, N] of the real branch output (Swin V2; our extension of Eq. 5:
     :math:`\tilde E^h_i = \gamma \odot C(u_i W_V^h W_O^h) / \sigma_i`, biases and
-    ``β`` excluded)."""
+    ``β`` excluded). The branch output is read from the forward's ``heads`` when given
+    (:func:`_branch_of_heads`), else recomputed from ``u``."""
     norm = p.post_norm1
     wo = wo - wo.mean(0, keepdim=True)
     if norm.weight is not None:
         wo = wo * norm.weight.detach().to(wo.dtype)[:, None]
-    real = p.branch_output(u).detach().to(wo.dtype)
+    real = p.branch_output(u) if heads is None else _branch_of_heads(p, heads)
+    real = real.detach().to(wo.dtype)
     return wo, torch.rsqrt(real.var(-1, unbiased=False) + norm.eps)
 
 
@@ -293,7 +314,24 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
         variant (str, optional): ``"paper"`` (default) or ``"residual"``, in any case
             (``"Paper"``), like method names.
+
+    **Query pooling** (Hiera; our extension, SPEC_FRONTIER §15.5): a pooling block maps
+    the ``N`` tokens of its input grid to the ``N/4`` of the pooled grid, and its residual
+    branch is :math:`\max_c (\mathrm{LN_1}(x_c) W_p + b_p)` over the 2×2 children ``c``
+    (a new width). The identity of :math:`U_{attn}` becomes the residual's token mixing
+    :math:`R_l` [N/4, N], each pooled token's row holding its children's shares of the
+    channels where they are the maximum (¼ each on exact ties;
+    :meth:`~captum_vit.adapters.Stages.residual`), and the original tokens of the
+    attention sublayer (per key token ``j``, of the input grid) are the residual's
+    projected tokens before the maximum, :math:`E_j = \mathrm{LN_1}(x_j) W_p + b_p`,
+    which have the width of :math:`\tilde E^h` (``x_j`` has the old width: the cosine
+    of Eq. 12 has no meaning there). The ``"residual"`` variant's :math:`W_{attn}` pairs
+    that :math:`E_j` with the ``x_mid`` of ``j``'s pooled token. :math:`U_{ffn}` and
+    :math:`C_0 = \mathrm{diag}(L(x_{l,i}))` are unchanged (on the output and input
+    grids).
     """
+
+    pools_queries = True  # the row chain through query pooling (Stages.residual)
 
 
     def __init__(self, model: nn.Module, variant: str = "paper") -> None:
@@ -353,16 +391,32 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         if p.merge is not None:  # Swin: out is merged; the FFN's output is mid + ffn_out
             out = mid + rec.ffn_out.detach().to(dt)
             merge = merge_weights(p.merge, out)
-        if self.variant == "residual":
-            return _Terms(cast(Heads, rec.heads), transformation_weights(mid, out),
-                          transformation_weights(x, mid), x.norm(dim=-1), merge)
-        w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
         u = rec.u.detach().to(dt)
+        e = x  # the attention sublayer's original tokens E (per key token)
+        shares = None
+        if p.pool is not None:  # query pooling (Hiera; our extension, class docstring)
+            e = torch.nn.functional.linear(u, p.pool.weight.detach().to(dt),
+                                           None if p.pool.bias is None
+                                           else p.pool.bias.detach().to(dt))
+            shares = rec.pool_shares
+        if self.variant == "residual":
+            if p.pool is not None:  # each input token with its pooled token's x_mid
+                parent = torch.empty(e.shape[1], dtype=torch.long, device=e.device)
+                kids = p.pool.children(e.device)
+                parent[kids.reshape(-1)] = torch.arange(
+                    kids.shape[0], device=e.device).repeat_interleave(kids.shape[1])
+                w_attn = transformation_weights(e, mid[:, parent])
+            else:
+                w_attn = transformation_weights(x, mid)
+            return _Terms(cast(Heads, rec.heads), transformation_weights(mid, out),
+                          w_attn, x.norm(dim=-1), merge, shares)
+        w_ffn = transformation_weights(mid, rec.ffn_out.detach().to(dt))  # Eq. 16
         if p.inner_norm is None:
             wo, scale = p.proj_weight.detach().to(dt), None
             if p.post_norm1 is not None:  # Ẽ^h through the branch's post-norm, linearised
-                wo, scale = _post_norm_path(p, wo, u)
-            w = head_weights(x, u, p.v_weight.detach().to(dt), wo, p.num_heads,
+                # the branch output from the forward's heads (no attention recomputed)
+                wo, scale = _post_norm_path(p, wo, u, cast(Heads, rec.heads))
+            w = head_weights(e, u, p.v_weight.detach().to(dt), wo, p.num_heads,
                              scale=scale)  # [B, H, N]
         elif p.post_norm1 is not None:
             raise TypeError("TokenTM has no rule for a block with both an inner attention "
@@ -372,7 +426,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
                 x, u, cast(Heads, rec.heads).probs().detach().to(dt), p.v_weight.detach().to(dt),
                 None if p.v_bias is None else p.v_bias.detach().to(dt),
                 p.proj_weight.detach().to(dt), p.inner_norm, p.num_heads)
-        return _Terms(cast(Heads, rec.heads), w_ffn, w, x.norm(dim=-1), merge)
+        return _Terms(cast(Heads, rec.heads), w_ffn, w, x.norm(dim=-1), merge, shares)
 
     def _readout(self, tr: Trace, pool_grad: Tensor | None, dt: torch.dtype, target: Tensor,
                  last_out: Tensor | None = None) -> Tensor:
@@ -441,14 +495,18 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         form, whose matrices are per window)."""
         h = terms.heads
         a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)  # A_l, ∇A_l [B, H, N, N]
+        st = self.adapter.stages
         r = r * (1 + terms.w_ffn)  # r^T U_ffn, Eq. 17
+        # the identity of U_attn is the residual's token mixing: I, or a query pooling's
+        # child shares (Hiera)
+        res = st.residual(r, l, terms.shares)
         if self.variant == "paper":
             # r^T U_attn = r + mean_h (r^T (ReLU(∇A^h) ⊙ A^h)) ⊙ W^h   (Eq. 14-15)
-            rh = self.adapter.stages.token_mix(r, g.relu_().mul_(a), l)  # [B, H, N]
-            return r + (rh * terms.w_attn).mean(1)
+            rh = st.token_mix(r, g.relu_().mul_(a), l)  # [B, H, N]
+            return res + (rh * terms.w_attn).mean(1)
         # (Ā W) ⊙ R̄ = (Ā ⊙ R̄) W: column j scaled by W_j
         m = a.mean(1) * g.relu_().mean(1)
-        return r + self.adapter.stages.token_mix(r, m, l) * terms.w_attn
+        return res + st.token_mix(r, m, l) * terms.w_attn
 
     @plus_doc("tokentm")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)

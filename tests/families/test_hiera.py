@@ -17,7 +17,8 @@ from tests.helpers import assert_unchanged, needs_transformers, snapshot
 
 pytestmark = needs_transformers
 
-FAST = {"rise": {"n_masks": 16}, "vit_cx": {}, "scorecam": {}}
+FAST = {"rise": {"n_masks": 16}, "vit_cx": {}, "scorecam": {}, "bt_h": {"n_steps": 3},
+        "bt_t": {"n_steps": 3}, "tam": {"n_steps": 3}}
 
 
 def _model(name: str):
@@ -139,9 +140,14 @@ def test_bad_inputs_and_refusals():
         method.attribute(bad, target=0)
     with pytest.raises(ValueError, match=r"\(48, 48\) does not match"):
         method.attribute(torch.zeros(1, 3, 48, 48, dtype=torch.float64), target=0)
-    with pytest.raises(ValueError, match="TokenTM") as err:
-        build_method("tokentm", model).attribute(x, target=0)
-    assert "pools its queries" in str(err.value) and "rollout" in str(err.value)
+    from captum_vit.methods.tokentm import TokenTM
+
+    class Unpooled(TokenTM):  # a method that does not declare the query pooling
+        pools_queries = False
+
+    with pytest.raises(ValueError, match="Unpooled") as err:
+        Unpooled(model).attribute(x, target=0)
+    assert "pools its queries" in str(err.value) and "tokentm" in str(err.value)
     with pytest.raises(ValueError, match="windows"):
         build_method("tis", model).attribute(x, target=0, n_masks=8)
     assert_unchanged(model, before)
@@ -160,7 +166,9 @@ def test_plus_over_stages():
         out = build_method(name, model).attribute(x, target=t, output="tokens")
         assert out.shape == (2, 64) and torch.isfinite(out).all()
     for cls, base in ((SkipPLUS, "attnlrp"), (SkipPLUS, "decompx"), (SkipPLUS, "gae"),
-                      (SkipPLUS, "chefer21"), (PLUS, "rollout")):
+                      (SkipPLUS, "chefer21"), (PLUS, "rollout"), (SkipPLUS, "tokentm"),
+                      (SkipPLUS, "tokentm_residual"), (SkipPLUS, "globenc"),
+                      (PLUS, "alti"), (SkipPLUS, "bt_t")):
         fast = cls(model, base).attribute(x, target=t, output="tokens")
         slow = cls(model, base, fast=False).attribute(x, target=t, output="tokens")
         torch.testing.assert_close(fast, slow, rtol=0, atol=1e-12, msg=f"{cls.__name__} {base}")
@@ -266,11 +274,14 @@ def _pool2(t, grid):
     return t.permute(0, 2, 3, 1).reshape(b, (gh // 2) * (gw // 2), -1)
 
 
-def _dense_forward(model, x):
+def _dense_forward(model, x, record=None):
     """An independent dense forward of a Hiera (raster order, a mask over mask units,
     ``F.max_pool2d`` for the query pooling) from the model's embedding and parameters:
     the logits, each block's probabilities ``A`` [B, H, N_out, N_in] (in the graph, for
-    ``∂s/∂A``), the residual's dense token mixing ``R`` and the block inputs ``x_l``."""
+    ``∂s/∂A``), the residual's dense token mixing ``R`` and the block inputs ``x_l``.
+    ``record`` (a dict) receives per block lists ``u`` (LN1), ``pre`` (the residual's
+    projection before the maximum, ``None`` without pooling), ``mid``, ``f`` (the MLP
+    branch) and ``out``, and ``readout`` (the head as a function of the last state)."""
     a = adapt(model)
     _, res_mix = zip(*_dense_blocks(model, x), strict=True)
     h_ = a.embed(x)
@@ -302,12 +313,22 @@ def _dense_forward(model, x):
         o = (attn @ v).transpose(1, 2).reshape(b, nq, heads * d)
         mid = res + F.linear(o, p.proj_weight, p.proj_bias)
         u2 = F.layer_norm(mid, (mid.shape[-1],), p.norm2.weight, p.norm2.bias, p.norm2.eps)
-        h_ = mid + F.linear(p.act(F.linear(u2, p.fc1_weight, p.fc1_bias)), p.fc2_weight,
-                            p.fc2_bias)
+        f = F.linear(p.act(F.linear(u2, p.fc1_weight, p.fc1_bias)), p.fc2_weight, p.fc2_bias)
+        h_ = mid + f
+        if record is not None:
+            pre = None if p.pool is None else F.linear(u, p.pool.weight, p.pool.bias)
+            for key, val in (("u", u), ("pre", pre), ("mid", mid), ("f", f), ("out", h_)):
+                record.setdefault(key, []).append(val)
     fc = a.head.fc_norm
-    z = F.layer_norm(h_.mean(1), (h_.shape[-1],), fc.weight, fc.bias, fc.eps)
     _, weight, bias = a.head.heads[0]
-    return F.linear(z, weight, bias), probs, list(res_mix), states
+
+    def readout(state):
+        z = F.layer_norm(state.mean(1), (state.shape[-1],), fc.weight, fc.bias, fc.eps)
+        return F.linear(z, weight, bias)
+
+    if record is not None:
+        record["readout"] = readout
+    return readout(h_), probs, list(res_mix), states
 
 
 @pytest.mark.parametrize("name", ["timm_hiera", "timm_hiera_mu"])

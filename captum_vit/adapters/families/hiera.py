@@ -43,8 +43,10 @@ relevance). The matrix methods carry row vectors through a pooling block as
 (:meth:`~captum_vit.adapters.stages.Stages.token_mix`) and ``R`` the residual's pooling,
 each child weighted by its share of the channels where it is the maximum (the maximum's
 sub-gradient averaged over the channels, ¼ each on exact ties;
-:meth:`~captum_vit.adapters.stages.Stages.residual`). TokenTM, GlobEnc/ALTI, BT and
-LeGrad do not carry pooling yet and refuse by name.
+:meth:`~captum_vit.adapters.stages.Stages.residual`); TokenTM's, BT's and GlobEnc/ALTI's
+chains use the same ``R`` (GlobEnc/ALTI decompose a pooling block through the DecompX
+rules), and LeGrad reads the last stage from its pooling block on. TIS (true token
+removal) refuses by name: the mask units need every token.
 
 Refused by name: inputs of another size than the configured one (the position embedding
 and the unroll are fixed; a size not a multiple of the mask unit is named as such),
@@ -245,7 +247,7 @@ def _example(**extra: Any) -> Callable[..., nn.Module]:
            "later, query pooling (2x2 max of q and of the projected residual) at the stage "
            "changes, mean-then-norm head; tokens kept in raster order (the model's unroll "
            "and reroll verified): maps on the first stage's grid (56 × 56 for Hiera-T at "
-           "224 px) — refused by name: TokenTM, GlobEnc/ALTI, BT-H/BT-T, LeGrad, TIS and true "
+           "224 px); every registered method runs but TIS — refused by name: TIS and true "
            "token removal, other input sizes, `use_expand_proj=False`, stage changes "
            "without pooling, MLP heads"),
     examples={
