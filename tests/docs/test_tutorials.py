@@ -82,8 +82,8 @@ def test_notebook_runs(path, monkeypatch):
         assert len(peaks) == 3, "tutorial 05 prints its three SAM maps' peaks"
 
 
-def test_there_are_six_tutorials():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+def test_there_are_seven_tutorials():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 NUMBERS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
