@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
@@ -215,45 +216,51 @@ class HFSiglip2Adapter(HFPatchGrid):
             self.head = dataclasses.replace(self.head, attn_pool=siglip_pool(
                 self.backbone.head, f"{type(self.model).__name__}.head"))
 
-    def check_inputs(self, inputs: Tensor) -> None:
-        """Images ``[B, C, H, W]`` whose size is a multiple of the patch size; a tensor of
-        patch rows (the processor's ``pixel_values`` alone) is refused with the fix."""
-        if inputs.dim() == 3:
-            raise ValueError(
-                f"inputs of shape {tuple(inputs.shape)} look like the processor's patchified "
-                "pixel_values alone; pass the processor's whole output (with "
-                "pixel_attention_mask and spatial_shapes), or images [B, C, H, W]")
-        super().check_inputs(inputs)
-
     def _model_inputs(self, inputs: Tensor) -> dict[str, Tensor]:
-        """The model's keywords for images ``inputs``: their patches (the processor's
-        order), every row valid, and their grid."""
+        """The model's keywords for images ``inputs``, laid out as its processor lays them
+        out: their patches (the processor's order) padded with zero rows to
+        ``num_patches`` (the processor's ``max_num_patches`` of the released models) when
+        they are fewer, the mask of the valid rows, and their grid.
+
+        Why pad: the model resizes its position table in float32 for the padded length
+        (``resize_positional_embeddings(..., max_length=pixel_values.shape[1])``), and a
+        float32 product of another row count may round differently (1 ulp, ~1e-8,
+        measured for a 1x3 grid unpadded vs padded); padded as the processor pads, the
+        positions are those of the processor's batch. The padded rows are keys of zero
+        probability: the valid rows' values do not depend on them."""
         b, _, h, w = inputs.shape
         (ph, pw) = self.patch_size
         patches = patchify(inputs, (ph, pw))
+        n = patches.shape[1]
+        length = max(n, int(self.config.num_patches))
         shapes = torch.tensor([[h // ph, w // pw]], device=inputs.device).expand(b, 2)
-        mask = torch.ones(patches.shape[:2], dtype=torch.int32, device=inputs.device)
-        return {"pixel_values": patches, "pixel_attention_mask": mask,
-                "spatial_shapes": shapes}
+        mask = torch.zeros(b, length, dtype=torch.int32, device=inputs.device)
+        mask[:, :n] = 1
+        return {"pixel_values": F.pad(patches, (0, 0, 0, length - n)),
+                "pixel_attention_mask": mask, "spatial_shapes": shapes}
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
         """The model's own ``embeddings(patches, spatial_shapes)`` of the images'
-        patches: the patch ``Linear`` plus the position table resized to the images' grid
+        patches (padded as the processor pads them, :meth:`_model_inputs`; the valid rows
+        kept): the patch ``Linear`` plus the position table resized to the images' grid
         by the model's code. With ``ops`` (:meth:`ViTAdapter.embed`) the embedding of the
         detached images is the value and the patch projection ``p`` through
         ``ops.linear`` is added as ``p - p.detach()`` (exactly 0): every pixel gradient
         runs through ``ops.linear``."""
         kw = self._model_inputs(inputs)
         emb = self.backbone.embeddings
+        (ph, pw) = self.patch_size
+        n = (inputs.shape[-2] // ph) * (inputs.shape[-1] // pw)
         if ops is None:
-            return emb(kw["pixel_values"], kw["spatial_shapes"])
-        x = emb(kw["pixel_values"].detach(), kw["spatial_shapes"])
+            return emb(kw["pixel_values"], kw["spatial_shapes"])[:, :n]
+        x = emb(kw["pixel_values"].detach(), kw["spatial_shapes"])[:, :n]
         lin = emb.patch_embedding
-        p = ops.linear(kw["pixel_values"], lin.weight, lin.bias)
+        p = ops.linear(kw["pixel_values"][:, :n], lin.weight, lin.bias)
         return x + (p - p.detach())
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
-        """The model's own output for images: the dual model's ``get_image_features``,
+        """The model's own output for images (laid out as its processor lays them out,
+        :meth:`_model_inputs`): the dual model's ``get_image_features``,
         the tower's ``pooler_output`` (the token mean without a head), the classifier's
         logits."""
         kw = self._model_inputs(inputs)
