@@ -3,7 +3,9 @@ Hugging Face families: the layer reader :func:`layer_parts` (ViT, DeiT, DINOv2, 
 SigLIP, VideoMAE and YOLOS layers) and :func:`encoder_blocks`, the patch-grid geometry
 :class:`HFPatchGrid` (with YOLOS), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
 backbone and CLIP/SigLIP adapters extend, the Swin engine :class:`HFSwinBase` of the Swin
-and Swin V2 adapters, and :func:`is_transformers_model`.
+and Swin V2 adapters, the SigLIP / SigLIP2 pieces (:func:`vision_tower`,
+:func:`siglip_pool`: the attention-pool head both versions share), and
+:func:`is_transformers_model`.
 
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
 ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,

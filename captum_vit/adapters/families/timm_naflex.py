@@ -42,7 +42,7 @@ from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import seeded_model
 from captum_vit.adapters.families._hf import pair
 from captum_vit.adapters.families._naflex import batch_value, pad_patches, split_padded
-from captum_vit.adapters.families._timm import TimmViTBase, has_active_dropout
+from captum_vit.adapters.families._timm import TimmViTBase, has_active_dropout, timm_classes
 from captum_vit.adapters.families._torch import is_loaded_instance
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
@@ -167,8 +167,7 @@ class TimmNaFlexAdapter(TimmViTBase):
         name = type(m).__name__
         x = e(inputs.detach())[0]
         if e.is_linear:
-            from timm.models.naflexvit import batch_patchify
-
+            (batch_patchify,) = timm_classes("timm.models.naflexvit", "batch_patchify")
             t, _ = batch_patchify(inputs, e.patch_size, pad=e.dynamic_img_pad,
                                   channels_last=e.channels_last)
             if e.norm_input is not None:
