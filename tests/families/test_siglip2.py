@@ -320,3 +320,24 @@ def test_a_rope_naflexvit_is_refused_by_name():
                   pos_embed_grid_size=(4, 4), rope_type="axial", pos_embed="none")
     with pytest.raises(TypeError, match="rope_type"):
         adapt(m)
+
+
+@pytest.mark.parametrize("name", ["hf_siglip2", "timm_naflex_avg"])
+def test_decompx_is_complete(name):
+    """Tokens plus bias equal the explained score (a dot-product target on the embedding,
+    a logit of the classifier) at a grid other than the position table's."""
+    from captum_vit import DecompX
+
+    m = model(name)
+    x = torch.cat([image(24, 40, 1), image(24, 40, 2)])
+    if name == "hf_siglip2":
+        target = EmbeddingTarget(vectors(), similarity="dot")
+        with torch.no_grad():
+            score = (adapt(m).model_outputs(x) * vectors()).sum(-1)
+    else:
+        target = torch.tensor([1, 3])
+        with torch.no_grad():
+            score = m(x)[torch.arange(2), target]
+    d = DecompX(m).decompose(x, target)
+    assert_close_scaled(d.tokens.sum(-1) + d.bias, d.logit)
+    assert_close_scaled(d.logit, score)

@@ -25,7 +25,11 @@ So an image's output does not depend on its padding, and the adapter explains im
 its plain input is ``[B, C, H, W]`` (``H``, ``W`` multiples of the patch size), which it
 patchifies as the processor does and runs through the model's own ``embeddings`` with
 ``spatial_shapes = (H/P, W/P)`` (the model's own resize of the positions), every patch
-valid, no padding. A processor's output goes through
+valid; the tokens are the image's patches only. (The position resize runs in float32 for
+the padded length, whose rounding may differ by an ulp between row counts: the embedding
+is computed on the patches padded to ``num_patches`` rows, as the processor pads them,
+and the padding rows dropped; tested equal to the model's padded batch to 1e-12.)
+A processor's output goes through
 :meth:`HFSiglip2Adapter.processor_images`: each image's valid patch rows back into the
 image ``[1, C, h·P, w·P]``, images of one grid explained together, maps per image on
 its own grid (:func:`captum_vit._base.attribute_processed`). Padding is never explained
@@ -128,7 +132,7 @@ def siglip2_example(cls_name: str) -> Any:
         "hf_siglip2": Example(siglip2_example("Siglip2VisionModel"), (24, 40),
                               library="transformers", target="embedding"),
         "hf_siglip2_cls": Example(siglip2_example("Siglip2ForImageClassification"),
-                                  (32, 16), library="transformers"),
+                                  (32, 16), library="transformers", tags=("classifier",)),
         "hf_siglip2_dual": Example(siglip2_example("Siglip2Model"), (24, 24),
                                    library="transformers", target="embedding",
                                    suite=False),
