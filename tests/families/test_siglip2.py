@@ -22,7 +22,7 @@ from tests.helpers import assert_close_scaled, assert_unchanged, needs_transform
 
 pytestmark = needs_transformers
 METHODS = available_methods(compositions=True)
-FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16}, "vit_cx": {"distance_threshold": 0.5}}
+FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 16}}
 P = 8
 _MODELS: dict[str, nn.Module] = {}
 
