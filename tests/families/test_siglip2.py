@@ -241,10 +241,15 @@ def test_one_vector_for_every_image_and_a_classifier_batch():
     method = build_method("gae", m)
     maps = method.attribute(batch, target=v, output="grid")
     same = method.attribute(batch, target=EmbeddingTarget(v), output="grid")
+    texts = vectors(3)
+    indexed = method.attribute(batch, target=EmbeddingTarget(texts, index=[2, 0]),
+                               output="grid")
     for i, im in enumerate(images):
         one = method.attribute(im, target=v, output="grid")
         assert_close_scaled(maps[i], one)
         assert_close_scaled(same[i], one)
+        assert_close_scaled(indexed[i], method.attribute(
+            im, target=EmbeddingTarget(texts, index=[2, 0][i]), output="grid"))
     cls = model("hf_siglip2_cls")
     method = build_method("decompx", cls)
     maps = method.attribute(batch, target=[3, 1], output="grid")
