@@ -7,7 +7,8 @@ Run::
                                     hf-dinov2|hf-clip|torchvision-vit|hf-beit|open-clip|
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
                                     hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2|
-                                    hf-timesformer|timm-hiera|hf-internvl|hf-idefics3] \
+                                    hf-timesformer|timm-hiera|hf-internvl|hf-idefics3|
+                                    hf-siglip2] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -40,7 +41,9 @@ the first stage, window 7; ``timm-swinv2`` / ``hf-swinv2``: a Swin V2-T-shaped
 divided space-time attention, 8 frames of 224 px; ``timm-hiera``: a Hiera-T-shaped timm
 ``Hiera``, 224 px, 56 x 56 tokens first, mask units and three query poolings;
 ``hf-idefics3``: SmolVLM's / Idefics3's ``Idefics3VisionTransformer`` at ViT-S/16 size,
-explained like ``hf-clip`` against the patch mean of its final-normed tokens), measured in
+explained like ``hf-clip`` against the patch mean of its final-normed tokens;
+``hf-siglip2``: a SigLIP2-B NaFlex-shaped ``Siglip2VisionModel`` at 256 patches (256 px,
+the processor's default ``max_num_patches``), explained like ``hf-clip``), measured in
 the same run as the methods. Methods that refuse a
 family by name (TIS on Swin) are reported as refused.
 
@@ -414,6 +417,20 @@ def hiera_t(img_size: int = 224) -> torch.nn.Module:
                              stages=(1, 2, 7, 2), drop_path_rate=0.0), seed=0).eval()
 
 
+def hf_siglip2_b(img_size: int = 256) -> torch.nn.Module:
+    """A SigLIP2-B NaFlex-shaped Hugging Face ``Siglip2VisionModel`` (patch 16, width 768,
+    12 layers, 12 heads, MLP 3072, attention-pool head, a 16 x 16 position table),
+    explained at 256 px (256 patches) against one random target vector per image like
+    :func:`hf_clip_s16`; its own forward takes the processor's layout of the images
+    (:func:`logits_of`)."""
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel
+
+    torch.manual_seed(0)
+    cfg = Siglip2VisionConfig(patch_size=16, hidden_size=768, num_hidden_layers=12,
+                              num_attention_heads=12, intermediate_size=3072, num_patches=256)
+    return Siglip2VisionModel(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224] (256 px for a Swin V2), or
@@ -424,8 +441,8 @@ def inputs_of(model: torch.nn.Module, b: int,
     if frames is not None:
         size = int(getattr(cfg, "crop_size", None) or cfg.image_size)
         return torch.randn(b, frames, 3, size, size, generator=generator)
-    side = 256 if type(model).__name__ in ("SwinTransformerV2",
-                                           "Swinv2ForImageClassification") else 224
+    side = 256 if type(model).__name__ in ("SwinTransformerV2", "Swinv2ForImageClassification",
+                                           "Siglip2VisionModel") else 224
     return torch.randn(b, 3, side, side, generator=generator)
 
 
@@ -437,7 +454,8 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "hf-swin": hf_swin_t, "hf-vivit": hf_vivit_s16, "hf-vjepa2": hf_vjepa2_l16,
     "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
     "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b, "timm-hiera": hiera_t,
-    "hf-internvl": hf_internvl_s16, "hf-idefics3": hf_idefics3_s16}
+    "hf-internvl": hf_internvl_s16, "hf-idefics3": hf_idefics3_s16,
+    "hf-siglip2": hf_siglip2_b}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -482,7 +500,12 @@ ATTENTION_ONLY = ("raw_attention", "rollout", "globenc", "alti")
 
 
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's own logits (Hugging Face models return an output object)."""
+    """The model's own logits (Hugging Face models return an output object; SigLIP2 takes
+    its processor's layout of the images: the adapter's ``model_outputs``)."""
+    if type(model).__name__ == "Siglip2VisionModel":
+        from captum_vit.adapters import adapt
+
+        return adapt(model).model_outputs(x)
     out = model(x)
     return out.logits if hasattr(out, "logits") else out
 
@@ -502,6 +525,8 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
     elif type(model).__name__ == "Idefics3VisionTransformer":  # head-less: the token mean
         dim = model.config.hidden_size
         embed = lambda x: model(pixel_values=x).last_hidden_state.mean(1)  # noqa: E731
+    elif type(model).__name__ == "Siglip2VisionModel":  # the pooled embedding
+        dim, embed = model.config.hidden_size, functools.partial(logits_of, model)
     else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t
@@ -561,7 +586,8 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
           "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)",
-          "hf-timesformer": "TimeSformer-B", "timm-hiera": "Hiera-T"}
+          "hf-timesformer": "TimeSformer-B", "timm-hiera": "Hiera-T",
+          "hf-siglip2": "SigLIP2-B NaFlex 256 patches"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ predicted class, and formats the patch scores as pixels, a grid or tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,6 +35,7 @@ from captum_vit.adapters import (
 )
 from captum_vit.adapters.scoring import Outputs, Target, per_image
 from captum_vit.targets import (
+    EmbeddingTarget,
     TextEmbeddingTarget,
     as_target,
     embedding_target,
@@ -467,9 +469,29 @@ def _is_batch(inputs: Any) -> bool:
 
 def _group_target(target: TargetLike, index: Tensor, total: int, groups: int) -> TargetLike:
     """The target of one group of a processor batch's images (``index``: their positions):
-    per-image class indices or vectors are indexed, one for all passes as it is."""
+    per-image class indices or vectors are indexed, one for all passes as it is (a vector
+    ``[D′]`` too; an :class:`~captum_vit.targets.EmbeddingTarget` has its per-image
+    vectors or indices indexed)."""
     if target is None or isinstance(target, int | np.integer):
         return target
+    if isinstance(target, Tensor) and torch.is_floating_point(target) and target.dim() == 1:
+        return target  # one target vector for every image
+    if isinstance(target, EmbeddingTarget):
+        v, which = target.vectors, target.index
+        if which is None and isinstance(v, Tensor) and v.dim() == 2 and v.shape[0] == total \
+                and total > 1:
+            return dataclasses.replace(target, vectors=v[index.to(v.device)])
+        if which is None or isinstance(which, str | int | np.integer):
+            return target
+        w = torch.as_tensor(which).reshape(-1)
+        if w.numel() == 1:
+            return target
+        if w.numel() != total:
+            entries = count_noun(w.numel(), "entry", "entries")
+            raise ValueError(f"EmbeddingTarget.index has {entries} but the processor's "
+                             f"batch holds {count_noun(total, 'image')}; give one per "
+                             "image or one for all")
+        return dataclasses.replace(target, index=w[index.to(w.device)])
     if isinstance(target, Target) or not isinstance(target, Tensor | np.ndarray | list
                                                      | tuple):
         if groups == 1:

@@ -31,8 +31,8 @@ import pytest
 SOURCE = Path(__file__).resolve().parents[2] / "docs" / "source"
 PAGES = sorted([*(SOURCE / "guide" / "methods").glob("*.md"),
                 SOURCE / "guide" / "choosing.md", SOURCE / "guide" / "recipes.md",
-                SOURCE / "guide" / "families.md"])
-NEEDS = {"families.md": ("transformers",)}
+                SOURCE / "guide" / "families.md", SOURCE / "guide" / "naflex.md"])
+NEEDS = {"families.md": ("transformers",), "naflex.md": ("transformers",)}
 """Libraries a page's code needs beyond the core dependencies (skipped without them)."""
 _NAMESPACES: dict[str, dict] = {}
 """The namespace each page's code left (``test_page_code_runs``), for the checks of what

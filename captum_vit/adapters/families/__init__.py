@@ -14,7 +14,9 @@ another family.
 from captum_vit.adapters.families import timm_vit  # noqa: F401
 from captum_vit.adapters.families import timm_beit  # noqa: F401
 from captum_vit.adapters.families import timm_eva  # noqa: F401
+from captum_vit.adapters.families import timm_naflex  # noqa: F401
 from captum_vit.adapters.families import hf_vit  # noqa: F401
+from captum_vit.adapters.families import hf_siglip2  # noqa: F401
 from captum_vit.adapters.families import hf_clip  # noqa: F401
 from captum_vit.adapters.families import hf_idefics3  # noqa: F401
 from captum_vit.adapters.families import hf_beit  # noqa: F401

@@ -3,7 +3,9 @@ Hugging Face families: the layer reader :func:`layer_parts` (ViT, DeiT, DINOv2, 
 SigLIP, VideoMAE and YOLOS layers) and :func:`encoder_blocks`, the patch-grid geometry
 :class:`HFPatchGrid` (with YOLOS), the ViT engine :class:`HFViTBase` that the ViT, BEiT,
 backbone and CLIP/SigLIP adapters extend, the Swin engine :class:`HFSwinBase` of the Swin
-and Swin V2 adapters, and :func:`is_transformers_model`.
+and Swin V2 adapters, the SigLIP / SigLIP2 pieces (:func:`vision_tower`,
+:func:`siglip_pool`: the attention-pool head both versions share), and
+:func:`is_transformers_model`.
 
 (``ViTForImageClassification``, ``DeiTForImageClassification``,
 ``DeiTForImageClassificationWithTeacher``, ``Dinov2ForImageClassification``,
@@ -50,7 +52,7 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.base import ViTAdapter
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection, tubelet_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, PoolParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 from captum_vit.adapters.windows import MergeParts
 
@@ -140,6 +142,52 @@ def encoder_blocks(layers: Sequence[nn.Module], cfg: Any, name: str) -> list[Blo
         raise TypeError(f"{name} has no transformer layers")
     return [layer_parts(layer, int(cfg.num_attention_heads), f"{name}.layer[{i}]")
             for i, layer in enumerate(layers)]
+
+
+def vision_tower(model: ModelTree) -> ModelTree:
+    """The module of a Hugging Face CLIP / SigLIP / SigLIP2 model holding ``embeddings``,
+    ``encoder`` and ``post_layernorm`` (the model itself, or its ``vision_model``)."""
+    while not hasattr(model, "embeddings") and hasattr(model, "vision_model"):
+        model = model.vision_model
+    return model
+
+
+def siglip_pool(head: ModelTree, where: str) -> PoolParts:
+    """The canonical parts of SigLIP's and SigLIP2's attention-pool head
+    (``SiglipMultiheadAttentionPoolingHead``, ``Siglip2MultiheadAttentionPoolingHead``:
+    ``probe`` attends over the tokens through a batch-first ``nn.MultiheadAttention``
+    whose ``in_proj_weight`` rows are ``[q; k; v]``, then ``o + mlp(layernorm(o))``).
+
+    Args:
+        head (nn.Module): the pooling head.
+        where (str): its name in the model, for the messages.
+
+    Returns:
+        PoolParts: views of the head's parameters (q/k/v row slices of ``in_proj``).
+
+    Raises:
+        TypeError: the attention is not a plain batch-first ``nn.MultiheadAttention``.
+    """
+    mha = head.attention
+    if not (isinstance(mha, nn.MultiheadAttention) and mha._qkv_same_embed_dim
+            and mha.batch_first and mha.bias_k is None and not mha.add_zero_attn):
+        raise TypeError(f"{where}.attention is not a plain batch-first "
+                        "nn.MultiheadAttention; this pooling head is not supported")
+    w, b = mha.in_proj_weight.detach(), mha.in_proj_bias
+    d = mha.embed_dim
+    qb, kb, vb = (None, None, None) if b is None else b.detach().split(d)
+    head_dim = d // mha.num_heads
+    return PoolParts(
+        latent=head.probe[0], q_weight=w[:d], q_bias=qb,
+        k_weight=w[d:2 * d], k_bias=kb, v_weight=w[2 * d:], v_bias=vb,
+        num_heads=mha.num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
+        q_norm=nn.Identity(), k_norm=nn.Identity(),
+        proj_weight=mha.out_proj.weight, proj_bias=mha.out_proj.bias,
+        norm=_norm(head.layernorm, f"{where}.layernorm"),
+        fc1_weight=head.mlp.fc1.weight, fc1_bias=head.mlp.fc1.bias,
+        act=head.mlp.activation_fn, fc2_weight=head.mlp.fc2.weight,
+        fc2_bias=head.mlp.fc2.bias,
+    )
 
 
 class HFConfigured(ViTAdapter):

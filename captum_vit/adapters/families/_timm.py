@@ -74,12 +74,19 @@ class TimmViTBase(ViTAdapter):
 
     def __init__(self, model: ModelTree) -> None:
         super().__init__()
+        self.model = model
+        _refuse_cnn_stem(model.patch_embed, type(model).__name__)
+        self._read_vit(model)
+        self.in_chans = int(model.patch_embed.proj.in_channels)
+
+    def _read_vit(self, model: ModelTree) -> None:
+        """Read the blocks (timm's pre-LN ``Block`` only), the prefix count and the head
+        (norm, ``fc_norm``, token / avg / attention-pool readout, classifier) of a timm
+        ``VisionTransformer``-like model (also ``NaFlexVit``, which has the same names)."""
         from timm.layers import Attention, Mlp
         from timm.models.vision_transformer import Block
 
-        self.model = model
         name = type(model).__name__
-        _refuse_cnn_stem(model.patch_embed, name)
         for i, blk in enumerate(model.blocks):
             where = f"{name}.blocks[{i}]"
             if type(blk) is not Block:
@@ -99,7 +106,6 @@ class TimmViTBase(ViTAdapter):
         self.blocks = [self._parts(blk, f"{name}.blocks[{i}]")
                        for i, blk in enumerate(model.blocks)]
         self.num_prefix = int(model.num_prefix_tokens)
-        self.in_chans = int(model.patch_embed.proj.in_channels)
 
         head = timm_head(model.head, f"{name}.head")
         self.embedding = head[0] is None

@@ -47,45 +47,20 @@ from captum_vit.adapters.families._examples import (
     library,
     transformers_model,
 )
-from captum_vit.adapters.families._hf import HFViTBase, encoder_blocks, is_transformers_model
+from captum_vit.adapters.families._hf import (
+    HFViTBase,
+    encoder_blocks,
+    is_transformers_model,
+    siglip_pool,
+    vision_tower,
+)
 from captum_vit.adapters.ops import Ops
-from captum_vit.adapters.parts import HeadParts, PoolParts
+from captum_vit.adapters.parts import HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 from captum_vit.adapters.text import TextTower
 
 CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
            "CLIPModel", "SiglipModel")
-
-
-def _tower(model: ModelTree) -> nn.Module:
-    """The module holding ``embeddings``, ``encoder`` and ``post_layernorm``."""
-    while not hasattr(model, "embeddings") and hasattr(model, "vision_model"):
-        model = model.vision_model
-    return model
-
-
-def _siglip_pool(head: ModelTree, where: str) -> PoolParts:
-    """The canonical parts of ``SiglipMultiheadAttentionPoolingHead``."""
-    mha = head.attention
-    if not (isinstance(mha, nn.MultiheadAttention) and mha._qkv_same_embed_dim
-            and mha.batch_first and mha.bias_k is None and not mha.add_zero_attn):
-        raise TypeError(f"{where}.attention is not a plain batch-first "
-                        "nn.MultiheadAttention; this pooling head is not supported")
-    w, b = mha.in_proj_weight.detach(), mha.in_proj_bias
-    d = mha.embed_dim
-    qb, kb, vb = (None, None, None) if b is None else b.detach().split(d)
-    head_dim = d // mha.num_heads
-    return PoolParts(
-        latent=head.probe[0], q_weight=w[:d], q_bias=qb,
-        k_weight=w[d:2 * d], k_bias=kb, v_weight=w[2 * d:], v_bias=vb,
-        num_heads=mha.num_heads, head_dim=head_dim, scale=head_dim ** -0.5,
-        q_norm=nn.Identity(), k_norm=nn.Identity(),
-        proj_weight=mha.out_proj.weight, proj_bias=mha.out_proj.bias,
-        norm=_norm(head.layernorm, f"{where}.layernorm"),
-        fc1_weight=head.mlp.fc1.weight, fc1_bias=head.mlp.fc1.bias,
-        act=head.mlp.activation_fn, fc2_weight=head.mlp.fc2.weight,
-        fc2_bias=head.mlp.fc2.bias,
-    )
 
 
 def text_tower(model: ModelTree) -> TextTower:
@@ -227,7 +202,7 @@ class HFEmbeddingAdapter(HFViTBase):
     def __init__(self, model: ModelTree) -> None:
         self.model = model
         name = type(model).__name__
-        self.backbone = _tower(model)
+        self.backbone = vision_tower(model)
         cfg = self.config
         self.layers = self.backbone.encoder.layers
         self.blocks = encoder_blocks(self.layers, cfg, name)
@@ -246,7 +221,7 @@ class HFEmbeddingAdapter(HFViTBase):
             else:
                 self.readout = "map"
                 self.head = HeadParts(norm, None, (("map", None, None),),
-                                      attn_pool=_siglip_pool(head, f"{name}.head"))
+                                      attn_pool=siglip_pool(head, f"{name}.head"))
         else:
             self.readout = "token"
             proj = getattr(model, "visual_projection", None)
@@ -259,7 +234,7 @@ class HFEmbeddingAdapter(HFViTBase):
         pool = self.head.attn_pool
         if pool is not None and cast(Tensor, pool.q_weight).data_ptr() != \
                 self.backbone.head.attention.in_proj_weight.data_ptr():
-            self.head = dataclasses.replace(self.head, attn_pool=_siglip_pool(
+            self.head = dataclasses.replace(self.head, attn_pool=siglip_pool(
                 self.backbone.head, f"{type(self.model).__name__}.head"))
 
     def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
