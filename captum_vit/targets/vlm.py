@@ -124,13 +124,15 @@ class VLMAnswer(Target):
         if not isinstance(pixel_key, str):
             raise TypeError(f"pixel_key must be a str, got {type(pixel_key).__name__}")
         self.pixel_key = pixel_key
+        batch = None
         if not isinstance(input_ids, Tensor | Sequence) and hasattr(input_ids, "keys"):
             batch = input_ids
             if "input_ids" not in batch:
                 raise ValueError("input_ids is a mapping without 'input_ids'; pass the "
                                  "processor's output or the ids themselves")
             pixels = batch.get(pixel_key)
-            if isinstance(pixels, Tensor) and pixels.dim() != 4:
+            if isinstance(pixels, Tensor) and pixels.dim() != 4 \
+                    and not self.parts.packed_pixels:
                 raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)}: tiled images "
                                  "(one image as several crops) are not supported; give "
                                  "[B, C, H, W] images")
@@ -190,6 +192,7 @@ class VLMAnswer(Target):
         self.blocks = self.parts.layers
         if self.parts.keep_cls:
             self.rows = tuple(range(self.image_tokens))
+        self.parts.bind(self, batch)
 
     def __repr__(self) -> str:
         return (f"VLMAnswer({type(self.parts.model).__name__}, prompts={self.prompts}, "
@@ -216,6 +219,9 @@ class VLMAnswer(Target):
         return [out.hidden[k] for k in keys]
 
     def columns(self, out: Outputs) -> Tensor:
+        own = self.parts.columns(self, out)
+        if own is not None:
+            return own
         states = self._states(out)
         x = states[0]
         n, rows, width = x.shape
