@@ -139,8 +139,7 @@ class QwenVLParts(VLMParts):
         answer = target.answer_ids[col]
         runs = [[n for _, n in image_runs(i, self.image_token_id, m)]
                 for i, m in zip(ids, mask, strict=True)]
-        thw = None if batch is None else batch.get("image_grid_thw")
-        if thw is None:
+        if batch is None or batch.get("image_grid_thw") is None:
             many = [i for i, r in enumerate(runs) if len(r) != 1]
             if many:
                 raise ValueError(
@@ -295,7 +294,7 @@ class QwenVLParts(VLMParts):
         else:
             from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-            image = BaseModelOutputWithPooling(pooler_output=pooled)
+            image = BaseModelOutputWithPooling(pooler_output=pooled)  # type: ignore[arg-type]
         a = answer.shape[1]
         out = model(input_ids=seq, attention_mask=mask, position_ids=positions,
                     mm_encoder_outputs={"image": image}, use_cache=False,

@@ -438,7 +438,7 @@ class HFQwenVisionAdapter(HFPatchGrid):
         packed = self.pack(inputs if ops is None else inputs.detach())
         x = m.patch_embed(packed).reshape(b, n, -1)[:, order.argsort()]
         pos = self._positions(grid, inputs.device)
-        if self.qwen3:
+        if self._interp is not None and self.qwen3:
             thw = torch.tensor([[1, *grid]], device=inputs.device)
             idx, wts = self._interp(thw, num_grid_per_side=m.num_grid_per_side,
                                     mode=m.interpolation_mode,
