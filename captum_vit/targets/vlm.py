@@ -73,6 +73,20 @@ class VLMAnswer(Target):
     a row's prompt must come from its column, not from its position. Explain distinct
     per-image prompts one image at a time where ``B²`` sequences are too many.
 
+    **Qwen2-VL and Qwen3-VL** (``Qwen2VLForConditionalGeneration``,
+    ``Qwen3VLForConditionalGeneration``; :mod:`captum_vit.adapters.vlm_qwen`): the tower
+    (``model.model.visual``) takes images ``[B, C, H, W]`` (multiples of
+    ``patch_size · spatial_merge_size``) or the processor's output itself (its packed
+    ``pixel_values`` and ``image_grid_thw``); the score runs the model's ``merger`` on the
+    last block's tokens (Qwen3-VL: also its deepstack mergers on the
+    ``deepstack_visual_indexes`` blocks, so the target reads several blocks), then the
+    VLM's forward with the mRoPE positions of its own ``get_rope_index``. The chat template
+    writes each image as ``<|vision_start|>``, ``<|image_pad|>`` once per merged token
+    (``h·w / m²`` for ``h × w`` patches), ``<|vision_end|>``; ``config.image_token_id`` is
+    ``<|image_pad|>``. Pass the processor's output as ``input_ids`` when a prompt holds
+    several images: each image is then explained in its own slot (one column per image),
+    the other images of its prompt held at the model's own features.
+
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
 
@@ -113,6 +127,19 @@ class VLMAnswer(Target):
         >>> answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
         >>> target = VLMAnswer(vlm, batch["input_ids"], answer)
         >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(batch["pixel_values"], target=target)
+
+        Qwen2-VL / Qwen3-VL (the processor's output is what the tower takes)::
+
+        >>> qwen = Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
+        >>> messages = [{"role": "user", "content": [
+        ...     {"type": "image", "image": image}, {"type": "text", "text": "Colour?"}]}]
+        >>> batch = processor.apply_chat_template(messages, add_generation_prompt=True,
+        ...                                       tokenize=True, return_dict=True,
+        ...                                       return_tensors="pt")
+        >>> # input_ids: ... <|vision_start|> <|image_pad|> × (h·w/4) <|vision_end|> Colour? ...
+        >>> answer = processor.tokenizer("Red", add_special_tokens=False).input_ids
+        >>> target = VLMAnswer(qwen, batch, answer)
+        >>> maps = GAE(VLMAnswer.tower(qwen)).attribute(batch, target=target)  # [1, 3, H, W]
     """
 
     reads_tokens = True
