@@ -211,6 +211,33 @@ def test_two_images_per_prompt():
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("cls_name", VLMS)
+def test_a_processors_batch_of_prompts(cls_name):
+    """A processor's batch of two prompts (the shorter padded on the left), one image and
+    one answer each: a column per prompt, each image scored by its own prompt as the VLM's
+    own forward scores it; one question repeated is one column."""
+    model = model_of(cls_name)
+    x = images(2)
+    rows, thw = patchify(x)
+    long, short = prompt(5, 7, 8), prompt(9, 4)
+    ids = torch.stack([long, torch.cat([torch.zeros(1, dtype=torch.long), short])])
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    answer = torch.tensor([[11, 12], [21, 22]])
+    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": rows,
+             "image_grid_thw": thw}
+    target = VLMAnswer(model, batch, answer)
+    assert target.num_columns(0) == 2 and target.index(4).tolist() == [0, 0, 1, 1]
+    got = scores(model, x, target)
+    close(got[0, 0], reference(model, x[:1], long, answer[0])[0], tol=1e-10)
+    close(got[1, 1], reference(model, x[1:], short, answer[1])[0], tol=1e-9)
+    same = VLMAnswer(model, dict(batch, input_ids=long.expand(2, -1),
+                                 attention_mask=torch.ones(2, len(long), dtype=torch.long)),
+                     answer[0])
+    assert same.num_columns(0) == 1 and same.index(2).tolist() == [0, 0]
+    close(scores(model, x, same)[:, 0], reference(model, x, long, answer[0]), tol=1e-10)
+
+
 # TIS removes tokens: refused for a target that reads token rows (RISE and ViT-CX mask
 # pixels); the sub-network sums of PLUS / FullGrad+ end at the model's output, and
 # Qwen3-VL's answer reads two blocks (its deepstack block and the last).
