@@ -333,6 +333,6 @@ def qwen_parts(model: Any) -> QwenVLParts | None:
     deepstack = tuple(sorted(int(i) for i in getattr(vc, "deepstack_visual_indexes", ()) or ()))
     depth = int(vc.depth)
     layers = (*[i + 1 for i in deepstack], depth) if deepstack else None
-    return QwenVLParts(model, tower, "qwen3_vl" if deepstack else "qwen2_vl", layers, False,
-                       int(cfg.image_token_id), "model", int(vc.spatial_merge_size),
-                       deepstack)
+    return QwenVLParts(model, tower, "qwen3_vl" if name.startswith("Qwen3") else "qwen2_vl",
+                       layers, False, int(cfg.image_token_id), "model",
+                       int(vc.spatial_merge_size), deepstack)

@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import VLM_IMAGE_ID, library, randomize_
-from captum_vit.adapters.families._hf import HFPatchGrid
+from captum_vit.adapters.families._hf import HFPatchGrid, first_attribute
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts, rotary_rows
 from captum_vit.adapters.parts import layer_norm_parts as _norm
@@ -274,9 +274,9 @@ class HFQwenVisionAdapter(HFPatchGrid):
         att, mlp = layer.attn, layer.mlp
         w, b = att.qkv.weight, att.qkv.bias
         d = w.shape[0] // 3
-        fc1 = getattr(mlp, "fc1", None) or mlp.linear_fc1
-        fc2 = getattr(mlp, "fc2", None) or mlp.linear_fc2
-        act = getattr(mlp, "act", None) or mlp.act_fn
+        fc1 = first_attribute(mlp, "fc1", "linear_fc1")  # Qwen2-VL, Qwen3-VL
+        fc2 = first_attribute(mlp, "fc2", "linear_fc2")
+        act = first_attribute(mlp, "act", "act_fn")
         head_dim = d // heads
         return BlockParts(
             norm1=_norm(layer.norm1, f"{where}.norm1"),
