@@ -303,6 +303,29 @@ def test_clear_errors_leave_the_model_unchanged():
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize(("grid", "window"), [((4, 6), 2), ((8, 8), 2), ((6, 10), 3),
+                                              ((4, 4), 8)])
+def test_qwen2_5_windows_as_index_sets(grid, window):
+    """Qwen2.5-VL's windows (``get_vision_window_index``: merged-token indices in window
+    order, window lengths in patches) are the index sets of ``window_slots`` (variable-size
+    edge windows; one window covering the grid when it is large)."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from captum_vit.adapters.families.hf_qwen_vl import window_slots
+
+    index, cu = get_vision_window_index(torch.tensor([[1, *grid]]), spatial_merge_size=2,
+                                        window_size=window * 2 * 4, patch_size=4)
+    lengths = (cu[1:] - cu[:-1]) // 4  # merged tokens per window
+    lw = grid[1] // 2
+    theirs = []
+    for part in torch.split(index, lengths.tolist()):
+        theirs.append(sorted((2 * (t // lw) + dr) * grid[1] + 2 * (t % lw) + dc
+                             for t in part.tolist() for dr in range(2) for dc in range(2)))
+    ours = [sorted(i for i in row.tolist() if i >= 0) for row in window_slots(grid, 2, window)]
+    assert ours == theirs
+    assert sorted(i for row in ours for i in row) == list(range(grid[0] * grid[1]))
+
+
 def test_qwen2_5_vl_is_refused_by_name():
     cfg = transformers.Qwen2_5_VLConfig(
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,

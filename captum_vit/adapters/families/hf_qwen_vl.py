@@ -110,6 +110,38 @@ def merge_order(grid: tuple[int, int], merge: int, device: torch.device | None =
     return ids.permute(0, 2, 1, 3).reshape(-1)
 
 
+def window_slots(grid: tuple[int, int], merge: int, window: int) -> Tensor:
+    """Qwen2.5-VL's attention windows as index sets of the raster patch grid: ``[n_W, M]``
+    raster patch indices, ``-1`` at padded slots (``M = (window · merge)²``).
+
+    Verified against ``transformers.vision_utils.get_vision_window_index``: the windows
+    tile the **merged** grid ``(h/m, w/m)`` in squares of ``window`` merged tokens
+    (``window_size // spatial_merge_size // patch_size``), in raster order of the windows;
+    the last row and column of windows are cut at the grid's edge (smaller windows, no
+    padding inside the model: its ``cu_window_seqlens`` skip empty windows); each merged
+    token brings its ``m × m`` patches. For the Qwen2.5-VL tower, whose RMSNorm the
+    engine's norm rules do not have yet (the tower is refused); the slot order inside a
+    window does not change the attention.
+
+    Examples::
+
+        >>> window_slots((4, 6), 2, 2)[1]
+        tensor([ 4,  5, 10, 11, 16, 17, 22, 23, -1, -1, -1, -1, -1, -1, -1, -1])
+    """
+    h, w = grid
+    lh, lw = h // merge, w // merge
+    side = window * merge
+    rows: list[list[int]] = []
+    for r0 in range(0, lh, window):
+        for c0 in range(0, lw, window):
+            slots = [(merge * r + dr) * w + merge * c + dc
+                     for r in range(r0, min(r0 + window, lh))
+                     for c in range(c0, min(c0 + window, lw))
+                     for dr in range(merge) for dc in range(merge)]
+            rows.append(slots + [-1] * (side * side - len(slots)))
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def _vision_config(cls_name: str, **kw: Any) -> Any:
     module = {"Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
               "Qwen3VLVisionModel": "qwen3_vl"}[cls_name]
@@ -492,4 +524,4 @@ class HFQwenVisionAdapter(HFPatchGrid):
 
 
 __all__ = ["CLASSES", "HFQwenVisionAdapter", "is_hf_qwen_vision", "merge_order",
-           "qwen_tower_example", "qwen_vlm_example", "tiny_vision_config"]
+           "qwen_tower_example", "qwen_vlm_example", "tiny_vision_config", "window_slots"]
