@@ -76,6 +76,24 @@ class VLMParts:
     image_token_id: int
     merge: str
 
+    packed_pixels = False
+    """Whether the VLM's ``pixel_values`` are packed patches rather than images
+    ``[B, C, H, W]`` (Qwen-VL, :mod:`captum_vit.adapters.vlm_qwen`): a processor's output
+    given as ``input_ids`` is then not refused as tiled."""
+
+    def bind(self, target: Any, batch: Any) -> None:
+        """Hook: a family whose answer needs more than the prompts (image grids, the other
+        images of a prompt) reads it from the processor's output ``batch`` (``None``:
+        ids were given) at the end of :class:`~captum_vit.targets.VLMAnswer`'s
+        construction. Default: nothing."""
+        return None
+
+    def columns(self, target: Any, out: Any) -> Tensor | None:
+        """Hook: the target's columns ``[n, K]`` computed by the family
+        (:mod:`captum_vit.adapters.vlm_qwen`); ``None`` (default): the projector and the
+        merge at the image positions below."""
+        return None
+
     @property
     def projector(self) -> nn.Module:
         return _part(self.model, "multi_modal_projector")
@@ -198,6 +216,11 @@ def vlm_parts(model: Any) -> VLMParts:
             of :mod:`captum_vit.adapters.vlm_tiles` are served there), another model, or a
             layout this transformers version does not have.
     """
+    from captum_vit.adapters.vlm_qwen import qwen_parts  # imports this module
+
+    qwen = qwen_parts(model)
+    if qwen is not None:
+        return qwen
     name = type(model).__name__
     from captum_vit.adapters import vlm_internvl  # InternVL, Gemma 3
     from captum_vit.adapters.vlm_tiles import tiled_parts  # tiled VLMs (imports this module)

@@ -97,7 +97,7 @@ class VLMAnswer(Target):
     perturbation method masks one tile at a time. A row costs one language-model run per
     tile of the batch.
 
-    Per-token maps (``per_token=True``; not yet for the VLMs below that mark their tiles):
+    Per-token maps (``per_token=True``; not yet for Qwen-VL and the VLMs that mark tiles):
     every answer token ``t`` is a column ``log p(answer_t | prompt, image, answer_<t)``
     beside the whole answer's (the default column, so
     ``attribute(images, target=target)`` is the answer's map).
@@ -154,6 +154,20 @@ class VLMAnswer(Target):
       (NeXT: ``"[INST] <image>\nWhat is this? [/INST]"``), the processor expanding
       ``<image>`` to as many image tokens as the packed features; the tiles are the first
       crops of each prompt's ``pixel_values`` (their count from ``image_sizes``).
+
+    **Qwen2-VL and Qwen3-VL** (``Qwen2VLForConditionalGeneration``,
+    ``Qwen3VLForConditionalGeneration``; :mod:`captum_vit.adapters.vlm_qwen`): the tower
+    (``model.model.visual``) takes images ``[B, C, H, W]`` (multiples of
+    ``patch_size · spatial_merge_size``) or the processor's output itself (its packed
+    ``pixel_values`` and ``image_grid_thw``); the score runs the model's ``merger`` on the
+    last block's tokens (Qwen3-VL: also its deepstack mergers on the
+    ``deepstack_visual_indexes`` blocks, so the target reads several blocks), then the
+    VLM's forward with the mRoPE positions of its own ``get_rope_index``. The chat template
+    writes each image as ``<|vision_start|>``, ``<|image_pad|>`` once per merged token
+    (``h·w / m²`` for ``h × w`` patches), ``<|vision_end|>``; ``config.image_token_id`` is
+    ``<|image_pad|>``. Pass the processor's output as ``input_ids`` when a prompt holds
+    several images: each image is then explained in its own slot (one column per image),
+    the other images of its prompt held at the model's own features.
 
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
@@ -225,6 +239,20 @@ class VLMAnswer(Target):
         >>> tiles = batch["pixel_values"]            # [N_tiles, 3, 448, 448]
         >>> maps = per_token_maps(TokenIxG(VLMAnswer.tower(vlm)), tiles, target)
         >>> maps.shape[:2], target.labels[0]         # [N_tiles, A], the decoded tokens
+
+        Qwen2-VL / Qwen3-VL (the processor's output is what the tower takes)::
+
+        >>> qwen = Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
+        >>> messages = [{"role": "user", "content": [
+        ...     {"type": "image", "image": image}, {"type": "text", "text": "Colour?"}]}]
+        >>> batch = processor.apply_chat_template(messages, add_generation_prompt=True,
+        ...                                       tokenize=True, return_dict=True,
+        ...                                       return_tensors="pt")
+        >>> # input_ids: ... <|vision_start|> <|image_pad|> × (h·w/4) <|vision_end|> Colour? ...
+        >>> answer = processor.tokenizer("Red", add_special_tokens=False).input_ids
+        >>> target = VLMAnswer(qwen, batch, answer)
+        >>> maps = GAE(VLMAnswer.tower(qwen)).attribute(batch, target=target)  # [1, 3, H, W]
+
     A VLM that splits the image into tiles: see :meth:`images`.
     """
 
@@ -239,6 +267,7 @@ class VLMAnswer(Target):
             raise TypeError(f"pixel_key must be a str, got {type(pixel_key).__name__}")
         self.pixel_key = pixel_key
         self.tiled: Tiles | None = None  # a VLM that splits images (adapters.vlm_tiles)
+        batch = None
         if not isinstance(input_ids, Tensor | Sequence) and hasattr(input_ids, "keys"):
             batch = input_ids
             if "input_ids" not in batch:
@@ -247,7 +276,8 @@ class VLMAnswer(Target):
             pixels = batch.get(pixel_key)
             if isinstance(self.parts, TiledParts):  # captum_vit.adapters.vlm_tiles
                 self.tiled = self.parts.read_tiles(batch, pixel_key)
-            elif isinstance(pixels, Tensor) and pixels.dim() != 4:
+            elif isinstance(pixels, Tensor) and pixels.dim() != 4 \
+                    and not self.parts.packed_pixels:
                 raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)}: tiled images "
                                  "(one image as several crops) are not supported; give "
                                  "[B, C, H, W] images")
@@ -314,6 +344,10 @@ class VLMAnswer(Target):
                              f"(id {self.parts.image_token_id}) once per image feature; "
                              f"got {counts.tolist()} per prompt")
         self.image_tokens = int(counts[0])
+        if per_token is True and self.parts.packed_pixels:
+            raise ValueError(f"per_token=True is not served on {type(model).__name__} yet: "
+                             "explain the whole answer, or one answer token's prefix at a "
+                             "time")
         self._extend(per_token, tokenizer)
         # one column per DISTINCT (prompt, mask, answer): a processor's batch repeats the same
         # question for every image, and each column costs one language-model run per row
@@ -328,6 +362,7 @@ class VLMAnswer(Target):
         self.blocks = self.parts.layers
         if self.parts.keep_cls:
             self.rows = tuple(range(self.image_tokens))
+        self.parts.bind(self, batch)
 
     def __repr__(self) -> str:
         return (f"VLMAnswer({type(self.parts.model).__name__}, prompts={self.prompts}, "
@@ -429,6 +464,9 @@ class VLMAnswer(Target):
         return [out.hidden[k] for k in keys]
 
     def columns(self, out: Outputs) -> Tensor:
+        own = self.parts.columns(self, out)  # Qwen-VL (captum_vit.adapters.vlm_qwen)
+        if own is not None:
+            return own
         if self.tiles > 1 or self.per_token:
             return self._columns(out)
         states = self._states(out)

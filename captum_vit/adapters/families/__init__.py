@@ -19,6 +19,7 @@ from captum_vit.adapters.families import hf_vit  # noqa: F401
 from captum_vit.adapters.families import hf_siglip2  # noqa: F401
 from captum_vit.adapters.families import hf_clip  # noqa: F401
 from captum_vit.adapters.families import hf_idefics3  # noqa: F401
+from captum_vit.adapters.families import hf_qwen_vl  # noqa: F401
 from captum_vit.adapters.families import hf_beit  # noqa: F401
 from captum_vit.adapters.families import hf_backbone  # noqa: F401
 from captum_vit.adapters.families import hf_yolos  # noqa: F401

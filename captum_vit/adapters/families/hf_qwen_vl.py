@@ -1,0 +1,527 @@
+"""Adapter for the vision towers of Hugging Face Qwen2-VL and Qwen3-VL
+(``Qwen2VisionTransformerPretrainedModel``, ``model.model.visual`` of
+``Qwen2VLForConditionalGeneration``; ``Qwen3VLVisionModel``, ``model.model.visual`` of
+``Qwen3VLForConditionalGeneration``).
+
+Verified in the installed transformers (5.x, ``models/qwen2_vl/modeling_qwen2_vl.py``,
+``models/qwen3_vl/modeling_qwen3_vl.py``, ``models/qwen2_vl/image_processing_qwen2_vl.py``,
+``vision_utils.py``):
+
+- **Packed input.** The tower takes ``hidden_states = pixel_values`` ``[ΣN, C·T·P·P]`` and
+  ``grid_thw`` ``[n, 3]`` (``(t, h, w)`` per image, ``h``, ``w`` in patches). The image
+  processor (``Qwen2VLImageProcessor.patchify``; Qwen3-VL uses it too) reshapes an image
+  ``[C, H, W]`` to ``(C, h/m, m, P, w/m, m, P)``, permutes to ``(h/m, w/m, m, m, C, P, P)``
+  and copies every patch ``T = temporal_patch_size`` times along a new axis after ``C``:
+  each row is one patch flattened as ``(C, T, P, P)``, and the rows come in **merge-group
+  order** (the ``m × m`` patches of one merged token consecutive, groups in raster order;
+  ``m = spatial_merge_size``). ``t = 1`` for an image.
+- **Patch embedding**: ``PatchEmbed`` views each row as ``[C, T, P, P]`` and applies a
+  ``Conv3d`` with kernel = stride ``(T, P, P)`` (no bias in Qwen2-VL, a bias in Qwen3-VL):
+  on ``T`` identical copies it is the 2-D patch projection with the kernel summed over
+  ``T``, the linear map ``embed(inputs, ops)`` routes the pixel gradient through.
+- **Position**: Qwen3-VL adds a learned ``pos_embed`` table (``num_position_embeddings``,
+  a square grid) bilinearly interpolated to the image's grid (``align_corners=True``,
+  ``get_vision_interpolation_indices_and_weights``: the same value for a patch in raster
+  order, ``spatial_merge_size=1``, as in merge order). Both add a **2-D rotary embedding**
+  (``VisionRotaryEmbedding``, axial): per patch the angles ``[h·f, w·f, h·f, w·f]`` of its
+  row and column (``f``: ``head_dim / 4`` frequencies), computed in float32;
+  ``apply_rotary_pos_emb_vision`` rotates ``q`` and ``k`` (rotate-half layout) **in
+  float32** and casts them back (a float64 model's queries and keys are rounded to float32
+  there: the adapter does the same, so its forward equals the model's to 1e-12).
+- **Blocks** (``Qwen2VLVisionBlock`` / ``Qwen3VLVisionBlock``): pre-LN,
+  ``x + proj(attn(norm1(x)))``, ``x + mlp(norm2(x))``; one fused ``qkv`` Linear split as
+  ``reshape(N, 3, heads, d)``, scale ``d ** -0.5``; LayerNorms (eps 1e-6); MLP ``fc1 →
+  act → fc2`` (QuickGELU in Qwen2-VL, ``gelu_pytorch_tanh`` in Qwen3-VL). Attention is
+  **block-diagonal per image** (``cu_seqlens`` from ``grid_thw``, one segment of ``h·w``
+  patches per image and frame): a batch of ``B`` images of one grid is ``B`` independent
+  sequences, which is the adapter's batch. No dropout.
+- **Output**: ``last_hidden_state`` is the last block's output (no final norm), in merge
+  order; ``pooler_output`` is ``merger(last_hidden_state)``: a norm per patch (LayerNorm;
+  Qwen3-VL's ``deepstack_merger_list`` norm the concatenated group), the ``m²`` patches of a
+  group concatenated, an MLP: the image features the language model reads. Qwen3-VL's
+  **deepstack** also returns ``deepstack_merger_list[i]`` of the outputs of blocks
+  ``deepstack_visual_indexes`` (added to the language model's first hidden states).
+
+The adapter's plain input is an image tensor ``[B, C, H, W]`` (``H``, ``W`` multiples of
+``P·m``): it builds the packed rows itself (the processor's order and ``T`` copies), runs
+the model's own ``patch_embed`` (and ``pos_embed`` interpolation), and keeps the tokens in
+**raster order** from there on (the maps land on the patch grid as for every family; the
+merge-group order is undone after the embedding and redone by
+:class:`~captum_vit.targets.VLMAnswer` before the mergers). A processor's output
+(``pixel_values`` + ``image_grid_thw``) is taken by ``attribute`` directly
+(:meth:`HFQwenVisionAdapter.processor_images`: each image unpacked to ``[1, C, H, W]``,
+grouped by grid); videos (``t > 1``) are refused by name. The tower has no image embedding of
+its own: the patch mean of the last block's tokens stands for one (our choice, as for
+PaliGemma's head-less tower), scored against the mean of the model's own
+``last_hidden_state``; the VLM's answer (:class:`~captum_vit.targets.VLMAnswer`) is what a
+user explains. Not supported: Qwen2.5-VL's tower (RMSNorm, which the engine's norm rules
+do not have yet), videos, ``Qwen3VLMoeVisionModel``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from captum_vit.adapters._typing import ModelTree
+from captum_vit.adapters.catalog import Example, register_family
+from captum_vit.adapters.families._examples import VLM_IMAGE_ID, library, randomize_
+from captum_vit.adapters.families._hf import HFPatchGrid, first_attribute
+from captum_vit.adapters.ops import Ops
+from captum_vit.adapters.parts import BlockParts, HeadParts, rotary_rows
+from captum_vit.adapters.parts import layer_norm_parts as _norm
+
+CLASSES = ("Qwen2VisionTransformerPretrainedModel", "Qwen3VLVisionModel")
+
+
+def is_hf_qwen_vision(model: nn.Module) -> bool:
+    """``True`` for the Qwen2-VL and Qwen3-VL vision towers of :data:`CLASSES` (a
+    subclass too; transformers is never imported for other models).
+
+    Args:
+        model (nn.Module): any model.
+
+    Returns:
+        bool: whether :class:`HFQwenVisionAdapter` applies.
+    """
+    return any(c.__name__ in CLASSES and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+def merge_order(grid: tuple[int, int], merge: int, device: torch.device | None = None
+                ) -> Tensor:
+    """The raster index of each token in the tower's merge-group order ``[h·w]``: the
+    ``merge × merge`` patches of one merged token consecutive (row-major inside the
+    group), groups in raster order (the processor's ``patchify``).
+
+    ``x_merge = x_raster[:, order]``; ``x_raster = x_merge[:, order.argsort()]``.
+
+    Examples::
+
+        >>> merge_order((2, 4), 2)
+        tensor([0, 1, 4, 5, 2, 3, 6, 7])
+    """
+    h, w = grid
+    ids = torch.arange(h * w, device=device).reshape(h // merge, merge, w // merge, merge)
+    return ids.permute(0, 2, 1, 3).reshape(-1)
+
+
+def window_slots(grid: tuple[int, int], merge: int, window: int) -> Tensor:
+    """Qwen2.5-VL's attention windows as index sets of the raster patch grid: ``[n_W, M]``
+    raster patch indices, ``-1`` at padded slots (``M = (window · merge)²``).
+
+    Verified against ``transformers.vision_utils.get_vision_window_index``: the windows
+    tile the **merged** grid ``(h/m, w/m)`` in squares of ``window`` merged tokens
+    (``window_size // spatial_merge_size // patch_size``), in raster order of the windows;
+    the last row and column of windows are cut at the grid's edge (smaller windows, no
+    padding inside the model: its ``cu_window_seqlens`` skip empty windows); each merged
+    token brings its ``m × m`` patches. For the Qwen2.5-VL tower, whose RMSNorm the
+    engine's norm rules do not have yet (the tower is refused); the slot order inside a
+    window does not change the attention.
+
+    Examples::
+
+        >>> window_slots((4, 6), 2, 2)[1]
+        tensor([ 4,  5, 10, 11, 16, 17, 22, 23, -1, -1, -1, -1, -1, -1, -1, -1])
+    """
+    h, w = grid
+    lh, lw = h // merge, w // merge
+    side = window * merge
+    rows: list[list[int]] = []
+    for r0 in range(0, lh, window):
+        for c0 in range(0, lw, window):
+            slots = [(merge * r + dr) * w + merge * c + dc
+                     for r in range(r0, min(r0 + window, lh))
+                     for c in range(c0, min(c0 + window, lw))
+                     for dr in range(merge) for dc in range(merge)]
+            rows.append(slots + [-1] * (side * side - len(slots)))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _vision_config(cls_name: str, **kw: Any) -> Any:
+    module = {"Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
+              "Qwen3VLVisionModel": "qwen3_vl"}[cls_name]
+    cfg = getattr(library(f"transformers.models.{module}.configuration_{module}"),
+                  {"qwen2_vl": "Qwen2VLVisionConfig", "qwen3_vl": "Qwen3VLVisionConfig"}[module])
+    return cfg(**kw)
+
+
+def tiny_vision_config(cls_name: str, depth: int = 2, **overrides: Any) -> dict[str, Any]:
+    """The keywords of a tiny vision config of ``cls_name`` (patch 4, merge 2, 2 temporal
+    copies, width 32, 2 heads, output width 32 (Qwen2-VL's ``hidden_size``) or 24
+    (Qwen3-VL's ``out_hidden_size``); Qwen3-VL: a 4×4 position table and one deepstack
+    block, block 0)."""
+    common: dict[str, Any] = dict(depth=depth, num_heads=2, in_channels=3, patch_size=4,
+                                  spatial_merge_size=2, temporal_patch_size=2)
+    if cls_name.startswith("Qwen2"):
+        common.update(embed_dim=32, mlp_ratio=2, hidden_size=32, hidden_act="quick_gelu")
+    else:
+        common.update(hidden_size=32, intermediate_size=64, out_hidden_size=24,
+                      hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])
+    common.update(overrides)
+    return common
+
+
+def qwen_tower_example(cls_name: str) -> Callable[..., nn.Module]:
+    """A builder of a tiny Qwen vision tower ``cls_name`` (:func:`tiny_vision_config`;
+    ``depth`` blocks), weights drawn far from their initial values."""
+    def build(*, seed: int = 0, depth: int = 2, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        module = "qwen2_vl" if cls_name.startswith("Qwen2") else "qwen3_vl"
+        cfg = _vision_config(cls_name, **tiny_vision_config(cls_name, depth, **overrides))
+        cls = getattr(library(f"transformers.models.{module}.modeling_{module}"), cls_name)
+        torch.manual_seed(seed)
+        return randomize_(cls(cfg), seed).to(dtype).eval()
+
+    return build
+
+
+def qwen_vlm_example(cls_name: str) -> Callable[..., nn.Module]:
+    """A builder of a tiny ``Qwen2VLForConditionalGeneration`` /
+    ``Qwen3VLForConditionalGeneration``: the tower of :func:`qwen_tower_example` and a
+    2-layer language model (width 24, vocabulary 300) whose image placeholder is
+    :data:`VLM_IMAGE_ID` (``vision_start`` 297, ``vision_end`` 298)."""
+    def build(*, seed: int = 0, depth: int = 2, dtype: torch.dtype = torch.float64,
+              num_classes: int = 5, **overrides: Any) -> nn.Module:
+        transformers = library("transformers")
+        qwen3 = cls_name.startswith("Qwen3")
+        tower = "Qwen3VLVisionModel" if qwen3 else "Qwen2VisionTransformerPretrainedModel"
+        vision = tiny_vision_config(tower, depth, **overrides.pop("vision", {}))
+        vision["out_hidden_size" if qwen3 else "hidden_size"] = 24  # the language model's
+        text: dict[str, Any] = dict(vocab_size=300, hidden_size=24, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, max_position_embeddings=256,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        if qwen3:
+            text.update(head_dim=12, rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 10000.0,
+                                                      "mrope_section": [2, 2, 2],
+                                                      "mrope_interleaved": True})
+            cfg = transformers.Qwen3VLConfig(
+                vision_config=vision, text_config=text, image_token_id=VLM_IMAGE_ID,
+                video_token_id=296, vision_start_token_id=297, vision_end_token_id=298,
+                **overrides)
+        else:
+            text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                         "mrope_section": [2, 2, 2]})
+            cfg = transformers.Qwen2VLConfig(
+                vision_config=vision, text_config=text, image_token_id=VLM_IMAGE_ID,
+                video_token_id=296, vision_start_token_id=297, vision_end_token_id=298,
+                **overrides)
+        torch.manual_seed(seed)
+        model = getattr(transformers, cls_name)(cfg)
+        return randomize_(model, seed).to(dtype).eval()
+
+    return build
+
+
+@register_family(
+    is_hf_qwen_vision,
+    supports="Hugging Face Qwen2-VL and Qwen3-VL vision towers "
+             "(Qwen2VisionTransformerPretrainedModel, Qwen3VLVisionModel; packed inputs)",
+    tags=("embedding", "vlm-tower", "variable-size"),
+    notes=("`Qwen2VisionTransformerPretrainedModel` and `Qwen3VLVisionModel` (the towers of "
+           "`Qwen2VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`, explained "
+           "with `VLMAnswer`; the deepstack blocks read too): ✅ images `[B, C, H, W]` "
+           "(multiples of patch × merge) or the processor's packed `pixel_values` + "
+           "`image_grid_thw` (maps per image on its own grid), 2-D vision RoPE (rounded to "
+           "float32 as the model does), block-diagonal attention per image, Qwen3-VL's "
+           "interpolated position table; the tower alone: the patch mean of its last tokens "
+           "as an embedding (our choice) — refused: videos (`t > 1`); not supported: "
+           "Qwen2.5-VL's tower (RMSNorm)"),
+    examples={
+        "hf_qwen2_vl_tower": Example(qwen_tower_example("Qwen2VisionTransformerPretrainedModel"),
+                                     (16, 24), library="transformers", target="embedding"),
+        "hf_qwen3_vl_tower": Example(qwen_tower_example("Qwen3VLVisionModel"), (16, 24),
+                                     library="transformers", target="embedding"),
+        # support-matrix columns: whole VLMs, their towers explained through VLMAnswer
+        "hf_qwen2_vl": Example(qwen_vlm_example("Qwen2VLForConditionalGeneration"), (16, 24),
+                               library="transformers", target="vlm", tags=("matrix",),
+                               suite=False),
+        "hf_qwen3_vl": Example(qwen_vlm_example("Qwen3VLForConditionalGeneration"), (16, 24),
+                               library="transformers", target="vlm", tags=("matrix",),
+                               suite=False),
+    })
+class HFQwenVisionAdapter(HFPatchGrid):
+    """Canonical view of a Qwen2-VL / Qwen3-VL vision tower (never modified).
+
+    Its own output, for a target of the tower alone, is the patch mean of the last
+    block's tokens (an embedding, our choice); the answer of the VLM around it is
+    explained with :class:`~captum_vit.targets.VLMAnswer`.
+
+    Args:
+        model (nn.Module): a ``Qwen2VisionTransformerPretrainedModel`` or
+            ``Qwen3VLVisionModel``.
+
+    Raises:
+        TypeError: a layer layout the adapter does not know.
+
+    Examples::
+
+        >>> from captum_vit import GAE
+        >>> tower = VLMAnswer.tower(qwen2_vl)            # model.model.visual
+        >>> maps = GAE(tower).attribute(images, target=VLMAnswer(qwen2_vl, ids, answer))
+        >>> maps = GAE(tower).attribute(processor_batch, target=...)   # packed inputs
+    """
+
+    model: ModelTree  # read by attribute names (captum_vit.adapters._typing)
+    embedding = True
+    processor_keys = ("image_grid_thw",)
+
+    def __init__(self, model: ModelTree) -> None:
+        self.model = model
+        name = type(model).__name__
+        cfg = model.config
+        self.qwen3 = hasattr(model, "pos_embed")
+        module = sys.modules[type(model).__module__]
+        rotate_half = getattr(module, "rotate_half", None)
+        if rotate_half is None:
+            raise TypeError(f"{type(model).__module__} has no rotate_half: this transformers "
+                            f"version's {name} is not supported")
+        self._rotate_half = rotate_half
+        self._interp = getattr(module, "get_vision_interpolation_indices_and_weights", None)
+        if self.qwen3 and self._interp is None:
+            raise TypeError(f"{name}: this transformers version has no "
+                            "get_vision_interpolation_indices_and_weights")
+        self.layers = model.blocks
+        self.blocks = [self._block(layer, int(cfg.num_heads), f"{name}.blocks[{i}]")
+                       for i, layer in enumerate(self.layers)]
+        if not self.blocks:
+            raise TypeError(f"{name} has no blocks")
+        self.in_chans = int(cfg.in_channels)
+        self.num_prefix = 0
+        self.readout = "avg"
+        self.patch = int(cfg.patch_size)
+        self.merge = int(cfg.spatial_merge_size)
+        self.frames = int(cfg.temporal_patch_size)
+        self.head = HeadParts(None, None, (("avg", None, None),))
+        self._rope: tuple[Tensor, Tensor] | None = None  # (cos, sin) [N, d], float32
+
+    def _block(self, layer: ModelTree, heads: int, where: str) -> BlockParts:
+        att, mlp = layer.attn, layer.mlp
+        w, b = att.qkv.weight, att.qkv.bias
+        d = w.shape[0] // 3
+        fc1 = first_attribute(mlp, "fc1", "linear_fc1")  # Qwen2-VL, Qwen3-VL
+        fc2 = first_attribute(mlp, "fc2", "linear_fc2")
+        act = first_attribute(mlp, "act", "act_fn")
+        head_dim = d // heads
+        return BlockParts(
+            norm1=_norm(layer.norm1, f"{where}.norm1"),
+            q_weight=w[:d], k_weight=w[d:2 * d], v_weight=w[2 * d:],
+            q_bias=None if b is None else b[:d], k_bias=None if b is None else b[d:2 * d],
+            v_bias=None if b is None else b[2 * d:],
+            num_heads=heads, head_dim=head_dim, scale=head_dim ** -0.5,
+            q_norm=nn.Identity(), k_norm=nn.Identity(),
+            proj_weight=att.proj.weight, proj_bias=att.proj.bias, ls1=None,
+            norm2=_norm(layer.norm2, f"{where}.norm2"),
+            fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
+            fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=None, rotary=self._rotate)
+
+    def refresh(self) -> None:
+        """The q/k/v parts are slices of ``qkv.weight``: re-read them after
+        ``model.to(...)``."""
+        if self.blocks[0].k_weight.untyped_storage().data_ptr() != \
+                self.layers[0].attn.qkv.weight.untyped_storage().data_ptr():
+            name = type(self.model).__name__
+            self.blocks = [self._block(layer, self.blocks[0].num_heads, f"{name}.blocks[{i}]")
+                           for i, layer in enumerate(self.layers)]
+
+    # -- geometry -----------------------------------------------------------------------
+    @property
+    def input_shape(self) -> tuple[int, tuple[int, int]]:
+        """``(channels, (H, W))``: the tower has no fixed size; 8 merged tokens a side."""
+        side = 8 * self.patch * self.merge
+        return self.in_chans, (side, side)
+
+    def check_inputs(self, inputs: Tensor) -> None:
+        super().check_inputs(inputs)
+        if inputs.dim() != 4:
+            raise ValueError(f"inputs of shape {tuple(inputs.shape)}: the Qwen vision tower "
+                             "takes images [B, C, H, W] (or the processor's output with "
+                             "pixel_values and image_grid_thw); videos are not supported")
+        unit = self.patch * self.merge
+        self.check_patch_multiple(inputs, (unit, unit))
+
+    # -- rotary position embedding -------------------------------------------------------
+    def _rotate(self, h: Tensor, positions: Tensor | None) -> Tensor:
+        """The model's vision RoPE on ``h`` [B, H, n, d] (no prefix rows): in float32 as
+        ``apply_rotary_pos_emb_vision``, cast back; the rows of the tokens' original
+        ``positions`` [B, n] under token removal."""
+        if self._rope is None:
+            raise ValueError("the rotary embedding depends on the input grid: get the token "
+                             "states from adapter.embed(images) before running the blocks")
+        cos, sin = self._rope
+        idx = rotary_rows(positions, h.shape[2], 0, cos.shape[0], cos.device)
+        if idx is not None:
+            cos, sin = cos[idx].unsqueeze(1), sin[idx].unsqueeze(1)
+        hf = h.float()
+        return (hf * cos + self._rotate_half(hf) * sin).to(h.dtype)
+
+    def _positions(self, grid: tuple[int, int], device: torch.device) -> Tensor:
+        """``(row, column)`` of every patch in raster order, ``[h·w, 2]``."""
+        h, w = grid
+        rows, cols = torch.meshgrid(torch.arange(h, device=device),
+                                    torch.arange(w, device=device), indexing="ij")
+        return torch.stack([rows.flatten(), cols.flatten()], -1)
+
+    # -- packing ------------------------------------------------------------------------
+    def pack(self, images: Tensor) -> Tensor:
+        """Images ``[B, C, H, W]`` as the processor packs them: ``[B·N, C·T·P·P]``, each
+        image's patches in merge-group order, ``T`` copies of each patch."""
+        b, c, hh, ww = images.shape
+        p, m, t = self.patch, self.merge, self.frames
+        x = images.reshape(b, c, hh // p // m, m, p, ww // p // m, m, p)
+        x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # [B, h/m, w/m, m, m, C, P, P]
+        x = x.unsqueeze(6).expand(*x.shape[:6], t, p, p)
+        return x.reshape(b * (hh // p) * (ww // p), c * t * p * p)
+
+    def unpack(self, rows: Tensor, grid: tuple[int, int]) -> Tensor:
+        """One image's packed rows ``[h·w, C·T·P·P]`` (grid ``(h, w)`` in patches) as the
+        image ``[1, C, H, W]`` (:meth:`pack`'s inverse; the first temporal copy)."""
+        h, w = grid
+        p, m, t, c = self.patch, self.merge, self.frames, self.in_chans
+        x = rows.reshape(h // m, w // m, m, m, c, t, p, p)
+        if t > 1 and not bool((x == x[:, :, :, :, :, :1]).all()):
+            raise ValueError("pixel_values: the temporal copies of a patch differ (a video "
+                             "clip); the Qwen vision adapter explains images (t = 1)")
+        x = x[:, :, :, :, :, 0].permute(4, 0, 2, 5, 1, 3, 6)  # [C, h/m, m, P, w/m, m, P]
+        return x.reshape(1, c, h * p, w * p)
+
+    def _grids(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """``(pixel_values, image_grid_thw)`` of a processor batch, checked."""
+        for key in ("pixel_values", "image_grid_thw"):
+            if key not in batch:
+                raise ValueError(f"the processor's output has no {key!r}: pass the "
+                                 "mapping the Qwen processor returns (pixel_values and "
+                                 "image_grid_thw)")
+        pixels, thw = batch["pixel_values"], batch["image_grid_thw"]
+        if not isinstance(pixels, Tensor) or pixels.dim() != 2:
+            raise ValueError(f"pixel_values must be the packed patches [ΣN, C·T·P·P], got "
+                             f"{getattr(pixels, 'shape', type(pixels).__name__)}")
+        thw = torch.as_tensor(thw)
+        if thw.dim() != 2 or thw.shape[1] != 3 or torch.is_floating_point(thw):
+            raise ValueError(f"image_grid_thw must be integers [n, 3] (t, h, w per image), "
+                             f"got shape {tuple(thw.shape)}")
+        width = self.in_chans * self.frames * self.patch ** 2
+        if pixels.shape[1] != width:
+            raise ValueError(f"pixel_values rows have {pixels.shape[1]} values but this tower "
+                             f"takes {width} (C·T·P·P = {self.in_chans}·{self.frames}·"
+                             f"{self.patch}·{self.patch})")
+        if bool((thw[:, 0] != 1).any()):
+            raise ValueError(f"image_grid_thw has t = {thw[:, 0].tolist()}: t > 1 is a video "
+                             "(pixel_values_videos), which is not supported; explain images")
+        if bool((thw[:, 1:] % self.merge != 0).any()) or bool((thw[:, 1:] < 1).any()):
+            raise ValueError(f"image_grid_thw {thw.tolist()}: h and w must be positive "
+                             f"multiples of spatial_merge_size {self.merge}")
+        total = int(thw.prod(-1).sum())
+        if total != pixels.shape[0]:
+            raise ValueError(f"image_grid_thw {thw.tolist()} covers {total} patches but "
+                             f"pixel_values has {pixels.shape[0]} rows: pass the "
+                             "image_grid_thw the processor returned with these pixel_values")
+        return pixels, thw.long()
+
+    def processor_images(self, batch: Mapping[str, Any]) -> list[tuple[Tensor, Tensor]]:
+        """The images of a Qwen processor's output, ``[k, C, H, W]`` per grid.
+
+        ``pixel_values`` ``[ΣN, C·T·P·P]`` is cut by ``image_grid_thw`` (``t·h·w`` rows
+        per image, in order), each image unpacked (:meth:`unpack`), and the images of one
+        grid stacked in batch order.
+
+        Raises:
+            ValueError: a key missing, an ``image_grid_thw`` that does not cover
+                ``pixel_values``, a video (``t > 1``).
+        """
+        pixels, thw = self._grids(batch)
+        groups: dict[tuple[int, int], list[int]] = {}
+        images: list[Tensor] = []
+        start = 0
+        for i, (_, h, w) in enumerate(thw.tolist()):
+            images.append(self.unpack(pixels[start:start + h * w], (h, w)))
+            start += h * w
+            groups.setdefault((h, w), []).append(i)
+        return [(torch.tensor(idx, dtype=torch.long), torch.cat([images[i] for i in idx]))
+                for idx in groups.values()]
+
+    def processor_pixels(self, maps: Sequence[Tensor], batch: Mapping[str, Any]) -> Tensor:
+        """Per-image pixel maps packed as ``pixel_values``: each pixel's value spread
+        equally over its ``T`` temporal copies (the row sums are the pixel maps')."""
+        return torch.cat([self.pack(m) / self.frames for m in maps])
+
+    # -- embedding --------------------------------------------------------------------------
+    def embed(self, inputs: Tensor, ops: Ops | None = None) -> Tensor:
+        """The model's ``patch_embed`` of the packed images (Qwen3-VL: plus the
+        interpolated ``pos_embed``), in raster order ``[B, N, D]``; keeps the rotary
+        tables of the grid for the blocks.
+
+        With ``ops`` the value is the same and the patch projection (the ``Conv3d`` on
+        ``T`` copies: the 2-D kernel summed over ``T``) runs through ``ops.linear`` as
+        ``p - p.detach()`` (exactly 0), so every pixel gradient goes through it.
+        """
+        m = self.model
+        b, c, hh, ww = inputs.shape
+        grid = (hh // self.patch, ww // self.patch)
+        n = grid[0] * grid[1]
+        order = merge_order(grid, self.merge, inputs.device)
+        packed = self.pack(inputs if ops is None else inputs.detach())
+        x = m.patch_embed(packed).reshape(b, n, -1)[:, order.argsort()]
+        pos = self._positions(grid, inputs.device)
+        if self._interp is not None and self.qwen3:
+            thw = torch.tensor([[1, *grid]], device=inputs.device)
+            idx, wts = self._interp(thw, num_grid_per_side=m.num_grid_per_side,
+                                    mode=m.interpolation_mode,
+                                    align_corners=m.interpolation_align_corners,
+                                    spatial_merge_size=1)
+            table = (m.pos_embed(idx) * wts[:, :, None]).sum(1)
+            x = x + table.to(x.dtype)
+        with torch.no_grad():
+            self._rope = m.rotary_pos_emb(x, pos)
+        if ops is None:
+            return x
+        conv = m.patch_embed.proj
+        weight = conv.weight.sum(2).reshape(conv.out_channels, -1)  # [D, C·P·P]
+        p = self.patch
+        patches = inputs.reshape(b, c, grid[0], p, grid[1], p).permute(0, 2, 4, 1, 3, 5)
+        proj = ops.linear(patches.reshape(b, n, -1), weight, conv.bias)
+        return x + (proj - proj.detach())
+
+    # -- the model's own forward -------------------------------------------------------------
+    def model_tokens(self, inputs: Tensor) -> Tensor:
+        """The model's own ``last_hidden_state`` of images ``[B, C, H, W]`` (its forward on
+        the packed rows), in raster order ``[B, N, D]``."""
+        b, _, hh, ww = inputs.shape
+        grid = (hh // self.patch, ww // self.patch)
+        thw = torch.tensor([[1, *grid]] * b, device=inputs.device)
+        out = self.model(self.pack(inputs), grid_thw=thw).last_hidden_state
+        order = merge_order(grid, self.merge, inputs.device)
+        return out.reshape(b, grid[0] * grid[1], -1)[:, order.argsort()]
+
+    def model_outputs(self, inputs: Tensor) -> Tensor:
+        """The patch mean of the model's own ``last_hidden_state`` ``[B, D]``."""
+        return self.model_tokens(inputs).mean(1)
+
+    def self_check_outputs(self, inputs: Tensor) -> dict[str, tuple[Any, Tensor]]:
+        """The last block's tokens of the model's forward against the canonical forward's
+        (every token, in raster order)."""
+        x = self.embed(inputs)
+        ops = Ops()
+        for l in range(len(self.blocks)):
+            x = self.block(x, l, ops)
+        return {"token": (self.model_tokens(inputs), x)}
+
+    def parameter_stages(self) -> list[list[nn.Parameter]]:
+        """Head stage (the merger and Qwen3-VL's deepstack mergers: what reads the blocks'
+        outputs), then blocks ``L-1 .. 0``; the embedding (patch projection, position
+        table) belongs to no stage."""
+        head = list(self.model.merger.parameters())
+        for merger in getattr(self.model, "deepstack_merger_list", ()):
+            head += list(merger.parameters())
+        return [head] + [list(layer.parameters()) for layer in reversed(self.layers)]
+
+
+__all__ = ["CLASSES", "HFQwenVisionAdapter", "is_hf_qwen_vision", "merge_order",
+           "qwen_tower_example", "qwen_vlm_example", "tiny_vision_config", "window_slots"]

@@ -1,0 +1,343 @@
+"""Qwen2-VL and Qwen3-VL: the vision towers' adapter against the models' own packed
+forward, processor outputs, and VLMAnswer against the VLMs' own forward (tiny random
+configs, float64; ids are given, no tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captum_vit.adapters import adapt
+from captum_vit.adapters.families._examples import VLM_IMAGE_ID as IMAGE
+from captum_vit.adapters.families.hf_qwen_vl import (
+    merge_order,
+    qwen_tower_example,
+    qwen_vlm_example,
+)
+from captum_vit.registry import available_methods, build_method
+from captum_vit.targets import VLMAnswer
+from tests.helpers import assert_unchanged, snapshot
+
+transformers = pytest.importorskip("transformers")
+
+START, END = 297, 298  # vision_start, vision_end of the tiny configs
+TOWERS = ("Qwen2VisionTransformerPretrainedModel", "Qwen3VLVisionModel")
+VLMS = ("Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def model_of(cls_name: str) -> torch.nn.Module:
+    if cls_name not in _MODELS:
+        build = qwen_tower_example(cls_name) if cls_name in TOWERS else qwen_vlm_example(cls_name)
+        _MODELS[cls_name] = build()
+    return _MODELS[cls_name]
+
+
+def images(batch: int = 2, size: tuple[int, int] = (16, 24), seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, *size, generator=g, dtype=torch.float64)
+
+
+def patchify(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Qwen image processor's own packing (``Qwen2VLImageProcessor.patchify``, patch 4,
+    merge 2, 2 temporal copies): ``(pixel_values [ΣN, 96], image_grid_thw [B, 3])``."""
+    rows, gh, gw = transformers.Qwen2VLImageProcessor().patchify(
+        x, patch_size=4, merge_size=2, temporal_patch_size=2)
+    return rows.reshape(-1, rows.shape[-1]), torch.tensor([[1, gh, gw]] * x.shape[0])
+
+
+def raster(tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """One image's tokens in the tower's merge-group order back in raster order (the
+    order written out here: groups of 2x2 patches, groups row by row)."""
+    h, w = grid
+    out = torch.empty_like(tokens)
+    k = 0
+    for gr in range(h // 2):
+        for gc in range(w // 2):
+            for dr in range(2):
+                for dc in range(2):
+                    out[(2 * gr + dr) * w + 2 * gc + dc] = tokens[k]
+                    k += 1
+    return out
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-12) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=tol * (1 + b.abs().max().item()))
+
+
+def canonical_tokens(adapter, x: torch.Tensor) -> torch.Tensor:
+    from captum_vit.adapters.ops import Ops
+
+    h = adapter.embed(x)
+    for l in range(len(adapter.blocks)):
+        h = adapter.block(h, l, Ops())
+    return h
+
+
+@pytest.mark.parametrize("cls_name", TOWERS)
+def test_tower_forward_equals_the_models_packed_forward(cls_name):
+    """Two images per call at several sizes, and images of two sizes packed into ONE call
+    of the model (block-diagonal attention per image): the adapter's last tokens equal the
+    model's own ``last_hidden_state`` (1e-12, float64)."""
+    model = model_of(cls_name)
+    adapter = adapt(model)
+    assert merge_order((2, 4), 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    parts = []
+    with torch.no_grad():
+        for size in ((16, 24), (24, 16), (8, 8)):
+            x = images(2, size)
+            grid = (size[0] // 4, size[1] // 4)
+            rows, thw = patchify(x)
+            parts.append((x, rows, thw, grid))
+            ref = model(rows, grid_thw=thw).last_hidden_state.reshape(2, grid[0] * grid[1], -1)
+            ours = canonical_tokens(adapter, x)
+            for i in range(2):
+                close(ours[i], raster(ref[i], grid))
+        # one packed call holding images of three grids
+        rows = torch.cat([p[1] for p in parts])
+        thw = torch.cat([p[2] for p in parts])
+        ref = model(rows, grid_thw=thw).last_hidden_state
+        start = 0
+        for x, _, _, grid in parts:
+            ours = canonical_tokens(adapter, x)
+            for i in range(2):
+                n = grid[0] * grid[1]
+                close(ours[i], raster(ref[start:start + n], grid))
+                start += n
+
+
+@pytest.mark.parametrize("cls_name", TOWERS)
+def test_a_processors_output_gives_maps_per_image(cls_name):
+    """``attribute`` takes ``pixel_values`` + ``image_grid_thw`` of images of two sizes:
+    each image's map equals the map of the image alone; ``output="inputs"`` is shaped like
+    ``pixel_values`` (each pixel's value spread over its 2 temporal copies)."""
+    model = model_of(cls_name)
+    small, large = images(1, (8, 8), seed=3), images(2, (16, 24), seed=4)
+    r1, t1 = patchify(small)
+    r2, t2 = patchify(large)
+    batch = {"pixel_values": torch.cat([r2[:24], r1, r2[24:]]),
+             "image_grid_thw": torch.cat([t2[:1], t1, t2[1:]])}  # large, small, large
+    method = build_method("gae", model)
+    t = torch.randn(3, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    maps = method.attribute(batch, target=t)  # one target vector per image
+    assert isinstance(maps, list) and [m.shape for m in maps] == [
+        (1, 3, 16, 24), (1, 3, 8, 8), (1, 3, 16, 24)]
+    close(maps[1], method.attribute(small, target=t[1:2]))
+    close(torch.cat([maps[0], maps[2]]), method.attribute(large, target=t[[0, 2]]))
+    packed = method.attribute(batch, target=t, output="inputs")
+    assert packed.shape == batch["pixel_values"].shape
+    close(packed[24:28], patchify(maps[1])[0] / 2)  # the small image's rows
+    close(packed[:24], patchify(maps[0])[0] / 2)
+    bad = dict(batch, image_grid_thw=torch.tensor([[1, 4, 6], [1, 2, 2], [1, 4, 4]]))
+    with pytest.raises(ValueError, match="image_grid_thw .* covers 44 patches but pixel_values "
+                                         "has 52 rows"):
+        method.attribute(bad, target=t)
+    with pytest.raises(ValueError, match="t > 1 is a video"):
+        method.attribute(dict(batch, image_grid_thw=torch.tensor([[2, 4, 6], [1, 2, 2],
+                                                                   [1, 4, 6]])), target=t)
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        method.attribute({"pixel_values": batch["pixel_values"]}, target=t)
+
+
+def prompt(*text: int, tokens: int = 6) -> torch.Tensor:
+    return torch.tensor([1, START, *[IMAGE] * tokens, END, *text])
+
+
+def reference(model, x: torch.Tensor, ids: torch.Tensor, answer: torch.Tensor
+              ) -> torch.Tensor:
+    """``Σ log_softmax`` of the VLM's own forward (its tower on the processor's packing,
+    its own mRoPE positions) at the answer tokens, one image and prompt at a time: [B]."""
+    out = []
+    with torch.no_grad():
+        for i in range(x.shape[0]):
+            rows, thw = patchify(x[i:i + 1])
+            seq = torch.cat([ids, answer])[None]
+            logits = model(input_ids=seq, pixel_values=rows, image_grid_thw=thw,
+                           mm_token_type_ids=(seq == IMAGE).int(), use_cache=False).logits
+            logp = logits[0, -len(answer) - 1:-1].log_softmax(-1)
+            out.append(logp.gather(-1, answer[:, None]).sum())
+    return torch.stack(out)
+
+
+def scores(model, x, target) -> torch.Tensor:
+    adapter = adapt(VLMAnswer.tower(model))
+    with torch.no_grad(), adapter.targeting(target, grid=adapter.layout(x).grid):
+        return adapter.model_logits(x)
+
+
+@pytest.mark.parametrize("cls_name", VLMS)
+def test_answer_log_probability_equals_the_vlms_own_forward(cls_name):
+    model = model_of(cls_name)
+    x = images()
+    ids, answer = prompt(5, 7, 8), torch.tensor([11, 12, 13])
+    target = VLMAnswer(model, ids, answer)
+    if cls_name.startswith("Qwen3"):  # deepstack: block 0's output and the last block's
+        assert target.blocks == (1, 2)
+    want = reference(model, x, ids, answer)
+    cache = model.model.rope_deltas  # the model's own forward caches its mRoPE deltas
+    got = scores(model, x, target)
+    assert model.model.rope_deltas is cache  # the target passes positions: no cache write
+    assert got.shape == (2, 1)
+    close(got[:, 0], want, tol=1e-10)
+    assert (got[0] != got[1]).all()
+
+
+def test_two_images_per_prompt():
+    """A processor's output with one prompt holding two images: each image is explained in
+    its own slot (a column per image), the other held at the model's features; the
+    diagonal equals the VLM's own forward on the prompt with both images."""
+    model = model_of("Qwen2VLForConditionalGeneration")
+    x = images(2)
+    rows, thw = patchify(x)
+    ids = torch.cat([prompt(5), torch.tensor([START, *[IMAGE] * 6, END, 9])])[None]
+    answer = torch.tensor([11, 12])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "pixel_values": rows, "image_grid_thw": thw}
+    before = snapshot(model)
+    target = VLMAnswer(model, batch, answer)
+    assert target.num_columns(0) == 2 and target.index(2).tolist() == [0, 1]
+    got = scores(model, x, target)
+    seq = torch.cat([ids[0], answer])[None]
+    with torch.no_grad():
+        logits = model(input_ids=seq, pixel_values=rows, image_grid_thw=thw,
+                       mm_token_type_ids=(seq == IMAGE).int(), use_cache=False).logits
+    want = logits[0, -3:-1].log_softmax(-1).gather(-1, answer[:, None]).sum()
+    close(got.diagonal(), want.expand(2), tol=1e-10)
+    # explained through the processor's output: one map per image, on its own slot
+    tower = VLMAnswer.tower(model)
+    maps = build_method("gae", tower).attribute(batch, target=target)
+    assert maps.shape == x.shape and torch.isfinite(maps).all()
+    close(maps, build_method("gae", tower).attribute(x, target=target))
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("cls_name", VLMS)
+def test_a_processors_batch_of_prompts(cls_name):
+    """A processor's batch of two prompts (the shorter padded on the left), one image and
+    one answer each: a column per prompt, each image scored by its own prompt as the VLM's
+    own forward scores it; one question repeated is one column."""
+    model = model_of(cls_name)
+    x = images(2)
+    rows, thw = patchify(x)
+    long, short = prompt(5, 7, 8), prompt(9, 4)
+    ids = torch.stack([long, torch.cat([torch.zeros(1, dtype=torch.long), short])])
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    answer = torch.tensor([[11, 12], [21, 22]])
+    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": rows,
+             "image_grid_thw": thw}
+    target = VLMAnswer(model, batch, answer)
+    assert target.num_columns(0) == 2 and target.index(4).tolist() == [0, 0, 1, 1]
+    got = scores(model, x, target)
+    close(got[0, 0], reference(model, x[:1], long, answer[0])[0], tol=1e-10)
+    close(got[1, 1], reference(model, x[1:], short, answer[1])[0], tol=1e-9)
+    same = VLMAnswer(model, dict(batch, input_ids=long.expand(2, -1),
+                                 attention_mask=torch.ones(2, len(long), dtype=torch.long)),
+                     answer[0])
+    assert same.num_columns(0) == 1 and same.index(2).tolist() == [0, 0]
+    close(scores(model, x, same)[:, 0], reference(model, x, long, answer[0]), tol=1e-10)
+
+
+# TIS removes tokens: refused for a target that reads token rows (RISE and ViT-CX mask
+# pixels); the sub-network sums of PLUS / FullGrad+ end at the model's output, and
+# Qwen3-VL's answer reads two blocks (its deepstack block and the last).
+REFUSED = ("tis",)
+REFUSED_BLOCKS = ("fullgrad_plus", "skip_fullgrad_plus", "plus:", "skipplus:")  # Qwen3-VL
+FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 8, "score": "logit"},
+        "vit_cx": {"score": "logit"}, "bt_h": {"n_steps": 2, "start_layer": 0},
+        "bt_t": {"n_steps": 2, "start_layer": 0}, "tam": {"n_steps": 2, "start_layer": 0},
+        "scorecam": {"score": "logit"}}
+# every method on Qwen3-VL (the deepstack answer reads two blocks); one of each kind on
+# Qwen2-VL (the merged last block only), to keep the file fast
+QWEN2_KINDS = ("rollout", "gae", "decompx", "attnlrp", "cp_lrp", "token_ixg", "gradcam",
+               "alti", "rise", "tis", "plus:gae", "fullgrad_plus")
+CASES = [(name, VLMS[1]) for name in available_methods(compositions=True, baselines=False)]
+CASES += [(name, VLMS[0]) for name in QWEN2_KINDS]
+
+
+@pytest.mark.parametrize(("name", "cls_name"), CASES)
+def test_every_method_explains_the_answer_and_leaves_the_vlm_unchanged(name, cls_name):
+    model = model_of(cls_name)
+    tower = VLMAnswer.tower(model)
+    x = images()
+    target = VLMAnswer(model, prompt(5, 7), torch.tensor([11, 12]))
+    before = snapshot(model)
+    method = build_method(name, tower)
+    refused = name in REFUSED or (cls_name.startswith("Qwen3")
+                                  and name.startswith(REFUSED_BLOCKS))
+    if refused:
+        with pytest.raises(ValueError, match="VLMAnswer"):
+            method.attribute(x, target=target, **FAST.get(name, {}))
+    else:
+        maps = method.attribute(x, target=target, **FAST.get(name, {}))
+        assert maps.shape == x.shape and torch.isfinite(maps).all()
+        assert (maps.flatten(1).std(1) > 0).any(), f"{name}: constant"
+    assert_unchanged(model, before)
+
+
+def test_clear_errors_leave_the_model_unchanged():
+    model = model_of("Qwen2VLForConditionalGeneration")
+    before = snapshot(model)
+    answer = torch.tensor([11])
+    with pytest.raises(ValueError, match="every prompt must hold the image token"):
+        VLMAnswer(model, torch.tensor([1, 5, 7]), answer)
+    two = torch.cat([prompt(5), torch.tensor([START, *[IMAGE] * 6, END])])
+    with pytest.raises(ValueError, match="input_ids: prompt 0 holds 2 images"):
+        VLMAnswer(model, two, answer)
+    x = images(2)
+    rows, thw = patchify(x)
+    batch = {"input_ids": two[None], "pixel_values": rows, "image_grid_thw": thw}
+    with pytest.raises(ValueError, match=r"image_grid_thw \[\[1, 4, 6\], \[1, 4, 4\]\] gives "
+                                         r"\[6, 4\] image tokens"):
+        VLMAnswer(model, dict(batch, image_grid_thw=torch.tensor([[1, 4, 6], [1, 4, 4]])),
+                  answer)
+    with pytest.raises(ValueError, match="covers 48 patches but pixel_values has 40 rows"):
+        VLMAnswer(model, dict(batch, pixel_values=rows[:40]), answer)
+    # a prompt made for another image size
+    target = VLMAnswer(model, prompt(5, tokens=4), answer)
+    with pytest.raises(ValueError, match="explain VLMAnswer.tower"):
+        build_method("gae", VLMAnswer.tower(model)).attribute(x, target=target)
+    with pytest.raises(ValueError, match="multiple"):
+        build_method("gae", VLMAnswer.tower(model)).attribute(
+            images(1, (12, 12)), target=VLMAnswer(model, prompt(5), answer))
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize(("grid", "window"), [((4, 6), 2), ((8, 8), 2), ((6, 10), 3),
+                                              ((4, 4), 8)])
+def test_qwen2_5_windows_as_index_sets(grid, window):
+    """Qwen2.5-VL's windows (``get_vision_window_index``: merged-token indices in window
+    order, window lengths in patches) are the index sets of ``window_slots`` (variable-size
+    edge windows; one window covering the grid when it is large)."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from captum_vit.adapters.families.hf_qwen_vl import window_slots
+
+    index, cu = get_vision_window_index(torch.tensor([[1, *grid]]), spatial_merge_size=2,
+                                        window_size=window * 2 * 4, patch_size=4)
+    lengths = (cu[1:] - cu[:-1]) // 4  # merged tokens per window
+    lw = grid[1] // 2
+    theirs = []
+    for part in torch.split(index, lengths.tolist()):
+        theirs.append(sorted((2 * (t // lw) + dr) * grid[1] + 2 * (t % lw) + dc
+                             for t in part.tolist() for dr in range(2) for dc in range(2)))
+    ours = [sorted(i for i in row.tolist() if i >= 0) for row in window_slots(grid, 2, window)]
+    assert ours == theirs
+    assert sorted(i for row in ours for i in row) == list(range(grid[0] * grid[1]))
+
+
+def test_qwen2_5_vl_is_refused_by_name():
+    cfg = transformers.Qwen2_5_VLConfig(
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": 16, "patch_size": 4, "window_size": 16},
+        text_config={"vocab_size": 300, "hidden_size": 16, "intermediate_size": 32,
+                     "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "num_key_value_heads": 1,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
+        image_token_id=IMAGE)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with pytest.raises(TypeError, match="Qwen2_5_VLForConditionalGeneration is not supported "
+                                        "yet: its vision tower normalises with RMSNorm"):
+        VLMAnswer(model, prompt(5), [4])
+    with pytest.raises(TypeError, match="Qwen2_5_VisionTransformerPretrainedModel"):
+        adapt(model.model.visual)
