@@ -334,6 +334,17 @@ EXAMPLE_INFO: dict[str, Info] = {
                      "LlavaForConditionalGeneration (its CLIP vision tower)"),
     "hf_paligemma": Info("hf_paligemma", "PaliGemma", _OT, ("vlm",),
                          "PaliGemmaForConditionalGeneration (its 2-block SigLIP tower)"),
+    "hf_gemma3": Info("hf_gemma3", "Gemma 3", _OT, ("vlm",),
+                      "Gemma3ForConditionalGeneration (its 2-block SigLIP tower, the pooling "
+                      "projector)"),
+    "hf_internvl": Info("hf_internvl", "InternVL", _OT, ("vlm",),
+                        "InternVLForConditionalGeneration (its InternViT tower, the pixel "
+                        "shuffle)"),
+    "hf_qwen2_vl": Info("hf_qwen2_vl", "Qwen2-VL", _OT, ("vlm",),
+                        "Qwen2VLForConditionalGeneration (its vision tower, the merger)"),
+    "hf_qwen3_vl": Info("hf_qwen3_vl", "Qwen3-VL", _OT, ("vlm",),
+                        "Qwen3VLForConditionalGeneration (its vision tower, the merger and "
+                        "deepstack mergers)"),
     "hf_dpt": Info("hf_dpt", "DPT", _OT, ("depth",),
                    "DPTForDepthEstimation (its 5-block DINOv2 backbone, patch 7)"),
     "hf_depth_anything": Info("hf_depth_anything", "Depth Anything", _OT, ("depth",),
@@ -404,6 +415,7 @@ def setup(family: Family) -> Setup:
     """Build ``family``'s model (random, float32, eval), inputs and targets."""
     from captum_vit.adapters import adapt
     from captum_vit.adapters.families._examples import VLM_IMAGE_ID
+    from captum_vit.adapters.hf_vlm import vlm_parts
     from captum_vit.targets import (
         Contrastive,
         DepthTarget,
@@ -423,8 +435,9 @@ def setup(family: Family) -> Setup:
     options: dict[str, dict[str, Any]] = {}
     if "vlm" in family.kinds:
         model = VLMAnswer.tower(full)
-        patches = (family.size[0] // 8) * (family.size[1] // 8)
-        ids = torch.tensor([1, *[VLM_IMAGE_ID] * patches, 5, 7])  # the example's prompt
+        tokens = adapt(model).layout(x).num_tokens  # the tower's rows -> the image tokens
+        features = vlm_parts(full).num_features(tokens)
+        ids = torch.tensor([1, *[VLM_IMAGE_ID] * features, 5, 7])  # the example's prompt
         targets["vlm"] = lambda: VLMAnswer(full, ids, torch.tensor([11, 12]))
     if "depth" in family.kinds:
         model = full.backbone
@@ -504,15 +517,22 @@ def _tensor_of(out: Any) -> Tensor:
 def forward_backward_seconds(model: nn.Module, x: Tensor, repeats: int = 5) -> float:
     """Fastest time of one forward of ``model`` on ``x`` (Hugging Face models at another
     size than their config's: with ``interpolate_pos_encoding=True``, as a user calls
-    them) and one backward of its output's sum to the inputs: the unit of the matrix's time
+    them; a model that takes patches: on the patches its adapter makes) and one backward of its output's sum to the inputs: the unit of the matrix's time
     ratios."""
     def forward(inputs: Tensor) -> Any:
         try:
             return model(inputs)
-        except ValueError:
-            if not hasattr(model, "config"):
-                raise
-            return model(inputs, interpolate_pos_encoding=True)
+        except (TypeError, ValueError):
+            if hasattr(model, "config"):
+                try:
+                    return model(inputs, interpolate_pos_encoding=True)
+                except (TypeError, ValueError):
+                    pass
+            from captum_vit.adapters import adapt
+
+            # a model whose pixel_values are patches (SigLIP2 NaFlex, Qwen-VL's packed
+            # inputs): its own forward on the patches its adapter makes of the images
+            return adapt(model).model_outputs(inputs)
 
     times = []
     for _ in range(repeats + 1):
@@ -931,8 +951,8 @@ README_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "hf_data2vec", "hf_clip_cls", "hf_siglip_cls")),
     ("Hugging Face head-less `ViTModel`, `DeiTModel`, `Dinov2Model`",
      ("hf_vit_model", "hf_deit_model", "hf_dinov2_model")),
-    ("Hugging Face CLIP / SigLIP towers, the towers of LLaVA and PaliGemma",
-     ("hf_clip", "hf_clip_noproj", "hf_siglip", "hf_llava", "hf_paligemma")),
+    ("Hugging Face CLIP / SigLIP towers, the towers of LLaVA, PaliGemma and Gemma 3",
+     ("hf_clip", "hf_clip_noproj", "hf_siglip", "hf_llava", "hf_paligemma", "hf_gemma3")),
     ("Hugging Face `Dinov2Backbone` of DPT / Depth Anything", ("hf_dpt", "hf_depth_anything")),
     ("Hugging Face YOLOS (with or without mid position embeddings)",
      ("hf_yolos", "hf_yolos_mid")),

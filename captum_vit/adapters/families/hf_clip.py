@@ -164,6 +164,25 @@ def _paligemma(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.floa
     return transformers_model("PaliGemmaForConditionalGeneration", cfg, seed, dtype)
 
 
+def _gemma3(*, seed: int = 0, depth: int = 2, dtype: torch.dtype = torch.float64,
+            num_classes: int = 5, **overrides: Any) -> nn.Module:
+    """A small ``Gemma3ForConditionalGeneration``: a SigLIP tower without head (32 px,
+    patch 8: 16 rows average-pooled 2×2 to 4 image tokens) and a 2-layer Gemma 3 whose
+    image placeholder is :data:`VLM_IMAGE_ID`."""
+    cfg = library("transformers").Gemma3Config(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32,
+                       "intermediate_size": 64, "num_hidden_layers": depth,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                       "vision_use_head": False},
+        text_config={"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 24,
+                     "intermediate_size": 48, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12,
+                     "sliding_window": 4, "max_position_embeddings": 256},
+        mm_tokens_per_image=4, image_token_id=VLM_IMAGE_ID, boi_token_id=297,
+        eoi_token_id=298, **overrides)
+    return transformers_model("Gemma3ForConditionalGeneration", cfg, seed, dtype)
+
+
 @register_family(
     is_hf_embedding,
     name="hf_embedding",
@@ -189,6 +208,8 @@ def _paligemma(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.floa
                             tags=("matrix",), suite=False),
         "hf_paligemma": Example(_paligemma, (32, 32), library="transformers", target="vlm",
                                 tags=("matrix",), suite=False),
+        "hf_gemma3": Example(_gemma3, (32, 32), library="transformers", target="vlm",
+                             tags=("matrix",), suite=False),
     })
 class HFEmbeddingAdapter(HFViTBase):
     """Canonical view of a Hugging Face CLIP / SigLIP vision tower (never modified).

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.catalog import Example, register_family
-from captum_vit.adapters.families._examples import library, transformers_model
+from captum_vit.adapters.families._examples import VLM_IMAGE_ID, library, transformers_model
 from captum_vit.adapters.families._hf import HFPatchGrid, has_config_dropout, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
@@ -131,6 +131,24 @@ def internvl_tower_example(qk_norm: bool = False, mean_pooling: bool = True
     return build
 
 
+def internvl_vlm_example(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
+                         num_classes: int = 5, **overrides: Any) -> nn.Module:
+    """A tiny ``InternVLForConditionalGeneration``: an InternViT tower (32 px, patch 8,
+    LayerScale) and a 2-layer Qwen2 (width 32, vocabulary 300); the pixel shuffle makes 4
+    image features of a tile's 16 patches, at the placeholder :data:`VLM_IMAGE_ID`."""
+    transformers = library("transformers")
+    vision = dict(model_type="internvl_vision", hidden_size=32, num_hidden_layers=depth,
+                  num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8,
+                  attention_bias=True)
+    text = dict(model_type="qwen2", vocab_size=300, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256)
+    cfg = transformers.InternVLConfig(vision_config=vision, text_config=text,
+                                      image_token_id=VLM_IMAGE_ID, image_seq_length=4,
+                                      **overrides)
+    return transformers_model("InternVLForConditionalGeneration", cfg, seed, dtype)
+
+
 @register_family(
     is_hf_internvl,
     supports="Hugging Face InternVLVisionModel (InternVL's InternViT tower: CLS, LayerScale, "
@@ -147,6 +165,9 @@ def internvl_tower_example(qk_norm: bool = False, mean_pooling: bool = True
     examples={
         "hf_internvl_tower": Example(internvl_tower_example(), (32, 32),
                                      library="transformers", target="embedding"),
+        # a support-matrix column: the whole VLM, its tower explained through VLMAnswer
+        "hf_internvl": Example(internvl_vlm_example, (32, 32), library="transformers",
+                               target="vlm", tags=("matrix",), suite=False),
     })
 class HFInternVLAdapter(HFPatchGrid):
     """Canonical view of a Hugging Face ``InternVLVisionModel`` (never modified).
