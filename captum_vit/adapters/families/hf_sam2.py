@@ -155,8 +155,10 @@ def sam2_example(vision: bool = False, **config: Any) -> Callable[..., nn.Module
            "(remove pixels), other input sizes, stage changes without pooling"),
     examples={
         # 32 px, four stages (8x8 ... 1x1 grids), windows of 4 and 2 (the pooling blocks'
-        # windows pooled inside), one global block; its 16 outputs as integer targets
-        "hf_sam2": Example(sam2_example(vision=True), (32, 32), library="transformers"),
+        # windows pooled inside), one global block; vector targets on its 16-d output
+        # (the embedding suite expects global attention and other sizes: its own tests)
+        "hf_sam2": Example(sam2_example(vision=True), (32, 32), library="transformers",
+                           target="embedding", suite=False),
         # a support-matrix column: Sam2Model, vector targets and Sam2MaskTarget's masks
         "hf_sam2_model": Example(sam2_example(), (32, 32), library="transformers",
                                  target="sam_mask", tags=("matrix",), suite=False),
@@ -342,3 +344,101 @@ class HFSam2Adapter(ViTAdapter):
 
     def is_random(self) -> bool:
         return False  # SAM 2's encoder has no dropout
+
+
+def sam2_model(model: object) -> nn.Module:
+    """``model`` if it is a Hugging Face ``Sam2Model`` (with its prompt encoder and mask
+    decoder).
+
+    Raises:
+        TypeError: another model (a ``Sam2VisionModel`` has no mask decoder).
+    """
+    if not isinstance(model, nn.Module) or not is_transformers_model(model, ("Sam2Model",)):
+        raise TypeError(f"model must be a Hugging Face Sam2Model (image encoder, prompt "
+                        f"encoder and mask decoder), got {type(model).__name__}; an image "
+                        "encoder alone (Sam2VisionModel) has no masks: explain its embedding "
+                        "with an EmbeddingTarget")
+    return model
+
+
+def sam2_read_stages(model: nn.Module) -> tuple[int, ...]:
+    """The trunk stages whose outputs reach the mask decoder of a ``Sam2Model``: the
+    ``num_feature_levels`` finest, and every coarser one a top-down connection of the FPN
+    brings into them (sorted, finest first)."""
+    enc = cast(ModelTree, model).vision_encoder
+    n = len(enc.neck.convs) - 1
+    read = set(range(int(enc.num_feature_levels)))
+    levels = {int(i) for i in enc.neck.fpn_top_down_levels}
+    for i in sorted(read):
+        j = i
+        while j in levels and j != n:  # level j adds the upsampled level j + 1
+            j += 1
+            read.add(j)
+    return tuple(sorted(read))
+
+
+def sam2_stage_grids(model: nn.Module) -> list[tuple[int, int]]:
+    """The token grid of each trunk stage of a ``Sam2Model`` at its configured size (finest
+    first)."""
+    return HFSam2Adapter(cast(ModelTree, model)).stage_grids()
+
+
+def sam2_mask_logits(model: nn.Module, stages: dict[int, Tensor],
+                     grids: list[tuple[int, int]], points: Tensor | None,
+                     labels: Tensor | None, boxes: Tensor | None,
+                     multimask_output: bool) -> Tensor:
+    """The low-resolution mask logits of SAM 2's own neck, prompt encoder and mask decoder
+    on trunk stage outputs, for ``u`` prompts on each of ``n`` images:
+    ``[n, u, masks, h_m, w_m]`` (``Sam2Model.forward``'s ``pred_masks``).
+
+    As ``Sam2Model.forward`` computes them from ``pixel_values``: the FPN neck on the
+    stage outputs, its ``num_feature_levels`` finest levels (finest first), the decoder's
+    ``conv_s0`` / ``conv_s1`` on the two finest and ``no_memory_embedding`` added to the
+    coarsest (the image embedding), then ``Sam2Model.forward`` with ``image_embeddings``.
+
+    Args:
+        model (nn.Module): a ``Sam2Model``.
+        stages (dict[int, Tensor]): token states ``[n, h_s w_s, D_s]`` (raster order) of
+            the stages :func:`sam2_read_stages` lists; the other stages do not reach the
+            masks (zeros are passed for them).
+        grids (list): every stage's grid (:func:`sam2_stage_grids`).
+        points (Tensor, optional): ``[u, P, 2]`` pixel coordinates ``(x, y)`` of the
+            model's input images.
+        labels (Tensor, optional): ``[u, P]`` (1 foreground, 0 background).
+        boxes (Tensor, optional): ``[u, 4]`` ``(x0, y0, x1, y1)`` in pixels.
+        multimask_output (bool): the decoder's three masks, or its single one.
+
+    Raises:
+        ValueError: stage states of another grid than the model's.
+    """
+    m = cast(ModelTree, model)
+    enc = m.vision_encoder
+    widths = [int(c.in_channels) for c in enc.neck.convs][::-1]  # finest first
+    some = next(iter(stages.values()))
+    n = some.shape[0]
+    states = []
+    for s, (grid, width) in enumerate(zip(grids, widths, strict=True)):
+        x = stages.get(s)
+        if x is None:
+            states.append(some.new_zeros(n, *grid, width))
+            continue
+        if tuple(x.shape[1:]) != (grid[0] * grid[1], width):
+            raise ValueError(f"stage {s} of this Sam2Model has {grid[0]}x{grid[1]} tokens of "
+                             f"width {width}, got states of shape {tuple(x.shape)}: explain "
+                             "the Sam2Model given to the target")
+        states.append(x.reshape(n, *grid, width))
+    fpn, _ = enc.neck(tuple(states))
+    maps = list(fpn[-int(enc.num_feature_levels):][::-1])
+    maps[0] = m.mask_decoder.conv_s0(maps[0])
+    maps[1] = m.mask_decoder.conv_s1(maps[1])
+    maps[-1] = maps[-1] + m.no_memory_embedding.reshape(1, -1, 1, 1)
+    kw: dict = {}
+    ref = maps[-1]
+    if points is not None:
+        kw["input_points"] = points.to(ref)[None].expand(n, *points.shape)
+        labels = cast(Tensor, labels)  # labels go with points
+        kw["input_labels"] = labels.to(ref.device)[None].expand(n, *labels.shape)
+    if boxes is not None:
+        kw["input_boxes"] = boxes.to(ref)[None].expand(n, *boxes.shape)
+    out = model(image_embeddings=maps, multimask_output=multimask_output, **kw)
+    return out.pred_masks
