@@ -93,8 +93,9 @@ class Sam2MaskTarget(SamMaskTarget):
         self.stages = sam2_read_stages(self.model)
         """The trunk stages the decoder reads (finest first)."""
         ends = [int(e) for e in self.model.vision_encoder.backbone.stage_ends]
-        self.blocks = tuple(ends[s] + 1 for s in self.stages)
+        self.read = tuple(ends[s] + 1 for s in self.stages)
         """The block outputs ``x_l`` read: the last block of each stage in :attr:`stages`."""
+        self.blocks = self.read
         self.grids = sam2_stage_grids(self.model)
 
     @staticmethod
@@ -107,9 +108,9 @@ class Sam2MaskTarget(SamMaskTarget):
         outputs ``out.hidden`` of ``n`` images (SAM 2's own neck and decoder)."""
         if not out.hidden:
             raise ValueError("Sam2MaskTarget reads the outputs of the image encoder's stages "
-                             f"(blocks {list(self.blocks)}); explain the Sam2Model given to "
+                             f"(blocks {list(self.read)}); explain the Sam2Model given to "
                              "the target")
-        read = dict(zip(self.stages, self.blocks, strict=True))
+        read = dict(zip(self.stages, self.read, strict=True))
         stages = {s: out.hidden[l] for s, l in read.items()}
         pts, lab, box = self._prompts()
         z = sam2_mask_logits(self.model, stages, self.grids, pts, lab, box,
