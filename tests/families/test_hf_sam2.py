@@ -262,3 +262,72 @@ def test_settings_the_canonical_form_does_not_have_are_refused_by_name():
         conv.in_channels, conv.out_channels, 3, padding=1).double()
     with pytest.raises(TypeError, match="1x1"):
         adapt(model)
+
+
+def _dense_mixing(model, x):
+    """Per block the dense head-mean attention over the real keys ``Ā`` [B, N_out, N_in]
+    and the residual's token mixing ``R`` (the identity, or each pooled token's children's
+    share of the channels where they are the maximum), written here from the trace's LN1
+    states with a mask over windows of the zero-padded grid: a padded slot's key is the key
+    bias, in the softmax but not a token (independent of the windowed engine)."""
+    a = adapt(model)
+    tr = a.trace(x)
+    out = []
+    for p, rec in zip(a.blocks, tr.blocks, strict=True):
+        u = rec.u
+        b, n, c = u.shape
+        (gh, gw), (mh, mw), (ph, pw) = p.window.grid, p.window.size, p.window.padded
+        h, d = p.num_heads, p.head_dim
+        up = torch.nn.functional.pad(u.reshape(b, gh, gw, c), (0, 0, 0, pw - gw, 0, ph - gh))
+        real = torch.zeros(ph, pw, dtype=torch.bool)
+        real[:gh, :gw] = True
+        q = torch.nn.functional.linear(up, p.q_weight, p.q_bias)  # [b, ph, pw, h d]
+        iy, ix = torch.arange(ph).repeat_interleave(pw), torch.arange(pw).repeat(ph)
+        win_in = (iy // mh) * 1000 + ix // mw
+        oh, ow, qh, qw, win_out = gh, gw, ph, pw, win_in
+        if p.pool is not None:  # q max-pooled 2x2 on the padded grid (inside the windows)
+            q = torch.nn.functional.max_pool2d(q.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1)
+            oh, ow, qh, qw = gh // 2, gw // 2, ph // 2, pw // 2
+            oy, ox = torch.arange(qh).repeat_interleave(qw), torch.arange(qw).repeat(qh)
+            win_out = (oy // (mh // 2)) * 1000 + ox // (mw // 2)
+        q = q.reshape(b, qh * qw, h, d).transpose(1, 2)
+        k = torch.nn.functional.linear(up, p.k_weight, p.k_bias).reshape(b, ph * pw, h, d)
+        logits = (q * p.scale) @ k.transpose(1, 2).transpose(-1, -2)
+        logits = logits.masked_fill(win_out[:, None] != win_in[None], float("-inf"))
+        probs = logits.softmax(-1).mean(1)  # [b, qh qw, ph pw]
+        keep_out = torch.zeros(qh, qw, dtype=torch.bool)
+        keep_out[:oh, :ow] = True
+        mean = probs[:, keep_out.flatten()][:, :, real.flatten()]  # real queries and keys
+        if p.pool is None:
+            res = torch.eye(n, dtype=u.dtype).expand(b, n, n)
+        else:
+            vals = torch.nn.functional.linear(u, p.pool.weight, p.pool.bias)
+            vals = vals.reshape(b, oh, 2, ow, 2, -1)
+            top = (vals == vals.amax(dim=(2, 4), keepdim=True)).double()
+            share = (top / top.sum(dim=(2, 4), keepdim=True)).mean(-1)  # [b, oh, 2, ow, 2]
+            res = torch.zeros(b, oh, ow, gh, gw, dtype=u.dtype)
+            for dy in range(2):
+                for dx in range(2):
+                    res[:, torch.arange(oh)[:, None], torch.arange(ow)[None],
+                        2 * torch.arange(oh)[:, None] + dy, 2 * torch.arange(ow)[None] + dx] = \
+                        share[:, :, dy, :, dx]
+            res = res.reshape(b, oh * ow, n)
+        out.append((mean, res))
+    return out
+
+
+def test_rollout_dense_reference_through_padded_pooled_windows():
+    """Rollout as a vector chain through windows padded on the grid, with the queries
+    pooled inside them, equals the dense product of ``(Ā_l + R_l) / rowsum`` written here
+    (the embedding's mean readout of the last 2x2 grid)."""
+    model = padded()
+    x = images(size=64)
+    blocks = _dense_mixing(model, x)
+    with torch.no_grad():
+        v = torch.full((2, 4), 0.25, dtype=torch.float64)
+        for mean, res in reversed(blocks):
+            m = mean + res
+            v = torch.einsum("bi,bij->bj", v, m / m.sum(-1, keepdim=True))
+    t = torch.ones(16, dtype=torch.float64)
+    got = build_method("rollout", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(got, v, rtol=0, atol=1e-12)
