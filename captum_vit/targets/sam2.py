@@ -74,14 +74,21 @@ class Sam2MaskTarget(SamMaskTarget):
 
     Examples::
 
+        >>> import torch
         >>> from captum_vit import GAE
+        >>> from captum_vit.adapters.families.hf_sam2 import sam2_example
         >>> from captum_vit.targets import Sam2MaskTarget
-        >>> sam2 = Sam2Model.from_pretrained(path).eval()
-        >>> inputs = processor(image, input_points=[[[[450, 600]]]], return_tensors="pt")
-        >>> target = Sam2MaskTarget(sam2, points=inputs["input_points"][0, 0], mask=0)
-        >>> target.blocks                        # SAM 2.1-T: the ends of its 4 stages
-        (1, 3, 10, 12)
-        >>> maps = GAE(sam2).attribute(inputs["pixel_values"], target=target)
+        >>> sam2 = sam2_example()()   # a tiny random Sam2Model; or Sam2Model.from_pretrained
+        >>> x = torch.randn(2, 3, 32, 32, dtype=torch.float64,
+        ...                 generator=torch.Generator().manual_seed(1))
+        >>> target = Sam2MaskTarget(sam2, points=[[10.0, 12.0]], mask=0)
+        >>> target.blocks             # the last block of each stage the decoder reads
+        (1, 2, 4, 5)
+        >>> GAE(sam2).attribute(x, target=target, output="grid").shape
+        torch.Size([2, 1, 8, 8])
+
+        With a checkpoint, prompts come from ``Sam2Processor`` for the resized image
+        (``inputs["input_points"][0, 0]``: the points of the first image's first mask).
     """
 
     model_name = "Sam2Model"
