@@ -331,3 +331,20 @@ def test_rollout_dense_reference_through_padded_pooled_windows():
     t = torch.ones(16, dtype=torch.float64)
     got = build_method("rollout", model).attribute(x, target=t, output="tokens")
     torch.testing.assert_close(got, v, rtol=0, atol=1e-12)
+
+
+def test_token_rows_of_a_later_stage_are_weighed_on_its_grid():
+    """A ``TokenTarget`` reads the last stage's rows (4 tokens on the padded example's 2x2
+    grid): the gradient-free readout is uniform over those rows, so Rollout's map (rows of
+    row-stochastic matrices) sums to 1 on the first grid; GAE runs (its readout weights were
+    sized for the first grid, 256 tokens)."""
+    from captum_vit.targets import TokenTarget
+
+    model = padded()
+    x = images(size=64)
+    t = TokenTarget(lambda z: (z ** 2).mean((1, 2)))
+    maps = build_method("rollout", model).attribute(x, target=t, output="tokens")
+    torch.testing.assert_close(maps.sum(-1), torch.ones(2, dtype=torch.float64), rtol=0,
+                               atol=1e-12)
+    gae = build_method("gae", model).attribute(x, target=t, output="tokens")
+    assert gae.shape == (2, 256) and torch.isfinite(gae).all() and (gae.std(-1) > 0).all()
