@@ -410,6 +410,7 @@ def setup(family: Family) -> Setup:
         DetectionTarget,
         HeadTarget,
         MultiLabel,
+        Sam2MaskTarget,
         SamMaskTarget,
         TokenTarget,
         VLMAnswer,
@@ -459,7 +460,9 @@ def setup(family: Family) -> Setup:
     if "detection" in family.kinds:
         targets["detection"] = lambda: DetectionTarget("best", label=[1, 3])
     if "sam_mask" in family.kinds:
-        targets["sam_mask"] = lambda: SamMaskTarget(full, points=[[12.0, 20.0]], mask=1)
+        # SAM 2's masks read several stages (Sam2MaskTarget); SAM's its neck's output
+        mask_cls = Sam2MaskTarget if type(full).__name__ == "Sam2Model" else SamMaskTarget
+        targets["sam_mask"] = lambda: mask_cls(full, points=[[12.0, 20.0]], mask=1)
         options["sam_mask"] = {"score": "logit"}
     return Setup(model, x, targets, options)
 
