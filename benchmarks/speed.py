@@ -8,7 +8,7 @@ Run::
                                     hf-videomae|timm-swin|hf-swin|hf-vivit|hf-vjepa2|
                                     hf-vjepa2-s|hf-dinov3|timm-swinv2|hf-swinv2|
                                     hf-timesformer|timm-hiera|hf-internvl|hf-idefics3|
-                                    hf-siglip2] \
+                                    hf-siglip2|hf-sam2] \
         [--batches 1 8] [--target class|token|vlm] [--clock wall|cpu]
 
 Each method is timed alternately with the reference (median of the per-pair ratios, so
@@ -43,8 +43,11 @@ divided space-time attention, 8 frames of 224 px; ``timm-hiera``: a Hiera-T-shap
 ``hf-idefics3``: SmolVLM's / Idefics3's ``Idefics3VisionTransformer`` at ViT-S/16 size,
 explained like ``hf-clip`` against the patch mean of its final-normed tokens;
 ``hf-siglip2``: a SigLIP2-B NaFlex-shaped ``Siglip2VisionModel`` at 256 patches (256 px,
-the processor's default ``max_num_patches``), explained like ``hf-clip``), measured in
-the same run as the methods. Methods that refuse a
+the processor's default ``max_num_patches``), explained like ``hf-clip``; ``hf-sam2``: a
+SAM 2.1-T-shaped ``Sam2VisionModel`` at 512 px (128 x 128 tokens first, windows padded in
+stage 3, global blocks, three query poolings, the FPN), explained like ``hf-clip`` on the
+grid mean of its FPN's top level), measured in the same run as the methods. Methods that
+refuse a
 family by name (TIS on Swin) are reported as refused.
 
 ``--target token`` explains a head of the user's own on the tokens instead of a class
@@ -431,6 +434,18 @@ def hf_siglip2_b(img_size: int = 256) -> torch.nn.Module:
     return Siglip2VisionModel(cfg).eval()
 
 
+def hf_sam2_t(img_size: int = 512) -> torch.nn.Module:
+    """A SAM 2.1-T-shaped Hugging Face ``Sam2VisionModel`` (the default ``Sam2HieraDetConfig``:
+    width 96, stages 1-2-7-2, windows 8-4-14-7, global blocks 5, 7, 9; the FPN of 256
+    channels) at ``img_size`` px (SAM 2 runs at 1024: 256 x 256 tokens first)."""
+    from transformers import Sam2VisionConfig, Sam2VisionModel
+
+    torch.manual_seed(0)
+    cfg = Sam2VisionConfig(backbone_config=dict(model_type="sam2_hiera_det_model",
+                                                image_size=[img_size, img_size]))
+    return Sam2VisionModel(cfg).eval()
+
+
 def inputs_of(model: torch.nn.Module, b: int,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """``b`` random inputs of ``model``: images [b, 3, 224, 224] (256 px for a Swin V2), or
@@ -443,6 +458,8 @@ def inputs_of(model: torch.nn.Module, b: int,
         return torch.randn(b, frames, 3, size, size, generator=generator)
     side = 256 if type(model).__name__ in ("SwinTransformerV2", "Swinv2ForImageClassification",
                                            "Siglip2VisionModel") else 224
+    if type(model).__name__ == "Sam2VisionModel":
+        side = int(model.config.backbone_config.image_size[0])
     return torch.randn(b, 3, side, side, generator=generator)
 
 
@@ -455,7 +472,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "hf-vjepa2-s": hf_vjepa2_s16, "hf-dinov3": hf_dinov3_s16, "timm-swinv2": swinv2_t,
     "hf-swinv2": hf_swinv2_t, "hf-timesformer": hf_timesformer_b, "timm-hiera": hiera_t,
     "hf-internvl": hf_internvl_s16, "hf-idefics3": hf_idefics3_s16,
-    "hf-siglip2": hf_siglip2_b}
+    "hf-siglip2": hf_siglip2_b, "hf-sam2": hf_sam2_t}
 
 
 def token_probe(z: torch.Tensor) -> torch.Tensor:
@@ -527,6 +544,11 @@ def targets_of(model: torch.nn.Module, b: int) -> tuple[Callable, object]:
         embed = lambda x: model(pixel_values=x).last_hidden_state.mean(1)  # noqa: E731
     elif type(model).__name__ == "Siglip2VisionModel":  # the pooled embedding
         dim, embed = model.config.hidden_size, functools.partial(logits_of, model)
+    elif type(model).__name__ == "Sam2VisionModel":  # the grid mean of the FPN's top level
+        def embed(x: torch.Tensor) -> torch.Tensor:
+            states = model.backbone(pixel_values=x).intermediate_hidden_states
+            return model.neck(states)[0][0].mean((-2, -1))
+        dim = model.config.fpn_hidden_size
     else:
         t = torch.arange(b) % 1000
         return (lambda x: logits_of(model, x)[torch.arange(b), t]), t
@@ -587,7 +609,7 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
           "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)",
           "hf-timesformer": "TimeSformer-B", "timm-hiera": "Hiera-T",
-          "hf-siglip2": "SigLIP2-B NaFlex 256 patches"}
+          "hf-siglip2": "SigLIP2-B NaFlex 256 patches", "hf-sam2": "SAM 2.1-T 512 px"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:

@@ -953,7 +953,8 @@ def _read_rows(tr: Trace, dt: torch.dtype) -> Tensor:
     gradient (gradient-free methods): uniform over the target's ``rows`` (default the
     patch rows)."""
     x0 = tr.x0
-    n = x0.shape[1]
+    # the read state's tokens: a later stage's grid on a hierarchical model (Hiera, SAM 2)
+    n = x0.shape[1] if tr.final_tokens is None else tr.final_tokens
     uniform = tr.layout.readout_weights(n, dtype=dt, device=x0.device).expand(x0.shape[0], -1)
     if tr.read is None or tr.read_grad is None:
         return uniform

@@ -422,6 +422,7 @@ def setup(family: Family) -> Setup:
         DetectionTarget,
         HeadTarget,
         MultiLabel,
+        Sam2MaskTarget,
         SamMaskTarget,
         TokenTarget,
         VLMAnswer,
@@ -472,7 +473,9 @@ def setup(family: Family) -> Setup:
     if "detection" in family.kinds:
         targets["detection"] = lambda: DetectionTarget("best", label=[1, 3])
     if "sam_mask" in family.kinds:
-        targets["sam_mask"] = lambda: SamMaskTarget(full, points=[[12.0, 20.0]], mask=1)
+        # SAM 2's masks read several stages (Sam2MaskTarget); SAM's its neck's output
+        mask_cls = Sam2MaskTarget if type(full).__name__ == "Sam2Model" else SamMaskTarget
+        targets["sam_mask"] = lambda: mask_cls(full, points=[[12.0, 20.0]], mask=1)
         options["sam_mask"] = {"score": "logit"}
     return Setup(model, x, targets, options)
 
@@ -517,8 +520,8 @@ def _tensor_of(out: Any) -> Tensor:
 def forward_backward_seconds(model: nn.Module, x: Tensor, repeats: int = 5) -> float:
     """Fastest time of one forward of ``model`` on ``x`` (Hugging Face models at another
     size than their config's: with ``interpolate_pos_encoding=True``, as a user calls
-    them; a model that takes patches: on the patches its adapter makes) and one backward of its output's sum to the inputs: the unit of the matrix's time
-    ratios."""
+    them; a model that takes patches: on the patches its adapter makes) and one backward
+    of its output's sum to the inputs: the unit of the matrix's time ratios."""
     def forward(inputs: Tensor) -> Any:
         try:
             return model(inputs)

@@ -287,18 +287,21 @@ class Stages:
         shares = shares.to(dtype)
         b = shares.shape[0]
         # per input token: its slot in its window; per output token: its window and slot
+        # (padded slots of windows padded on the grid, index -1, hold no token: left out)
         slot_in = torch.empty(keys.num_tokens, dtype=torch.long, device=device)
         idx_in = keys.index(device)
-        slot_in[idx_in.reshape(-1)] = torch.arange(keys.area, device=device).repeat(
-            keys.num_windows)
+        real_in = idx_in >= 0
+        slot_in[idx_in[real_in]] = torch.arange(keys.area, device=device).expand_as(
+            idx_in)[real_in]
         idx_out = rows.index(device)  # [n_W, M']
+        real_out = idx_out >= 0
         out = torch.zeros(b, keys.num_windows, rows.area, keys.area, dtype=dtype,
                           device=device)
         w_of = torch.arange(keys.num_windows, device=device)[:, None].expand_as(idx_out)
         s_of = torch.arange(rows.area, device=device)[None].expand_as(idx_out)
-        tok = idx_out.reshape(-1)  # output tokens in window order
+        tok = idx_out[real_out]  # output tokens in window order
         cols = slot_in[kids[tok]]  # [n_W M', 4]
-        out[:, w_of.reshape(-1)[:, None], s_of.reshape(-1)[:, None], cols] = shares[:, tok]
+        out[:, w_of[real_out][:, None], s_of[real_out][:, None], cols] = shares[:, tok]
         return out
 
 

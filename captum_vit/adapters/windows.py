@@ -371,9 +371,14 @@ class QueryPool:
 
     def query_window(self, window: Windows) -> Windows:
         """The windows of the pooled queries for key windows ``window`` of the input grid:
-        the same windows, each with half the side on the output grid."""
+        the same windows, each with half the side on the output grid. Windows padded at the
+        bottom and right (SAM 2: a window side that does not divide the even grid) pool
+        their padded slots among themselves: the output grid padded to whole half windows
+        has the same windows, and a pooled token of the real grid has real children only."""
         if window.size[0] % 2 or window.size[1] % 2 or any(window.shift) \
-                or window.padded != window.grid:
+                or window.grid != self.grid:
             raise ValueError(f"query pooling inside windows needs unshifted windows of even "
-                             f"sides that tile the grid, got {window}")
-        return Windows(grid=self.out_grid, size=(window.size[0] // 2, window.size[1] // 2))
+                             f"sides on the pooled grid {self.grid}, got {window}")
+        out = Windows(grid=self.out_grid, size=(window.size[0] // 2, window.size[1] // 2))
+        assert out.num_windows == window.num_windows  # even grid, even window sides
+        return out

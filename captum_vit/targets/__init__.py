@@ -5,8 +5,9 @@ vectors or an :class:`EmbeddingTarget` (a model that outputs an image embedding)
 :class:`Target` (any differentiable scalar of the model: :class:`ClassTarget`,
 :class:`MultiLabel`, :class:`Contrastive`, :class:`TokenTarget`, :class:`HeadTarget`,
 :class:`VLMAnswer`, :class:`DetectionTarget` (a detector's detection token),
-:class:`DepthTarget`, :class:`SamMaskTarget` (a mask of the Segment Anything Model), or a
-subclass of your own) or a plain callable on the logits.
+:class:`DepthTarget`, :class:`SamMaskTarget` (a mask of the Segment Anything Model),
+:class:`Sam2MaskTarget` (a mask of SAM 2), or a subclass of your own) or a plain callable
+on the logits.
 :func:`clip_text_target` turns text prompts into the :class:`EmbeddingTarget` of a CLIP-style
 model (OpenCLIP, Hugging Face CLIP and SigLIP); with ``text_relevance=True`` it is a
 :class:`TextEmbeddingTarget`, which also explains the prompt's tokens.
@@ -25,6 +26,7 @@ from captum_vit.targets.embedding import (
     scoring,
 )
 from captum_vit.targets.sam import SamMaskTarget
+from captum_vit.targets.sam2 import Sam2MaskTarget
 from captum_vit.targets.score import (
     CLASS_SCORES,
     LINEAR_IN_SCORE,
@@ -41,7 +43,8 @@ from captum_vit.targets.vlm import VLMAnswer
 __all__ = [
     "CLASS_SCORES", "LINEAR_IN_SCORE", "SIMILARITIES", "CallableTarget", "ClassTarget",
     "Contrastive", "DepthTarget", "DetectionTarget", "EmbeddingTarget", "HeadTarget", "MultiLabel",
-    "Outputs", "SamMaskTarget", "Target", "TextEmbeddingTarget", "TokenTarget", "VLMAnswer",
+    "Outputs", "Sam2MaskTarget", "SamMaskTarget", "Target", "TextEmbeddingTarget",
+    "TokenTarget", "VLMAnswer",
     "as_target", "clip_text_target", "embedding_target", "is_embedding_target", "per_image",
     "read_target_embeddings", "scoring",
 ]

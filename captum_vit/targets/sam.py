@@ -97,9 +97,12 @@ class SamMaskTarget(Target):
     reads_tokens = True
     probability = "sigmoid"
 
+    model_name = "SamModel"
+    """The model class the target runs (messages)."""
+
     def __init__(self, model: nn.Module, points: Any = None, labels: Any = None,
                  boxes: Any = None, mask: int = 0, multimask_output: bool = True) -> None:
-        self.model: ModelTree = sam_model(model)  # read by attribute names (its config)
+        self.model: ModelTree = self._own_model(model)  # read by attribute names
         if not isinstance(multimask_output, bool):
             raise TypeError(f"multimask_output must be a bool, got {multimask_output!r}")
         self.multimask_output = multimask_output
@@ -115,8 +118,8 @@ class SamMaskTarget(Target):
         self.points = _floats(points, "points", 2, 2)
         self.boxes = _floats(boxes, "boxes", 4, 1)
         if self.points is None and self.boxes is None:
-            raise ValueError("SamMaskTarget needs a prompt: points=[[x, y], ...] (with "
-                             "labels) and/or boxes=[x0, y0, x1, y1]")
+            raise ValueError(f"{type(self).__name__} needs a prompt: points=[[x, y], ...] "
+                             "(with labels) and/or boxes=[x0, y0, x1, y1]")
         if labels is not None and self.points is None:
             raise ValueError("labels label points: give points too")
         if self.points is not None:
@@ -148,8 +151,13 @@ class SamMaskTarget(Target):
 
     def __repr__(self) -> str:
         kinds = [k for k in ("points", "boxes") if getattr(self, k) is not None]
-        return (f"SamMaskTarget({'+'.join(kinds)}, prompts={self.count}, mask={self.mask}, "
-                f"multimask_output={self.multimask_output})")
+        return (f"{type(self).__name__}({'+'.join(kinds)}, prompts={self.count}, "
+                f"mask={self.mask}, multimask_output={self.multimask_output})")
+
+    @staticmethod
+    def _own_model(model: nn.Module) -> nn.Module:
+        """``model`` if this target can run it (:func:`sam_model`)."""
+        return sam_model(model)
 
     def _prompts(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Points, labels and boxes of the :attr:`count` prompts (``[u, ...]``)."""
@@ -165,6 +173,11 @@ class SamMaskTarget(Target):
         pts, lab, box = self._prompts()
         z = sam_mask_logits(self.model, embeddings, pts, lab, box, self.multimask_output)
         return z[:, :, self.mask]
+
+    def mask_logits(self, out: Outputs) -> Tensor:
+        """Mask :attr:`mask`'s logits ``[n, u, h_m, w_m]`` of every prompt on the
+        encoder outputs ``out`` of ``n`` images."""
+        return self.logits(self._embeddings(out))
 
     def _embeddings(self, out: Outputs) -> Tensor:
         if out.tokens is None:
@@ -196,12 +209,13 @@ class SamMaskTarget(Target):
                 the batch or reach outside the images, or an empty region.
         """
         own = getattr(adapter, "model", None)
+        name, cls = type(self).__name__, self.model_name
         if own is not self.model:
-            raise ValueError(f"SamMaskTarget's SamModel is not the model explained "
-                             f"({type(own).__name__}): pass the same SamModel to the method")
+            raise ValueError(f"{name}'s {cls} is not the model explained "
+                             f"({type(own).__name__}): pass the same {cls} to the method")
         self._check_inside(int(images.shape[-2]), int(images.shape[-1]))
         b = images.shape[0]
-        prompt_of = per_image(torch.arange(self.count), b, "SamMaskTarget's prompts")
+        prompt_of = per_image(torch.arange(self.count), b, f"{name}'s prompts")
         with torch.no_grad(), adapter.targeting(_SamLogits(self)):
             z = adapter.run(adapter.embed(images))  # [B, u * h * w]
         z = z.reshape(b, self.count, *self._mask_size()).cpu()
@@ -211,7 +225,7 @@ class SamMaskTarget(Target):
             raise ValueError(f"mask {self.mask} has no positive pixel on image(s) {empty}: "
                              "its region is empty, so its score is 0; choose another mask "
                              "(mask=) or prompt")
-        out = SamMaskTarget.__new__(SamMaskTarget)
+        out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
         out.region, out.prompt_of = region, prompt_of
         return out
@@ -226,11 +240,11 @@ class SamMaskTarget(Target):
             if out.any():
                 bad = xy[out][0].tolist()
                 raise ValueError(
-                    f"SamMaskTarget's {name} reach outside the {width}x{height} images "
+                    f"{type(self).__name__}'s {name} reach outside the {width}x{height} images "
                     f"(e.g. (x, y) = ({bad[0]:g}, {bad[1]:g})): prompts are pixel "
                     "coordinates (x, y) of the model's input images, in [0, width] x "
-                    "[0, height]; scale them as SamProcessor does (its input_points / "
-                    "input_boxes for the resized image)")
+                    "[0, height]; scale them as the model's processor does (its "
+                    "input_points / input_boxes for the resized image)")
 
     def _mask_size(self) -> tuple[int, int]:
         size = 4 * int(self.model.config.prompt_encoder_config.image_embedding_size)
@@ -238,9 +252,9 @@ class SamMaskTarget(Target):
 
     def _resolved(self) -> tuple[Tensor, Tensor]:
         if self.region is None or self.prompt_of is None:
-            raise ValueError("SamMaskTarget is not resolved: its region is fixed on the clean "
-                             "forward; call target.resolve(adapt(model), images) first (the "
-                             "methods and metrics do)")
+            raise ValueError(f"{type(self).__name__} is not resolved: its region is fixed "
+                             "on the clean forward; call target.resolve(adapt(model), images) "
+                             "first (the methods and metrics do)")
         return self.region, self.prompt_of
 
     def num_columns(self, num_classes: int) -> int:
@@ -248,11 +262,11 @@ class SamMaskTarget(Target):
 
     def index(self, batch: int) -> Tensor:
         return per_image(torch.arange(self._resolved()[0].shape[0]), batch,
-                         "SamMaskTarget's images")
+                         f"{type(self).__name__}'s images")
 
     def columns(self, out: Outputs) -> Tensor:
         region, prompt_of = self._resolved()
-        z = self.logits(self._embeddings(out))  # [n, u, h, w]
+        z = self.mask_logits(out)  # [n, u, h, w]
         dev = z.device
         picked = z[:, prompt_of.to(dev)]  # [n, m, h, w]
         return (picked * region.to(dev, z.dtype)).sum((-2, -1))
@@ -266,7 +280,8 @@ class _SamLogits(Target):
 
     def __init__(self, target: SamMaskTarget) -> None:
         self.target = target
+        self.blocks = target.blocks  # the block outputs it reads (SAM 2: several stages)
 
     def columns(self, out: Outputs) -> Tensor:
-        z = self.target.logits(self.target._embeddings(out))
+        z = self.target.mask_logits(out)
         return z.reshape(z.shape[0], -1)

@@ -34,4 +34,5 @@ from captum_vit.adapters.families import hf_vjepa2  # noqa: F401
 from captum_vit.adapters.families import swin_v2  # noqa: F401
 from captum_vit.adapters.families import swin  # noqa: F401
 from captum_vit.adapters.families import sam  # noqa: F401
+from captum_vit.adapters.families import hf_sam2  # noqa: F401
 from captum_vit.adapters.families import hiera  # noqa: F401

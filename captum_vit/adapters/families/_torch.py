@@ -1,15 +1,18 @@
 """Readers of PyTorch's own modules, written once for every family that uses them:
 ``nn.MultiheadAttention`` with a packed in-projection (torchvision's ViT, OpenCLIP's
-towers), and the class lookup of the predicates."""
+towers), overlapping patch convolutions as linear maps (Hiera, SAM 2), and the class
+lookup of the predicates."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
+from captum_vit.adapters.ops import Ops
 
 
 def multihead_attention_fields(attn: ModelTree, where: str, *,
@@ -92,3 +95,23 @@ def is_loaded_instance(model: object, module: str, name: str) -> bool:
     """
     cls = loaded_class(module, name)
     return cls is not None and isinstance(model, cls)
+
+
+def conv_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
+    """A patch-embedding convolution with overlapping patches (any kernel, stride and zero
+    padding, one group) as the linear map of each output position's unfolded receptive
+    field through ``ops.linear``: tokens ``[B, h w, D]`` in raster order, equal to the
+    convolution. The unfolding is linear, so a rule set's relevance of overlapping
+    patches sums at the pixels.
+
+    Raises:
+        TypeError: ``conv`` is not such a ``Conv2d``.
+    """
+    if not isinstance(conv, nn.Conv2d) or conv.groups != 1 or conv.padding_mode != "zeros" \
+            or isinstance(conv.padding, str):
+        raise TypeError(f"{what} is not a zero-padded Conv2d with one group; explain "
+                        "at='tokens'")
+    cols = F.unfold(inputs, conv.kernel_size, dilation=conv.dilation, padding=conv.padding,
+                    stride=conv.stride)  # [B, C kh kw, L]
+    return ops.linear(cols.transpose(1, 2), conv.weight.reshape(conv.out_channels, -1),
+                      conv.bias)

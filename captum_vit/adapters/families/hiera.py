@@ -60,7 +60,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
@@ -74,7 +73,7 @@ from captum_vit.adapters.families._timm import (
     timm_gelus,
     timm_head,
 )
-from captum_vit.adapters.families._torch import is_loaded_instance
+from captum_vit.adapters.families._torch import conv_projection, is_loaded_instance
 from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts
@@ -93,26 +92,6 @@ def is_timm_hiera(model: nn.Module) -> bool:
 def is_hf_hiera(model: nn.Module) -> bool:
     """``True`` for Hugging Face ``HieraForImageClassification`` / ``HieraModel``."""
     return is_transformers_model(model, HF_HIERA_CLASSES)
-
-
-def conv_projection(inputs: Tensor, conv: nn.Module, ops: Ops, what: str) -> Tensor:
-    """A patch-embedding convolution with overlapping patches (any kernel, stride and zero
-    padding, one group) as the linear map of each output position's unfolded receptive
-    field through ``ops.linear``: tokens ``[B, h w, D]`` in raster order, equal to the
-    convolution. The unfolding is linear, so a rule set's relevance of overlapping
-    patches sums at the pixels.
-
-    Raises:
-        TypeError: ``conv`` is not such a ``Conv2d``.
-    """
-    if not isinstance(conv, nn.Conv2d) or conv.groups != 1 or conv.padding_mode != "zeros" \
-            or isinstance(conv.padding, str):
-        raise TypeError(f"{what} is not a zero-padded Conv2d with one group; explain "
-                        "at='tokens'")
-    cols = F.unfold(inputs, conv.kernel_size, dilation=conv.dilation, padding=conv.padding,
-                    stride=conv.stride)  # [B, C kh kw, L]
-    return ops.linear(cols.transpose(1, 2), conv.weight.reshape(conv.out_channels, -1),
-                      conv.bias)
 
 
 class _HieraBase(ViTAdapter):
