@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from captum_vit.adapters import grid_to_pixels
+from captum_vit.adapters.vlm_tiles import stitch
 
 SIGNS = ("auto", "all", "positive", "negative", "absolute_value")
 DISPLAYS = ("nearest", "bilinear")
@@ -929,94 +930,6 @@ __all__ = ["COLORBAR_LABEL", "DISPLAYS", "NEAR_ZERO_NOTE", "NEAR_ZERO_RTOL", "RE
            "VIDEO_FORMATS", "figure_formats", "frame_slices", "near_zero", "patch_grid",
            "plot_grid", "plot_heads", "plot_overlay", "plot_video", "prediction_title",
            "stitch", "upsample_map", "video_sheet"]
-
-
-def stitch(maps: Tensor, layout: Any) -> tuple[Tensor, Tensor | None]:
-    r"""Place each tile's map at its tile's place in the original image: the maps of an
-    image a vision-language model split into tiles (Idefics3 / SmolVLM splitting,
-    LLaVA-OneVision anyres), back on one canvas, and the global view's map apart.
-
-    The global view (the whole image downsized to one tile) is returned on its own, never
-    averaged into the tiles (our choice: it sees the whole image at another scale, so its
-    map is another map of the same image, not a part of the stitched one). The other
-    tiles are in raster order (row by row), as the processors return them.
-
-    Args:
-        maps (Tensor): ``[T, ..., h, w]``: one map per tile of ONE image, in the
-            processor's order (the global view included): e.g. the image's rows of a
-            method's maps of ``VLMAnswer(...).images()`` (``[T, C, S, S]`` pixels or
-            ``[T, 1, gh, gw]`` grids: any trailing size, the tile size scaled to it).
-        layout (TileLayout or Mapping): where the tiles lie
-            (:class:`~captum_vit.adapters.vlm_tiles.TileLayout`, from
-            ``VLMAnswer.layouts()``; or a mapping with ``rows``, ``cols``,
-            ``global_index`` and optionally ``crop`` and ``tile_size``).
-
-    Returns:
-        tuple: ``(stitched, global_view)``: ``stitched`` ``[..., rows·h, cols·w]`` (cut to
-        ``layout.crop``, scaled to the maps' size, when the image was padded to the
-        grid), ``global_view`` ``[..., h, w]`` or ``None`` when the image has no global
-        view.
-
-    Raises:
-        ValueError: ``maps`` has another number of tiles than ``layout``, or fewer than
-            two dimensions.
-        TypeError: ``maps`` is not a tensor.
-
-    Examples::
-
-        >>> import torch
-        >>> from captum_vit.viz import stitch
-        >>> # 2 × 3 tiles then the global view (Idefics3's order); tile i is the constant i
-        >>> maps = torch.arange(7.0)[:, None, None, None].expand(7, 1, 4, 4)
-        >>> layout = {"rows": 2, "cols": 3, "global_index": 6}
-        >>> stitched, global_view = stitch(maps, layout)
-        >>> stitched.shape, global_view.shape
-        (torch.Size([1, 8, 12]), torch.Size([1, 4, 4]))
-        >>> stitched[0, ::4, ::4]
-        tensor([[0., 1., 2.],
-                [3., 4., 5.]])
-        >>> float(global_view.mean())
-        6.0
-    """
-    from captum_vit.adapters.vlm_tiles import TileLayout
-
-    if not isinstance(maps, Tensor):
-        raise TypeError(f"maps must be a tensor [T, ..., h, w], got {type(maps).__name__}")
-    if isinstance(layout, Mapping):
-        extra = set(layout) - {"rows", "cols", "global_index", "crop", "tile_size"}
-        if extra or not {"rows", "cols"} <= set(layout):
-            raise ValueError("layout must be a TileLayout or a mapping with rows, cols, "
-                             "global_index (and optionally crop, tile_size); got keys "
-                             f"{sorted(layout)}")
-        size = tuple(maps.shape[-2:]) if maps.dim() >= 2 else (1, 1)
-        layout = TileLayout(layout["rows"], layout["cols"], layout.get("global_index"),
-                            tuple(layout.get("tile_size", size)), layout.get("crop"))
-    if not isinstance(layout, TileLayout):
-        raise TypeError(f"layout must be a TileLayout or a mapping, got "
-                        f"{type(layout).__name__}")
-    if maps.dim() < 3:
-        raise ValueError(f"maps must be [T, ..., h, w] (one map per tile), got shape "
-                         f"{tuple(maps.shape)}")
-    if maps.shape[0] != layout.num_tiles:
-        glob = "" if layout.global_index is None else " + 1 global view"
-        raise ValueError(f"maps has {maps.shape[0]} tiles but the layout has "
-                         f"{layout.num_tiles} ({layout.rows} × {layout.cols}{glob}): give "
-                         "the maps of this image's tiles only, in the processor's order")
-    r, c, g = layout.rows, layout.cols, layout.global_index
-    keep = [i for i in range(maps.shape[0]) if i != g]
-    tiles = maps[keep]  # [r·c, ..., h, w] in raster order
-    h, w = tiles.shape[-2:]
-    lead = tuple(tiles.shape[1:-2])
-    x = tiles.reshape(r, c, -1, h, w).permute(2, 0, 3, 1, 4).reshape(*lead, r * h, c * w)
-    if layout.crop is not None:
-        th, tw = layout.tile_size
-        top, left, ch, cw = layout.crop
-        sy, sx = h / th, w / tw
-        y0, x0 = int(math.floor(top * sy)), int(math.floor(left * sx))
-        y1, x1 = int(math.ceil((top + ch) * sy)), int(math.ceil((left + cw) * sx))
-        x = x[..., y0:y1, x0:x1]
-    return x, (None if g is None else maps[g])
-
 
 
 def plot_text_relevance(tokens: Sequence[str], relevance: Tensor | Sequence[float], *,

@@ -415,7 +415,7 @@ def setup(family: Family) -> Setup:
     """Build ``family``'s model (random, float32, eval), inputs and targets."""
     from captum_vit.adapters import adapt
     from captum_vit.adapters.families._examples import VLM_IMAGE_ID
-    from captum_vit.adapters.hf_vlm import vlm_parts
+    from captum_vit.adapters.vlms import vlm_parts
     from captum_vit.targets import (
         Contrastive,
         DepthTarget,

@@ -36,6 +36,14 @@ from torch import Tensor, nn
 from captum_vit.adapters._typing import ModelTree
 
 SUPPORTED = ("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
+"""The VLMs of this module (:func:`llava_parts`)."""
+ALL_SUPPORTED = (*SUPPORTED, "InternVLForConditionalGeneration",
+                 "Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                 "SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
+                 "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                 "Qwen3VLForConditionalGeneration")
+"""Every VLM :class:`~captum_vit.targets.VLMAnswer` serves (:mod:`captum_vit.adapters.vlms`),
+for the refusal messages."""
 TILED = ("VideoLlava", "LlavaNextVideo")
 """Class-name prefixes of VLMs that tile an image into crops (``anyres``): refused."""
 
@@ -208,35 +216,21 @@ def tower_states(tower: nn.Module, pixels: Tensor, layers: tuple[int, ...] | Non
         return [states[k] for k in wanted]
 
 
-def vlm_parts(model: Any) -> VLMParts:
-    """The :class:`VLMParts` of a supported vision-language model.
+def llava_parts(model: Any) -> VLMParts:
+    """The :class:`VLMParts` of a LLaVA or PaliGemma (the other VLMs:
+    :func:`captum_vit.adapters.vlms.vlm_parts`).
 
     Raises:
-        TypeError: a VLM that tiles its images (video LLaVAs; the tiled VLMs
-            of :mod:`captum_vit.adapters.vlm_tiles` are served there), another model, or a
-            layout this transformers version does not have.
+        TypeError: a video LLaVA, another model, or a layout this transformers version
+            does not have.
     """
-    from captum_vit.adapters.vlm_qwen import qwen_parts  # imports this module
-
-    qwen = qwen_parts(model)
-    if qwen is not None:
-        return qwen
     name = type(model).__name__
-    from captum_vit.adapters import vlm_internvl  # InternVL, Gemma 3
-    from captum_vit.adapters.vlm_tiles import tiled_parts  # tiled VLMs (imports this module)
-
-    parts = vlm_internvl.vlm_parts(model)
-    if parts is not None:
-        return parts
-    tiled = tiled_parts(model)
-    if tiled is not None:
-        return tiled
     if any(name.startswith(p) for p in TILED):
         raise TypeError(f"{name} tiles each image into crops (anyres) and packs their "
                         "features with newline embeddings: not supported; explain a "
-                        f"{' or '.join(SUPPORTED)}")
+                        f"{' or '.join(ALL_SUPPORTED)}")
     if name not in SUPPORTED or not type(model).__module__.startswith("transformers."):
-        raise TypeError(f"model must be one of {', '.join(SUPPORTED)} (Hugging Face), got "
+        raise TypeError(f"model must be one of {', '.join(ALL_SUPPORTED)} (Hugging Face), got "
                         f"{name}; for a vision tower alone use a class or embedding target")
     cfg = model.config
     tower = _part(model, "vision_tower")

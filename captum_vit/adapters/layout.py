@@ -254,3 +254,21 @@ def grid_to_video(grid: Tensor, size: tuple[int, int], *, patch_size: tuple[int,
     """
     pixels = grid_to_pixels(grid, size, patch_size=patch_size)
     return pixels.repeat_interleave(int(tubelet), dim=-3)
+
+
+def merge_order(grid: tuple[int, int], merge: int, device: torch.device | None = None
+                ) -> Tensor:
+    """The raster index of each token in the tower's merge-group order ``[h·w]``: the
+    ``merge × merge`` patches of one merged token consecutive (row-major inside the
+    group), groups in raster order (the processor's ``patchify``).
+
+    ``x_merge = x_raster[:, order]``; ``x_raster = x_merge[:, order.argsort()]``.
+
+    Examples::
+
+        >>> merge_order((2, 4), 2)
+        tensor([0, 1, 4, 5, 2, 3, 6, 7])
+    """
+    h, w = grid
+    ids = torch.arange(h * w, device=device).reshape(h // merge, merge, w // merge, merge)
+    return ids.permute(0, 2, 1, 3).reshape(-1)

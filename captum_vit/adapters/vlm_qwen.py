@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from captum_vit.adapters.families.hf_qwen_vl import merge_order
 from captum_vit.adapters.hf_vlm import VLMParts
+from captum_vit.adapters.layout import merge_order
 from captum_vit.adapters.scoring import Outputs
 
 SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")

@@ -389,7 +389,7 @@ class BTH(_BeyondIntuition):
     Composed with :class:`~captum_vit.combinators.PLUS` / ``SkipPLUS`` it takes a fast
     path (:meth:`plus_maps`: :math:`F_k = I + \hat A_k`, then ``⊙ W``).
 
-    Query pooling (Hiera, SPEC_FRONTIER §15.5): a pooling block's factor is
+    Query pooling (Hiera): a pooling block's factor is
     :math:`R_k + \hat A_k` [N/4, N], :math:`R_k` the residual's pooling with each child
     weighted by its share of the channels where it is the maximum (¼ each on exact
     ties; :meth:`~captum_vit.adapters.Stages.residual`) in place of the identity, and

@@ -50,7 +50,7 @@ Two differences from that code, both our choice: its GlobEnc matrices are not
 row-normalised before the rollout (nor are they in GlobEnc's own demo,
 mohsenfayyaz/GlobEnc), and its rollout has an extra ``scale`` factor (1 by default).
 
-Query pooling (Hiera; SPEC_FRONTIER §15.5): a pooling block's reset decomposition goes
+Query pooling (Hiera): a pooling block's reset decomposition goes
 through the DecompX rules (each channel of a pooled token takes its maximal child's
 decomposition), so ``T_l`` has the ``N/4`` pooled tokens as rows and the ``N`` input
 tokens as columns, ``[B, n_W, M/4, M]`` per mask unit (:func:`window_scores`); the

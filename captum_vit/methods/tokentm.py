@@ -315,7 +315,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         variant (str, optional): ``"paper"`` (default) or ``"residual"``, in any case
             (``"Paper"``), like method names.
 
-    **Query pooling** (Hiera; our extension, SPEC_FRONTIER §15.5): a pooling block maps
+    **Query pooling** (Hiera; our extension): a pooling block maps
     the ``N`` tokens of its input grid to the ``N/4`` of the pooled grid, and its residual
     branch is :math:`\max_c (\mathrm{LN_1}(x_c) W_p + b_p)` over the 2×2 children ``c``
     (a new width). The identity of :math:`U_{attn}` becomes the residual's token mixing

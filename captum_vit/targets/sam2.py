@@ -38,12 +38,12 @@ class Sam2MaskTarget(SamMaskTarget):
     the mask's low-resolution logits :math:`z_k` (``pred_masks[:, :, k]``) summed over its
     region :math:`R`, the pixels where the mask is positive on the **clean** forward of the
     images the method receives (:meth:`resolve`, called by the methods and metrics once
-    per call). The region stays fixed on perturbed forwards. The matrix methods weigh
-    each read stage's rows by their positive input×gradient relevance (gradient-weighted
-    methods) or uniformly (gradient-free methods) and sum the stages' maps (SPEC_REACH
-    §10.2); DecompX's explicit route is linearised at the read stage outputs (the decoder
-    is not linear; the neck is, but it is run as the model's code here). True token
-    removal is refused (a windowed encoder keeps every token; remove pixels instead).
+    per call). The region stays fixed on perturbed forwards. The matrix methods weigh each
+    read stage's rows by their positive input×gradient relevance (gradient-weighted methods)
+    or uniformly (gradient-free methods) and sum the stages' maps; DecompX's explicit route
+    is linearised at the read stage outputs (the decoder is not linear; the neck is, but it
+    is run as the model's code here). True token removal is refused (a windowed encoder
+    keeps every token; remove pixels instead).
 
     With ``multimask_output=False`` the decoder picks its single mask as the model does in
     eval mode (``dynamic_multimask_via_stability``).

@@ -10,9 +10,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from captum_vit.adapters.hf_vlm import VLMParts, tower_states, vlm_parts
+from captum_vit.adapters.hf_vlm import VLMParts, tower_states
 from captum_vit.adapters.scoring import Outputs, Target, per_image
-from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles
+from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles, stitch
+from captum_vit.adapters.vlms import vlm_parts
 
 
 def _ids(value: Any, name: str) -> Tensor:
@@ -224,34 +225,19 @@ class VLMAnswer(Target):
         >>> target = VLMAnswer(vlm, batch["input_ids"], answer)
         >>> maps = GAE(VLMAnswer.tower(vlm)).attribute(batch["pixel_values"], target=target)
 
-        InternVL with tiles, one map per answer token::
+        InternVL's tiles with one map per answer token, SmolVLM's tiles stitched back on
+        the image and Qwen2-VL from its processor's output run (on tiny random models) in
+        the tutorial ``tutorials/07_vlm_answers.ipynb``; with a downloaded checkpoint::
 
-        >>> from captum_vit import TokenIxG
-        >>> from captum_vit.targets.vlm import per_token_maps
-        >>> vlm = InternVLForConditionalGeneration.from_pretrained(path).eval()
-        >>> messages = [{"role": "user", "content": [{"type": "image", "image": image},
-        ...                                          {"type": "text", "text": "Colour?"}]}]
-        >>> batch = processor.apply_chat_template(messages, add_generation_prompt=True,
-        ...                                       tokenize=True, return_dict=True,
-        ...                                       return_tensors="pt")
-        >>> answer = processor.tokenizer(" red car", add_special_tokens=False).input_ids
-        >>> target = VLMAnswer(vlm, batch, answer, per_token=True, tokenizer=processor)
-        >>> tiles = batch["pixel_values"]            # [N_tiles, 3, 448, 448]
-        >>> maps = per_token_maps(TokenIxG(VLMAnswer.tower(vlm)), tiles, target)
-        >>> maps.shape[:2], target.labels[0]         # [N_tiles, A], the decoded tokens
-
-        Qwen2-VL / Qwen3-VL (the processor's output is what the tower takes)::
-
-        >>> qwen = Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
-        >>> messages = [{"role": "user", "content": [
-        ...     {"type": "image", "image": image}, {"type": "text", "text": "Colour?"}]}]
-        >>> batch = processor.apply_chat_template(messages, add_generation_prompt=True,
-        ...                                       tokenize=True, return_dict=True,
-        ...                                       return_tensors="pt")
-        >>> # input_ids: ... <|vision_start|> <|image_pad|> × (h·w/4) <|vision_end|> Colour? ...
-        >>> answer = processor.tokenizer("Red", add_special_tokens=False).input_ids
-        >>> target = VLMAnswer(qwen, batch, answer)
-        >>> maps = GAE(VLMAnswer.tower(qwen)).attribute(batch, target=target)  # [1, 3, H, W]
+            batch = processor.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True,
+                                                  return_tensors="pt")
+            answer = processor.tokenizer(" red", add_special_tokens=False).input_ids
+            target = VLMAnswer(vlm, batch, answer)                      # Qwen2-VL, Qwen3-VL
+            maps = GAE(VLMAnswer.tower(vlm)).attribute(batch, target=target)
+            target = VLMAnswer(vlm, batch, answer, per_token=True)      # InternVL, Gemma 3
+            maps = per_token_maps(TokenIxG(VLMAnswer.tower(vlm)), batch["pixel_values"],
+                                  target)                               # [N_tiles, A, ...]
 
     A VLM that splits the image into tiles: see :meth:`images`.
     """
@@ -443,8 +429,6 @@ class VLMAnswer(Target):
         Raises:
             ValueError: ``maps`` has another number of rows than the tiles.
         """
-        from captum_vit.viz import stitch
-
         tiles = self.tiled
         if tiles is None:
             raise ValueError(f"{type(self.parts.model).__name__} does not tile its images")
@@ -496,7 +480,7 @@ class VLMAnswer(Target):
                                            answer.repeat(n, 1))
         return logp.reshape(n, k).to(x.dtype)
 
-    # -- tiles and per-token columns (SPEC_FRONTIER §14.2, §14.3) ---------------------------
+    # -- tiles and per-token columns ---------------------------------------------------------
     def _extend(self, per_token: Any, tokenizer: Any) -> None:
         """Per-token columns, their labels and the tiles of a prompt (set in ``__init__``
         once the prompts' image tokens are counted)."""

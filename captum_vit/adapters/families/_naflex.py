@@ -1,6 +1,6 @@
 """What the NaFlex families share (Hugging Face SigLIP2, timm ``NaFlexVit``): the patch
 layout of their processors and the reading of a padded, patchified batch back into
-images (SPEC_FRONTIER §14.2, §15.1).
+images.
 
 A NaFlex processor resizes each image to a grid of whole patches (its own ``(h, w)``, at
 most ``max_num_patches``), flattens each patch and pads the patch rows of a batch to one

@@ -71,6 +71,7 @@ from captum_vit.adapters._typing import ModelTree
 from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import VLM_IMAGE_ID, library, randomize_
 from captum_vit.adapters.families._hf import HFPatchGrid, first_attribute
+from captum_vit.adapters.layout import merge_order
 from captum_vit.adapters.ops import Ops
 from captum_vit.adapters.parts import BlockParts, HeadParts, rotary_rows
 from captum_vit.adapters.parts import layer_norm_parts as _norm
@@ -90,24 +91,6 @@ def is_hf_qwen_vision(model: nn.Module) -> bool:
     """
     return any(c.__name__ in CLASSES and c.__module__.startswith("transformers.")
                for c in type(model).__mro__)
-
-
-def merge_order(grid: tuple[int, int], merge: int, device: torch.device | None = None
-                ) -> Tensor:
-    """The raster index of each token in the tower's merge-group order ``[h·w]``: the
-    ``merge × merge`` patches of one merged token consecutive (row-major inside the
-    group), groups in raster order (the processor's ``patchify``).
-
-    ``x_merge = x_raster[:, order]``; ``x_raster = x_merge[:, order.argsort()]``.
-
-    Examples::
-
-        >>> merge_order((2, 4), 2)
-        tensor([0, 1, 4, 5, 2, 3, 6, 7])
-    """
-    h, w = grid
-    ids = torch.arange(h * w, device=device).reshape(h // merge, merge, w // merge, merge)
-    return ids.permute(0, 2, 1, 3).reshape(-1)
 
 
 def window_slots(grid: tuple[int, int], merge: int, window: int) -> Tensor:

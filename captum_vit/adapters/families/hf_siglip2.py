@@ -1,4 +1,4 @@
-"""Adapter for Hugging Face SigLIP2 NaFlex (SPEC_FRONTIER §15.1): ``Siglip2VisionModel``,
+"""Adapter for Hugging Face SigLIP2 NaFlex: ``Siglip2VisionModel``,
 the image side of the dual ``Siglip2Model`` (its ``get_image_features``; the text side is
 the user's, to make target vectors) and ``Siglip2ForImageClassification``.
 
@@ -290,7 +290,7 @@ class HFSiglip2Adapter(HFPatchGrid):
         stages += [list(layer.parameters()) for layer in reversed(self.layers)]
         return stages
 
-    # -- the processor's output (SPEC_FRONTIER §14.2) --------------------------------------
+    # -- the processor's output ------------------------------------------------------------
     def processor_images(self, batch: Mapping[str, Any]) -> list[tuple[Tensor, Tensor]]:
         """Each image of a ``Siglip2ImageProcessor`` output as the image ``[1, C, h·P,
         w·P]`` of its valid patch rows, grouped by grid.

@@ -1,5 +1,5 @@
 """Adapter for timm's ``NaFlexVit`` (``timm.models.naflexvit``: NaViT + FlexiViT, the
-``naflexvit_*`` models, SigLIP-style ``naflexvit_*_siglip``), SPEC_FRONTIER §15.1.
+``naflexvit_*`` models, SigLIP-style ``naflexvit_*_siglip``).
 
 Verified in the installed timm (``naflexvit.py``):
 
