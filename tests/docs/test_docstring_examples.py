@@ -337,6 +337,7 @@ def test_examples_are_collected():
     assert not stale, f"entries for no block: {stale}"
 
 
+@pytest.mark.docs_build  # executed by CI's docs step (.ci/docs) with the rest of the docs
 @pytest.mark.parametrize(("block_id", "doc"), BLOCKS, ids=[b for b, _ in BLOCKS])
 def test_docstring_example_runs(block_id, doc, tmp_path, monkeypatch):
     if block_id in SKIP:

@@ -85,6 +85,7 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.docs_build  # executed by CI's docs step (.ci/docs) with the rest of the docs
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(SOURCE)))
 def test_page_code_runs(page, workdir):
     import matplotlib.pyplot as plt
