@@ -13,7 +13,7 @@ from torch import nn
 
 from captum_vit import EmbeddingTarget
 from captum_vit.adapters import Ops, adapt
-from captum_vit.adapters.families._examples import transformers_model
+from captum_vit.adapters.catalog import example
 from captum_vit.adapters.families.hf_internvl import HFInternVLAdapter, internvl_tower_example
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import VLMAnswer
@@ -31,50 +31,24 @@ _MODELS: dict[str, nn.Module] = {}
 
 
 def internvl(layer: int = -1) -> nn.Module:
-    """A 3-block InternViT tower (32 px, patch 8, LayerScale) and a 2-layer Qwen2; the
-    pixel shuffle makes 4 image features of a tile's 16 patches."""
+    """The catalogue's tiny InternVL (a 3-block InternViT tower, 32 px, patch 8, LayerScale;
+    a 2-layer Qwen2): the pixel shuffle makes 4 image features of a tile's 16 patches."""
     key = f"internvl{layer}"
     if key not in _MODELS:
-        import transformers
-
-        vc = dict(model_type="internvl_vision", hidden_size=32, num_hidden_layers=3,
-                  num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8,
-                  attention_bias=True)
-        tc = dict(model_type="qwen2", vocab_size=300, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256)
-        cfg = transformers.InternVLConfig(vision_config=vc, text_config=tc, image_token_id=IMAGE,
-                                          image_seq_length=F, vision_feature_layer=layer)
-        _MODELS[key] = transformers_model("InternVLForConditionalGeneration", cfg, 0,
-                                          torch.float64)
+        _MODELS[key] = example("hf_internvl")[1].model(vision_feature_layer=layer)
     return _MODELS[key]
 
 
 def gemma3() -> nn.Module:
-    """A 2-block SigLIP tower without head (32 px, patch 8: 16 rows pooled 2×2 to 4) and a
-    2-layer Gemma 3 with a sliding window of 4."""
+    """The catalogue's tiny Gemma 3 (a SigLIP tower without head, 32 px, patch 8: 16 rows
+    pooled 2×2 to 4; a 2-layer Gemma 3 with a sliding window of 4)."""
     if "gemma3" not in _MODELS:
-        import transformers
-
-        cfg = transformers.Gemma3Config(
-            vision_config={"model_type": "siglip_vision_model", "hidden_size": 32,
-                           "intermediate_size": 64, "num_hidden_layers": 2,
-                           "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
-                           "vision_use_head": False},
-            text_config={"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 24,
-                         "intermediate_size": 48, "num_hidden_layers": 2,
-                         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12,
-                         "sliding_window": 4, "max_position_embeddings": 256},
-            mm_tokens_per_image=F, image_token_id=IMAGE, boi_token_id=297, eoi_token_id=298)
-        _MODELS["gemma3"] = transformers_model("Gemma3ForConditionalGeneration", cfg, 0,
-                                               torch.float64)
+        _MODELS["gemma3"] = example("hf_gemma3")[1].model(depth=2)
     return _MODELS["gemma3"]
 
 
 def llava() -> nn.Module:
     if "llava" not in _MODELS:
-        from captum_vit.adapters.catalog import example
-
         _MODELS["llava"] = example("hf_llava")[1].model()
     return _MODELS["llava"]
 
