@@ -522,20 +522,19 @@ def forward_backward_seconds(model: nn.Module, x: Tensor, repeats: int = 5) -> f
     size than their config's: with ``interpolate_pos_encoding=True``, as a user calls
     them; a model that takes patches: on the patches its adapter makes) and one backward
     of its output's sum to the inputs: the unit of the matrix's time ratios."""
+    from captum_vit.adapters import adapt
+
+    adapter = adapt(model)
+
     def forward(inputs: Tensor) -> Any:
+        if adapter.processor_keys:  # its pixel_values are patches (SigLIP2 NaFlex, Qwen-VL):
+            return adapter.model_outputs(inputs)  # its own forward on the adapter's patches
         try:
             return model(inputs)
-        except (TypeError, ValueError):
-            if hasattr(model, "config"):
-                try:
-                    return model(inputs, interpolate_pos_encoding=True)
-                except (TypeError, ValueError):
-                    pass
-            from captum_vit.adapters import adapt
-
-            # a model whose pixel_values are patches (SigLIP2 NaFlex, Qwen-VL's packed
-            # inputs): its own forward on the patches its adapter makes of the images
-            return adapt(model).model_outputs(inputs)
+        except ValueError:
+            if not hasattr(model, "config"):
+                raise
+            return model(inputs, interpolate_pos_encoding=True)
 
     times = []
     for _ in range(repeats + 1):
