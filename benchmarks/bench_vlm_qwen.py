@@ -19,7 +19,9 @@ Run from the repository root (``PYTHONPATH=.``)::
 
     python benchmarks/bench_vlm_qwen.py [--speed] [--img-size 448] [--threads 2]
 
-A quick check of the script: ``--img-size 112 --depth 2``.
+A quick check of the script: ``--img-size 112 --depth 2``. ``--model qwen2_5`` runs the same
+on a Qwen2.5-VL of the same size (RMSNorm, SwiGLU MLP of 1,376, windows of 112 px = 8 × 8
+patches, every fourth block global).
 """
 
 from __future__ import annotations
@@ -60,6 +62,32 @@ def qwen2_vl(depth: int = 12, attn: str = "sdpa") -> torch.nn.Module:
     if attn != "sdpa":
         model.set_attn_implementation(attn)
     return model
+
+
+def qwen2_5_vl(depth: int = 12, attn: str = "sdpa") -> torch.nn.Module:
+    """The random mid-size Qwen2.5-VL (the same weights in every process)."""
+    import transformers
+
+    vision = dict(depth=depth, hidden_size=512, intermediate_size=1376, num_heads=8,
+                  out_hidden_size=512, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=list(range(3, depth, 4)) or [depth - 1])
+    text = dict(vocab_size=1000, hidden_size=512, intermediate_size=1408,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [8, 12, 12]})
+    cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text,
+                                        image_token_id=IMAGE, video_token_id=996,
+                                        vision_start_token_id=START, vision_end_token_id=END)
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    if attn != "sdpa":
+        model.set_attn_implementation(attn)
+    return model
+
+
+MODELS = {"qwen2": qwen2_vl, "qwen2_5": qwen2_5_vl}
 
 
 def case(model: torch.nn.Module, img_size: int
@@ -106,7 +134,7 @@ def _rss_mb() -> float:
 
 def child(name: str, args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(args.threads)
-    model = qwen2_vl(args.depth, "eager" if name == EAGER else "sdpa")
+    model = MODELS[args.model](args.depth, "eager" if name == EAGER else "sdpa")
     x, score, target = case(model, args.img_size)
     call = (lambda: reference(score, x)) if name in (SDPA, EAGER) else \
         method_call(name, model, x, target)
@@ -125,14 +153,15 @@ def measure(name: str, args: argparse.Namespace) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, __file__, "--child", name, "--img-size", str(args.img_size),
-         "--depth", str(args.depth), "--threads", str(args.threads)],
+         "--depth", str(args.depth), "--threads", str(args.threads),
+         "--model", args.model],
         env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
 def speed(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    model = qwen2_vl(args.depth)
+    model = MODELS[args.model](args.depth)
     x, score, target = case(model, args.img_size)
 
     def ref() -> None:
@@ -164,6 +193,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=list(METHODS))
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--model", default="qwen2", choices=list(MODELS))
     args = ap.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.child, args)))
@@ -175,7 +205,7 @@ def main() -> None:
     rows = [(SDPA, ref), (EAGER, measure(EAGER, args))]
     rows += [(name, measure(name, args)) for name in args.methods]
     patches = (args.img_size // 14) ** 2
-    print(f"\nQwen2-VL tower 12x512 (depth {args.depth}), {patches} patches, 4-layer LM, "
+    print(f"\n{args.model} tower 12x512 (depth {args.depth}), {patches} patches, 4-layer LM, "
           f"float32, {args.threads} threads, torch {torch.__version__}")
     print("| call | peak MB | ratio vs SDPA forward+backward |\n|---|---:|---:|")
     for name, mb in rows:

@@ -171,6 +171,8 @@ class Ops:
         self.positions = positions
 
     def norm(self, x: Any, p: NormParts) -> Any:
+        if p.rms:
+            return p(x, frozen=self.linearize)
         if self.linearize:
             return layer_norm_frozen_variance(x, p.weight, p.bias, p.eps)
         return F.layer_norm(x, (x.shape[-1],), p.weight, p.bias, p.eps)

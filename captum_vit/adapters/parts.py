@@ -41,11 +41,63 @@ from captum_vit.adapters.scoring import Target, TargetHead
 
 @dataclass(frozen=True)
 class NormParts:
-    """A LayerNorm over the last dimension."""
+    r"""A normalisation over the last dimension: a LayerNorm
+    :math:`y = \gamma \odot (x - \bar x) / \sqrt{\operatorname{var} x + \epsilon} + \beta`,
+    or with :attr:`rms` an RMSNorm :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon}`
+    (no centring, no bias; Qwen2.5-VL's vision blocks).
+
+    The rules that decompose through a norm (DecompX, GlobEnc/ALTI, the LRP rules) freeze its
+    scale :math:`1/\sigma` (:meth:`inv_scale`), which makes it linear in :math:`x`: the
+    RMSNorm's rule is the LayerNorm's without the mean term (:meth:`frozen_scale`)."""
 
     weight: Tensor | None
     bias: Tensor | None
     eps: float
+    rms: bool = False
+    """An RMSNorm (``bias`` is then ``None``); ``False`` = a LayerNorm."""
+    compute_dtype: torch.dtype | None = None
+    """An RMSNorm's normalisation computed in this dtype and cast back to the input's
+    before ``weight`` multiplies it (Hugging Face's ``Qwen2RMSNorm``-style modules compute in
+    ``torch.float32``: a float64 model's normed states are rounded to float32 there, and the
+    canonical forward does the same); ``None`` = the input's dtype."""
+
+    def inv_scale(self, x: Tensor, keepdim: bool = True) -> Tensor:
+        """The norm's scale ``1/σ`` of the states ``x`` [..., D]: ``rsqrt(var x + eps)``
+        (LayerNorm) or ``rsqrt(mean(x²) + eps)`` (RMSNorm), in ``x``'s dtype."""
+        if self.rms:
+            return torch.rsqrt(x.pow(2).mean(-1, keepdim=keepdim) + self.eps)
+        return torch.rsqrt(x.var(-1, unbiased=False, keepdim=keepdim) + self.eps)
+
+    def frozen_scale(self, x: Tensor) -> Tensor:
+        """An RMSNorm's frozen scale of the states ``x`` [..., D], such that
+        ``x * frozen_scale(x)`` is the model's normed value before ``weight``: ``1/σ``
+        [..., 1]; with a :attr:`compute_dtype` other than ``x``'s the model's normed value
+        over ``x`` per channel [..., D] (``1/σ`` where ``x`` is 0), so the rounding to
+        ``compute_dtype`` is carried by the scale and a decomposition through it (DecompX's
+        parts, the LRP rule's relevance) stays complete in ``x``'s dtype."""
+        if self.compute_dtype is None or x.dtype == self.compute_dtype:
+            return self.inv_scale(x)
+        xc = x.to(self.compute_dtype)
+        inv = self.inv_scale(xc)
+        y = (xc * inv).to(x.dtype)
+        return torch.where(x != 0, y / torch.where(x != 0, x, 1), inv.to(x.dtype))
+
+    def __call__(self, x: Tensor, frozen: bool = False) -> Tensor:
+        """The norm of ``x`` [..., D] as the model computes it; ``frozen``: with its scale
+        ``1/σ`` a constant of the backward (the LN rule of the LRP literature; the centring
+        stays differentiable)."""
+        if not self.rms:
+            if frozen:
+                from captum_vit.adapters.ops import layer_norm_frozen_variance
+
+                return layer_norm_frozen_variance(x, self.weight, self.bias, self.eps)
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        if frozen:
+            y = x * self.frozen_scale(x.detach())
+        else:
+            xc = x if self.compute_dtype is None else x.to(self.compute_dtype)
+            y = (xc * self.inv_scale(xc)).to(x.dtype)
+        return y if self.weight is None else self.weight * y
 
 
 @dataclass(frozen=True)
@@ -933,6 +985,28 @@ def layer_norm_parts(m: nn.Module, where: str) -> NormParts:
     if not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) != 1:
         raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports LayerNorm here")
     return NormParts(m.weight, m.bias, m.eps)
+
+
+def rms_norm_parts(m: nn.Module, where: str, compute_dtype: torch.dtype | None = None
+                   ) -> NormParts:
+    """The :class:`NormParts` of a model's RMSNorm over the last dimension (``rms=True``):
+    ``nn.RMSNorm``, or a module with a ``weight`` [D] and a ``variance_epsilon`` (Hugging
+    Face's ``*RMSNorm``, computed in ``compute_dtype``: pass ``torch.float32`` where its
+    forward casts to float32 and back); ``where`` names it in the error.
+
+    Raises:
+        TypeError: another normalisation.
+    """
+    if isinstance(m, nn.RMSNorm) and len(m.normalized_shape) == 1:
+        eps = m.eps if m.eps is not None else torch.finfo(
+            m.weight.dtype if m.weight is not None else torch.float32).eps
+        return NormParts(m.weight, None, float(eps), rms=True)
+    weight, variance_eps = getattr(m, "weight", None), getattr(m, "variance_epsilon", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 1 \
+            or not isinstance(variance_eps, float):
+        raise TypeError(f"{where} is {type(m).__name__}; captum_vit supports RMSNorm here "
+                        "(nn.RMSNorm or a module with weight [D] and variance_epsilon)")
+    return NormParts(weight, None, variance_eps, rms=True, compute_dtype=compute_dtype)
 
 
 def require_timm(minimum: tuple[int, ...], model_name: str, why: str) -> None:

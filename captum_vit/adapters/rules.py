@@ -455,6 +455,8 @@ class CheferOps(Ops):
             mix=lambda a: scale_gradient(a, 0.5, mode))
 
     def norm(self, x: Any, p: NormParts) -> Any:
+        if p.rms:
+            return identity_rule(x, p, self.mode)
         return identity_rule(
             x, lambda t: F.layer_norm(t, t.shape[-1:], p.weight, p.bias, p.eps), self.mode)
 

@@ -1,10 +1,11 @@
-"""Qwen2-VL and Qwen3-VL answers explained on their vision towers: the model side of
-:class:`captum_vit.targets.VLMAnswer` for ``Qwen2VLForConditionalGeneration`` and
-``Qwen3VLForConditionalGeneration`` (the tower's adapter:
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL answers explained on their vision towers: the model
+side of :class:`captum_vit.targets.VLMAnswer` for ``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration`` and ``Qwen3VLForConditionalGeneration`` (the
+tower's adapter:
 :mod:`captum_vit.adapters.families.hf_qwen_vl`).
 
 Verified in the installed transformers (5.x, ``modeling_qwen2_vl.py``,
-``modeling_qwen3_vl.py``):
+``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``):
 
 - **Prompt layout** (the processor's chat template): each image is
   ``<|vision_start|> <|image_pad|> × n <|vision_end|>`` with ``n = h·w / m²`` image tokens
@@ -14,7 +15,9 @@ Verified in the installed transformers (5.x, ``modeling_qwen2_vl.py``,
   ``mm_token_type_ids`` (1 at image tokens).
 - **Image features**: ``visual(pixel_values, grid_thw).pooler_output`` is
   ``merger(last block's tokens)`` in merge-group order (``m²`` tokens concatenated per
-  image token), split per image; Qwen3-VL adds ``deepstack_features``: for each block of
+  image token), split per image (Qwen2.5-VL runs its blocks with the merge groups permuted
+  into window order and puts the merger's output back in merge-group order: the same
+  features); Qwen3-VL adds ``deepstack_features``: for each block of
   ``deepstack_visual_indexes`` (in block order), ``deepstack_merger_list[j]`` of that
   block's output, added by the language model to the image positions of its hidden
   states after its first layers.
@@ -49,10 +52,9 @@ from captum_vit.adapters.hf_vlm import VLMParts
 from captum_vit.adapters.layout import merge_order
 from captum_vit.adapters.scoring import Outputs
 
-SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+             "Qwen3VLForConditionalGeneration")
 REFUSED = {
-    "Qwen2_5_VLForConditionalGeneration": "its vision tower normalises with RMSNorm, which "
-                                           "captum_vit's norm rules do not have yet",
     "Qwen3VLMoeForConditionalGeneration": "its tower is not among the supported families "
                                           "yet",
 }
@@ -101,7 +103,8 @@ class QwenPrompts:
 
 @dataclasses.dataclass(frozen=True)
 class QwenVLParts(VLMParts):
-    """:class:`~captum_vit.adapters.hf_vlm.VLMParts` of a Qwen2-VL / Qwen3-VL model.
+    """:class:`~captum_vit.adapters.hf_vlm.VLMParts` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+    model.
 
     Attributes:
         merge_size (int): ``spatial_merge_size`` ``m``.
@@ -309,10 +312,11 @@ class QwenVLParts(VLMParts):
 
 
 def qwen_parts(model: Any) -> QwenVLParts | None:
-    """The :class:`QwenVLParts` of a Qwen2-VL / Qwen3-VL model; ``None`` for other models.
+    """The :class:`QwenVLParts` of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; ``None`` for
+    other models.
 
     Raises:
-        TypeError: Qwen2.5-VL and Qwen3-VL-MoE (refused by name, with why), or a layout
+        TypeError: Qwen3-VL-MoE (refused by name, with why), or a layout
             this transformers version does not have.
     """
     name = type(model).__name__
@@ -333,6 +337,8 @@ def qwen_parts(model: Any) -> QwenVLParts | None:
     deepstack = tuple(sorted(int(i) for i in getattr(vc, "deepstack_visual_indexes", ()) or ()))
     depth = int(vc.depth)
     layers = (*[i + 1 for i in deepstack], depth) if deepstack else None
-    return QwenVLParts(model, tower, "qwen3_vl" if name.startswith("Qwen3") else "qwen2_vl",
+    family = "qwen3_vl" if name.startswith("Qwen3") else "qwen2_5_vl" \
+        if name.startswith("Qwen2_5") else "qwen2_vl"
+    return QwenVLParts(model, tower, family,
                        layers, False, int(cfg.image_token_id), "model",
                        int(vc.spatial_merge_size), deepstack)

@@ -111,6 +111,12 @@ class DecompositionOps(Ops):
 
     def norm(self, x: Decomposed, p: NormParts) -> Decomposed:  # D1
         real = super().norm(x.real, p)
+        if p.rms:  # RMSNorm: the LayerNorm rule without the mean term
+            # the frozen scale carries a compute_dtype's rounding: the parts sum to ``real``
+            parts = x.parts * p.frozen_scale(x.real).to(x.parts.dtype).unsqueeze(1)
+            if p.weight is not None:
+                parts = parts * p.weight.to(parts.dtype)
+            return Decomposed(real, parts, x.has_bias)
         var = x.real.var(-1, unbiased=False, keepdim=True)
         inv_std = torch.rsqrt(var + p.eps).to(x.parts.dtype).unsqueeze(1)
         parts = (x.parts - x.parts.mean(-1, keepdim=True)) * inv_std

@@ -398,7 +398,8 @@ def _closed_form(p: BlockParts) -> str | None:
         return None
     if p.norm1 is not None and p.norm2 is not None and p.post_norm1 is None \
             and p.post_norm2 is None:
-        return "pre"
+        # an RMSNorm (no centring) goes through the ops' rule
+        return None if p.norm1.rms or p.norm2.rms else "pre"
     if p.norm1 is None and p.norm2 is None and p.post_norm1 is not None \
             and p.inner_norm is None:
         return "post"

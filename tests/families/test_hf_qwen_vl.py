@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen3-VL: the vision towers' adapter against the models' own packed
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the vision towers' adapter against the models' own packed
 forward, processor outputs, and VLMAnswer against the VLMs' own forward (tiny random
 configs, float64; ids are given, no tokenizer)."""
 
@@ -21,8 +21,10 @@ from tests.helpers import assert_unchanged, snapshot
 transformers = pytest.importorskip("transformers")
 
 START, END = 297, 298  # vision_start, vision_end of the tiny configs
-TOWERS = ("Qwen2VisionTransformerPretrainedModel", "Qwen3VLVisionModel")
-VLMS = ("Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+TOWERS = ("Qwen2VisionTransformerPretrainedModel", "Qwen3VLVisionModel",
+          "Qwen2_5_VisionTransformerPretrainedModel")
+VLMS = ("Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration")
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -61,6 +63,21 @@ def raster(tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     return out
 
 
+def merge_rows(model, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """One image's ``last_hidden_state`` rows in merge-group order: Qwen2.5-VL's come in
+    window order (its groups permuted by ``get_vision_window_index``, not restored)."""
+    if not hasattr(model, "fullatt_block_indexes"):
+        return tokens
+    from transformers.vision_utils import get_vision_window_index
+
+    index, _ = get_vision_window_index(torch.tensor([[1, *grid]]), spatial_merge_size=2,
+                                       window_size=model.config.window_size, patch_size=4)
+    out = torch.empty_like(tokens)
+    for g, group in enumerate(index.tolist()):
+        out[4 * group:4 * group + 4] = tokens[4 * g:4 * g + 4]
+    return out
+
+
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-12) -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=tol * (1 + b.abs().max().item()))
 
@@ -92,7 +109,7 @@ def test_tower_forward_equals_the_models_packed_forward(cls_name):
             ref = model(rows, grid_thw=thw).last_hidden_state.reshape(2, grid[0] * grid[1], -1)
             ours = canonical_tokens(adapter, x)
             for i in range(2):
-                close(ours[i], raster(ref[i], grid))
+                close(ours[i], raster(merge_rows(model, ref[i], grid), grid))
         # one packed call holding images of three grids
         rows = torch.cat([p[1] for p in parts])
         thw = torch.cat([p[2] for p in parts])
@@ -102,7 +119,7 @@ def test_tower_forward_equals_the_models_packed_forward(cls_name):
             ours = canonical_tokens(adapter, x)
             for i in range(2):
                 n = grid[0] * grid[1]
-                close(ours[i], raster(ref[start:start + n], grid))
+                close(ours[i], raster(merge_rows(model, ref[start:start + n], grid), grid))
                 start += n
 
 
@@ -251,8 +268,13 @@ FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 8, "score": "logit"},
 # Qwen2-VL (the merged last block only), to keep the file fast
 QWEN2_KINDS = ("rollout", "gae", "decompx", "attnlrp", "cp_lrp", "token_ixg", "gradcam",
                "alti", "rise", "tis", "plus:gae", "fullgrad_plus")
+# Qwen2.5-VL (RMSNorm, SwiGLU, windows): one of each kind; every method runs on its tower
+# in the embedding suite (tests/targets/test_embedding_targets.py)
+QWEN25_KINDS = ("rollout", "gae", "decompx", "attnlrp", "cp_lrp", "token_ixg", "gradcam",
+                "globenc", "alti", "tokentm", "rise", "plus:gae", "fullgrad_plus")
 CASES = [(name, VLMS[1]) for name in available_methods(compositions=True, baselines=False)]
 CASES += [(name, VLMS[0]) for name in QWEN2_KINDS]
+CASES += [(name, VLMS[2]) for name in QWEN25_KINDS]
 
 
 @pytest.mark.parametrize(("name", "cls_name"), CASES)
@@ -326,18 +348,63 @@ def test_qwen2_5_windows_as_index_sets(grid, window):
     assert sorted(i for row in ours for i in row) == list(range(grid[0] * grid[1]))
 
 
-def test_qwen2_5_vl_is_refused_by_name():
-    cfg = transformers.Qwen2_5_VLConfig(
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-                       "out_hidden_size": 16, "patch_size": 4, "window_size": 16},
-        text_config={"vocab_size": 300, "hidden_size": 16, "intermediate_size": 32,
-                     "num_hidden_layers": 1, "num_attention_heads": 2,
-                     "num_key_value_heads": 1,
-                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
-        image_token_id=IMAGE)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    with pytest.raises(TypeError, match="Qwen2_5_VLForConditionalGeneration is not supported "
-                                        "yet: its vision tower normalises with RMSNorm"):
-        VLMAnswer(model, prompt(5), [4])
-    with pytest.raises(TypeError, match="Qwen2_5_VisionTransformerPretrainedModel"):
-        adapt(model.model.visual)
+def test_qwen2_5_one_window_covering_the_grid_equals_the_all_global_model():
+    """Qwen2.5-VL with windows larger than the grid (one window of every patch, in window
+    order) against the same weights with every block global (``fullatt_block_indexes``):
+    the maps are equal (1e-10) for gradient, decomposition and LRP methods; the windowed
+    tower's forward equals its model's own."""
+    windowed = qwen_tower_example(TOWERS[2])(window_size=64)
+    full = qwen_tower_example(TOWERS[2])(fullatt_block_indexes=[0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(windowed.state_dict().values(),
+                                                 full.state_dict().values(), strict=True))
+    a = adapt(windowed)
+    x = images(2)
+    assert a.blocks[0].window is not None and a.blocks[0].window.num_windows == 1
+    assert all(b.window is None for b in adapt(full).blocks)
+    with torch.no_grad():
+        rows, thw = patchify(x)
+        ref = windowed(rows, grid_thw=thw).last_hidden_state.reshape(2, 24, -1)
+        ours = canonical_tokens(a, x)
+        for i in range(2):
+            close(ours[i], raster(merge_rows(windowed, ref[i], (4, 6)), (4, 6)))
+    t = torch.randn(2, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for name in ("gae", "token_ixg", "decompx", "attnlrp"):
+        got = build_method(name, windowed).attribute(x, target=t, output="tokens")
+        want = build_method(name, full).attribute(x, target=t, output="tokens")
+        assert torch.isfinite(got).all() and got.std() > 0
+        close(got, want, tol=1e-10)
+
+
+def test_qwen2_5_windows_change_the_maps_and_bad_grids_are_refused():
+    """The tiny tower's windows (2×2 merged tokens, an edge window cut) do change the
+    first block's attention: its maps differ from the all-global model's; a wrong
+    ``image_grid_thw`` is refused by name and the model left unchanged."""
+    windowed = model_of(TOWERS[2])
+    full = qwen_tower_example(TOWERS[2])(fullatt_block_indexes=[0, 1])
+    x = images(2)
+    t = torch.randn(2, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    got = build_method("gae", windowed).attribute(x, target=t, output="tokens")
+    want = build_method("gae", full).attribute(x, target=t, output="tokens")
+    assert (got - want).abs().max() > 1e-3 * want.abs().max()  # 1e-16 were they equal
+    win = adapt(windowed).blocks[0].window
+    assert (win.num_windows, win.area) == (2, 16)
+    before = snapshot(windowed)
+    rows, thw = patchify(x)
+    method = build_method("gae", windowed)
+    with pytest.raises(ValueError, match=r"image_grid_thw \[\[1, 4, 4\], \[1, 4, 6\]\] covers 40 "
+                                         "patches but pixel_values has 48 rows"):
+        method.attribute({"pixel_values": rows,
+                          "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 6]])}, target=t)
+    with pytest.raises(ValueError, match="h and w must be positive multiples of "
+                                         "spatial_merge_size 2"):
+        method.attribute({"pixel_values": rows,
+                          "image_grid_thw": torch.tensor([[1, 3, 8], [1, 4, 6]])}, target=t)
+    vlm = model_of(VLMS[2])
+    vbefore = snapshot(vlm)
+    batch = {"input_ids": prompt(5)[None], "pixel_values": rows[:24],
+             "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    with pytest.raises(ValueError, match=r"image_grid_thw \[\[1, 4, 4\]\] gives \[4\] image "
+                                         r"tokens"):
+        VLMAnswer(vlm, batch, torch.tensor([11]))
+    assert_unchanged(windowed, before)
+    assert_unchanged(vlm, vbefore)

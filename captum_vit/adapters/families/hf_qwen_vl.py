@@ -1,11 +1,12 @@
-"""Adapter for the vision towers of Hugging Face Qwen2-VL and Qwen3-VL
+"""Adapter for the vision towers of Hugging Face Qwen2-VL, Qwen2.5-VL and Qwen3-VL
 (``Qwen2VisionTransformerPretrainedModel``, ``model.model.visual`` of
-``Qwen2VLForConditionalGeneration``; ``Qwen3VLVisionModel``, ``model.model.visual`` of
+``Qwen2VLForConditionalGeneration``; ``Qwen2_5_VisionTransformerPretrainedModel``, of
+``Qwen2_5_VLForConditionalGeneration``; ``Qwen3VLVisionModel``, ``model.model.visual`` of
 ``Qwen3VLForConditionalGeneration``).
 
 Verified in the installed transformers (5.x, ``models/qwen2_vl/modeling_qwen2_vl.py``,
-``models/qwen3_vl/modeling_qwen3_vl.py``, ``models/qwen2_vl/image_processing_qwen2_vl.py``,
-``vision_utils.py``):
+``models/qwen2_5_vl/modeling_qwen2_5_vl.py``, ``models/qwen3_vl/modeling_qwen3_vl.py``,
+``models/qwen2_vl/image_processing_qwen2_vl.py``, ``vision_utils.py``):
 
 - **Packed input.** The tower takes ``hidden_states = pixel_values`` ``[ΣN, C·T·P·P]`` and
   ``grid_thw`` ``[n, 3]`` (``(t, h, w)`` per image, ``h``, ``w`` in patches). The image
@@ -35,8 +36,23 @@ Verified in the installed transformers (5.x, ``models/qwen2_vl/modeling_qwen2_vl
   **block-diagonal per image** (``cu_seqlens`` from ``grid_thw``, one segment of ``h·w``
   patches per image and frame): a batch of ``B`` images of one grid is ``B`` independent
   sequences, which is the adapter's batch. No dropout.
+- **Qwen2.5-VL's blocks** (``Qwen2_5_VLVisionBlock``): the same attention (``qkv`` with
+  bias, 2-D RoPE in float32), but **RMSNorm** (``Qwen2_5_VLRMSNorm``, eps 1e-6: the input
+  cast to float32, normalised, cast back, times ``weight``; the adapter's norms do the same,
+  :func:`~captum_vit.adapters.parts.rms_norm_parts`) and a **SwiGLU** MLP
+  ``down_proj(act(gate_proj(u)) ⊙ up_proj(u))`` (SiLU, biases). The blocks outside
+  ``fullatt_block_indexes`` attend within **windows** of ``window = window_size //
+  spatial_merge_size // patch_size`` merged tokens a side (``get_vision_window_index``): the
+  model permutes the merge groups into window order before the blocks (and the RoPE tables
+  with them), attends per window (``cu_window_seqlens``; edge windows smaller, nothing
+  padded), and un-permutes only the merger's output, so its ``last_hidden_state`` is in
+  window order. The adapter keeps raster order and gives those blocks the windows as index
+  sets (:func:`window_slots`, :class:`~captum_vit.adapters.windows.SlotWindows`: padded
+  slots are no keys), their RoPE tables partitioned alike; the global blocks attend per
+  image as above. True token removal (TIS) is refused on the windowed blocks by name.
 - **Output**: ``last_hidden_state`` is the last block's output (no final norm), in merge
-  order; ``pooler_output`` is ``merger(last_hidden_state)``: a norm per patch (LayerNorm;
+  order (Qwen2.5-VL: window order); ``pooler_output`` is ``merger(last_hidden_state)``: a
+  norm per patch (LayerNorm; Qwen2.5-VL's RMSNorm;
   Qwen3-VL's ``deepstack_merger_list`` norm the concatenated group), the ``m²`` patches of a
   group concatenated, an MLP: the image features the language model reads. Qwen3-VL's
   **deepstack** also returns ``deepstack_merger_list[i]`` of the outputs of blocks
@@ -54,12 +70,12 @@ grouped by grid); videos (``t > 1``) are refused by name. The tower has no image
 its own: the patch mean of the last block's tokens stands for one (our choice, as for
 PaliGemma's head-less tower), scored against the mean of the model's own
 ``last_hidden_state``; the VLM's answer (:class:`~captum_vit.targets.VLMAnswer`) is what a
-user explains. Not supported: Qwen2.5-VL's tower (RMSNorm, which the engine's norm rules
-do not have yet), videos, ``Qwen3VLMoeVisionModel``.
+user explains. Not supported: videos, ``Qwen3VLMoeVisionModel``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -73,14 +89,19 @@ from captum_vit.adapters.families._examples import VLM_IMAGE_ID, library, random
 from captum_vit.adapters.families._hf import HFPatchGrid, first_attribute
 from captum_vit.adapters.layout import merge_order
 from captum_vit.adapters.ops import Ops
-from captum_vit.adapters.parts import BlockParts, HeadParts, rotary_rows
+from captum_vit.adapters.parts import BlockParts, HeadParts, rms_norm_parts, rotary_rows
 from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.windows import SlotWindows
 
-CLASSES = ("Qwen2VisionTransformerPretrainedModel", "Qwen3VLVisionModel")
+CLASSES = ("Qwen2VisionTransformerPretrainedModel", "Qwen2_5_VisionTransformerPretrainedModel",
+           "Qwen3VLVisionModel")
+_MODULES = {"Qwen2VisionTransformerPretrainedModel": ("qwen2_vl", "Qwen2VLVisionConfig"),
+            "Qwen2_5_VisionTransformerPretrainedModel": ("qwen2_5_vl", "Qwen2_5_VLVisionConfig"),
+            "Qwen3VLVisionModel": ("qwen3_vl", "Qwen3VLVisionConfig")}
 
 
 def is_hf_qwen_vision(model: nn.Module) -> bool:
-    """``True`` for the Qwen2-VL and Qwen3-VL vision towers of :data:`CLASSES` (a
+    """``True`` for the Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers of :data:`CLASSES` (a
     subclass too; transformers is never imported for other models).
 
     Args:
@@ -102,8 +123,8 @@ def window_slots(grid: tuple[int, int], merge: int, window: int) -> Tensor:
     (``window_size // spatial_merge_size // patch_size``), in raster order of the windows;
     the last row and column of windows are cut at the grid's edge (smaller windows, no
     padding inside the model: its ``cu_window_seqlens`` skip empty windows); each merged
-    token brings its ``m × m`` patches. For the Qwen2.5-VL tower, whose RMSNorm the
-    engine's norm rules do not have yet (the tower is refused); the slot order inside a
+    token brings its ``m × m`` patches. The windows of the Qwen2.5-VL tower's windowed
+    blocks (:class:`~captum_vit.adapters.windows.SlotWindows`); the slot order inside a
     window does not change the attention.
 
     Examples::
@@ -126,21 +147,24 @@ def window_slots(grid: tuple[int, int], merge: int, window: int) -> Tensor:
 
 
 def _vision_config(cls_name: str, **kw: Any) -> Any:
-    module = {"Qwen2VisionTransformerPretrainedModel": "qwen2_vl",
-              "Qwen3VLVisionModel": "qwen3_vl"}[cls_name]
-    cfg = getattr(library(f"transformers.models.{module}.configuration_{module}"),
-                  {"qwen2_vl": "Qwen2VLVisionConfig", "qwen3_vl": "Qwen3VLVisionConfig"}[module])
+    module, config = _MODULES[cls_name]
+    cfg = getattr(library(f"transformers.models.{module}.configuration_{module}"), config)
     return cfg(**kw)
 
 
 def tiny_vision_config(cls_name: str, depth: int = 2, **overrides: Any) -> dict[str, Any]:
     """The keywords of a tiny vision config of ``cls_name`` (patch 4, merge 2, 2 temporal
     copies, width 32, 2 heads, output width 32 (Qwen2-VL's ``hidden_size``) or 24
-    (Qwen3-VL's ``out_hidden_size``); Qwen3-VL: a 4×4 position table and one deepstack
-    block, block 0)."""
+    (Qwen3-VL's and Qwen2.5-VL's ``out_hidden_size``); Qwen3-VL: a 4×4 position table and
+    one deepstack block, block 0; Qwen2.5-VL: SwiGLU MLP of 64, windows of 2×2 merged
+    tokens (``window_size`` 16 px), the last block global)."""
     common: dict[str, Any] = dict(depth=depth, num_heads=2, in_channels=3, patch_size=4,
                                   spatial_merge_size=2, temporal_patch_size=2)
-    if cls_name.startswith("Qwen2"):
+    if cls_name.startswith("Qwen2_5"):
+        common.update(hidden_size=32, intermediate_size=64, out_hidden_size=24,
+                      hidden_act="silu", window_size=16,
+                      fullatt_block_indexes=[depth - 1])
+    elif cls_name.startswith("Qwen2"):
         common.update(embed_dim=32, mlp_ratio=2, hidden_size=32, hidden_act="quick_gelu")
     else:
         common.update(hidden_size=32, intermediate_size=64, out_hidden_size=24,
@@ -155,7 +179,7 @@ def qwen_tower_example(cls_name: str) -> Callable[..., nn.Module]:
     ``depth`` blocks), weights drawn far from their initial values."""
     def build(*, seed: int = 0, depth: int = 2, dtype: torch.dtype = torch.float64,
               num_classes: int = 5, **overrides: Any) -> nn.Module:
-        module = "qwen2_vl" if cls_name.startswith("Qwen2") else "qwen3_vl"
+        module = _MODULES[cls_name][0]
         cfg = _vision_config(cls_name, **tiny_vision_config(cls_name, depth, **overrides))
         cls = getattr(library(f"transformers.models.{module}.modeling_{module}"), cls_name)
         torch.manual_seed(seed)
@@ -166,16 +190,19 @@ def qwen_tower_example(cls_name: str) -> Callable[..., nn.Module]:
 
 def qwen_vlm_example(cls_name: str) -> Callable[..., nn.Module]:
     """A builder of a tiny ``Qwen2VLForConditionalGeneration`` /
-    ``Qwen3VLForConditionalGeneration``: the tower of :func:`qwen_tower_example` and a
+    ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration``: the
+    tower of :func:`qwen_tower_example` and a
     2-layer language model (width 24, vocabulary 300) whose image placeholder is
     :data:`VLM_IMAGE_ID` (``vision_start`` 297, ``vision_end`` 298)."""
     def build(*, seed: int = 0, depth: int = 2, dtype: torch.dtype = torch.float64,
               num_classes: int = 5, **overrides: Any) -> nn.Module:
         transformers = library("transformers")
         qwen3 = cls_name.startswith("Qwen3")
-        tower = "Qwen3VLVisionModel" if qwen3 else "Qwen2VisionTransformerPretrainedModel"
+        qwen25 = cls_name.startswith("Qwen2_5")
+        tower = "Qwen3VLVisionModel" if qwen3 else "Qwen2_5_VisionTransformerPretrainedModel" \
+            if qwen25 else "Qwen2VisionTransformerPretrainedModel"
         vision = tiny_vision_config(tower, depth, **overrides.pop("vision", {}))
-        vision["out_hidden_size" if qwen3 else "hidden_size"] = 24  # the language model's
+        vision["out_hidden_size" if qwen3 or qwen25 else "hidden_size"] = 24  # the LM's
         text: dict[str, Any] = dict(vocab_size=300, hidden_size=24, intermediate_size=48,
                                     num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, max_position_embeddings=256,
@@ -192,7 +219,7 @@ def qwen_vlm_example(cls_name: str) -> Callable[..., nn.Module]:
         else:
             text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                          "mrope_section": [2, 2, 2]})
-            cfg = transformers.Qwen2VLConfig(
+            cfg = getattr(transformers, "Qwen2_5_VLConfig" if qwen25 else "Qwen2VLConfig")(
                 vision_config=vision, text_config=text, image_token_id=VLM_IMAGE_ID,
                 video_token_id=296, vision_start_token_id=297, vision_end_token_id=298,
                 **overrides)
@@ -205,23 +232,30 @@ def qwen_vlm_example(cls_name: str) -> Callable[..., nn.Module]:
 
 @register_family(
     is_hf_qwen_vision,
-    supports="Hugging Face Qwen2-VL and Qwen3-VL vision towers "
-             "(Qwen2VisionTransformerPretrainedModel, Qwen3VLVisionModel; packed inputs)",
+    supports="Hugging Face Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers "
+             "(Qwen2VisionTransformerPretrainedModel, Qwen2_5_VisionTransformerPretrainedModel, "
+             "Qwen3VLVisionModel; packed inputs)",
     tags=("embedding", "vlm-tower", "variable-size"),
-    notes=("`Qwen2VisionTransformerPretrainedModel` and `Qwen3VLVisionModel` (the towers of "
-           "`Qwen2VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`, explained "
-           "with `VLMAnswer`; the deepstack blocks read too): ✅ images `[B, C, H, W]` "
+    notes=("`Qwen2VisionTransformerPretrainedModel`, `Qwen2_5_VisionTransformerPretrainedModel` "
+           "and `Qwen3VLVisionModel` (the towers of `Qwen2VLForConditionalGeneration` / "
+           "`Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration`, "
+           "explained with `VLMAnswer`; the deepstack blocks read too): ✅ images "
+           "`[B, C, H, W]` "
            "(multiples of patch × merge) or the processor's packed `pixel_values` + "
            "`image_grid_thw` (maps per image on its own grid), 2-D vision RoPE (rounded to "
            "float32 as the model does), block-diagonal attention per image, Qwen3-VL's "
-           "interpolated position table; the tower alone: the patch mean of its last tokens "
-           "as an embedding (our choice) — refused: videos (`t > 1`); not supported: "
-           "Qwen2.5-VL's tower (RMSNorm)"),
+           "interpolated position table, Qwen2.5-VL's RMSNorm (in float32 as the model), "
+           "SwiGLU MLP and windows of merge groups (index sets; `fullatt_block_indexes` "
+           "global); the tower alone: the patch mean of its last tokens as an embedding "
+           "(our choice) — refused: videos (`t > 1`)"),
     examples={
         "hf_qwen2_vl_tower": Example(qwen_tower_example("Qwen2VisionTransformerPretrainedModel"),
                                      (16, 24), library="transformers", target="embedding"),
         "hf_qwen3_vl_tower": Example(qwen_tower_example("Qwen3VLVisionModel"), (16, 24),
                                      library="transformers", target="embedding"),
+        "hf_qwen2_5_vl_tower": Example(
+            qwen_tower_example("Qwen2_5_VisionTransformerPretrainedModel"), (16, 24),
+            library="transformers", target="embedding", tags=("windowed",), suite=True),
         # support-matrix columns: whole VLMs, their towers explained through VLMAnswer
         "hf_qwen2_vl": Example(qwen_vlm_example("Qwen2VLForConditionalGeneration"), (16, 24),
                                library="transformers", target="vlm", tags=("matrix",),
@@ -229,17 +263,20 @@ def qwen_vlm_example(cls_name: str) -> Callable[..., nn.Module]:
         "hf_qwen3_vl": Example(qwen_vlm_example("Qwen3VLForConditionalGeneration"), (16, 24),
                                library="transformers", target="vlm", tags=("matrix",),
                                suite=False),
+        "hf_qwen2_5_vl": Example(qwen_vlm_example("Qwen2_5_VLForConditionalGeneration"),
+                                 (16, 24), library="transformers", target="vlm",
+                                 tags=("matrix",), suite=False),
     })
 class HFQwenVisionAdapter(HFPatchGrid):
-    """Canonical view of a Qwen2-VL / Qwen3-VL vision tower (never modified).
+    """Canonical view of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower (never modified).
 
     Its own output, for a target of the tower alone, is the patch mean of the last
     block's tokens (an embedding, our choice); the answer of the VLM around it is
     explained with :class:`~captum_vit.targets.VLMAnswer`.
 
     Args:
-        model (nn.Module): a ``Qwen2VisionTransformerPretrainedModel`` or
-            ``Qwen3VLVisionModel``.
+        model (nn.Module): a ``Qwen2VisionTransformerPretrainedModel``,
+            ``Qwen2_5_VisionTransformerPretrainedModel`` or ``Qwen3VLVisionModel``.
 
     Raises:
         TypeError: a layer layout the adapter does not know.
@@ -261,6 +298,7 @@ class HFQwenVisionAdapter(HFPatchGrid):
         name = type(model).__name__
         cfg = model.config
         self.qwen3 = hasattr(model, "pos_embed")
+        self.qwen25 = hasattr(model, "fullatt_block_indexes")
         module = sys.modules[type(model).__module__]
         rotate_half = getattr(module, "rotate_half", None)
         if rotate_half is None:
@@ -272,10 +310,6 @@ class HFQwenVisionAdapter(HFPatchGrid):
             raise TypeError(f"{name}: this transformers version has no "
                             "get_vision_interpolation_indices_and_weights")
         self.layers = model.blocks
-        self.blocks = [self._block(layer, int(cfg.num_heads), f"{name}.blocks[{i}]")
-                       for i, layer in enumerate(self.layers)]
-        if not self.blocks:
-            raise TypeError(f"{name} has no blocks")
         self.in_chans = int(cfg.in_channels)
         self.num_prefix = 0
         self.readout = "avg"
@@ -284,26 +318,61 @@ class HFQwenVisionAdapter(HFPatchGrid):
         self.frames = int(cfg.temporal_patch_size)
         self.head = HeadParts(None, None, (("avg", None, None),))
         self._rope: tuple[Tensor, Tensor] | None = None  # (cos, sin) [N, d], float32
+        # Qwen2.5-VL: windows of `window` merged tokens a side; global blocks `full`
+        self.window = int(cfg.window_size) // self.merge // self.patch if self.qwen25 else 0
+        self.full = frozenset(int(i) for i in (model.fullatt_block_indexes or ())) \
+            if self.qwen25 else frozenset()
+        if self.qwen25 and self.window < 1:
+            raise TypeError(f"{name}: window_size {cfg.window_size} is below one merged token "
+                            f"(spatial_merge_size × patch_size = {self.merge * self.patch})")
+        self._windows: SlotWindows | None = None
+        self._rope_windows: tuple[Tensor, Tensor] | None = None  # [n_W, M, d], float32
+        self._grid: tuple[int, int] | None = None
+        self.blocks = [self._block(layer, int(cfg.num_heads), f"{name}.blocks[{i}]", i)
+                       for i, layer in enumerate(self.layers)]
+        if not self.blocks:
+            raise TypeError(f"{name} has no blocks")
+        _, (hh, ww) = self.input_shape
+        self._set_grid((hh // self.patch, ww // self.patch))
 
-    def _block(self, layer: ModelTree, heads: int, where: str) -> BlockParts:
+    def windowed(self, layer: int) -> bool:
+        """Whether block ``layer`` attends within windows (Qwen2.5-VL's blocks outside
+        ``fullatt_block_indexes``)."""
+        return self.qwen25 and layer not in self.full
+
+    def _block(self, layer: ModelTree, heads: int, where: str, index: int) -> BlockParts:
         att, mlp = layer.attn, layer.mlp
         w, b = att.qkv.weight, att.qkv.bias
         d = w.shape[0] // 3
-        fc1 = first_attribute(mlp, "fc1", "linear_fc1")  # Qwen2-VL, Qwen3-VL
-        fc2 = first_attribute(mlp, "fc2", "linear_fc2")
-        act = first_attribute(mlp, "act", "act_fn")
         head_dim = d // heads
+        if self.qwen25:  # RMSNorm in float32, SwiGLU MLP, windows
+            gate, fc1 = mlp.gate_proj, mlp.up_proj
+            fc2, act = mlp.down_proj, mlp.act_fn
+            norm1 = rms_norm_parts(layer.norm1, f"{where}.norm1", torch.float32)
+            norm2 = rms_norm_parts(layer.norm2, f"{where}.norm2", torch.float32)
+        else:
+            gate = None
+            fc1 = first_attribute(mlp, "fc1", "linear_fc1")  # Qwen2-VL, Qwen3-VL
+            fc2 = first_attribute(mlp, "fc2", "linear_fc2")
+            act = first_attribute(mlp, "act", "act_fn")
+            norm1, norm2 = _norm(layer.norm1, f"{where}.norm1"), _norm(layer.norm2,
+                                                                       f"{where}.norm2")
+        windowed = self.windowed(index)
         return BlockParts(
-            norm1=_norm(layer.norm1, f"{where}.norm1"),
+            norm1=norm1,
             q_weight=w[:d], k_weight=w[d:2 * d], v_weight=w[2 * d:],
             q_bias=None if b is None else b[:d], k_bias=None if b is None else b[d:2 * d],
             v_bias=None if b is None else b[2 * d:],
             num_heads=heads, head_dim=head_dim, scale=head_dim ** -0.5,
             q_norm=nn.Identity(), k_norm=nn.Identity(),
             proj_weight=att.proj.weight, proj_bias=att.proj.bias, ls1=None,
-            norm2=_norm(layer.norm2, f"{where}.norm2"),
+            norm2=norm2,
             fc1_weight=fc1.weight, fc1_bias=fc1.bias, act=act,
-            fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=None, rotary=self._rotate)
+            fc2_weight=fc2.weight, fc2_bias=fc2.bias, ls2=None,
+            gate_weight=None if gate is None else gate.weight,
+            gate_bias=None if gate is None else gate.bias,
+            rotary=self._rotate_windows if windowed else self._rotate,
+            window=self._windows if windowed else None)
 
     def refresh(self) -> None:
         """The q/k/v parts are slices of ``qkv.weight``: re-read them after
@@ -311,8 +380,19 @@ class HFQwenVisionAdapter(HFPatchGrid):
         if self.blocks[0].k_weight.untyped_storage().data_ptr() != \
                 self.layers[0].attn.qkv.weight.untyped_storage().data_ptr():
             name = type(self.model).__name__
-            self.blocks = [self._block(layer, self.blocks[0].num_heads, f"{name}.blocks[{i}]")
-                           for i, layer in enumerate(self.layers)]
+            self.blocks = [self._block(layer, self.blocks[0].num_heads, f"{name}.blocks[{i}]",
+                                       i) for i, layer in enumerate(self.layers)]
+
+    def _set_grid(self, grid: tuple[int, int]) -> None:
+        """Qwen2.5-VL: the windowed blocks' :class:`~captum_vit.adapters.windows.SlotWindows`
+        of the patch grid ``grid`` (:func:`window_slots`); nothing for the other towers."""
+        if not self.qwen25 or grid == self._grid:
+            return
+        self._grid = grid
+        self._windows = SlotWindows(window_slots(grid, self.merge, self.window),
+                                    grid[0] * grid[1])
+        self.blocks = [dataclasses.replace(p, window=self._windows) if self.windowed(i)
+                       else p for i, p in enumerate(self.blocks)]
 
     # -- geometry -----------------------------------------------------------------------
     @property
@@ -344,6 +424,19 @@ class HFQwenVisionAdapter(HFPatchGrid):
             cos, sin = cos[idx].unsqueeze(1), sin[idx].unsqueeze(1)
         hf = h.float()
         return (hf * cos + self._rotate_half(hf) * sin).to(h.dtype)
+
+    def _rotate_windows(self, h: Tensor, positions: Tensor | None) -> Tensor:
+        """The model's vision RoPE on the window slots ``h`` [B·n_W, H, M, d] of a windowed
+        block (Qwen2.5-VL; padded slots get zero tables), in float32 as the model."""
+        if self._rope_windows is None or positions is not None:
+            raise ValueError("the rotary embedding depends on the input grid: get the token "
+                             "states from adapter.embed(images) before running the blocks")
+        cos, sin = self._rope_windows  # [n_W, M, d]
+        nw = cos.shape[0]
+        hf = h.float().reshape(-1, nw, *h.shape[1:])  # [B, n_W, H, M, d]
+        cos, sin = cos[None, :, None], sin[None, :, None]
+        out = hf * cos + self._rotate_half(hf) * sin
+        return out.reshape(h.shape).to(h.dtype)
 
     def _positions(self, grid: tuple[int, int], device: torch.device) -> Tensor:
         """``(row, column)`` of every patch in raster order, ``[h·w, 2]``."""
@@ -463,6 +556,11 @@ class HFQwenVisionAdapter(HFPatchGrid):
             x = x + table.to(x.dtype)
         with torch.no_grad():
             self._rope = m.rotary_pos_emb(x, pos)
+        self._set_grid(grid)
+        if self._windows is not None:
+            self._rope_windows = tuple(  # type: ignore[assignment]
+                self._windows.partition(t[None].to(torch.float32))
+                for t in self._rope)
         if ops is None:
             return x
         conv = m.patch_embed.proj
@@ -475,13 +573,22 @@ class HFQwenVisionAdapter(HFPatchGrid):
     # -- the model's own forward -------------------------------------------------------------
     def model_tokens(self, inputs: Tensor) -> Tensor:
         """The model's own ``last_hidden_state`` of images ``[B, C, H, W]`` (its forward on
-        the packed rows), in raster order ``[B, N, D]``."""
+        the packed rows), in raster order ``[B, N, D]`` (Qwen2.5-VL's window order of the
+        merge groups undone, :func:`window_slots`)."""
         b, _, hh, ww = inputs.shape
         grid = (hh // self.patch, ww // self.patch)
         thw = torch.tensor([[1, *grid]] * b, device=inputs.device)
         out = self.model(self.pack(inputs), grid_thw=thw).last_hidden_state
         order = merge_order(grid, self.merge, inputs.device)
-        return out.reshape(b, grid[0] * grid[1], -1)[:, order.argsort()]
+        n = grid[0] * grid[1]
+        if self.qwen25:  # its last_hidden_state is in window order: merge groups permuted
+            unit = self.merge ** 2
+            groups = window_slots(grid, self.merge, self.window)  # raster patch indices
+            first = groups[groups >= 0].reshape(-1, unit)[:, 0].to(inputs.device)
+            group = order.argsort()[first] // unit  # each window-order group's merge index
+            rows = (group[:, None] * unit + torch.arange(unit, device=inputs.device)).flatten()
+            out = out.reshape(b, n, -1)[:, rows.argsort()].reshape(b * n, -1)
+        return out.reshape(b, n, -1)[:, order.argsort()]
 
     def model_outputs(self, inputs: Tensor) -> Tensor:
         """The patch mean of the model's own ``last_hidden_state`` ``[B, D]``."""

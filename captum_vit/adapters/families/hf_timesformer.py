@@ -75,7 +75,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captum_vit.adapters._typing import ModelTree
@@ -91,6 +90,7 @@ from captum_vit.adapters.layout import Layout
 from captum_vit.adapters.ops import Ops, patch_projection
 from captum_vit.adapters.parts import BlockParts, HeadParts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
+from captum_vit.adapters.windows import SlotWindows
 
 CLASSES = ("TimesformerForVideoClassification", "TimesformerModel")
 ATTENTION_TYPES = ("divided_space_time", "space_only", "joint_space_time")
@@ -109,41 +109,11 @@ def is_hf_timesformer(model: nn.Module) -> bool:
     return is_transformers_model(model, CLASSES)
 
 
-class FrameWindows:
-    """Attention within windows of token slots, where a token may sit in several windows
-    (its outputs averaged back) and padded slots are no keys: the two token mixings of a
-    divided space-time layer (:meth:`temporal`, :meth:`spatial`), with the interface of
-    :class:`~captum_vit.adapters.windows.Windows` that the engine and the methods read.
-
-    The dense token-mixing matrix of window-form probabilities ``A`` [..., n_W, M, M] is
-    :math:`C_{ij} = \\frac{1}{c_i} \\sum_{s \\in S(i)} \\sum_{r \\in S(j),\\, w(r) = w(s)}
-    A_{w(s)}[s, r]`, with ``S(i)`` the slots of token ``i``, ``c_i = |S(i)|`` and ``w(s)``
-    the window of slot ``s``; it is never built (:meth:`dense` only for tests and tiny
-    clips).
-
-    Args:
-        index (Tensor): [n_W, M] token index of each slot, ``-1`` for padding.
-        num_tokens (int): ``N``, the tokens of the sequence.
-    """
-
-    shift = (0, 0)
-
-    def __init__(self, index: Tensor, num_tokens: int) -> None:
-        self._index = index.long()
-        self.num_windows, self.area = (int(s) for s in index.shape)
-        self.num_tokens = num_tokens
-        real = self._index >= 0
-        counts = torch.zeros(num_tokens + 1, dtype=torch.float64)
-        counts.index_add_(0, self._slot(self._index).flatten(),
-                          real.flatten().to(torch.float64))
-        if (counts[:num_tokens] == 0).any():
-            raise ValueError("every token needs a window slot")
-        self._weight = torch.where(real, 1.0 / counts[self._slot(self._index)],
-                                   torch.zeros((), dtype=torch.float64))
-
-    def __repr__(self) -> str:
-        return (f"FrameWindows(num_windows={self.num_windows}, area={self.area}, "
-                f"num_tokens={self.num_tokens})")
+class FrameWindows(SlotWindows):
+    """The two token mixings of a divided space-time layer (:meth:`temporal`,
+    :meth:`spatial`) as :class:`~captum_vit.adapters.windows.SlotWindows`: windows of token
+    slots, a token possibly in several windows (its outputs averaged back), padded slots no
+    keys."""
 
     @classmethod
     def temporal(cls, frames: int, patches: int) -> FrameWindows:
@@ -164,112 +134,6 @@ class FrameWindows:
         rows = [torch.cat([torch.zeros(1, dtype=torch.long), 1 + t * patches + n])
                 for t in range(frames)]
         return cls(torch.stack(rows), 1 + frames * patches)
-
-    @property
-    def shares_tokens(self) -> bool:
-        """Whether some token sits in several windows (the spatial mixing's class token):
-        methods that read the slots one token each refuse such a block by name."""
-        return bool((self._weight[self._index >= 0] < 1).any())
-
-    def slot_counts(self, dtype: torch.dtype, device: torch.device | None = None
-                    ) -> Tensor | None:
-        r"""[n_W, M]: ``c_i`` of the token at each slot (1 at padding), or ``None`` when
-        every token has one slot. The attention returns its window probabilities with the
-        gradient of the dense matrix, :math:`\partial s / \partial C_{ij} = c_i\,
-        \partial s / \partial A_w[s, r]` (identity forward), so that a product of the
-        probabilities and their gradient chained by :meth:`left_multiply` is the dense
-        ``(∂s/∂C) ⊙ C``; the true gradient still reaches the queries and keys."""
-        if not self.shares_tokens:
-            return None
-        w = self._weight.to(device, dtype)
-        return torch.where(w > 0, 1 / w.clamp_min(1e-30), torch.ones_like(w))
-
-    def _slot(self, idx: Tensor) -> Tensor:
-        """Slot indices with padding sent to the extra zero row ``N``."""
-        return torch.where(idx >= 0, idx, torch.full_like(idx, self.num_tokens))
-
-    def index(self, device: torch.device | None = None) -> Tensor:
-        """[n_W, M]: the token at each slot, ``-1`` at padded slots (a token may appear
-        in several windows)."""
-        return self._index.to(device)
-
-    def _flat(self, device: torch.device | None) -> Tensor:
-        return self._slot(self._index).flatten().to(device)
-
-    def partition(self, x: Tensor) -> Tensor:
-        """Token states [B, N, C] as windows [B · n_W, M, C] (each token copied to its
-        slots; padded slots zero).
-
-        Raises:
-            ValueError: ``x`` does not have the ``N`` tokens.
-        """
-        b, n, c = x.shape
-        if n != self.num_tokens:
-            raise ValueError(f"divided space-time attention needs all {self.num_tokens} "
-                             f"tokens, got {n}: true token removal does not apply (remove "
-                             "pixels instead)")
-        xp = F.pad(x, (0, 0, 0, 1))
-        return xp[:, self._flat(x.device)].reshape(b * self.num_windows, self.area, c)
-
-    def reverse(self, y: Tensor) -> Tensor:
-        """Windows [B · n_W, M, C] back to tokens [B, N, C]: each token the mean of its
-        slots' rows (padded slots dropped)."""
-        c = y.shape[-1]
-        y = y.reshape(-1, self.num_windows * self.area, c)
-        w = self._weight.to(y.device, y.dtype).flatten()
-        out = y.new_zeros(y.shape[0], self.num_tokens + 1, c)
-        out = out.index_add(1, self._flat(y.device), y * w[:, None])
-        return out[:, :self.num_tokens]
-
-    def to_slots(self, v: Tensor) -> Tensor:
-        """Per-token values ``[..., N]`` at the slots, ``[..., n_W, M]`` (0 at padding)."""
-        vp = F.pad(v, (0, 1))
-        return vp[..., self._flat(v.device)].reshape(*v.shape[:-1], self.num_windows,
-                                                      self.area)
-
-    def left_multiply(self, v: Tensor, matrix: Tensor) -> Tensor:
-        """``vᵀ C`` (the class docstring's ``C``) for row vectors ``v`` ``[..., N]`` and a
-        window-form matrix ``[..., n_W, M, M]``; leading dimensions broadcast."""
-        w = self._weight.to(v.device, v.dtype)
-        slots = self.to_slots(v) * w
-        out_w = torch.einsum("...wi,...wij->...wj", slots, matrix.to(v.dtype))
-        real = (self._index >= 0).to(v.device, v.dtype)
-        flat = (out_w * real).reshape(*out_w.shape[:-2], -1)
-        out = flat.new_zeros(*flat.shape[:-1], self.num_tokens + 1)
-        return out.index_add(-1, self._flat(v.device), flat)[..., :self.num_tokens]
-
-    def dense(self, matrix: Tensor) -> Tensor:
-        """The dense ``[..., N, N]`` of a window-form matrix (tiny clips and tests only)."""
-        n1 = self.num_tokens + 1
-        slot = self._slot(self._index).to(matrix.device)
-        w = self._weight.to(matrix.device, matrix.dtype)
-        real = (self._index >= 0).to(matrix.device, matrix.dtype)
-        vals = matrix * w[:, :, None] * real[:, None, :]
-        pos = (slot[:, :, None] * n1 + slot[:, None, :]).flatten()
-        out = matrix.new_zeros(*matrix.shape[:-3], n1 * n1)
-        out = out.index_add(-1, pos, vals.reshape(*vals.shape[:-3], -1))
-        return out.reshape(*matrix.shape[:-3], n1, n1)[..., :-1, :-1]
-
-    def received(self, probs: Tensor) -> Tensor:
-        """``mean_i C[i, j]`` [B, H, N] for window-form probabilities [B, H, n_W, M, M]."""
-        ones = probs.new_ones(probs.shape[0], 1, self.num_tokens)
-        return self.left_multiply(ones, probs) / self.num_tokens
-
-    def seam_mask(self, dtype: torch.dtype, device: torch.device | None = None) -> None:
-        """No shifted windows."""
-        return None
-
-    def logit_bias(self, position_bias: Tensor | None, batch: int, dtype: torch.dtype,
-                   device: torch.device | None = None) -> Tensor | None:
-        """``-inf`` on padded keys (a padded query attends only itself), [B · n_W, 1, M, M];
-        ``None`` without padding."""
-        real = self._index >= 0
-        if bool(real.all()):
-            return None if position_bias is None else position_bias.to(dtype)
-        eye = torch.eye(self.area, dtype=torch.bool)
-        allowed = real[:, None, :] | eye
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
-        return mask[:, None].to(device).repeat(batch, 1, 1, 1)
 
 
 def _example(cls_name: str, **extra: Any) -> Callable[..., nn.Module]:
