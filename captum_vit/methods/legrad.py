@@ -235,6 +235,12 @@ class LeGrad(PLUSFastPath, ViTGradientAttribution):
                                  f"blocks [0, {L - l - 1}]; use smaller layers")
             sums.append([l + j for j in self.layers])
         blocks = sorted({k for s in sums for k in s})
+        if not blocks:  # a target reading an earlier stage's output (SAM 2's mask decoder)
+            raise ValueError(f"LeGrad applies the model's readout to block outputs from block "
+                             f"{top} on (the last stage's grid and width), but the score "
+                             f"reads the output of block {L - 1}, before it: use a method "
+                             "that chains token maps (GAE, Rollout, TokenTM) or a gradient "
+                             "(TokenIxG, DecompX)")
         null = self._null_head(null_target, inputs)
         per, per_null = self.block_maps(inputs, target, blocks, score=score, null=null)
         k = self.adapter.num_prefix
