@@ -21,30 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captum_vit.adapters.parts import BlockParts, Heads, NormParts, PoolParts, affine
-
-
-class _LayerNormFrozenVariance(torch.autograd.Function):
-    """LayerNorm whose backward treats ``1/sqrt(var + eps)`` as a constant.
-
-    With ``y = (x - mean(x)) / s * w + b`` and ``s`` frozen, the input gradient is
-    ``(g*w - mean(g*w)) / s``: the centring stays differentiable, the scale does not.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        # one fused kernel gives the output and 1/sqrt(var + eps) (no second pass)
-        y, _, inv_std = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
-        inv_std = inv_std.to(x.dtype)
-        ctx.save_for_backward(inv_std, weight)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        inv_std, weight = ctx.saved_tensors
-        gw = g * weight if weight is not None else g
-        gx = (gw - gw.mean(-1, keepdim=True)) * inv_std
-        return gx, None, None, None
+from captum_vit.adapters.parts import (
+    BlockParts,
+    Heads,
+    NormParts,
+    PoolParts,
+    affine,
+    layer_norm_frozen_variance,
+)
 
 
 class _GateDetachedActivation(torch.autograd.Function):
@@ -74,11 +58,6 @@ def activation_gate(z: Tensor, y: Tensor) -> Tensor:
     (two passes over the MLP width instead of a comparison and a masked fill more).
     """
     return (y / z).nan_to_num_(nan=0.5, posinf=math.inf, neginf=-math.inf)
-
-
-def layer_norm_frozen_variance(x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                               eps: float) -> Tensor:
-    return _LayerNormFrozenVariance.apply(x, weight, bias, eps)
 
 
 def activation_gate_detached(z: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:

@@ -39,6 +39,34 @@ from torch import Tensor, nn
 from captum_vit.adapters.scoring import Target, TargetHead
 
 
+class _LayerNormFrozenVariance(torch.autograd.Function):
+    """LayerNorm whose backward treats ``1/sqrt(var + eps)`` as a constant.
+
+    With ``y = (x - mean(x)) / s * w + b`` and ``s`` frozen, the input gradient is
+    ``(g*w - mean(g*w)) / s``: the centring stays differentiable, the scale does not.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        # one fused kernel gives the output and 1/sqrt(var + eps) (no second pass)
+        y, _, inv_std = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        inv_std = inv_std.to(x.dtype)
+        ctx.save_for_backward(inv_std, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        inv_std, weight = ctx.saved_tensors
+        gw = g * weight if weight is not None else g
+        gx = (gw - gw.mean(-1, keepdim=True)) * inv_std
+        return gx, None, None, None
+
+
+def layer_norm_frozen_variance(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                               eps: float) -> Tensor:
+    return _LayerNormFrozenVariance.apply(x, weight, bias, eps)
+
+
 @dataclass(frozen=True)
 class NormParts:
     r"""A normalisation over the last dimension: a LayerNorm
@@ -88,8 +116,6 @@ class NormParts:
         stays differentiable)."""
         if not self.rms:
             if frozen:
-                from captum_vit.adapters.ops import layer_norm_frozen_variance
-
                 return layer_norm_frozen_variance(x, self.weight, self.bias, self.eps)
             return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         if frozen:
