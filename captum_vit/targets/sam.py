@@ -3,7 +3,8 @@ model side: :mod:`captum_vit.adapters.families.sam`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import textwrap
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +36,37 @@ def _shape(rows: int, last: int) -> str:
     return f"[{last}]" if rows == 1 else f"[P, {last}]"
 
 
+PROMPT_ARGS = """points (Tensor or sequence, optional): ``[P, 2]`` points ``(x, y)`` for every
+    image, or ``[B, P, 2]`` one set per image.
+labels (Tensor or sequence, optional): ``[P]`` or ``[B, P]``: 1 for a foreground
+    point, 0 for a background one (default: all 1).
+boxes (Tensor or sequence, optional): ``[4]`` ``(x0, y0, x1, y1)`` for every image,
+    or ``[B, 4]``.
+mask (int, optional): which of the decoder's masks (``0 … 2`` with
+    ``multimask_output``, else ``0``). Default 0.
+multimask_output (bool, optional): the decoder's three masks (default) or its
+    single one."""
+"""The prompt arguments of :class:`SamMaskTarget` and its subclasses (SAM 2's), put in
+their docstrings at ``{prompt_args}`` by :func:`prompt_doc`."""
+
+T = TypeVar("T", bound=type)
+
+
+def prompt_doc(cls: T) -> T:
+    """Class decorator: the docstring's ``{prompt_args}`` line becomes
+    :data:`PROMPT_ARGS`, indented as the placeholder."""
+    lines = []
+    for line in (cls.__doc__ or "").split("\n"):
+        if line.strip() == "{prompt_args}":
+            pad = line[:len(line) - len(line.lstrip())]
+            lines.append(textwrap.indent(PROMPT_ARGS, pad))
+        else:
+            lines.append(line)
+    cls.__doc__ = "\n".join(lines)
+    return cls
+
+
+@prompt_doc
 class SamMaskTarget(Target):
     r"""The logits of one of SAM's masks summed over the pixels that mask covers: the
     evidence the image encoder gives the mask SAM draws for a prompt (Kirillov et al.,
@@ -67,16 +99,7 @@ class SamMaskTarget(Target):
 
     Args:
         model (nn.Module): a Hugging Face ``SamModel``.
-        points (Tensor or sequence, optional): ``[P, 2]`` points ``(x, y)`` for every image,
-            or ``[B, P, 2]`` one set per image.
-        labels (Tensor or sequence, optional): ``[P]`` or ``[B, P]``: 1 for a foreground
-            point, 0 for a background one (default: all 1).
-        boxes (Tensor or sequence, optional): ``[4]`` ``(x0, y0, x1, y1)`` for every image,
-            or ``[B, 4]``.
-        mask (int, optional): which of the decoder's masks (``0 … 2`` with
-            ``multimask_output``, else ``0``). Default 0.
-        multimask_output (bool, optional): the decoder's three masks (default) or its
-            single one.
+        {prompt_args}
 
     Raises:
         TypeError: ``model`` is not a ``SamModel``; prompts or ``mask`` of another type.

@@ -14,9 +14,10 @@ from captum_vit.adapters.families.hf_sam2 import (
     sam2_stage_grids,
 )
 from captum_vit.adapters.scoring import Outputs
-from captum_vit.targets.sam import SamMaskTarget
+from captum_vit.targets.sam import SamMaskTarget, prompt_doc
 
 
+@prompt_doc
 class Sam2MaskTarget(SamMaskTarget):
     r"""The logits of one of SAM 2's masks summed over the pixels that mask covers: the
     evidence the image encoder gives the mask SAM 2 draws for a prompt (Ravi et al., 2024),
@@ -54,16 +55,7 @@ class Sam2MaskTarget(SamMaskTarget):
 
     Args:
         model (nn.Module): a Hugging Face ``Sam2Model``.
-        points (Tensor or sequence, optional): ``[P, 2]`` points ``(x, y)`` for every image,
-            or ``[B, P, 2]`` one set per image.
-        labels (Tensor or sequence, optional): ``[P]`` or ``[B, P]``: 1 for a foreground
-            point, 0 for a background one (default: all 1).
-        boxes (Tensor or sequence, optional): ``[4]`` ``(x0, y0, x1, y1)`` for every image,
-            or ``[B, 4]``.
-        mask (int, optional): which of the decoder's masks (``0 … 2`` with
-            ``multimask_output``, else ``0``). Default 0.
-        multimask_output (bool, optional): the decoder's three masks (default) or its
-            single one.
+        {prompt_args}
 
     Raises:
         TypeError: ``model`` is not a ``Sam2Model``; prompts or ``mask`` of another type.
