@@ -923,8 +923,9 @@ def read_state_gradients(adapter: ViTAdapter, p: Prepared, target: Target,
                          ) -> tuple[list[int | None], list[list[Tensor]]]:
     r"""The gradients ``g_l = ∂s/∂x_l`` of ``target``'s picked scores at the states it
     reads: one forward of ``p.images`` to those states (no gradient, the target not
-    evaluated), then :meth:`~captum_vit.adapters.scoring.Target.read_gradients` on them as
-    leaves (a VLM's answer: its language model once for every index).
+    evaluated; none when the target holds them, ``Target.read_states``), then
+    :meth:`~captum_vit.adapters.scoring.Target.read_gradients` on them as leaves (a VLM's
+    answer: its language model once for every index).
 
     Args:
         adapter (ViTAdapter): the model's adapter.
@@ -936,13 +937,25 @@ def read_state_gradients(adapter: ViTAdapter, p: Prepared, target: Target,
         tuple: the read states' keys (block outputs ``l`` in ``[1, L]``, or ``[None]``:
         the final tokens) and, per index, the gradient ``[n, N, D]`` of each.
     """
-    layers = target.readout_layers(len(adapter.blocks))
-    capture = _Capture(target)
-    with torch.no_grad(), adapter.targeting(capture, grid=p.layout.grid):
-        adapter.run(adapter.embed(p.images))
-    out = capture.out
-    assert out is not None
+    num_blocks = len(adapter.blocks)
+    layers = target.readout_layers(num_blocks)
     keys: list[int | None] = [None] if layers is None else list(layers)
+    held = target.read_states(p.images)
+    if held is not None:  # the target's own clean forward (a VLM's resolve)
+        states = {None if l is None else (l + num_blocks + 1 if l < 0 else l): v.detach()
+                  for l, v in held.items()}
+        if sorted(states, key=lambda l: -1 if l is None else l) != keys:
+            raise ValueError(f"{type(target).__name__}.read_states returned the states "
+                             f"{sorted(held, key=str)}, not those it reads {keys}")
+        out: Outputs | None = Outputs(
+            tokens=states.get(None), hidden={l: v for l, v in states.items() if l is not None},
+            num_prefix=adapter.num_prefix, grid=p.layout.grid, num_blocks=num_blocks)
+    else:
+        capture = _Capture(target)
+        with torch.no_grad(), adapter.targeting(capture, grid=p.layout.grid):
+            adapter.run(adapter.embed(p.images))
+        out = capture.out
+    assert out is not None
     with torch.enable_grad():
         if layers is None:
             assert out.tokens is not None

@@ -240,6 +240,14 @@ class Target:
         highest-scoring column (a prediction)."""
         return torch.zeros(batch, dtype=torch.long)
 
+    def read_states(self, images: Tensor) -> dict[int | None, Tensor] | None:
+        """The states this target reads of ``images`` when it already holds them (made by
+        its construction or :meth:`resolve` from these very images): keyed by the entries
+        of :attr:`blocks` (``None``: the final-normed tokens), ``[n, N, D]`` each. The
+        read-gradient path (:attr:`linearises`) then skips its forward to them. Default
+        ``None``: not held."""
+        return None
+
     def read_gradients(self, out: Outputs, leaves: Sequence[Tensor],
                        indices: Sequence[Tensor | None]) -> list[list[Tensor]]:
         """The gradients of the picked scores w.r.t. the read states, at one forward's

@@ -516,6 +516,8 @@ class VLMAnswer(Target):
                            for row in self.answer_ids]
         self.tiles = 1
         self._clean: Tensor | None = None
+        self._clean_states: list[Tensor] | None = None  # the tower states resolve read
+        self._clean_images: Tensor | None = None
         self._image_column: Tensor | None = None
         tile = self.parts.tile_features()
         if tile is not None and tile > 0:
@@ -574,6 +576,8 @@ class VLMAnswer(Target):
             clean = self.parts.features(states)
         out = copy.copy(self)
         out._clean = clean.detach()
+        out._clean_states = [v.detach() for v in states]
+        out._clean_images = images
         out._image_column = per_image(self._column_of, n // m, "input_ids")
         return out
 
@@ -645,6 +649,24 @@ class VLMAnswer(Target):
         return logp.reshape(n, k * self.slots).to(self._states(out)[0].dtype)
 
     # -- the rows' own columns at one forward (ViTFront.linear_in_read_gradient) -------------
+    def read_states(self, images: Tensor) -> dict[int | None, Tensor] | None:
+        """The tower states of the clean tiles, when ``images`` are those tiles: the
+        tile-marking VLMs' (:meth:`images`, read at construction) or those :meth:`resolve`
+        read (tiles as rows); ``None`` otherwise (the read-gradient path then runs the
+        tower's forward itself)."""
+        if self.tiled is not None:
+            held, seen = self._tiled_clean, self.tiled.pixels
+        else:
+            held, seen = self._clean_states, self._clean_images
+        if held is None or seen is None or not (images is seen or (
+                images.shape == seen.shape and images.dtype == seen.dtype
+                and images.device == seen.device and torch.equal(images, seen))):
+            return None
+        keys: list[int | None] = [None] if self.parts.layers is None else list(self.parts.layers)
+        if len(set(keys)) != len(keys) or len(keys) != len(held):
+            return None
+        return dict(zip(keys, held, strict=True))
+
     def read_gradients(self, out: Outputs, leaves: Sequence[Tensor],
                        indices: Sequence[Tensor | None]) -> list[list[Tensor]]:
         """The gradients of the picked columns w.r.t. the read tower states, from ONE

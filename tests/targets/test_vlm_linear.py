@@ -265,3 +265,59 @@ def test_other_indices_fall_back_to_the_columns():
     _, [want] = read_state_gradients(ad, p, generic, [index])
     assert_close_scaled(got[0], want[0], rel=1e-12)
     assert got[0][0].abs().max() > 0
+
+
+@pytest.mark.parametrize("family", ["internvl", "idefics3"])
+def test_held_clean_states_equal_the_towers_forward(family):
+    """With tiles the target holds the clean tiles' states (its construction or resolve);
+    the read gradients from them equal those from a forward of the adapter, and other
+    images are not taken for the clean tiles."""
+    from captum_vit._base import prepare, read_state_gradients
+    from captum_vit.adapters import adapt
+
+    model, x, target = case(family)
+    ad = adapt(VLMAnswer.tower(model))
+    p = prepare(ad, x, target)
+    resolved = p.embedding
+    held = resolved.read_states(p.images)
+    assert held is not None and list(held) == [None]
+    assert resolved.read_states(p.images + 1e-3) is None
+    keys, [got] = read_state_gradients(ad, p, resolved, [p.target])
+    forward = copy.copy(resolved)
+    forward.read_states = lambda images: None
+    _, [want] = read_state_gradients(ad, p, forward, [p.target])
+    assert keys == [None]
+    assert got[0].abs().max() > 0
+    assert_close_scaled(got[0], want[0], rel=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["full", "layers"])
+def test_onevision_crops_read_blocks_through_the_read_gradient(kind):
+    """LLaVA-OneVision (a read block; two blocks concatenated under ``"layers"``): the
+    read-gradient maps, whole answer and per token, equal the columns', from one
+    sequence per prompt."""
+    from tests.families import test_hf_llava_onevision as onevision
+
+    model = onevision.model_of(kind)
+    batch = onevision.processed(model)
+    target = VLMAnswer(model, batch, ANSWER)
+    x = target.images()
+    n = x.shape[0]
+    assert target.read_states(x) is not None
+    for name in ("token_ixg", "gae", "decompx"):
+        method = build_method(name, VLMAnswer.tower(model))
+        with LanguageModelRuns(model) as runs:
+            fast = method.attribute(x, target=target, output="tokens")
+        assert runs.sequences == 2, name
+        slow = method.attribute(x, target=columns_path(target), output="tokens")
+        assert_close_scaled(fast, slow, rel=1e-10)
+    tokens = VLMAnswer(model, batch, ANSWER, per_token=True)
+    method = build_method("attnlrp", VLMAnswer.tower(model))
+    with LanguageModelRuns(model) as runs:
+        maps = per_token_maps(method, x, tokens, output="tokens")
+    assert runs.calls == [2]
+    slow = columns_path(tokens)
+    want = torch.stack([method.attribute(x, target=slow.token(t), output="tokens")
+                        for t in range(3)], 1)
+    assert maps.shape[:2] == (n, 3)
+    assert_close_scaled(maps, want, rel=1e-10)
