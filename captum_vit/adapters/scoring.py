@@ -193,6 +193,8 @@ class Target:
     - ``probability`` (str): ``"softmax"`` (the columns compete like classes) or
       ``"sigmoid"`` (independent scores, the default): what ``score="probability"`` of
       a method means.
+    - ``linearises`` (bool): the methods linear in the read gradient explain it through
+      :meth:`read_gradients` (columns that cost far more than the picked scores).
 
     Examples::
 
