@@ -654,10 +654,10 @@ class VLMAnswer(Target):
         tile-marking VLMs' (:meth:`images`, read at construction) or those :meth:`resolve`
         read (tiles as rows); ``None`` otherwise (the read-gradient path then runs the
         tower's forward itself)."""
+        held: list[Tensor] | None = self._clean_states
+        seen: Tensor | None = self._clean_images
         if self.tiled is not None:
             held, seen = self._tiled_clean, self.tiled.pixels
-        else:
-            held, seen = self._clean_states, self._clean_images
         if held is None or seen is None or not (images is seen or (
                 images.shape == seen.shape and images.dtype == seen.dtype
                 and images.device == seen.device and torch.equal(images, seen))):
