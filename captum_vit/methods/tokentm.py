@@ -160,28 +160,58 @@ def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
 
 
 def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
-                 num_heads: int, eps: float = EPS, scale: Tensor | None = None) -> Tensor:
+                 num_heads: int, eps: float = EPS, scale: Tensor | None = None,
+                 values: Tensor | None = None) -> Tensor:
     """Per-head weights ``W^h`` of the attention sublayer (Eq. 13 with Eq. 5), [B, H, N].
 
-    ``E = x`` and ``Ẽ^h = u W_V^h W_O^h``. The [B, H, N, D] tensor ``Ẽ`` is never formed:
-    with ``v^h = u W_V^h`` [N, d] and ``W_O^h`` the head's [d, D] slice,
-    ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``.
-    ``scale`` [B, N] (default none) multiplies token ``i``'s ``Ẽ^h_i`` (a post-norm's
-    frozen ``1/σ_i``, with its centring and ``γ`` folded into ``proj_weight``).
+    ``E = x`` and ``Ẽ^h = u W_V^h W_O^h``. With many heads the [B, H, N, D] tensor ``Ẽ``
+    is never formed: with ``v^h = u W_V^h`` [N, d] and ``W_O^h`` the head's [d, D] slice,
+    ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``;
+    with one or two heads (a head as wide as the model or half of it, Hiera's first
+    stages) ``Ẽ^h`` costs one product of the size of ``x W_O^hᵀ`` and replaces the
+    Gram product, so it is formed. ``scale`` [B, N] (default none) multiplies token
+    ``i``'s ``Ẽ^h_i`` (a post-norm's frozen ``1/σ_i``, with its centring and ``γ`` folded
+    into ``proj_weight``). ``values`` [B, N, H*d] (default: computed) is ``u W_V`` when
+    the caller has it (the forward's values less their bias).
     """
     b, n, _ = x.shape
     d = v_weight.shape[0] // num_heads
-    v = torch.nn.functional.linear(u, v_weight).reshape(b * n, num_heads, d)  # v^h_i
-    xo = (x @ proj_weight).reshape(b * n, num_heads, d)  # x_i W_O^hᵀ
-    dot = (v * xo).sum(-1)  # E_i·Ẽ^h_i, [B*N, H]
-    wo = proj_weight.reshape(-1, num_heads, d).transpose(0, 1)  # W_O^hᵀ, [H, D, d]
+    v = torch.nn.functional.linear(u, v_weight) if values is None else values
+    v = v.reshape(b * n, num_heads, d)  # v^h_i
     vh = v.transpose(0, 1)  # [H, B*N, d]
-    sq = (torch.bmm(vh, wo.transpose(1, 2) @ wo) * vh).sum(-1)  # L(Ẽ^h_i)², [H, B*N]
-    lt = sq.clamp(min=0).sqrt().reshape(num_heads, b, n).transpose(0, 1)
-    dot = dot.reshape(b, n, num_heads).permute(0, 2, 1)
+    if num_heads <= 2:  # Ẽ^h = v^h W_O^h formed, [H, B*N, D]
+        et = torch.bmm(vh, proj_weight.reshape(-1, num_heads, d).permute(1, 2, 0))
+        dot = (et * x.reshape(1, b * n, -1)).sum(-1)  # E_i·Ẽ^h_i, [H, B*N]
+        lt = et.norm(dim=-1).reshape(num_heads, b, n).transpose(0, 1)
+        dot = dot.reshape(num_heads, b, n).transpose(0, 1)
+    else:
+        xo = (x @ proj_weight).reshape(b * n, num_heads, d)  # x_i W_O^hᵀ
+        dot = (v * xo).sum(-1)  # E_i·Ẽ^h_i, [B*N, H]
+        wo = proj_weight.reshape(-1, num_heads, d).transpose(0, 1)  # W_O^hᵀ, [H, D, d]
+        sq = (torch.bmm(vh, wo.transpose(1, 2) @ wo) * vh).sum(-1)  # L(Ẽ^h_i)², [H, B*N]
+        lt = sq.clamp(min=0).sqrt().reshape(num_heads, b, n).transpose(0, 1)
+        dot = dot.reshape(b, n, num_heads).permute(0, 2, 1)
     if scale is not None:
         lt, dot = lt * scale[:, None], dot * scale[:, None]
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
+
+
+def _forward_values(p: Any, heads: Heads | None, dtype: torch.dtype) -> Tensor | None:
+    """``u W_V`` [B, N, H*d] (no bias) read from the values the forward kept (a windowed
+    block's put back on its grid), so that :func:`head_weights` does not compute the
+    product again; ``None`` where they cannot be read back one token per slot (windows
+    sharing tokens) or have another dtype than ``dtype`` (a half-precision model's are
+    recomputed in the accumulation dtype)."""
+    if heads is None or heads.v.dtype != dtype:
+        return None
+    win = p.window
+    if win is not None and getattr(win, "shares_tokens", False):
+        return None
+    v = heads.v.detach()
+    v = v.transpose(1, 2).reshape(v.shape[0], v.shape[2], -1)
+    if win is not None:
+        v = win.reverse(v)
+    return v if p.v_bias is None else v - p.v_bias.detach().to(dtype)
 
 
 def _branch_of_heads(p: Any, heads: Heads) -> Tensor:
@@ -416,8 +446,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             if p.post_norm1 is not None:  # Ẽ^h through the branch's post-norm, linearised
                 # the branch output from the forward's heads (no attention recomputed)
                 wo, scale = _post_norm_path(p, wo, u, cast(Heads, rec.heads))
-            w = head_weights(e, u, p.v_weight.detach().to(dt), wo, p.num_heads,
-                             scale=scale)  # [B, H, N]
+            w = head_weights(e, u, p.v_weight.detach().to(dt), wo, p.num_heads, scale=scale,
+                             values=_forward_values(p, rec.heads, dt))  # [B, H, N]
         elif p.post_norm1 is not None:
             raise TypeError("TokenTM has no rule for a block with both an inner attention "
                             "norm and a post-norm on its branch")
