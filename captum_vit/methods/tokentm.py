@@ -35,7 +35,17 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, PoolParts, Trace, ValuePath
+from captum_vit.adapters import (
+    BlockParts,
+    BlockRecord,
+    Heads,
+    HeadsOps,
+    NormParts,
+    Ops,
+    PoolParts,
+    Trace,
+    ValuePath,
+)
 from captum_vit.adapters.scoring import scores_are_classes
 from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._front import fill_doc, plus_doc
@@ -54,6 +64,24 @@ class _Terms:
     x_norm: Tensor  # L(x_l,i) [B, N] (Eq. 18 at block l)
     merge: Tensor | None = None  # a patch merge after the block: its children's weights
     shares: Tensor | None = None  # query pooling (Hiera): the residual's child shares
+    probs: Tensor | None = None  # A_l kept by an explicit forward (its gradient is ∇A_l)
+
+
+class _ProbsHeadsOps(HeadsOps):
+    """:class:`~captum_vit.adapters.HeadsOps` with the explicit softmax: each block's
+    :class:`~captum_vit.adapters.Heads` for the trace and its probabilities in
+    :attr:`probs` (one block at a time), kept for the backward, which then gives
+    :math:`\nabla A_l` directly (small attention, as GAE traces it)."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.probs: list[Tensor] = []
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:
+        heads: list[Heads] = []
+        mix, attn = p.attention(u, materialize=True, positions=self.positions, heads=heads)
+        self.probs.append(cast(Tensor, attn))
+        return mix, heads[0]
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
 
@@ -483,9 +511,12 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         """``r_l diag(L(x_l,i))`` for ``l`` in ``layers`` (Eq. 18-20 started at block
         ``l``), [len(layers), B, N], from one streamed forward and one backward.
 
-        The forward uses the fused attention (no ``[B, H, N, N]`` kept for the
-        backward) and keeps per block only its weights and its heads; ``A_l`` and
-        ``∇A_l`` are recomputed one block at a time in the propagation."""
+        With large attention the forward uses the fused attention (no ``[B, H, N, N]``
+        kept for the backward) and keeps per block only its weights and its heads;
+        ``A_l`` and ``∇A_l`` are recomputed one block at a time in the propagation. With
+        small attention (:meth:`~captum_vit.adapters.ViTAdapter.small_attention`, as GAE)
+        the explicit softmax keeps ``A_l`` for the backward, which gives ``∇A_l``
+        directly."""
         if score is None:  # the target is in force here (ViTFront, the combinators)
             score = default_score(self.variant, self.adapter.probability)
         L = self.adapter.num_blocks
@@ -493,19 +524,26 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         terms: dict[int, _Terms] = {}
         last: list[Tensor] = []
 
+        ops = _ProbsHeadsOps() if self.adapter.small_attention(inputs) else None
+
         def keep(l: int, rec: BlockRecord) -> None:
+            probs = None if ops is None else ops.probs.pop()
             if l == L - 1:
                 last.append(rec.out)
             if l >= first:
                 with torch.no_grad():
                     terms[l] = self._block_terms(rec, l)
+                terms[l].probs = probs
 
-        tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep)
+        tr = self.adapter.trace(inputs, grad=True, on_block=keep, ops=ops,
+                                attention="fused" if ops is None else "explicit")
         t = resolve_target(target, tr.require_logits())
-        # ∇o_l of every needed block (and ∇A_p of an attention-pool head), one backward
+        # ∇o_l (∇A_l from an explicit forward) of every needed block, and ∇A_p of an
+        # attention-pool head, one backward
         scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
-        grads, pool_grad = gradients_with_pool(tr, scores,
-                                               [terms[l].heads.o for l in range(first, L)])
+        grads, pool_grad = gradients_with_pool(
+            tr, scores, [terms[l].heads.o if terms[l].probs is None else terms[l].probs
+                         for l in range(first, L)])
         with torch.no_grad():
             dt = accumulation_dtype(tr.x0)
             r = self._readout(tr, pool_grad, dt, t, last[0])
@@ -522,9 +560,13 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
                    l: int = 0) -> Tensor:
         """The running row times block ``l``'s factor, ``r^T U_ffn,l U_attn,l`` [B, N]
         (Eq. 14-17 read from the row; ``l`` names the block for a windowed block's
-        form, whose matrices are per window)."""
+        form, whose matrices are per window); ``grad_o`` is ``∂s/∂o_l``, or ``∂s/∂A_l``
+        when the block kept its probabilities (``terms.probs``)."""
         h = terms.heads
-        a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)  # A_l, ∇A_l [B, H, N, N]
+        if terms.probs is None:  # A_l, ∇A_l [B, H, N, N] from the heads
+            a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)
+        else:  # an explicit forward's: grad_o is ∇A_l itself
+            a, g = terms.probs.detach().to(dt), grad_o.to(dt)
         st = self.adapter.stages
         r = r * (1 + terms.w_ffn)  # r^T U_ffn, Eq. 17
         # the identity of U_attn is the residual's token mixing: I, or a query pooling's

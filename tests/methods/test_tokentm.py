@@ -262,3 +262,23 @@ def test_tokentm_variant_is_case_insensitive():
                                TokenTM(model, variant="residual").attribute(x, output="tokens"))
     with pytest.raises(ValueError, match="variant must be one of"):
         TokenTM(model, variant="papers")
+
+
+@pytest.mark.parametrize("example", ["vit", "map", "timm_swin_pad", "timm_swinv2",
+                                     "timm_hiera_mu", "hf_timesformer"])
+@pytest.mark.parametrize("variant", ["paper", "residual"])
+def test_explicit_and_fused_traces_agree(example, variant, monkeypatch):
+    """Small attention traces the explicit softmax (``∇A`` from the backward), large the
+    fused kernel (``A`` and ``∇A`` recomputed from the heads): the same maps, on a global
+    ViT, an attention-pool head, shifted and padded windows, Swin V2's post-norms,
+    Hiera's mask units and query pooling, and TimeSformer's windows that share tokens."""
+    from captum_vit.adapters import ViTAdapter, catalog
+
+    _, ex = catalog.example(example)
+    model, x = ex.model(), ex.inputs(2)
+    maps = {}
+    for small in (True, False):
+        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, s=small: s)
+        maps[small] = TokenTM(model, variant=variant).attribute(x, output="tokens")
+    assert x.dtype == torch.float64 and maps[True].abs().max() > 0
+    assert_close_to_reference(maps[True], maps[False], rel=1e-10)
