@@ -97,7 +97,8 @@ GOALS: dict[str, float] = {
 """Goal ratio vs one forward+backward, by registry name (a method without one is timed
 without a goal)."""
 
-FRONTIER_FAMILIES = ("timm-swinv2", "hf-swinv2", "timm-hiera", "hf-dinov3")
+FRONTIER_FAMILIES = ("timm-swinv2", "hf-swinv2", "timm-hiera", "hf-dinov3", "hf-siglip2",
+                     "hf-sam2")
 """The backbones of issue 45, timed against its own goals (:func:`frontier_goal`)."""
 ATTENTION_ONLY = ("raw_attention", "rollout")
 """Methods that read the attention only (no gradient): issue 45's ≤ 0.6× class."""
@@ -609,7 +610,8 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
           "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)",
           "hf-timesformer": "TimeSformer-B", "timm-hiera": "Hiera-T",
-          "hf-siglip2": "SigLIP2-B NaFlex 256 patches", "hf-sam2": "SAM 2.1-T 512 px"}
+          "hf-siglip2": "SigLIP2-B NaFlex 256 patches", "hf-sam2": "SAM 2.1-T 512 px",
+          "hf-dinov3": "DINOv3-S"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:

@@ -77,7 +77,7 @@ class _ProbsHeadsOps(HeadsOps):
         super().__init__(False)
         self.probs: list[Tensor] = []
 
-    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:  # type: ignore[override]
         heads: list[Heads] = []
         mix, attn = p.attention(u, materialize=True, positions=self.positions, heads=heads)
         self.probs.append(cast(Tensor, attn))
@@ -542,7 +542,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         # attention-pool head, one backward
         scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
         grads, pool_grad = gradients_with_pool(
-            tr, scores, [terms[l].heads.o if terms[l].probs is None else terms[l].probs
+            tr, scores, [terms[l].heads.o if (a := terms[l].probs) is None else a
                          for l in range(first, L)])
         with torch.no_grad():
             dt = accumulation_dtype(tr.x0)
