@@ -58,7 +58,7 @@ VARIANTS = ("paper", "residual")
 class _Terms:
     """What TokenTM keeps of one block after it has run (the rest is freed)."""
 
-    heads: Heads  # q, k, v, o: A_l and ∇A_l are recomputed from them
+    heads: Heads | None  # q, k, v, o: A_l and ∇A_l are recomputed from them (fused trace)
     w_ffn: Tensor  # W_ffn [B, N] (Eq. 16)
     w_attn: Tensor  # W^h [B, H, N] ("paper") or W_attn [B, N] ("residual")
     x_norm: Tensor  # L(x_l,i) [B, N] (Eq. 18 at block l)
@@ -533,7 +533,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             if l >= first:
                 with torch.no_grad():
                     terms[l] = self._block_terms(rec, l)
-                terms[l].probs = probs
+                if probs is not None:  # A_l kept: the heads are not needed any more
+                    terms[l].probs, terms[l].heads = probs, None
 
         tr = self.adapter.trace(inputs, grad=True, on_block=keep, ops=ops,
                                 attention="fused" if ops is None else "explicit")
@@ -542,7 +543,7 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         # attention-pool head, one backward
         scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
         grads, pool_grad = gradients_with_pool(
-            tr, scores, [terms[l].heads.o if (a := terms[l].probs) is None else a
+            tr, scores, [cast(Heads, terms[l].heads).o if (a := terms[l].probs) is None else a
                          for l in range(first, L)])
         with torch.no_grad():
             dt = accumulation_dtype(tr.x0)
@@ -562,8 +563,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         (Eq. 14-17 read from the row; ``l`` names the block for a windowed block's
         form, whose matrices are per window); ``grad_o`` is ``∂s/∂o_l``, or ``∂s/∂A_l``
         when the block kept its probabilities (``terms.probs``)."""
-        h = terms.heads
         if terms.probs is None:  # A_l, ∇A_l [B, H, N, N] from the heads
+            h = cast(Heads, terms.heads)
             a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)
         else:  # an explicit forward's: grad_o is ∇A_l itself
             a, g = terms.probs.detach().to(dt), grad_o.to(dt)
