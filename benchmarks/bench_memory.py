@@ -22,10 +22,11 @@ that of the live tensors. Run from the repository root (package installed, or
 Hugging Face ``VJEPA2ForVideoClassification`` on 16 frames (``--img-size 256``: 2048 tokens;
 3-D RoPE, attentive pooler), ``--model vjepa2-s`` the same at ViT-S width on 4 frames.
 
-``--model timm-swinv2``, ``timm-hiera`` and ``hf-dinov3`` measure the realistic-size builders
-of ``benchmarks/speed.py`` (Swin V2-T at 256 px, Hiera-T and DINOv3-S at 224 px; issue 45,
-``--img-size`` is then ignored); the reference and the methods' targets are those of
-``speed.py`` (a classifier's logit; DINOv3's cosine with one random vector per image), e.g.
+``--model timm-swinv2``, ``timm-hiera``, ``hf-dinov3`` and ``hf-siglip2`` measure the
+realistic-size builders of ``benchmarks/speed.py`` (Swin V2-T at 256 px, Hiera-T and DINOv3-S
+at 224 px, SigLIP2-B NaFlex at 256 patches; issue 45, ``--img-size`` is then ignored); the
+reference and the methods' targets are those of ``speed.py`` (a classifier's logit; DINOv3's
+and SigLIP2's cosine with one random vector per image), e.g.
 ``--model timm-hiera --batch 16 --methods GAE TokenTM AttnLRP``.
 
 A quick check of the script: ``--img-size 224 --batch 2``. It prints a markdown table:
@@ -100,7 +101,7 @@ def vjepa2_s16(img_size: int) -> torch.nn.Module:
 
 
 MODELS = {"vit": vit_b16, "swin": swin_t, "vjepa2": vjepa2_l16, "vjepa2-s": vjepa2_s16}
-SPEED_MODELS = ("timm-swinv2", "timm-hiera", "hf-dinov3")
+SPEED_MODELS = ("timm-swinv2", "timm-hiera", "hf-dinov3", "hf-siglip2")
 """Issue 45's realistic-size builders, read from ``benchmarks/speed.py``."""
 
 
@@ -192,7 +193,9 @@ def main() -> None:
         return
     if args.model in SPEED_MODELS:
         what = {"timm-swinv2": "Swin V2-T, 256 px", "timm-hiera": "Hiera-T, 224 px",
-                "hf-dinov3": "DINOv3-S (HF DINOv3ViTModel, cosine target), 224 px"}[args.model]
+                "hf-dinov3": "DINOv3-S (HF DINOv3ViTModel, cosine target), 224 px",
+                "hf-siglip2": "SigLIP2-B NaFlex (HF Siglip2VisionModel, cosine target), "
+                              "256 patches"}[args.model]
     elif args.model.startswith("vjepa2"):
         frames = 16 if args.model == "vjepa2" else 4
         what = (f"V-JEPA 2-{'L' if args.model == 'vjepa2' else 'S'}/16, {frames} frames of "

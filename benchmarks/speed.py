@@ -97,7 +97,8 @@ GOALS: dict[str, float] = {
 """Goal ratio vs one forward+backward, by registry name (a method without one is timed
 without a goal)."""
 
-FRONTIER_FAMILIES = ("timm-swinv2", "hf-swinv2", "timm-hiera", "hf-dinov3")
+FRONTIER_FAMILIES = ("timm-swinv2", "hf-swinv2", "timm-hiera", "hf-dinov3", "hf-siglip2",
+                     "hf-sam2")
 """The backbones of issue 45, timed against its own goals (:func:`frontier_goal`)."""
 ATTENTION_ONLY = ("raw_attention", "rollout")
 """Methods that read the attention only (no gradient): issue 45's ≤ 0.6× class."""
@@ -609,7 +610,8 @@ def score_backward(score: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 SHAPES = {"timm-swin": "Swin-T", "hf-swin": "Swin-T", "timm-swinv2": "Swin V2-T 256 px",
           "hf-swinv2": "Swin V2-T 256 px", "hf-vjepa2": "V-JEPA 2-L/16 (16 frames)",
           "hf-timesformer": "TimeSformer-B", "timm-hiera": "Hiera-T",
-          "hf-siglip2": "SigLIP2-B NaFlex 256 patches", "hf-sam2": "SAM 2.1-T 512 px"}
+          "hf-siglip2": "SigLIP2-B NaFlex 256 patches", "hf-sam2": "SAM 2.1-T 512 px",
+          "hf-dinov3": "DINOv3-S"}
 
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
@@ -631,6 +633,9 @@ def main() -> None:
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="wall time, or the process's CPU time (steadier with --threads 1 "
                          "on a shared machine)")
+    ap.add_argument("--flops", action="store_true",
+                    help="count the matrix-product FLOPs of one call of each method and of "
+                         "the reference (torch.utils.flop_counter) instead of timing them")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -642,6 +647,8 @@ def main() -> None:
     model = MODELS[args.family]()
     only = {canonical_name(n) for n in args.only or ()}
     selected = {k: v for k, v in cases().items() if not only or k in only}
+    if args.flops:
+        return flops_main(args, model, selected)
     rows, per_forward, plain = [], [], None
     for b in args.batches:
         x = inputs_of(model, b, torch.Generator().manual_seed(0))
@@ -685,6 +692,66 @@ def main() -> None:
         for b, name, n, ratio, goal in per_forward:
             print(f"| {b} | {name} | {n} | {ratio:.2f} | ≤ {goal:g}× "
                   f"{'ok' if ratio <= goal else 'MISSED'} |")
+
+
+CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: 2,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: 4}
+"""The CPU fused attention's kernels and how many ``[N, d] x [d, N]`` products each counts."""
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs of the matrix products (``mm``, ``bmm``, ``addmm``, convolutions, fused
+    attention) of one call of ``fn`` (``torch.utils.flop_counter``; element-wise work is
+    not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class Count(TorchDispatchMode):  # FlopCounterMode's module hooks break autograd.grad
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            rule = flop_registry.get(func._overloadpacket)
+            if rule is not None:
+                self.total += int(rule(*args, **kwargs, out_val=out))
+            elif func._overloadpacket in CPU_SDPA:  # not in the registry: its products,
+                # q kᵀ and A v forward, four of that size backward (as the registry counts
+                # the GPU kernels)
+                q, k = (args[1], args[2]) if "backward" in str(func) else (args[0], args[1])
+                bmm = 2 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+                self.total += bmm * CPU_SDPA[func._overloadpacket]
+            return out
+
+    with Count() as counter:
+        fn()
+    return counter.total
+
+
+def flops_main(args: argparse.Namespace, model: torch.nn.Module,
+               selected: dict[str, Callable]) -> None:
+    """``--flops``: the matrix-product FLOPs of one call of each selected method against
+    those of the reference forward+backward, per batch size: the ratio a method cannot
+    go below on a machine where the matrix products dominate."""
+    print(f"{args.family} {SHAPES.get(args.family, 'ViT-S/16')} float32, matrix-product "
+          "FLOPs of one call (torch.utils.flop_counter)")
+    print("| batch | method | GFLOP | ratio vs fwd+bwd |")
+    print("|---:|---|---:|---:|")
+    for b in args.batches:
+        x = inputs_of(model, b, torch.Generator().manual_seed(0))
+        score, t = targets_of(model, b)
+        score_backward(score, x)  # one-time set-up out of the count
+        ref = count_flops(lambda score=score, x=x: score_backward(score, x))
+        print(f"| {b} | forward+backward | {ref / 1e9:.1f} | 1.00 |", flush=True)
+        for name, factory in selected.items():
+            fn = factory(model)
+            try:
+                fn(x, target=t)  # the adapter's one-time self-check out of the count
+            except (TypeError, ValueError) as e:
+                print(f"  batch {b} {name}: refused ({str(e).split(';')[0][:80]})")
+                continue
+            n = count_flops(lambda fn=fn, x=x, t=t: fn(x, target=t))
+            print(f"| {b} | {name} | {n / 1e9:.1f} | {n / ref:.2f} |", flush=True)
 
 
 def target_main(args: argparse.Namespace) -> None:

@@ -183,22 +183,30 @@ def lrp_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gamma: float = 0.
 class _IdentityRule(torch.autograd.Function):
     r"""``y = fn(x)`` (shape-preserving); backward of the identity rule
     :math:`R_x = R_y`, i.e. :math:`\tilde g_x = y \odot \tilde g_y / x` (0 where
-    :math:`x = 0`)."""
+    :math:`x = 0`). With a :class:`BackwardMode` the forward keeps ``fn``'s own graph
+    (whose saved tensors are ``x``, ``y`` or small statistics) for the true gradient,
+    which then does not compute ``fn`` again."""
 
     @staticmethod
     def forward(ctx, x, fn, mode):
-        y = fn(x)
+        ctx.mode, ctx.graph = mode, None
+        if mode is None:
+            y = fn(x)
+        else:
+            with torch.enable_grad():
+                xx = x.detach().requires_grad_()
+                yy = fn(xx)
+            ctx.graph = (xx, yy)
+            y = yy.detach()
         ctx.save_for_backward(x, y)
-        ctx.fn, ctx.mode = fn, mode
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, y = ctx.saved_tensors
-        if _plain(ctx):  # the true vector-Jacobian product of fn
-            with torch.enable_grad():
-                xx = x.detach().requires_grad_()
-                (gx,) = torch.autograd.grad(ctx.fn(xx), xx, g)
+        if _plain(ctx):  # the true vector-Jacobian product of fn, through its graph
+            xx, yy = ctx.graph
+            (gx,) = torch.autograd.grad(yy, xx, g, retain_graph=True)
             return gx, None, None
         return divide(y * g, x), None, None
 

@@ -116,9 +116,19 @@ class TransformerAttribution(PLUSFastPath, ScoredAttribution):
     rules documented in :class:`~captum_vit.adapters.rules.CheferOps`.
 
     Cost: one forward (with the rules) and two backward passes through it, the true
-    gradient (:math:`\nabla A`) and the LRP backward; the α1β0 rule costs two matrix
-    products of twice the width per linear map (about 3× a forward+backward on CPU for
-    ViT-S/16).
+    gradient (:math:`\nabla A`) and the LRP backward. The LRP backward of a linear map
+    needs three products of the map's size where a gradient needs one: the α1β0
+    denominator :math:`z = x^{+} W^{+\top} + x^{-} W^{-\top} = (x W^\top + |x|
+    |W|^\top)/2` (one product, :math:`x W^\top` being the forward's) and :math:`S W^{+}`,
+    :math:`S W^{-}` (two: :math:`x^{+} \odot S W^{+} + x^{-} \odot S W^{-} = (x \odot S W
+    + |x| \odot S |W|)/2`); the halved attention products cost what their gradient costs.
+    Per block with :math:`N` tokens, width :math:`D` and an MLP of :math:`4D`, that is
+    :math:`60 N D^2 + 10 N^2 D` multiply-adds against :math:`24 N D^2 + 6 N^2 D` for a
+    forward+backward (input gradients only), a ratio of
+    :math:`(60 D + 10 N) / (24 D + 6 N)`: 2.4 for ViT-S/16 at 224 px, between 1.67 and
+    2.5 for any shape. Counted on whole models (``benchmarks/speed.py --flops``): 2.34
+    for ViT-S/16, 2.34 to 2.39 for DINOv3-S, Hiera-T, SigLIP2-B and Swin V2-T; timed on
+    a CPU at about that (the documentation's Benchmarks page).
 
     Robustness: the maps are far more sensitive to small input changes than GAE's
     (Max-Sensitivity 1.15 against GAE's 0.033 on the bundled model, the documentation's Results

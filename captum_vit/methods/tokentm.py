@@ -35,7 +35,17 @@ from captum_vit._base import (
     resolve_target,
     target_scores,
 )
-from captum_vit.adapters import BlockRecord, Heads, NormParts, Ops, PoolParts, Trace, ValuePath
+from captum_vit.adapters import (
+    BlockParts,
+    BlockRecord,
+    Heads,
+    HeadsOps,
+    NormParts,
+    Ops,
+    PoolParts,
+    Trace,
+    ValuePath,
+)
 from captum_vit.adapters.scoring import scores_are_classes
 from captum_vit.methods._engines import PLUSFastPath
 from captum_vit.methods._front import fill_doc, plus_doc
@@ -48,12 +58,30 @@ VARIANTS = ("paper", "residual")
 class _Terms:
     """What TokenTM keeps of one block after it has run (the rest is freed)."""
 
-    heads: Heads  # q, k, v, o: A_l and ∇A_l are recomputed from them
+    heads: Heads | None  # q, k, v, o: A_l and ∇A_l are recomputed from them (fused trace)
     w_ffn: Tensor  # W_ffn [B, N] (Eq. 16)
     w_attn: Tensor  # W^h [B, H, N] ("paper") or W_attn [B, N] ("residual")
     x_norm: Tensor  # L(x_l,i) [B, N] (Eq. 18 at block l)
     merge: Tensor | None = None  # a patch merge after the block: its children's weights
     shares: Tensor | None = None  # query pooling (Hiera): the residual's child shares
+    probs: Tensor | None = None  # A_l kept by an explicit forward (its gradient is ∇A_l)
+
+
+class _ProbsHeadsOps(HeadsOps):
+    """:class:`~captum_vit.adapters.HeadsOps` with the explicit softmax: each block's
+    :class:`~captum_vit.adapters.Heads` for the trace and its probabilities in
+    :attr:`probs` (one block at a time), kept for the backward, which then gives
+    :math:`\nabla A_l` directly (small attention, as GAE traces it)."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.probs: list[Tensor] = []
+
+    def attention(self, u: Tensor, p: BlockParts) -> tuple[Tensor, Heads]:  # type: ignore[override]
+        heads: list[Heads] = []
+        mix, attn = p.attention(u, materialize=True, positions=self.positions, heads=heads)
+        self.probs.append(cast(Tensor, attn))
+        return mix, heads[0]
 DEFAULT_SCORE = {"paper": "probability", "residual": "logit"}
 EPS = 1e-8
 
@@ -160,28 +188,58 @@ def merge_weights(merge: Any, x: Tensor, eps: float = EPS) -> Tensor:
 
 
 def head_weights(x: Tensor, u: Tensor, v_weight: Tensor, proj_weight: Tensor,
-                 num_heads: int, eps: float = EPS, scale: Tensor | None = None) -> Tensor:
+                 num_heads: int, eps: float = EPS, scale: Tensor | None = None,
+                 values: Tensor | None = None) -> Tensor:
     """Per-head weights ``W^h`` of the attention sublayer (Eq. 13 with Eq. 5), [B, H, N].
 
-    ``E = x`` and ``Ẽ^h = u W_V^h W_O^h``. The [B, H, N, D] tensor ``Ẽ`` is never formed:
-    with ``v^h = u W_V^h`` [N, d] and ``W_O^h`` the head's [d, D] slice,
-    ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``.
-    ``scale`` [B, N] (default none) multiplies token ``i``'s ``Ẽ^h_i`` (a post-norm's
-    frozen ``1/σ_i``, with its centring and ``γ`` folded into ``proj_weight``).
+    ``E = x`` and ``Ẽ^h = u W_V^h W_O^h``. With many heads the [B, H, N, D] tensor ``Ẽ``
+    is never formed: with ``v^h = u W_V^h`` [N, d] and ``W_O^h`` the head's [d, D] slice,
+    ``E_i·Ẽ^h_i = v^h_i · (x_i W_O^hᵀ)`` and ``L(Ẽ^h_i)² = v^h_i (W_O^h W_O^hᵀ) v^h_iᵀ``;
+    with one or two heads (a head as wide as the model or half of it, Hiera's first
+    stages) ``Ẽ^h`` costs one product of the size of ``x W_O^hᵀ`` and replaces the
+    Gram product, so it is formed. ``scale`` [B, N] (default none) multiplies token
+    ``i``'s ``Ẽ^h_i`` (a post-norm's frozen ``1/σ_i``, with its centring and ``γ`` folded
+    into ``proj_weight``). ``values`` [B, N, H*d] (default: computed) is ``u W_V`` when
+    the caller has it (the forward's values less their bias).
     """
     b, n, _ = x.shape
     d = v_weight.shape[0] // num_heads
-    v = torch.nn.functional.linear(u, v_weight).reshape(b * n, num_heads, d)  # v^h_i
-    xo = (x @ proj_weight).reshape(b * n, num_heads, d)  # x_i W_O^hᵀ
-    dot = (v * xo).sum(-1)  # E_i·Ẽ^h_i, [B*N, H]
-    wo = proj_weight.reshape(-1, num_heads, d).transpose(0, 1)  # W_O^hᵀ, [H, D, d]
+    v = torch.nn.functional.linear(u, v_weight) if values is None else values
+    v = v.reshape(b * n, num_heads, d)  # v^h_i
     vh = v.transpose(0, 1)  # [H, B*N, d]
-    sq = (torch.bmm(vh, wo.transpose(1, 2) @ wo) * vh).sum(-1)  # L(Ẽ^h_i)², [H, B*N]
-    lt = sq.clamp(min=0).sqrt().reshape(num_heads, b, n).transpose(0, 1)
-    dot = dot.reshape(b, n, num_heads).permute(0, 2, 1)
+    if num_heads <= 2:  # Ẽ^h = v^h W_O^h formed, [H, B*N, D]
+        et = torch.bmm(vh, proj_weight.reshape(-1, num_heads, d).permute(1, 2, 0))
+        dot = (et * x.reshape(1, b * n, -1)).sum(-1)  # E_i·Ẽ^h_i, [H, B*N]
+        lt = et.norm(dim=-1).reshape(num_heads, b, n).transpose(0, 1)
+        dot = dot.reshape(num_heads, b, n).transpose(0, 1)
+    else:
+        xo = (x @ proj_weight).reshape(b * n, num_heads, d)  # x_i W_O^hᵀ
+        dot = (v * xo).sum(-1)  # E_i·Ẽ^h_i, [B*N, H]
+        wo = proj_weight.reshape(-1, num_heads, d).transpose(0, 1)  # W_O^hᵀ, [H, D, d]
+        sq = (torch.bmm(vh, wo.transpose(1, 2) @ wo) * vh).sum(-1)  # L(Ẽ^h_i)², [H, B*N]
+        lt = sq.clamp(min=0).sqrt().reshape(num_heads, b, n).transpose(0, 1)
+        dot = dot.reshape(b, n, num_heads).permute(0, 2, 1)
     if scale is not None:
         lt, dot = lt * scale[:, None], dot * scale[:, None]
     return weights_from_norms(x.norm(dim=-1)[:, None], lt, dot, eps)
+
+
+def _forward_values(p: Any, heads: Heads | None, dtype: torch.dtype) -> Tensor | None:
+    """``u W_V`` [B, N, H*d] (no bias) read from the values the forward kept (a windowed
+    block's put back on its grid), so that :func:`head_weights` does not compute the
+    product again; ``None`` where they cannot be read back one token per slot (windows
+    sharing tokens) or have another dtype than ``dtype`` (a half-precision model's are
+    recomputed in the accumulation dtype)."""
+    if heads is None or heads.v.dtype != dtype:
+        return None
+    win = p.window
+    if win is not None and getattr(win, "shares_tokens", False):
+        return None
+    v = heads.v.detach()
+    v = v.transpose(1, 2).reshape(v.shape[0], v.shape[2], -1)
+    if win is not None:
+        v = win.reverse(v)
+    return v if p.v_bias is None else v - p.v_bias.detach().to(dtype)
 
 
 def _branch_of_heads(p: Any, heads: Heads) -> Tensor:
@@ -418,8 +476,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
             if p.post_norm1 is not None:  # Ẽ^h through the branch's post-norm, linearised
                 # the branch output from the forward's heads (no attention recomputed)
                 wo, scale = _post_norm_path(p, wo, u, cast(Heads, rec.heads))
-            w = head_weights(e, u, p.v_weight.detach().to(dt), wo, p.num_heads,
-                             scale=scale)  # [B, H, N]
+            w = head_weights(e, u, p.v_weight.detach().to(dt), wo, p.num_heads, scale=scale,
+                             values=_forward_values(p, rec.heads, dt))  # [B, H, N]
         elif p.post_norm1 is not None:
             raise TypeError("TokenTM has no rule for a block with both an inner attention "
                             "norm and a post-norm on its branch")
@@ -455,9 +513,12 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         """``r_l diag(L(x_l,i))`` for ``l`` in ``layers`` (Eq. 18-20 started at block
         ``l``), [len(layers), B, N], from one streamed forward and one backward.
 
-        The forward uses the fused attention (no ``[B, H, N, N]`` kept for the
-        backward) and keeps per block only its weights and its heads; ``A_l`` and
-        ``∇A_l`` are recomputed one block at a time in the propagation."""
+        With large attention the forward uses the fused attention (no ``[B, H, N, N]``
+        kept for the backward) and keeps per block only its weights and its heads;
+        ``A_l`` and ``∇A_l`` are recomputed one block at a time in the propagation. With
+        small attention (:meth:`~captum_vit.adapters.ViTAdapter.small_attention`, as GAE)
+        the explicit softmax keeps ``A_l`` for the backward, which gives ``∇A_l``
+        directly."""
         if score is None:  # the target is in force here (ViTFront, the combinators)
             score = default_score(self.variant, self.adapter.probability)
         L = self.adapter.num_blocks
@@ -465,19 +526,27 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
         terms: dict[int, _Terms] = {}
         last: list[Tensor] = []
 
+        ops = _ProbsHeadsOps() if self.adapter.small_attention(inputs) else None
+
         def keep(l: int, rec: BlockRecord) -> None:
+            probs = None if ops is None else ops.probs.pop()
             if l == L - 1:
                 last.append(rec.out)
             if l >= first:
                 with torch.no_grad():
                     terms[l] = self._block_terms(rec, l)
+                if probs is not None:  # A_l kept: the heads are not needed any more
+                    terms[l].probs, terms[l].heads = probs, None
 
-        tr = self.adapter.trace(inputs, grad=True, attention="fused", on_block=keep)
+        tr = self.adapter.trace(inputs, grad=True, on_block=keep, ops=ops,
+                                attention="fused" if ops is None else "explicit")
         t = resolve_target(target, tr.require_logits())
-        # ∇o_l of every needed block (and ∇A_p of an attention-pool head), one backward
+        # ∇o_l (∇A_l from an explicit forward) of every needed block, and ∇A_p of an
+        # attention-pool head, one backward
         scores = target_scores(tr.require_logits(), t, score, self.adapter.probability)
-        grads, pool_grad = gradients_with_pool(tr, scores,
-                                               [terms[l].heads.o for l in range(first, L)])
+        grads, pool_grad = gradients_with_pool(
+            tr, scores, [cast(Heads, terms[l].heads).o if (a := terms[l].probs) is None else a
+                         for l in range(first, L)])
         with torch.no_grad():
             dt = accumulation_dtype(tr.x0)
             r = self._readout(tr, pool_grad, dt, t, last[0])
@@ -494,9 +563,13 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
                    l: int = 0) -> Tensor:
         """The running row times block ``l``'s factor, ``r^T U_ffn,l U_attn,l`` [B, N]
         (Eq. 14-17 read from the row; ``l`` names the block for a windowed block's
-        form, whose matrices are per window)."""
-        h = terms.heads
-        a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)  # A_l, ∇A_l [B, H, N, N]
+        form, whose matrices are per window); ``grad_o`` is ``∂s/∂o_l``, or ``∂s/∂A_l``
+        when the block kept its probabilities (``terms.probs``)."""
+        if terms.probs is None:  # A_l, ∇A_l [B, H, N, N] from the heads
+            h = cast(Heads, terms.heads)
+            a, g = h.probs().to(dt), h.probs_grad(grad_o).to(dt)
+        else:  # an explicit forward's: grad_o is ∇A_l itself
+            a, g = terms.probs.detach().to(dt), grad_o.to(dt)
         st = self.adapter.stages
         r = r * (1 + terms.w_ffn)  # r^T U_ffn, Eq. 17
         # the identity of U_attn is the residual's token mixing: I, or a query pooling's

@@ -152,6 +152,27 @@ def test_head_weights_fast_path_equals_materialised_heads(family):
         assert_close_to_reference(fast, slow, rel=1e-12)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_head_weights_equal_materialised_heads_for_any_head_count(heads):
+    """Both routes of ``head_weights`` (``Ẽ^h`` formed for one or two heads, the Gram
+    product for more), and the values handed in, against ``Ẽ^h = u W_V^h W_O^hᵀ``
+    formed head by head, with a post-norm's per-token scale."""
+    g = torch.Generator().manual_seed(heads)
+    b, n, dim, d, f64 = 2, 5, 6, 3, torch.float64
+    x = torch.randn(b, n, dim, generator=g, dtype=f64)
+    u = torch.randn(b, n, dim, generator=g, dtype=f64)
+    wv = torch.randn(heads * d, dim, generator=g, dtype=f64)
+    wo = torch.randn(dim, heads * d, generator=g, dtype=f64)
+    scale = torch.rand(b, n, generator=g, dtype=f64) + 0.5
+    et = torch.stack([u @ wv[h * d:(h + 1) * d].T @ wo[:, h * d:(h + 1) * d].T
+                      for h in range(heads)], 1) * scale[:, None, :, None]
+    slow = transformation_weights(x[:, None], et)
+    assert_close_to_reference(head_weights(x, u, wv, wo, heads, scale=scale), slow,
+                              rel=1e-12)
+    assert_close_to_reference(head_weights(x, u, wv, wo, heads, scale=scale,
+                                           values=u @ wv.T), slow, rel=1e-12)
+
+
 def test_necc_sums_to_one_per_image_and_head():
     model = make_model("vit")
     from captum_vit.adapters import adapt
@@ -241,3 +262,23 @@ def test_tokentm_variant_is_case_insensitive():
                                TokenTM(model, variant="residual").attribute(x, output="tokens"))
     with pytest.raises(ValueError, match="variant must be one of"):
         TokenTM(model, variant="papers")
+
+
+@pytest.mark.parametrize("example", ["vit", "map", "timm_swin_pad", "timm_swinv2",
+                                     "timm_hiera_mu", "hf_timesformer"])
+@pytest.mark.parametrize("variant", ["paper", "residual"])
+def test_explicit_and_fused_traces_agree(example, variant, monkeypatch):
+    """Small attention traces the explicit softmax (``∇A`` from the backward), large the
+    fused kernel (``A`` and ``∇A`` recomputed from the heads): the same maps, on a global
+    ViT, an attention-pool head, shifted and padded windows, Swin V2's post-norms,
+    Hiera's mask units and query pooling, and TimeSformer's windows that share tokens."""
+    from captum_vit.adapters import ViTAdapter, catalog
+
+    _, ex = catalog.example(example)
+    model, x = ex.model(), ex.inputs(2)
+    maps = {}
+    for small in (True, False):
+        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, s=small: s)
+        maps[small] = TokenTM(model, variant=variant).attribute(x, output="tokens")
+    assert x.dtype == torch.float64 and maps[True].abs().max() > 0
+    assert_close_to_reference(maps[True], maps[False], rel=1e-10)
