@@ -19,7 +19,12 @@ from captum_vit._base import (
     check_choice,
     check_layer,
 )
-from captum_vit.methods._engines import GradientRoute, LayerGradients, layer_gradients
+from captum_vit.methods._engines import (
+    GradientRoute,
+    LayerGradients,
+    layer_gradients,
+    layer_gradients_each,
+)
 from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
@@ -51,6 +56,13 @@ class _LayerTerm(GradientRoute, ScoredAttribution):
                     **_: Any) -> Tensor:
         grads = layer_gradients(self.adapter, inputs, target, score=score)
         return getattr(grads, self.term)()[self.layer]
+
+    traces_read_gradients = True  # a term of one backward: K tokens from one trace
+
+    def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
+                         **_: Any) -> list[Tensor]:
+        return [getattr(lg, self.term)()[self.layer]
+                for lg in layer_gradients_each(self.adapter, inputs, targets)]
 
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
