@@ -144,42 +144,6 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
     return LayerGradients(tr, t, grads, adapter)
 
 
-def layer_gradients_each(adapter: ViTAdapter, inputs: Tensor, targets: Sequence[Tensor], *,
-                         linearize: bool = False, **trace_options: Any
-                         ) -> list[LayerGradients]:
-    """:func:`layer_gradients` of several logit columns from ONE trace: one backward per
-    column (the trace's graph kept between them), each equal to
-    ``layer_gradients(adapter, inputs, t, linearize=linearize)`` (``score="logit"``). The
-    answer tokens of :func:`~captum_vit.targets.vlm.per_token_maps`
-    (``ViTFront._token_maps_each``).
-
-    Args:
-        adapter (ViTAdapter): the model's adapter.
-        inputs (Tensor): validated images [B, C, H, W].
-        targets (sequence of Tensor): the column of every image [B], one per backward.
-        linearize (bool): linearised backward, as :func:`layer_gradients`.
-        **trace_options: further options of the adapter's ``trace`` (``attention``).
-
-    Returns:
-        list[LayerGradients]: one per column of ``targets``, sharing the trace.
-
-    Examples::
-
-        >>> from captum_vit.adapters import adapt
-        >>> first, second = layer_gradients_each(adapt(model), images, [t0, t1])
-    """
-    out: list[LayerGradients] = []
-    with torch.enable_grad():  # also under Captum's no_grad
-        tr = adapter.trace(inputs, linearize=linearize, grad=True, **trace_options)
-        logits = tr.require_logits()
-        for k, target in enumerate(targets):
-            t = resolve_target(target, logits)
-            grads = gradients(target_scores(logits, t), tr.states,
-                              retain_graph=k < len(targets) - 1)
-            out.append(LayerGradients(tr, t, grads, adapter))
-    return out
-
-
 SITES = ("residual", "norm1")
 """Where a CAM reads block ``l``: its input ``x_l`` or its first LayerNorm's output."""
 
@@ -372,3 +336,39 @@ class GradientRoute(PLUSFastPath):
     """
 
     gradient_kind: ClassVar[str]
+
+
+def layer_gradients_each(adapter: ViTAdapter, inputs: Tensor, targets: Sequence[Tensor], *,
+                         linearize: bool = False, **trace_options: Any
+                         ) -> list[LayerGradients]:
+    """:func:`layer_gradients` of several logit columns from ONE trace: one backward per
+    column (the trace's graph kept between them), each equal to
+    ``layer_gradients(adapter, inputs, t, linearize=linearize)`` (``score="logit"``). The
+    answer tokens of :func:`~captum_vit.targets.vlm.per_token_maps`
+    (``ViTFront._token_maps_each``).
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        targets (sequence of Tensor): the column of every image [B], one per backward.
+        linearize (bool): linearised backward, as :func:`layer_gradients`.
+        **trace_options: further options of the adapter's ``trace`` (``attention``).
+
+    Returns:
+        list[LayerGradients]: one per column of ``targets``, sharing the trace.
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> first, second = layer_gradients_each(adapt(model), images, [t0, t1])
+    """
+    out: list[LayerGradients] = []
+    with torch.enable_grad():  # also under Captum's no_grad
+        tr = adapter.trace(inputs, linearize=linearize, grad=True, **trace_options)
+        logits = tr.require_logits()
+        for k, target in enumerate(targets):
+            t = resolve_target(target, logits)
+            grads = gradients(target_scores(logits, t), tr.states,
+                              retain_graph=k < len(targets) - 1)
+            out.append(LayerGradients(tr, t, grads, adapter))
+    return out

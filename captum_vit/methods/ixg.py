@@ -52,17 +52,17 @@ class _LayerTerm(GradientRoute, ScoredAttribution):
         >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
     """
 
-    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
-                    **_: Any) -> Tensor:
-        grads = layer_gradients(self.adapter, inputs, target, score=score)
-        return getattr(grads, self.term)()[self.layer]
-
     traces_read_gradients = True  # a term of one backward: K tokens from one trace
 
     def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
                          **_: Any) -> list[Tensor]:
         return [getattr(lg, self.term)()[self.layer]
                 for lg in layer_gradients_each(self.adapter, inputs, targets)]
+
+    def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
+                    **_: Any) -> Tensor:
+        grads = layer_gradients(self.adapter, inputs, target, score=score)
+        return getattr(grads, self.term)()[self.layer]
 
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]
