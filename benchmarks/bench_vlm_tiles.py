@@ -15,12 +15,14 @@ to the pixels through its own forward:
 - ``vanilla_grad`` and ``gae`` on the tiles, through the read gradient (one language-model
   sequence per prompt) and through the columns (``target.linearises = False``: every tile
   row scored in every tile's place, ``N²`` sequences, the path before);
-- ``per_token_maps`` for the 4 answer tokens (``gae``, ``token_ixg``): one language-model
-  run for all tokens against one ``attribute`` call per token through the columns.
+- ``per_token_maps`` for the 4 answer tokens (``gae``, ``token_ixg``, ``attnlrp``): one
+  language-model run for all tokens (token IxG and AttnLRP: also one tower trace and one
+  backward per token) against one ``attribute`` call per token through the columns
+  (``--per-token`` times these rows only).
 
 Run from the repository root (``PYTHONPATH=.``)::
 
-    python benchmarks/bench_vlm_tiles.py [--depth 12] [--threads 1] [--repeats 1]
+    python benchmarks/bench_vlm_tiles.py [--depth 12] [--threads 1] [--repeats 1] [--per-token]
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--per-token", action="store_true",
+                    help="time the per_token_maps rows only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -105,18 +109,18 @@ def main() -> None:
         torch.autograd.grad(score, px)
 
     reference()  # warm-up (and the adapters' one self-check per input size)
-    for name in ("vanilla_grad", "gae", "token_ixg"):
+    for name in ("vanilla_grad", "gae", "token_ixg", "attnlrp"):
         build_method(name, tower).attribute(x, target=target)
     ref = timed(reference, args.repeats)
     rows: list[tuple[str, float]] = []
-    for name in ("vanilla_grad", "gae"):
+    for name in () if args.per_token else ("vanilla_grad", "gae"):
         m = build_method(name, tower)
         rows.append((f"{name}, read gradient", timed(lambda m=m: m.attribute(x, target=target),
                                                      args.repeats)))
         rows.append((f"{name}, columns (N² sequences)",
                      timed(lambda m=m: m.attribute(x, target=columns(target)), args.repeats)))
     slow_tokens = columns(tokens)
-    for name in ("gae", "token_ixg"):
+    for name in ("gae", "token_ixg", "attnlrp"):
         m = build_method(name, tower)
         rows.append((f"per_token_maps {name}, K = 4, one LM run",
                      timed(lambda m=m: per_token_maps(m, x, tokens), args.repeats)))

@@ -663,6 +663,14 @@ class ViTFront:
     runs the language model once for all answer tokens. Default False (the target is
     evaluated inside the method's own passes)."""
 
+    traces_read_gradients: bool = False
+    """Whether the method's map is linear in the gradient its engine's ONE backward pass
+    carries from the score (input×gradient terms, the LRPs) and it implements
+    :meth:`_token_maps_each`: several linear scores ``⟨x, g^{(k)}⟩`` (the answer tokens of
+    :func:`~captum_vit.targets.vlm.per_token_maps`) are then explained from one trace of
+    the tower and one backward per score (:meth:`_read_gradient_maps`). Default False (one
+    ``attribute`` call per score)."""
+
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -719,16 +727,16 @@ class ViTFront:
                              f"outputs {list(layers)}: explain it with the base method "
                              "alone")
         several = layers is not None and len(layers) > 1
-        if obj is not None and (several or self._linearises(obj, kwargs)) and not isinstance(
+        if isinstance(obj, _BlockGradient) and obj.tokens > 1:  # _read_gradient_maps
+            patches = self._patches(p, self._each_token(p, obj, heads, kwargs))
+        elif obj is not None and (several or self._linearises(obj, kwargs)) and not isinstance(
                 self, PerturbationAttribution):
             patches = self._block_sum(p, obj, layers, {**kwargs, "heads": heads})
         else:
             # Captum's NoiseTunnel / sensitivity_max may call under no_grad
             with torch.enable_grad(), self.adapter.targeting(p.embedding, grid=p.layout.grid):
                 maps = maps_of(p.images, p.target, **kwargs).detach()
-            if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
-                maps = self.adapter.stages.carry(maps, split=self.conserves)
-            patches = maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
+            patches = self._patches(p, maps)
         if not isinstance(obj, _BlockGradient) and not isinstance(self.adapter,
                                                                    SubnetworkAdapter):
             self._warn_if_flat(p, patches)
@@ -736,6 +744,72 @@ class ViTFront:
             target.explain_text(self, p.images, p.target)
         out = format_output(patches, p.layout, p.images, output)
         return (out,) if p.was_tuple else out
+
+    def _patches(self, p: Prepared, maps: Tensor) -> Tensor:
+        """Token maps ``[..., N]`` (on a later stage's grid for Swin) -> the patch scores
+        ``[..., P]`` on the first grid that :func:`format_output` takes."""
+        if maps.shape[-1] != p.layout.num_tokens:  # a later stage's grid (Swin)
+            maps = self.adapter.stages.carry(maps, split=self.conserves)
+        return maps.to(accumulation_dtype(p.images))[..., p.layout.num_prefix:]
+
+    def _each_token(self, p: Prepared, target: _BlockGradient, heads: str,
+                    kwargs: Mapping[str, Any]) -> Tensor:
+        """The token maps ``[K·B, N]`` (token-major) of the ``K`` linear scores a stacked
+        :class:`_BlockGradient` holds, from :meth:`_token_maps_each` (one trace, one
+        backward per score) under that target."""
+        if not (self.traces_read_gradients and heads == "mean"
+                and self._explains_read_gradient(kwargs)):
+            raise ValueError(f"{type(self).__name__} explains one read gradient per call: "
+                             "call attribute once per token (per_token_maps does)")
+        assert p.target is not None
+        n = int(p.images.shape[0])
+        with torch.enable_grad(), self.adapter.targeting(target, grid=p.layout.grid):
+            maps = self._token_maps_each(p.images, [p.target + k * n
+                                                    for k in range(target.tokens)], **kwargs)
+        return torch.cat([m.detach() for m in maps])
+
+    def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
+                         **kwargs: Any) -> list[Tensor]:
+        """The token maps ``[B, N]`` of each of several target columns (``targets``: the
+        column of every image, ``[B]`` each) from ONE trace of ``inputs`` and one backward
+        per column, each equal to ``_token_maps(inputs, t, **kwargs)`` (score ``"logit"``),
+        where :attr:`traces_read_gradients` is set."""
+        raise NotImplementedError  # pragma: no cover
+
+    def _read_gradient_maps(self, inputs: Any, rows: tuple[int, ...] | None,
+                            grads: Sequence[Mapping[int | None, Tensor]],
+                            **kwargs: Any) -> list[Any]:
+        """The maps of the linear scores ``Σ_l ⟨x_l, g^{(k)}_l⟩``, one per gradient set
+        ``grads[k]`` (the read states' gradients of one answer token,
+        :func:`~captum_vit.targets.vlm.per_token_maps`), each as ``attribute(inputs,
+        target=..., **kwargs)`` returns it.
+
+        A method with :attr:`traces_read_gradients` (``heads="mean"``) gets them from ONE
+        trace of the tower and one backward per set (:meth:`_token_maps_each`); any
+        other calls ``attribute`` once per set (a tower forward and backward each).
+
+        Args:
+            inputs (Tensor or tuple): the images, as for ``attribute``.
+            rows (tuple of int or None): the token rows the target reads
+                (``Target.rows``).
+            grads (sequence of Mapping): per score, the gradient ``[B, N, D]`` at each
+                read state (block output ``l``, or ``None``: the final tokens).
+            **kwargs: further options of ``attribute``.
+
+        Returns:
+            list: one ``attribute`` output per gradient set.
+        """
+        attribute = cast(Any, self).attribute  # a Captum Attribution's (this is its mixin)
+        if not (self.traces_read_gradients and len(grads) > 1
+                and kwargs.get("heads", "mean") == "mean"):
+            return [attribute(inputs, target=_BlockGradient(g, rows), **kwargs)
+                    for g in grads]
+        keys = list(grads[0])
+        stacked = _BlockGradient({l: torch.cat([g[l] for g in grads]) for l in keys}, rows,
+                                 tokens=len(grads))
+        out = attribute(inputs, target=stacked, **kwargs)
+        each = (out[0] if isinstance(out, tuple) else out).chunk(len(grads))
+        return [(m,) if isinstance(out, tuple) else m for m in each]
 
     def _warn_if_flat(self, p: Prepared, maps: Tensor) -> None:
         """Warn (``UserWarning``) when an image's map is exactly zero because the explained
@@ -871,10 +945,13 @@ class _BlockGradient(Target):
     reads_tokens = True
 
     def __init__(self, grads: Mapping[int | None, Tensor],
-                 rows: tuple[int, ...] | None) -> None:
+                 rows: tuple[int, ...] | None, tokens: int = 1) -> None:
         if not grads or (None in grads and len(grads) > 1):
             raise ValueError("_BlockGradient reads block outputs or the final tokens")
         self.grads = dict(grads)
+        self.tokens = tokens
+        """How many scores the gradients stack (``[K·B, N, D]``, score-major): the
+        columns hold every score of every image; :meth:`index` picks the first's."""
         layers = [l for l in self.grads if l is not None]
         self.blocks = tuple(layers) if layers else None
         self.rows = rows
@@ -887,7 +964,8 @@ class _BlockGradient(Target):
         return self._batch
 
     def index(self, batch: int) -> Tensor:
-        return per_image(torch.arange(self._batch), batch, "the read blocks' gradients")
+        return per_image(torch.arange(self._batch // self.tokens), batch,
+                         "the read blocks' gradients")
 
     def columns(self, out: Outputs) -> Tensor:
         total: Tensor | None = None

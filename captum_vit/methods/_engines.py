@@ -2,7 +2,8 @@
 
 - :func:`layer_gradients`: one forward and ONE backward give ``d s_c / d x_l`` at every
   block input, hence token Input x Gradient (CAT), AttIxG (the AttCAT term of Qiang et
-  al., NeurIPS 2022) and DecompX's gradient route at every block (:func:`per_layer_fast`).
+  al., NeurIPS 2022) and DecompX's gradient route at every block (:func:`per_layer_fast`);
+  :func:`layer_gradients_each`: the same for several columns from one forward.
 - :class:`PLUSFastPath`: the protocol a method implements to give PLUS / SkipPLUS
   (Mehri et al., CVPRW 2024) every start block's map from one pass, with the default
   ``_token_maps`` (the map of the whole model is the start block 0 of the fast path).
@@ -335,3 +336,39 @@ class GradientRoute(PLUSFastPath):
     """
 
     gradient_kind: ClassVar[str]
+
+
+def layer_gradients_each(adapter: ViTAdapter, inputs: Tensor, targets: Sequence[Tensor], *,
+                         linearize: bool = False, **trace_options: Any
+                         ) -> list[LayerGradients]:
+    """:func:`layer_gradients` of several logit columns from ONE trace: one backward per
+    column (the trace's graph kept between them), each equal to
+    ``layer_gradients(adapter, inputs, t, linearize=linearize)`` (``score="logit"``). The
+    answer tokens of :func:`~captum_vit.targets.vlm.per_token_maps`
+    (``ViTFront._token_maps_each``).
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        targets (sequence of Tensor): the column of every image [B], one per backward.
+        linearize (bool): linearised backward, as :func:`layer_gradients`.
+        **trace_options: further options of the adapter's ``trace`` (``attention``).
+
+    Returns:
+        list[LayerGradients]: one per column of ``targets``, sharing the trace.
+
+    Examples::
+
+        >>> from captum_vit.adapters import adapt
+        >>> first, second = layer_gradients_each(adapt(model), images, [t0, t1])
+    """
+    out: list[LayerGradients] = []
+    with torch.enable_grad():  # also under Captum's no_grad
+        tr = adapter.trace(inputs, linearize=linearize, grad=True, **trace_options)
+        logits = tr.require_logits()
+        for k, target in enumerate(targets):
+            t = resolve_target(target, logits)
+            grads = gradients(target_scores(logits, t), tr.states,
+                              retain_graph=k < len(targets) - 1)
+            out.append(LayerGradients(tr, t, grads, adapter))
+    return out

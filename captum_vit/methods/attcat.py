@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
-from captum_vit.methods._engines import layer_gradients
+from captum_vit.methods._engines import layer_gradients, layer_gradients_each
 from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
@@ -43,3 +44,10 @@ class AttCAT(ScoredAttribution):
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
         return layer_gradients(self.adapter, inputs, target, score=score).att_ixg().sum(0)
+
+    traces_read_gradients = True  # terms of one backward: K tokens from one trace
+
+    def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
+                         **_: Any) -> list[Tensor]:
+        return [lg.att_ixg().sum(0)
+                for lg in layer_gradients_each(self.adapter, inputs, targets)]

@@ -72,7 +72,7 @@ from captum_vit.adapters import (
     activation_gate,
 )
 from captum_vit.adapters.scoring import Outputs
-from captum_vit.methods._engines import GradientRoute, layer_gradients
+from captum_vit.methods._engines import GradientRoute, layer_gradients, layer_gradients_each
 from captum_vit.methods._front import PlainAttribution
 from captum_vit.methods.table import register_method
 
@@ -390,6 +390,8 @@ class DecompX(GradientRoute, PlainAttribution):
         if max_memory is not None:  # bytes; None = no chunking
             max_memory = check_scalar(max_memory, "max_memory", int, min_val=1)
         self.max_memory = max_memory
+        # the gradient route is one backward: K answer tokens from one trace (ViTFront)
+        self.traces_read_gradients = self.route == "gradient"
 
     returns_doc = r"""signed per-patch logit contributions (bias source excluded) in the
         requested ``output`` format. Use :meth:`decompose` for the prefix tokens,
@@ -483,6 +485,13 @@ class DecompX(GradientRoute, PlainAttribution):
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, **_: Any) -> Tensor:
         return self._decompose(inputs, target).tokens
+
+    def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
+                         **_: Any) -> list[Tensor]:
+        # the gradient route's IxG at x_s of every column, from one fused-attention trace
+        return [lg.ixg()[self.start_layer]
+                for lg in layer_gradients_each(self.adapter, inputs, targets, linearize=True,
+                                               attention="fused")]
 
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
     def plus_maps(self, inputs: Tensor, target: Tensor | None, layers: Sequence[int], *,  # type: ignore[override]

@@ -19,7 +19,12 @@ from captum_vit._base import (
     check_choice,
     check_layer,
 )
-from captum_vit.methods._engines import GradientRoute, LayerGradients, layer_gradients
+from captum_vit.methods._engines import (
+    GradientRoute,
+    LayerGradients,
+    layer_gradients,
+    layer_gradients_each,
+)
 from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
 
@@ -46,6 +51,13 @@ class _LayerTerm(GradientRoute, ScoredAttribution):
         >>> attr = TokenIxG(model, layer=3).attribute(images, target=labels)
         >>> attr = AttIxG(model, layer=5).attribute(images, target=labels)
     """
+
+    traces_read_gradients = True  # a term of one backward: K tokens from one trace
+
+    def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
+                         **_: Any) -> list[Tensor]:
+        return [getattr(lg, self.term)()[self.layer]
+                for lg in layer_gradients_each(self.adapter, inputs, targets)]
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:

@@ -78,35 +78,79 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
             (a PLUS sub-network).
     """
     with torch.enable_grad():
-        if at == "pixels":
-            images = inputs.detach().requires_grad_()
-            x0 = adapter.embed(images, ops=ops if embed_ops is None else embed_ops)
-            if not x0.requires_grad:
-                raise ValueError("at='pixels' needs the model's own differentiable embedding; "
-                                 "this adapter (a PLUS sub-network) starts at token states: "
-                                 "use at='tokens'")
-            tr = adapter.trace(images, x=x0, grad=True, ops=ops)
-            wrt = [images]
-        else:
-            tr = adapter.trace(inputs, grad=True, ops=ops)
-            states = tr.states
-            wrt = [states[l] for l in layers]
+        tr, wrt = _lrp_trace(adapter, inputs, ops, at, layers, embed_ops)
         t = resolve_target(target, tr.require_logits())
         grads = gradients(target_scores(tr.require_logits(), t, score, adapter.probability), wrt)
+    return _lrp_maps(adapter, inputs, tr, wrt, grads, at, layers), tr, t
+
+
+def lrp_relevance_each(adapter: ViTAdapter, inputs: Tensor, targets: Sequence[Tensor],
+                       ops: LRPOps, *, at: str = "tokens", layers: Sequence[int] = (0,),
+                       embed_ops: Ops | None = None) -> list[Tensor]:
+    """:func:`lrp_relevance` of several logit columns from ONE forward with the rules: one
+    backward per column (the graph kept between them), each map equal to
+    ``lrp_relevance(adapter, inputs, t, ops, at=at, layers=layers,
+    embed_ops=embed_ops)[0]`` (``score="logit"``); the answer tokens of
+    :func:`~captum_vit.targets.vlm.per_token_maps`.
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): validated images [B, C, H, W].
+        targets (sequence of Tensor): the column of every image [B], one per backward.
+        ops (LRPOps): the rule set.
+        at (str): ``"tokens"`` or ``"pixels"``, as :func:`lrp_relevance`.
+        layers (sequence of int): the blocks whose input relevance is returned (tokens).
+        embed_ops (Ops, optional): the rule set of the embedding (``at="pixels"``).
+
+    Returns:
+        list[Tensor]: per column, the maps [len(layers), B, N] (``at="pixels"``:
+        [1, B, N]).
+    """
+    maps: list[Tensor] = []
+    with torch.enable_grad():
+        tr, wrt = _lrp_trace(adapter, inputs, ops, at, layers, embed_ops)
+        logits = tr.require_logits()
+        for k, target in enumerate(targets):
+            scores = target_scores(logits, resolve_target(target, logits))
+            grads = gradients(scores, wrt, retain_graph=k < len(targets) - 1)
+            maps.append(_lrp_maps(adapter, inputs, tr, wrt, grads, at, layers))
+    return maps
+
+
+def _lrp_trace(adapter: ViTAdapter, inputs: Tensor, ops: LRPOps, at: str,
+               layers: Sequence[int], embed_ops: Ops | None) -> tuple[Trace, list[Tensor]]:
+    """The forward with the rules and the tensors whose relevance is read (the images at
+    the pixels, else the block inputs ``layers``), under ``torch.enable_grad``."""
+    if at == "pixels":
+        images = inputs.detach().requires_grad_()
+        x0 = adapter.embed(images, ops=ops if embed_ops is None else embed_ops)
+        if not x0.requires_grad:
+            raise ValueError("at='pixels' needs the model's own differentiable embedding; "
+                             "this adapter (a PLUS sub-network) starts at token states: "
+                             "use at='tokens'")
+        return adapter.trace(images, x=x0, grad=True, ops=ops), [images]
+    tr = adapter.trace(inputs, grad=True, ops=ops)
+    states = tr.states
+    return tr, [states[l] for l in layers]
+
+
+def _lrp_maps(adapter: ViTAdapter, inputs: Tensor, tr: Trace, wrt: Sequence[Tensor],
+              grads: Sequence[Tensor], at: str, layers: Sequence[int]) -> Tensor:
+    """The relevance maps ``z ⊙ g̃`` of :func:`lrp_relevance` from the gradients at
+    ``wrt``: per patch at the pixels [1, B, N], else per block input [len(layers), B, N]."""
     dt = accumulation_dtype(inputs)
     with torch.no_grad():
         if at == "pixels":
             lay = tr.layout  # channels: dim 1 of images, dim 2 of videos [B, T, C, H, W]
-            pix = (images.detach().to(dt) * grads[0].to(dt)).sum(-3)
+            pix = (wrt[0].detach().to(dt) * grads[0].to(dt)).sum(-3)
             m = pix.new_zeros(pix.shape[0], lay.num_tokens)
             m[:, lay.num_prefix:] = patch_sums(pix, lay)
-            return m[None], tr, t
+            return m[None]
         # a model with stages (Swin, Hiera): each block input's map on the first grid,
         # shared among a merged or pooled token's children (the identity otherwise)
-        maps = torch.stack([adapter.stages.carry((x.detach().to(dt) * g.to(dt)).sum(-1), l,
+        return torch.stack([adapter.stages.carry((x.detach().to(dt) * g.to(dt)).sum(-1), l,
                                                  split=True)
                             for l, x, g in zip(layers, wrt, grads, strict=True)])
-    return maps, tr, t
 
 
 class _LRPAttribution(PLUSFastPath, ScoredAttribution):
@@ -135,6 +179,13 @@ class _LRPAttribution(PLUSFastPath, ScoredAttribution):
         maps = lrp_relevance(self.adapter, inputs, target, self.ops, score=score,
                              at=self.at, embed_ops=self.embed_ops)[0]
         return maps[0]
+
+    traces_read_gradients = True  # relevance is a gradient: K tokens from one trace
+
+    def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
+                         **_: Any) -> list[Tensor]:
+        return [m[0] for m in lrp_relevance_each(self.adapter, inputs, targets, self.ops,
+                                                 at=self.at, embed_ops=self.embed_ops)]
 
     @plus_doc("attnlrp")
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)

@@ -749,9 +749,14 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     the answer reads (``method.linear_in_read_gradient``: gradients, input×gradient,
     DecompX, AttnLRP, CP-LRP, GAE, TokenTM, AttCAT, the Grad-CAMs, ... with
     ``score="logit"``) runs the language model ONCE: one tower forward (no gradient) to
-    the read states, one language-model forward on them, one backward per token to its
-    gradient ``g^{(t)}``, then per token the method's tower forward and backward on the
-    linear score ``⟨x, g^{(t)}⟩`` (the same map by the chain rule). Any other method (BT,
+    the read states (none on tiles: the target holds them), one language-model forward on
+    them, one backward per token to its gradient ``g^{(t)}``, then the method's map of the
+    linear score ``⟨x, g^{(t)}⟩`` (the same map by the chain rule). A method whose engine
+    is one trace and one backward (``method.traces_read_gradients``: token IxG, AttIxG,
+    AttCAT, DecompX's gradient route, AttnLRP, CP-LRP) takes all ``K`` maps from ONE
+    trace of the tower and ``K`` backward passes; the others (GAE, TokenTM, the
+    Grad-CAMs, vanilla gradients, DecompX's explicit route, ``heads="all"``) run the
+    tower's forward and backward once per token. Any other method (BT,
     TAM, Chefer'21, LeGrad, the perturbation methods, ``score="probability"``) is called
     once per token with ``target.token(t)``, each call its own forward and backward of the
     whole VLM. For a method linear in the score (input×gradient, DecompX, CP-LRP, AttnLRP,
@@ -779,7 +784,7 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     if not isinstance(target, VLMAnswer) or not target.per_token:
         raise TypeError("target must be VLMAnswer(..., per_token=True) for per_token_maps, got "
                         f"{target!r}")
-    from captum_vit._base import ViTFront, _BlockGradient, prepare, read_state_gradients
+    from captum_vit._base import ViTFront, prepare, read_state_gradients
 
     tokens = range(target.answer_length)
     if not (isinstance(method, ViTFront) and method._explains_read_gradient(kwargs)
@@ -791,8 +796,7 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     n = int(p.images.shape[0])
     keys, grads = read_state_gradients(method.adapter, p, resolved,
                                        [resolved.token(t).index(n) for t in tokens])
-    attribute = cast(Any, method).attribute  # a Captum Attribution's (ViTFront is its mixin)
-    maps = [attribute(inputs, target=_BlockGradient(dict(zip(keys, g, strict=True)),
-                                                    resolved.rows), **kwargs)
-            for g in grads]
+    maps = method._read_gradient_maps(inputs, resolved.rows,
+                                      [dict(zip(keys, g, strict=True)) for g in grads],
+                                      **kwargs)
     return torch.stack(maps, 1)
