@@ -231,7 +231,10 @@ class QwenVLParts(VLMParts):
 
     # -- the score ----------------------------------------------------------------------
     def columns(self, target: Any, out: Outputs) -> Tensor:
-        """``[n, K]``: every forward row's answer log-probability under every column."""
+        """``[n, K]``: every forward row's answer log-probability under every column; with
+        ``per_token=True`` ``[n, K · (1 + A)]``: column ``j``'s slot 0 the whole answer,
+        slot ``1 + t`` answer token ``t`` (0 where ``-100`` pads a shorter answer), all
+        from the same language-model run."""
         q: QwenPrompts = target._qwen
         states = target._states(out)
         x = states[-1]
@@ -276,15 +279,20 @@ class QwenVLParts(VLMParts):
                         for d, f in zip(stacked, d0, strict=True):
                             d.append(f.to(feats.dtype))
                         grids.append([1, *grid])
+        per_token = bool(getattr(target, "per_token", False))
         logp = self._log_probs(seq, am, answer, pooled, stacked,
-                               torch.tensor(grids, device=dev))
-        return logp.reshape(n, k).to(x.dtype)
+                               torch.tensor(grids, device=dev), per_token)
+        if per_token:  # [n·k, A] -> slot 0 the sum, slot 1 + t token t
+            logp = torch.cat([logp.sum(-1, keepdim=True), logp], 1)
+        return logp.reshape(n, -1).to(x.dtype)
 
     def _log_probs(self, seq: Tensor, mask: Tensor, answer: Tensor, pooled: list[Tensor],
-                   deep: list[list[Tensor]], grids: Tensor) -> Tensor:
-        """``Σ_t log p(answer_t | …)`` of every sequence by the VLM's own forward, the
-        image features given (``mm_encoder_outputs``) and the mRoPE positions of the
-        model's own ``get_rope_index``."""
+                   deep: list[list[Tensor]], grids: Tensor, per_token: bool = False
+                   ) -> Tensor:
+        """``Σ_t log p(answer_t | …)`` of every sequence by the VLM's own forward ``[m]``
+        (``per_token``: each token's ``[m, A]``, 0 where not scored), the image features
+        given (``mm_encoder_outputs``) and the mRoPE positions of the model's own
+        ``get_rope_index``."""
         model = self.model
         inner = model.model
         types = (seq == self.image_token_id).int()
@@ -308,7 +316,8 @@ class QwenVLParts(VLMParts):
         logp = logits.log_softmax(-1)
         scored = answer != -100
         picked = logp.gather(-1, answer.clamp_min(0)[..., None].to(logp.device))[..., 0]
-        return (picked * scored.to(logp.device)).sum(-1)
+        tokens = picked * scored.to(logp.device)
+        return tokens if per_token else tokens.sum(-1)
 
 
 def qwen_parts(model: Any) -> QwenVLParts | None:

@@ -98,7 +98,7 @@ class VLMAnswer(Target):
     perturbation method masks one tile at a time. A row costs one language-model run per
     tile of the batch.
 
-    Per-token maps (``per_token=True``; not yet for Qwen-VL and the VLMs that mark tiles):
+    Per-token maps (``per_token=True``; not yet for the VLMs that mark tiles):
     every answer token ``t`` is a column ``log p(answer_t | prompt, image, answer_<t)``
     beside the whole answer's (the default column, so
     ``attribute(images, target=target)`` is the answer's map).
@@ -168,7 +168,9 @@ class VLMAnswer(Target):
     (``h·w / m²`` for ``h × w`` patches), ``<|vision_end|>``; ``config.image_token_id`` is
     ``<|image_pad|>``. Pass the processor's output as ``input_ids`` when a prompt holds
     several images: each image is then explained in its own slot (one column per image),
-    the other images of its prompt held at the model's own features.
+    the other images of its prompt held at the model's own features. With
+    ``per_token=True`` every such column has the whole answer's slot and one per answer
+    token, all from one language-model run.
 
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
@@ -330,10 +332,6 @@ class VLMAnswer(Target):
                              f"(id {self.parts.image_token_id}) once per image feature; "
                              f"got {counts.tolist()} per prompt")
         self.image_tokens = int(counts[0])
-        if per_token is True and self.parts.packed_pixels:
-            raise ValueError(f"per_token=True is not served on {type(model).__name__} yet: "
-                             "explain the whole answer, or one answer token's prefix at a "
-                             "time")
         self._extend(per_token, tokenizer)
         # one column per DISTINCT (prompt, mask, answer): a processor's batch repeats the same
         # question for every image, and each column costs one language-model run per row
