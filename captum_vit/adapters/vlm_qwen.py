@@ -35,11 +35,16 @@ states (raster order) put back in merge-group order, the model's own ``merger`` 
 deepstack mergers), then the VLM's own forward with teacher forcing. A prompt may hold
 several images (a processor's output with ``pixel_values`` and ``image_grid_thw``): each
 image is explained in its own slot, the other images of its prompt held at the features
-the model computes for them (a constant).
+the model computes for them (a constant). Images of several sizes are explained one grid
+at a time (``attribute`` on the processor's output groups them by grid): the target for a
+grid's images (:meth:`QwenVLParts.select_images`) keeps the columns of those images only,
+so an image is scored in its own prompt with the prompt's other images, of any size,
+clean.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -50,7 +55,7 @@ from torch import Tensor
 
 from captum_vit.adapters.hf_vlm import VLMParts
 from captum_vit.adapters.layout import merge_order
-from captum_vit.adapters.scoring import Outputs
+from captum_vit.adapters.scoring import Outputs, per_image
 
 SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
              "Qwen3VLForConditionalGeneration")
@@ -228,6 +233,29 @@ class QwenVLParts(VLMParts):
         deep = getattr(out, "deepstack_features", None) or []
         return [((int(t[1]), int(t[2])), out.pooler_output[i].detach(),
                  [d[i].detach() for d in deep]) for i, t in enumerate(thw.tolist())]
+
+    def select_images(self, target: Any, index: Tensor, total: int) -> Any:
+        """``target`` (bound) for the images ``index`` of a processor's batch of ``total``
+        images (one grid's, :meth:`VLMAnswer.for_images`): the columns of those images
+        only, renumbered, each image still reading its own column; the fixed features of
+        the prompts' other images unchanged (they are the model's own, clean).
+
+        Raises:
+            ValueError: ``target``'s prompts are neither one per image nor one for all.
+        """
+        q: QwenPrompts = target._qwen
+        col = per_image(target._column_of, total, "VLMAnswer's images")[index.cpu()]
+        keep, inverse = torch.unique(col, return_inverse=True)
+        ks = keep.tolist()
+        out = copy.copy(target)
+        out.input_ids, out.attention_mask = q.input_ids[keep], q.attention_mask[keep]
+        out.answer_ids = q.answer_ids[keep]
+        out.prompts = len(ks)
+        out._column_of = inverse
+        out._qwen = QwenPrompts(out.input_ids, out.attention_mask, out.answer_ids,
+                                [q.slot[k] for k in ks], [q.images[k] for k in ks],
+                                [q.runs[k] for k in ks], q.fixed)
+        return out
 
     # -- the score ----------------------------------------------------------------------
     def columns(self, target: Any, out: Outputs) -> Tensor:

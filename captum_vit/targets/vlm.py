@@ -168,7 +168,11 @@ class VLMAnswer(Target):
     (``h·w / m²`` for ``h × w`` patches), ``<|vision_end|>``; ``config.image_token_id`` is
     ``<|image_pad|>``. Pass the processor's output as ``input_ids`` when a prompt holds
     several images: each image is then explained in its own slot (one column per image),
-    the other images of its prompt held at the model's own features. With
+    the other images of its prompt held at the model's own features. Images of several
+    sizes (in one prompt or across prompts) are one ``attribute`` call on the processor's
+    output: it explains the images of each grid together (:meth:`for_images`), every
+    image in its prompt with the prompt's other images clean, and returns one map per
+    image on its own grid (a list when the grids differ). With
     ``per_token=True`` every such column has the whole answer's slot and one per answer
     token, all from one language-model run.
 
@@ -327,7 +331,8 @@ class VLMAnswer(Target):
             if self.parts.keep_cls:
                 self.rows = tuple(range(self._tiled_clean[0].shape[1]))
             return
-        if (counts == 0).any() or (counts != counts[0]).any():
+        varies = (counts != counts[0]).any() and not self.parts.packed_pixels  # Qwen: sizes
+        if (counts == 0).any() or varies:
             raise ValueError(f"every prompt must hold the image token "
                              f"(id {self.parts.image_token_id}) once per image feature; "
                              f"got {counts.tolist()} per prompt")
@@ -372,6 +377,21 @@ class VLMAnswer(Target):
             base = torch.arange(self._bases()) if self.tiles > 1 else self._column_of
             return per_image(base * self.slots + self._slot, batch, "VLMAnswer's columns")
         return per_image(self._column_of, batch, "VLMAnswer's prompts")
+
+    def for_images(self, index: Tensor, total: int) -> VLMAnswer:
+        """This target for the images ``index`` of a processor's batch of ``total`` images
+        (Qwen-VL: the images of one grid, explained together when ``attribute`` splits a
+        batch of several sizes per grid): only their columns, each image still reading its
+        own; a prompt's other images stay at the model's own features.
+
+        Raises:
+            ValueError: a VLM whose processor output is not split per grid (not Qwen-VL).
+        """
+        select = getattr(self.parts, "select_images", None)
+        if select is None:
+            raise ValueError(f"VLMAnswer on {type(self.parts.model).__name__} explains one "
+                             "grid at a time: give images of one size")
+        return cast(VLMAnswer, select(self, index, total))
 
     def images(self) -> Tensor:
         """The tensor the methods explain on a tiled VLM: the real tiles of every prompt,

@@ -256,6 +256,128 @@ def test_a_processors_batch_of_prompts(cls_name):
     close(scores(model, x, same)[:, 0], reference(model, x, long, answer[0]), tol=1e-10)
 
 
+# -- images of several sizes in one call ----------------------------------------------------
+def mixed_batch() -> tuple[dict, list[torch.Tensor], torch.Tensor]:
+    """A processor's batch of two prompts: prompt 0 holds image A (16 × 24 px: 4 × 6
+    patches, 6 image tokens) then image B (16 × 16: 4 tokens), prompt 1 image C (16 × 24),
+    padded on the left; the images in order A, B, C."""
+    a, b, c = images(1, (16, 24), seed=3), images(1, (16, 16), seed=4), images(1, (16, 24), 5)
+    rows, thw = zip(*(patchify(x) for x in (a, b, c)), strict=True)
+    p0 = torch.tensor([1, START, *[IMAGE] * 6, END, START, *[IMAGE] * 4, END, 5, 7])
+    p1 = torch.cat([torch.zeros(6, dtype=torch.long), prompt(9, 4)])
+    mask = torch.ones(2, len(p0), dtype=torch.long)
+    mask[1, :6] = 0
+    batch = {"input_ids": torch.stack([p0, p1]), "attention_mask": mask,
+             "pixel_values": torch.cat(rows), "image_grid_thw": torch.cat(thw)}
+    return batch, [a, b, c], torch.tensor([[11, 12], [21, 22]])
+
+
+def own_token_ixg(model, batch: dict, answer: torch.Tensor) -> list[torch.Tensor]:
+    """Token input×gradient at the patch embedding, written from the VLM's own forward:
+    per prompt, the gradient of its answer's log-probability (all its images in the
+    forward) at ``visual.patch_embed``'s output (merge-group order) times that output,
+    summed over the features, back in raster order; one ``[N_i]`` per image."""
+    grids = [tuple(t[1:]) for t in batch["image_grid_thw"].tolist()]
+    starts = [0]
+    for h, w in grids:
+        starts.append(starts[-1] + h * w)
+    out: list[torch.Tensor] = []
+    first = 0
+    for p in range(batch["input_ids"].shape[0]):
+        ids, mask = batch["input_ids"][p], batch["attention_mask"][p]
+        n = int(((ids == IMAGE) & (mask != 0) & (ids.roll(1) != IMAGE)).sum())  # runs
+        imgs = range(first, first + n)
+        first += n
+        seq = torch.cat([ids, answer[p]])[None]
+        am = torch.cat([mask, torch.ones_like(answer[p])])[None]
+        kept: list[torch.Tensor] = []
+        hook = model.model.visual.patch_embed.register_forward_hook(
+            lambda m, i, o, kept=kept: kept.append(o))
+        try:
+            rows = batch["pixel_values"][starts[imgs[0]]:starts[imgs[-1] + 1]]
+            logits = model(input_ids=seq, attention_mask=am, pixel_values=rows,
+                           image_grid_thw=batch["image_grid_thw"][list(imgs)],
+                           mm_token_type_ids=(seq == IMAGE).int(), use_cache=False).logits
+        finally:
+            hook.remove()
+        a = len(answer[p])
+        score = logits[0, -a - 1:-1].log_softmax(-1).gather(-1, answer[p][:, None]).sum()
+        emb = kept[0]
+        ixg = (emb * torch.autograd.grad(score, emb)[0]).sum(-1).detach()
+        for i in imgs:
+            lo = starts[i] - starts[imgs[0]]
+            h, w = grids[i]
+            out.append(raster(ixg[lo:lo + h * w, None], (h, w))[:, 0])
+    return out
+
+
+def _rope_vision_exact(q, k, cos, sin):
+    """The model's ``apply_rotary_pos_emb_vision`` with the queries and keys kept in their
+    dtype (the adapter's, :func:`_rotate_exact`)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import rotate_half
+
+    cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def test_images_of_several_sizes_in_one_call(monkeypatch):
+    """One ``attribute`` call on a processor's batch whose images have two sizes (one
+    prompt holding two sizes, another prompt one): a map per image on its own grid, each
+    image scored in its prompt with the prompt's other image clean; token IxG equals the
+    VLM's own input×gradient written here (≤ 1e-10; both sides' float32 roundings of the
+    RMSNorms and vision RoPE, which round the gradients too, kept in float64), and a
+    prompt's map equals the map of its own one-size call."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    model = exact("Qwen2VLForConditionalGeneration")
+    monkeypatch.setattr(modeling_qwen2_vl, "apply_rotary_pos_emb_vision", _rope_vision_exact)
+    tower = VLMAnswer.tower(model)
+    batch, (a, b, c), answer = mixed_batch()
+    before = snapshot(model)
+    target = VLMAnswer(model, batch, answer)
+    assert target.num_columns(0) == 3 and target.index(3).tolist() == [0, 1, 2]
+    method = exact_tower(build_method("token_ixg", tower))
+    tokens = method.attribute(batch, target=target, output="tokens")
+    want = own_token_ixg(model, batch, answer)
+    assert tokens.shape == (24 + 16 + 24,)
+    close(tokens, torch.cat(want), tol=1e-10)
+    maps = method.attribute(batch, target=target)
+    assert [m.shape for m in maps] == [a.shape, b.shape, c.shape]
+    one = VLMAnswer(model, {k: v[1:] for k, v in batch.items()
+                            if k in ("input_ids", "attention_mask")}, answer[1])
+    for name in ("token_ixg", "decompx", "attnlrp"):
+        m = build_method(name, tower).attribute(batch, target=target)
+        close(m[2], build_method(name, tower).attribute(c, target=one), tol=1e-10)
+    # per-token columns through the same split
+    per = VLMAnswer(model, batch, answer, per_token=True)
+    close(method.attribute(batch, target=per.token(0), output="tokens")
+          + method.attribute(batch, target=per.token(1), output="tokens"), tokens, tol=1e-9)
+    assert_unchanged(model, before)
+
+
+def test_images_of_several_sizes_bad_input():
+    """``image_grid_thw`` that does not match the packed rows is refused naming it; a
+    VLMAnswer of another VLM cannot be split per grid; the model unchanged."""
+    model = model_of("Qwen2VLForConditionalGeneration")
+    tower = VLMAnswer.tower(model)
+    batch, _, answer = mixed_batch()
+    before = snapshot(model)
+    target = VLMAnswer(model, batch, answer)
+    method = build_method("token_ixg", tower)
+    short = dict(batch, pixel_values=batch["pixel_values"][:-4])
+    with pytest.raises(ValueError, match=r"image_grid_thw .* covers 64 patches but "
+                                         r"pixel_values has 60 rows"):
+        method.attribute(short, target=target)
+    with pytest.raises(ValueError, match=r"image_grid_thw .* covers 64 patches but "
+                                         r"pixel_values has 60 rows"):
+        VLMAnswer(model, short, answer)
+    swapped = dict(batch, image_grid_thw=batch["image_grid_thw"][[1, 0, 2]])
+    with pytest.raises(ValueError, match=r"image_grid_thw \[\[1, 4, 4\], \[1, 4, 6\], "
+                                         r"\[1, 4, 6\]\] gives \[4, 6, 6\] image tokens"):
+        VLMAnswer(model, swapped, answer)
+    assert_unchanged(model, before)
+
+
 # -- one map per answer token ----------------------------------------------------------------
 def _exact_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
@@ -295,18 +417,20 @@ def _rotate_windows_exact(self, h: torch.Tensor, positions: torch.Tensor | None
     return (w * cos + self._rotate_half(w) * sin).reshape(h.shape)
 
 
-def exact_tower(method, x: torch.Tensor):
+def exact_tower(method, x: torch.Tensor | None = None):
     """``method`` with its adapter's vision RoPE not rounding the queries and keys to
     float32 and Qwen2.5-VL's block RMSNorms computing in float64, where the model (and the
     adapter, for parity) compute in float32: a gradient through that rounding is
     float32-rounded (~1e-8 relative), so the tower is then linear in its backward to
     float64 precision. Patched on the built adapter (one per model) once it has checked its
-    forward on ``x`` against the model's."""
+    forward on ``x`` against the model's (``None``: the model's own RoPE is made exact
+    too, :func:`_rope_vision_exact`, and the check runs later)."""
     import dataclasses
     import types
 
     ad = method.adapter
-    ad.self_check(x)
+    if x is not None:
+        ad.self_check(x)
     exact = {"_rotate": _rotate_exact, "_rotate_windows": _rotate_windows_exact}
     exact.update({f.__name__: f for f in list(exact.values())})  # already patched
 
