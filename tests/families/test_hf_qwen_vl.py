@@ -378,6 +378,45 @@ def test_images_of_several_sizes_bad_input():
     assert_unchanged(model, before)
 
 
+# -- memory: the fused attention on a large grid ----------------------------------------------
+@pytest.mark.parametrize("name", ["token_ixg", "vanilla_grad", "attnlrp", "hirescam"])
+def test_large_attention_keeps_no_probabilities_and_the_same_maps(name, monkeypatch):
+    """On a grid whose attention is large (more keys than four head widths: a VLM tower at
+    1,024 patches) the maps of states and gradients (token IxG, the gradient, the CAMs'
+    block gradients) and AttnLRP's uniform rule run the fused kernel, which keeps no
+    ``[B, H, N, N]`` probabilities for the backward; the maps equal those of the explicit
+    softmax (≤ 1e-10)."""
+    from captum_vit.adapters import rules
+    from captum_vit.methods import _engines, ixg
+
+    model = model_of("Qwen2VLForConditionalGeneration")
+    tower = VLMAnswer.tower(model)
+    x = images(1, (32, 48))  # 8 × 12 patches: 96 keys per query
+    assert not adapt(tower).small_attention(x)
+    target = VLMAnswer(model, prompt(5, 7, tokens=24), torch.tensor([11, 12]))
+    if name == "vanilla_grad":  # the signed sum is round-off in a pre-LN tower
+        from captum_vit.methods.vanilla import VanillaGrad
+
+        method = VanillaGrad(tower, reduce="l2")
+    else:
+        method = build_method(name, tower)
+    shapes: list[tuple[int, ...]] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        fused = method.attribute(x, target=target, output="tokens")
+    assert shapes and not [s for s in shapes if s[-2:] == (96, 96)]
+    for where in (_engines, ixg):
+        monkeypatch.setattr(where, "states_attention", lambda adapter, inputs: "explicit")
+    monkeypatch.setattr(rules, "small_attention", lambda keys, head_dim: True)
+    explicit = method.attribute(x, target=target, output="tokens")
+    assert_close_scaled(fused, explicit, rel=1e-10)
+    assert (explicit.abs() > 0).any()
+
+
 # -- one map per answer token ----------------------------------------------------------------
 def _exact_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
