@@ -657,6 +657,17 @@ class ViTFront:
     whose chains carry a pooling block's ``N/4 × N`` mixing (``Stages.residual``). Any
     other method refuses such a model by name."""
 
+    linear_in_read_gradient: bool = False
+    """Whether the map depends on the explained score ``s`` only through its gradient at the
+    states the score reads, ``g_l = ∂s/∂x_l`` at the forward of the given inputs (with
+    ``score="logit"``): one forward, the score's gradients (and the read rows'
+    input×gradient), never the score's value, a path of scaled inputs, other evaluation
+    points or per-layer readouts. The map of ``s`` then equals the map of the linear score
+    ``Σ_l ⟨x_l, g_l⟩`` (chain rule), so a costly target (``Target.linearises``: a VLM's
+    tiles) is evaluated once per call and :func:`~captum_vit.targets.vlm.per_token_maps`
+    runs the language model once for all answer tokens. Default False (the target is
+    evaluated inside the method's own passes)."""
+
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -712,7 +723,8 @@ class ViTFront:
                              f"at the model's output; {type(obj).__name__} reads block "
                              f"outputs {list(layers)}: explain it with the base method "
                              "alone")
-        if obj is not None and layers is not None and len(layers) > 1 and not isinstance(
+        several = layers is not None and len(layers) > 1
+        if obj is not None and (several or self._linearises(obj, kwargs)) and not isinstance(
                 self, PerturbationAttribution):
             patches = self._block_sum(p, obj, layers, {**kwargs, "heads": heads})
         else:
@@ -766,39 +778,37 @@ class ViTFront:
             "trained weights, or pass a target whose score depends on the image.",
             UserWarning, stacklevel=3)
 
-    def _block_sum(self, p: Prepared, target: Target, layers: tuple[int, ...],
+    def _explains_read_gradient(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call's map depends on the score only through its read gradient
+        (:attr:`linear_in_read_gradient`, and the score itself: ``score="logit"``)."""
+        return (self.linear_in_read_gradient and not isinstance(self, PerturbationAttribution)
+                and kwargs.get("score", "logit") == "logit")
+
+    def _linearises(self, target: Target, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call explains ``target`` through its read gradients
+        (``Target.linearises`` and :meth:`_explains_read_gradient`)."""
+        return target.linearises and self._explains_read_gradient(kwargs)
+
+    def _block_sum(self, p: Prepared, target: Target, layers: tuple[int, ...] | None,
                    kwargs: dict[str, Any]) -> Tensor:
-        r"""A target reading several block outputs (:mod:`captum_vit.targets`): the sum over the
-        read blocks ``l`` of the method's map for the single-block score
-        ``⟨x_l, g_l⟩``, ``g_l = ∂s/∂x_l`` the score's own gradient at that block's output
-        (the partial derivative, the other read blocks held fixed). By the chain rule the
-        gradient of ``s`` w.r.t. anything before the blocks is the sum of these scores',
-        so a method linear in the score's gradient (gradients, IxG, LRP) gives its map of
-        ``s`` itself; a matrix method gets ``Σ_l w^{(l)ᵀ} C_l``. The score is explained
-        as it is (``score="logit"``: a probability of the sum has no per-block parts).
-        Methods that also use the score's value along a path (BT's and TAM's integrated
-        gradients, Chefer'21's relevance, LeGrad's per-layer readouts) see the
-        linearised scores."""
+        r"""A target reading several block outputs (:mod:`captum_vit.targets`), or a costly
+        target (``Target.linearises``) under a method linear in the read gradient: the sum
+        over the read blocks ``l`` (or the final tokens) of the method's map for the
+        single-block score ``⟨x_l, g_l⟩``, ``g_l = ∂s/∂x_l`` the score's own gradient at
+        that block's output (the partial derivative, the other read blocks held fixed;
+        :func:`read_state_gradients`). By the chain rule the gradient of ``s`` w.r.t.
+        anything before the blocks is the sum of these scores', so a method linear in the
+        score's gradient (gradients, IxG, LRP) gives its map of ``s`` itself; a matrix
+        method gets ``Σ_l w^{(l)ᵀ} C_l``. The score is explained as it is
+        (``score="logit"``: a probability of the sum has no per-block parts). Methods that
+        also use the score's value along a path (BT's and TAM's integrated gradients,
+        Chefer'21's relevance, LeGrad's per-layer readouts) see the linearised scores."""
         if "score" in kwargs:  # the score itself: a probability of a sum has no block parts
             kwargs = {**kwargs, "score": "logit"}
-        ad, images = self.adapter, p.images
-        with torch.no_grad(), ad.targeting(target, grid=p.layout.grid):
-            ad.run(ad.embed(images))
-            # the forward under a block-reading target stashes its block outputs
-            hidden = cast(dict[int, Any], ad.state.settings.hidden)
-            states = {l: hidden[l] for l in layers}
-        with torch.enable_grad():
-            leaves = {l: v.detach().requires_grad_() for l, v in states.items()}
-            out = Outputs(hidden=leaves, num_prefix=ad.num_prefix, grid=p.layout.grid,
-                          num_blocks=len(ad.blocks))
-            cols = target.columns(out)
-            index = cols.detach().argmax(-1) if p.target is None else p.target.to(cols.device)
-            grads = torch.autograd.grad(cols.gather(1, index[:, None]).sum(),
-                                        [leaves[l] for l in layers], allow_unused=True,
-                                        materialize_grads=True)
+        keys, (grads,) = read_state_gradients(self.adapter, p, target, [p.target])
         total: Tensor | None = None
-        for l, g in zip(layers, grads, strict=True):
-            part = self._attribute(images, _BlockGradient(l, g.detach(), target.rows),
+        for l, g in zip(keys, grads, strict=True):
+            part = self._attribute(p.images, _BlockGradient({l: g.detach()}, target.rows),
                                    "tokens", **kwargs)
             total = part if total is None else total + part
         assert total is not None
@@ -858,26 +868,109 @@ def _refusing_heads(attribute: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _BlockGradient(Target):
-    """``⟨x_l, g⟩`` per image: one read block of a several-block target, linearised at
-    its gradient (:meth:`ViTFront._block_sum`); one column per image."""
+    """``Σ_l ⟨x_l, g_l⟩`` per image: the read states of a target (block outputs ``x_l``, or
+    the final tokens for the key ``None``), linearised at its gradients ``g_l``
+    (:meth:`ViTFront._block_sum`, :func:`~captum_vit.targets.vlm.per_token_maps`); one
+    column per image."""
 
     reads_tokens = True
-    blocks: tuple[int]
 
-    def __init__(self, layer: int, grad: Tensor, rows: tuple[int, ...] | None) -> None:
-        self.blocks = (layer,)
-        self.grad = grad
+    def __init__(self, grads: Mapping[int | None, Tensor],
+                 rows: tuple[int, ...] | None) -> None:
+        if not grads or (None in grads and len(grads) > 1):
+            raise ValueError("_BlockGradient reads block outputs or the final tokens")
+        self.grads = dict(grads)
+        layers = [l for l in self.grads if l is not None]
+        self.blocks = tuple(layers) if layers else None
         self.rows = rows
 
+    @property
+    def _batch(self) -> int:
+        return int(next(iter(self.grads.values())).shape[0])
+
     def num_columns(self, num_classes: int) -> int:
-        return self.grad.shape[0]
+        return self._batch
 
     def index(self, batch: int) -> Tensor:
-        return per_image(torch.arange(self.grad.shape[0]), batch, "the read blocks' gradients")
+        return per_image(torch.arange(self._batch), batch, "the read blocks' gradients")
 
     def columns(self, out: Outputs) -> Tensor:
-        x = out.hidden[self.blocks[0]]
-        return torch.einsum("nid,bid->nb", x, self.grad.to(x.dtype))
+        total: Tensor | None = None
+        for l, g in self.grads.items():
+            x = out.tokens if l is None else out.hidden[l]
+            assert x is not None
+            part = torch.einsum("nid,bid->nb", x, g.to(x.dtype))
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+
+
+class _Capture(Target):
+    """The read states of ``target`` without its score: what :func:`read_state_gradients`'s
+    forward stores (one dummy column)."""
+
+    def __init__(self, target: Target) -> None:
+        self.blocks = target.blocks
+        self.reads_tokens = target.reads_tokens
+        self.prefix_rows_only = target.prefix_rows_only
+        self.rows = target.rows
+        self.out: Outputs | None = None
+
+    def columns(self, out: Outputs) -> Tensor:
+        self.out = out
+        x = out.tokens if self.blocks is None else next(iter(out.hidden.values()))
+        assert x is not None
+        return x.new_zeros(x.shape[0], 1)
+
+
+def read_state_gradients(adapter: ViTAdapter, p: Prepared, target: Target,
+                         indices: Sequence[Tensor | None]
+                         ) -> tuple[list[int | None], list[list[Tensor]]]:
+    r"""The gradients ``g_l = ∂s/∂x_l`` of ``target``'s picked scores at the states it
+    reads: one forward of ``p.images`` to those states (no gradient, the target not
+    evaluated; none when the target holds them, ``Target.read_states``), then
+    :meth:`~captum_vit.adapters.scoring.Target.read_gradients` on them as leaves (a VLM's
+    answer: its language model once for every index).
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        p (Prepared): the prepared call (images, layout).
+        target (Target): the resolved target.
+        indices (sequence of Tensor or None): the picked columns, ``[n]`` each.
+
+    Returns:
+        tuple: the read states' keys (block outputs ``l`` in ``[1, L]``, or ``[None]``:
+        the final tokens) and, per index, the gradient ``[n, N, D]`` of each.
+    """
+    num_blocks = len(adapter.blocks)
+    layers = target.readout_layers(num_blocks)
+    keys: list[int | None] = [None] if layers is None else list(layers)
+    held = target.read_states(p.images)
+    if held is not None:  # the target's own clean forward (a VLM's resolve)
+        states = {None if l is None else (l + num_blocks + 1 if l < 0 else l): v.detach()
+                  for l, v in held.items()}
+        if sorted(states, key=lambda l: -1 if l is None else l) != keys:
+            raise ValueError(f"{type(target).__name__}.read_states returned the states "
+                             f"{sorted(held, key=str)}, not those it reads {keys}")
+        out: Outputs | None = Outputs(
+            tokens=states.get(None), hidden={l: v for l, v in states.items() if l is not None},
+            num_prefix=adapter.num_prefix, grid=p.layout.grid, num_blocks=num_blocks)
+    else:
+        capture = _Capture(target)
+        with torch.no_grad(), adapter.targeting(capture, grid=p.layout.grid):
+            adapter.run(adapter.embed(p.images))
+        out = capture.out
+    assert out is not None
+    with torch.enable_grad():
+        if layers is None:
+            assert out.tokens is not None
+            leaves = [out.tokens.detach().requires_grad_()]
+            read = dataclasses.replace(out, tokens=leaves[0])
+        else:
+            leaves = [out.hidden[l].detach().requires_grad_() for l in layers]
+            read = dataclasses.replace(out, hidden=dict(zip(layers, leaves, strict=True)))
+        grads = target.read_gradients(read, leaves, indices)
+    return keys, [[g.detach() for g in gs] for gs in grads]
 
 
 class ViTGradientAttribution(ViTFront, GradientAttribution):

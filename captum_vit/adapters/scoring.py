@@ -11,6 +11,7 @@ targets on it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +193,8 @@ class Target:
     - ``probability`` (str): ``"softmax"`` (the columns compete like classes) or
       ``"sigmoid"`` (independent scores, the default): what ``score="probability"`` of
       a method means.
+    - ``linearises`` (bool): the methods linear in the read gradient explain it through
+      :meth:`read_gradients` (columns that cost far more than the picked scores).
 
     Examples::
 
@@ -212,6 +215,13 @@ class Target:
     """Whether the columns are the model's classes (an arg-max is a prediction)."""
     contrast: bool = False
     """Whether the score is a difference of scores (class-agnostic methods refuse it)."""
+    linearises: bool = False
+    """Whether a method whose map depends on the score only through the score's gradient at
+    the states it reads (``ViTFront.linear_in_read_gradient``) explains this target through
+    that gradient: one forward to the read states, :meth:`read_gradients` there, then the
+    method on the linear score ``Σ_l ⟨x_l, ∂s/∂x_l⟩`` (equal maps by the chain rule). For
+    targets whose :meth:`columns` cost much more than the picked scores (a VLM's answer
+    with tiles: every row scored in every tile's place). Default False."""
 
     def columns(self, out: Outputs) -> Tensor:
         """``[n, K]`` candidate scores of ``n`` forward rows (default: :meth:`score` as
@@ -231,6 +241,46 @@ class Target:
         """The column of each of ``batch`` images ``[batch]`` (int64, CPU); ``None``: the
         highest-scoring column (a prediction)."""
         return torch.zeros(batch, dtype=torch.long)
+
+    def read_states(self, images: Tensor) -> dict[int | None, Tensor] | None:
+        """The states this target reads of ``images`` when it already holds them (made by
+        its construction or :meth:`resolve` from these very images): keyed by the entries
+        of :attr:`blocks` (``None``: the final-normed tokens), ``[n, N, D]`` each. The
+        read-gradient path (:attr:`linearises`) then skips its forward to them. Default
+        ``None``: not held."""
+        return None
+
+    def read_gradients(self, out: Outputs, leaves: Sequence[Tensor],
+                       indices: Sequence[Tensor | None]) -> list[list[Tensor]]:
+        """The gradients of the picked scores w.r.t. the read states, at one forward's
+        states: for each ``index`` of ``indices`` (a column per row ``[n]``; ``None``: the
+        highest-scoring column), ``∂ Σ_i columns(out)[i, index_i] / ∂ leaves``.
+
+        The methods that depend on the score only through these gradients
+        (``ViTFront.linear_in_read_gradient``) take them from here for a target with
+        :attr:`linearises` (and :func:`~captum_vit.targets.vlm.per_token_maps` for every
+        answer token at once). Default: :meth:`columns` once, one backward per index
+        (``retain_graph`` between them). A target may override it to compute only what the
+        picked columns need at these states (it must return the same gradients).
+
+        Args:
+            out (Outputs): the forward's outputs, whose read states (``hidden`` of
+                :attr:`blocks`, or ``tokens``) are ``leaves``.
+            leaves (sequence of Tensor): the read states, leaves that require grad.
+            indices (sequence of Tensor or None): the picked columns, one ``[n]`` each.
+
+        Returns:
+            list: for each index, the gradients w.r.t. every leaf (zero where unused).
+        """
+        cols = self.columns(out)
+        grads = []
+        for j, index in enumerate(indices):
+            pick = cols.detach().argmax(-1) if index is None else index.to(cols.device)
+            grads.append(list(torch.autograd.grad(
+                cols.gather(1, pick[:, None]).sum(), list(leaves),
+                retain_graph=j < len(indices) - 1, allow_unused=True,
+                materialize_grads=True)))
+        return grads
 
     def resolve(self, adapter: Any, images: Tensor) -> Target:
         """The target for these ``images``, with per-image choices that depend on the

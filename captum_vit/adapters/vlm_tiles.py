@@ -44,7 +44,10 @@ every row scores the model's own answer log-probability, the gradient of a row i
 the slice of the whole answer's gradient on that tile (so gradient-based maps of the tiles
 are the maps of the whole image), and a perturbation method perturbs one tile at a time.
 Each tile is a column of the target (``N`` columns; every forward row is scored against
-every column: ``n·N`` language-model sequences for ``n`` forward rows).
+every column: ``n·N`` language-model sequences for ``n`` forward rows, what the perturbation
+methods need). A method whose map depends on the score only through its gradient at the
+clean tiles (``ViTFront.linear_in_read_gradient``) needs only every row's own column there:
+one sequence per prompt with all its clean tiles (:meth:`TiledParts.prompt_log_probs`).
 """
 
 from __future__ import annotations
@@ -218,10 +221,12 @@ class TiledParts(VLMParts):
         return clean
 
     def tile_columns(self, tiles: Tiles, clean: list[Tensor], states: list[Tensor],
-                     input_ids: Tensor, attention_mask: Tensor, answer: Tensor) -> Tensor:
+                     input_ids: Tensor, attention_mask: Tensor, answer: Tensor,
+                     per_token: bool = False) -> Tensor:
         """``[n, N]``: the answer's log-probability for every forward row (a tile's states
         ``states``, ``[n, P, D]`` each) put in the place of every tile ``c`` of its prompt,
-        the prompt's other tiles at their ``clean`` states.
+        the prompt's other tiles at their ``clean`` states (``n·N`` language-model
+        sequences).
 
         Args:
             tiles (Tiles): the batch's tiles.
@@ -230,6 +235,9 @@ class TiledParts(VLMParts):
             input_ids (Tensor): ``[B, T]`` prompts (one per image).
             attention_mask (Tensor): ``[B, T]``.
             answer (Tensor): ``[B, A]`` answers (``-100`` pads).
+            per_token (bool, optional): ``[n, N·(1 + A)]``: for tile ``c`` the whole
+                answer (column ``c·(1 + A)``), then each answer token's log-probability.
+                Default False.
         """
         if len(states) != len(clean) or any(
                 s.shape[1:] != c.shape[1:] for s, c in zip(states, clean, strict=False)):
@@ -250,14 +258,49 @@ class TiledParts(VLMParts):
                 lo, hi = starts[g], starts[g] + tiles.counts[g]
                 per_tile.append(torch.cat([base[lo:c], feats[i:i + 1], base[c + 1:hi]]))
                 prompts.append(g)
-        images = self.images(per_tile, prompts, tiles)
-        dev = feats.device
+        logp = self._log_probs(per_tile, prompts, tiles, input_ids, attention_mask, answer,
+                               per_token)
+        return logp.reshape(n, -1)
+
+    def prompt_log_probs(self, tiles: Tiles, states: list[Tensor], input_ids: Tensor,
+                         attention_mask: Tensor, answer: Tensor,
+                         per_token: bool = False) -> Tensor:
+        """Every prompt's answer log-probability with ALL its tiles from the forward rows
+        ``states`` (``[N, P, D]`` each, the rows being the batch's tiles): one
+        language-model sequence per prompt, ``[B]`` (``per_token``: ``[B, 1 + A]``, the
+        whole answer then each token). At the clean tiles this is every tile's own column
+        of :meth:`tile_columns`, and its gradient w.r.t. a row is that row's own column's.
+
+        Args:
+            tiles (Tiles): the batch's tiles.
+            states (list of Tensor): the rows' states ``[N, P, D]``.
+            input_ids (Tensor): ``[B, T]`` prompts.
+            attention_mask (Tensor): ``[B, T]``.
+            answer (Tensor): ``[B, A]`` answers (``-100`` pads).
+            per_token (bool, optional): the tokens' log-probabilities too. Default False.
+        """
+        feats = self.features(states)  # [N, L, D]
+        lo = tiles.starts
+        per_prompt = [feats[lo[g]:lo[g] + c] for g, c in enumerate(tiles.counts)]
+        return self._log_probs(per_prompt, list(range(len(tiles.counts))), tiles, input_ids,
+                               attention_mask, answer, per_token)
+
+    def _log_probs(self, tile_features: list[Tensor], prompts: list[int], tiles: Tiles,
+                   input_ids: Tensor, attention_mask: Tensor, answer: Tensor,
+                   per_token: bool) -> Tensor:
+        """The answer's log-probability of each sequence (``tile_features[i]``: the tiles
+        of prompt ``prompts[i]``), ``[S]`` or with ``per_token`` ``[S, 1 + A]``."""
+        images = self.images(tile_features, prompts, tiles)
+        dev = tile_features[0].device
         own = torch.tensor(prompts, device=dev)
         ids, mask, ans = input_ids.to(dev)[own], attention_mask.to(dev)[own], answer.to(dev)[own]
         seq = torch.cat([ids, ans.clamp_min(0)], 1)
         am = torch.cat([mask, torch.ones_like(ans)], 1)
-        logp = self.answer_log_probs(images, seq, am, ans)  # type: ignore[arg-type]
-        return logp.reshape(n, big_n)
+        logp = self.answer_log_probs(images, seq, am, ans,  # type: ignore[arg-type]
+                                     per_token=per_token)
+        if per_token:
+            logp = torch.cat([logp.sum(-1, keepdim=True), logp], 1)
+        return logp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,8 @@ class AttCAT(ScoredAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # α per key token of each block (Stages.received)
 
     score_doc = r"""score (str, optional): ``"logit"`` (default, as the paper) or

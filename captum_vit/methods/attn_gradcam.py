@@ -39,6 +39,8 @@ class AttnGradCAM(HeadsAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # the last block read through Stages (pooled query rows)
 
     layer_local = True

@@ -102,6 +102,8 @@ class _TokenCAM(PLUSFastPath, ScoredAttribution):
     Subclasses implement :meth:`cam` only.
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
     layer_local = True

@@ -375,6 +375,8 @@ class DecompX(GradientRoute, PlainAttribution):
             activations per pass (default 1 GiB); ``None`` = all sources in one pass.
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
     conserves = True

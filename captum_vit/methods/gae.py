@@ -59,6 +59,8 @@ class GAE(PLUSFastPath, HeadsAttribution):
         model (torch.nn.Module): a supported Vision Transformer.
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # vector chains through query pooling (Stages.residual)
 
     plus_aggregates = AGGREGATES

@@ -58,6 +58,8 @@ class GradSAM(ScoredAttribution):
         >>> attr = skip.attribute(images, target=labels, output="tokens")
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # GAE's per-block rows (Stages.carry_down / carry, ¼ shares)
 
     def __init__(self, model: nn.Module, layers: Iterable[int] | None = None,

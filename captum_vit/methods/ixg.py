@@ -33,6 +33,8 @@ class _LayerTerm(GradientRoute, ScoredAttribution):
     """One per-block term of :func:`layer_gradients` (``term``) at block ``layer``; for
     PLUS / SkipPLUS a layer-local gradient-route base (one backward gives every block)."""
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     term = gradient_kind = "ixg"
     allow_end = True  # whether ``layer = L`` (the last block's output) is allowed
     plus_aggregates = ("subnetwork", "layer")

@@ -112,6 +112,8 @@ def lrp_relevance(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, op
 class _LRPAttribution(PLUSFastPath, ScoredAttribution):
     """Shared front of CP-LRP and AttnLRP: the rule set, ``attribute`` and the PLUS hook."""
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     def __init__(self, model: nn.Module, ops: LRPOps, at: str,
                  embed_ops: LRPOps | None = None) -> None:
         super().__init__(model)

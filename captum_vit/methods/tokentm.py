@@ -331,6 +331,8 @@ class TokenTM(PLUSFastPath, ViTGradientAttribution):
     grids).
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # the row chain through query pooling (Stages.residual)
 
 

@@ -91,6 +91,8 @@ class VanillaGrad(PLUSFastPath, ScoredAttribution):
         >>> attr = VanillaGrad(model, layer=4, reduce="l2").attribute(images, target=labels)
     """
 
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
+
     pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
     def __init__(self, model: nn.Module, layer: int = 0, reduce: str = "sum") -> None:
@@ -158,6 +160,8 @@ class AttnGrad(ScoredAttribution):
         >>> from captum_vit.methods.vanilla import AttnGrad
         >>> attr = AttnGrad(model, variant="relu").attribute(images, target=labels)
     """
+
+    linear_in_read_gradient = True  # one forward; the score's gradients only (ViTFront)
 
     pools_queries = True  # the readout carried down through later pooling (¼ shares)
 

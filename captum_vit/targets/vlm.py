@@ -83,8 +83,13 @@ class VLMAnswer(Target):
     ``n·K`` language-model sequences for ``n`` forward rows, in one batch; a processor's
     batch that repeats one question is one column) and each image reads its own column:
     the perturbation methods score many perturbed copies of the images in one forward, and
-    a row's prompt must come from its column, not from its position. Explain distinct
-    per-image prompts one image at a time where ``B²`` sequences are too many.
+    a row's prompt must come from its column, not from its position. A method whose map
+    depends on the score only through its gradient (``method.linear_in_read_gradient``:
+    gradients, input×gradient, DecompX, the LRPs, GAE, TokenTM, AttCAT, the Grad-CAMs,
+    ...; ``score="logit"``) needs only each image's own column: ``B`` sequences, one
+    language-model run. The others (perturbation methods, BT, TAM, Chefer'21, LeGrad)
+    score the ``B²``: explain distinct per-image prompts one image at a time where that
+    is too many.
 
     Tiles (InternVL's dynamic tiling, Gemma 3's pan-and-scan crops): the processor
     gives an image as several rows of ``pixel_values`` ``[ΣN_tiles, C, H, W]`` (InternVL:
@@ -95,18 +100,26 @@ class VLMAnswer(Target):
     the **other tiles clean** (their features from the tower's own forward on the
     unperturbed rows, fixed by :meth:`resolve`): one column per tile. So the gradient of a
     row is exactly that tile's share of the gradient of the whole prompt, and a
-    perturbation method masks one tile at a time. A row costs one language-model run per
-    tile of the batch.
+    perturbation method masks one tile at a time. A row costs one language-model sequence
+    per tile of the batch (``N²`` for ``N`` tiles) for the methods that score the columns
+    (perturbation methods, BT, TAM, Chefer'21, LeGrad); a method whose map depends on the
+    score only through its gradient at the clean tiles (``method.linear_in_read_gradient``,
+    ``score="logit"``) runs ONE sequence per prompt with all its tiles
+    (:meth:`read_gradients`): the gradient of a tile's own column is that prompt's
+    gradient on the tile.
 
-    Per-token maps (``per_token=True``; not yet for the VLMs that mark tiles):
-    every answer token ``t`` is a column ``log p(answer_t | prompt, image, answer_<t)``
-    beside the whole answer's (the default column, so
-    ``attribute(images, target=target)`` is the answer's map).
-    ``target.token(t)`` selects token ``t``'s column and :func:`per_token_maps` stacks one
-    map per token, ``[B, A, ...]``, labelled by ``target.labels`` (the decoded tokens, when
-    a tokenizer is given). All token scores come from one language-model run per
-    sequence; each token's map is one ``attribute`` call (forward and backward). For a
-    method linear in the score the token maps sum to the answer's map.
+    Per-token maps (``per_token=True``): every answer token ``t`` is
+    a column ``log p(answer_t | prompt, image, answer_<t)`` beside the whole answer's (the
+    default column, so ``attribute(images, target=target)`` is the answer's map; with
+    tiles, each tile's columns in turn). ``target.token(t)`` selects token ``t``'s column
+    and :func:`per_token_maps` stacks one map per token, ``[B, A, ...]``, labelled by
+    ``target.labels`` (the decoded tokens, when a tokenizer is given); ``attribute``
+    itself returns one map, of the column the target selects. All token scores come from
+    one language-model run; for a method linear in the read gradient
+    :func:`per_token_maps` runs the language model once for all tokens (one backward
+    each), then the tower's forward and backward per token (Qwen-VL: one ``attribute``
+    call per token); other methods make one ``attribute`` call per token. For a method
+    linear in the score the token maps sum to the answer's map.
 
     Prompt layouts (what each processor's chat template writes; pass its ``input_ids``):
 
@@ -132,9 +145,11 @@ class VLMAnswer(Target):
     and the prompt's other tiles clean (our choice): the clean score of every row is the
     model's own, a row's gradient is the whole answer's gradient on its tile, a
     perturbation method perturbs one tile at a time. Every tile is a column (``n·N``
-    language-model sequences for ``n`` forward rows and ``N`` tiles: explain one image at
-    a time). The prompt layouts (where the processor's chat template puts the image
-    tokens):
+    language-model sequences for ``n`` forward rows and ``N`` tiles, what the perturbation
+    methods, BT, TAM, Chefer'21 and LeGrad score: explain one image at a time); a method
+    linear in the read gradient runs one sequence per prompt. ``per_token=True`` gives
+    every tile ``1 + A`` columns (the whole answer, then each token). The prompt layouts
+    (where the processor's chat template puts the image tokens):
 
     - ``Idefics3ForConditionalGeneration`` / ``SmolVLMForConditionalGeneration``: the
       tower's final-normed tokens, the pixel-shuffle ``connector``; ``"User:<image>What is
@@ -317,17 +332,14 @@ class VLMAnswer(Target):
         counts = (self.input_ids == self.parts.image_token_id).sum(1)
         if self.tiled is not None:  # one column per tile (captum_vit.adapters.vlm_tiles)
             assert isinstance(self.parts, TiledParts)
-            if per_token:
-                raise ValueError(f"per_token=True is not served on {type(model).__name__} "
-                                 "(a VLM that splits images into tiles) yet: explain the "
-                                 "whole answer, or one answer token's prefix at a time")
             self._tiled_clean = self.parts.check_prompts(self.tiled, counts)
             self.answer_ids = per_image(self.answer_ids, b, "answer_ids")
             self.prompts = int(self.tiled.pixels.shape[0])
             self._column_of = torch.arange(self.prompts)
             self.blocks = self.parts.layers
             self.image_tokens = int(counts[0])
-            self._extend(False, tokenizer)
+            self._extend(per_token, tokenizer)
+            self.linearises = True  # every row is scored in every tile's place
             if self.parts.keep_cls:
                 self.rows = tuple(range(self._tiled_clean[0].shape[1]))
             return
@@ -348,6 +360,9 @@ class VLMAnswer(Target):
         self.input_ids, self.attention_mask = distinct[:, :t], distinct[:, t:2 * t]
         self.answer_ids = distinct[:, 2 * t:2 * t + a]
         self.prompts = int(distinct.shape[0])
+        # every row is scored in every tile's place, or against every prompt (Qwen-VL's
+        # columns are its adapter's: captum_vit.adapters.vlm_qwen)
+        self.linearises = (self.tiles > 1 or self.prompts > 1) and not self.parts.packed_pixels
         self.blocks = self.parts.layers
         if self.parts.keep_cls:
             self.rows = tuple(range(self.image_tokens))
@@ -469,14 +484,15 @@ class VLMAnswer(Target):
         own = self.parts.columns(self, out)  # Qwen-VL (captum_vit.adapters.vlm_qwen)
         if own is not None:
             return own
+        if self.tiled is not None:  # captum_vit.adapters.vlm_tiles
+            assert isinstance(self.parts, TiledParts)
+            states = self._states(out)
+            return self.parts.tile_columns(self.tiled, self._tiled_clean, states, self.input_ids,
+                                           self.attention_mask, self.answer_ids,
+                                           per_token=self.per_token).to(states[0].dtype)
         if self.tiles > 1 or self.per_token:
             return self._columns(out)
         states = self._states(out)
-        if self.tiled is not None:  # captum_vit.adapters.vlm_tiles
-            assert isinstance(self.parts, TiledParts)
-            return self.parts.tile_columns(self.tiled, self._tiled_clean, states, self.input_ids,
-                                           self.attention_mask, self.answer_ids
-                                           ).to(states[0].dtype)
         x = states[0]
         n, rows, width = x.shape
         tower_width = int(self.parts.tower.config.hidden_size)
@@ -518,6 +534,8 @@ class VLMAnswer(Target):
                            for row in self.answer_ids]
         self.tiles = 1
         self._clean: Tensor | None = None
+        self._clean_states: list[Tensor] | None = None  # the tower states resolve read
+        self._clean_images: Tensor | None = None
         self._image_column: Tensor | None = None
         tile = self.parts.tile_features()
         if tile is not None and tile > 0:
@@ -576,6 +594,8 @@ class VLMAnswer(Target):
             clean = self.parts.features(states)
         out = copy.copy(self)
         out._clean = clean.detach()
+        out._clean_states = [v.detach() for v in states]
+        out._clean_images = images
         out._image_column = per_image(self._column_of, n // m, "input_ids")
         return out
 
@@ -591,9 +611,12 @@ class VLMAnswer(Target):
                              "metrics do)")
         return int(self._clean.shape[0])
 
-    def _columns(self, out: Outputs) -> Tensor:
-        """:meth:`columns` with tiles or per-token columns: ``[n, bases · slots]``, slot 0
-        the whole answer, slot ``1 + t`` answer token ``t``."""
+    def _features(self, out: Outputs) -> Tensor:
+        """The projected features ``[n, f, D]`` of one tile (or image) per forward row.
+
+        Raises:
+            ValueError: tower states of another size or width than the prompts need.
+        """
         states = self._states(out)
         x = states[0]
         n, rows, width = x.shape
@@ -605,7 +628,27 @@ class VLMAnswer(Target):
                 f"prompts hold {self.image_tokens} image tokens ({self.tiles} tile(s)) and the "
                 f"VLM's tower has {tower_width} features: explain VLMAnswer.tower(model) on "
                 "images of the size the prompts were made for")
-        feats = self.parts.features(states)  # [n, f, D]
+        return self.parts.features(states)
+
+    def _answer_log_probs(self, feats: Tensor, which: Tensor) -> Tensor:
+        """``[S, slots]``: the whole answer's log-probability (slot 0) and with
+        ``per_token`` each answer token's (slot ``1 + t``) of ``S`` sequences, image
+        features ``feats`` ``[S, f, D]`` at the image tokens of prompts ``which`` ``[S]``."""
+        dev = feats.device
+        ids, mask = self.input_ids[which].to(dev), self.attention_mask[which].to(dev)
+        answer = self.answer_ids[which].to(dev)
+        seq = torch.cat([ids, answer.clamp_min(0)], 1)
+        am = torch.cat([mask, torch.ones_like(answer)], 1)
+        logp = self.parts.answer_log_probs(feats, seq, am, answer, per_token=self.per_token)
+        if self.per_token:
+            return torch.cat([logp.sum(-1, keepdim=True), logp], 1)
+        return logp[:, None]
+
+    def _columns(self, out: Outputs) -> Tensor:
+        """:meth:`columns` with tiles or per-token columns: ``[n, bases · slots]``, slot 0
+        the whole answer, slot ``1 + t`` answer token ``t``."""
+        feats = self._features(out)  # [n, f, D]
+        n = feats.shape[0]
         dev = feats.device
         k = self._bases()
         if self.tiles == 1:
@@ -620,27 +663,117 @@ class VLMAnswer(Target):
             seq_feats = torch.where(own, feats[:, None, None], context[None])
             seq_feats = seq_feats.reshape(n * k, m * f, d)
             which = cast(Tensor, self._image_column)[torch.arange(k) // m].repeat(n)
-        ids, mask = self.input_ids[which].to(dev), self.attention_mask[which].to(dev)
-        answer = self.answer_ids[which].to(dev)
-        seq = torch.cat([ids, answer.clamp_min(0)], 1)
-        am = torch.cat([mask, torch.ones_like(answer)], 1)
-        logp = self.parts.answer_log_probs(seq_feats, seq, am, answer, per_token=self.per_token)
-        if self.per_token:
-            logp = torch.cat([logp.sum(-1, keepdim=True), logp], 1)
-        return logp.reshape(n, k * self.slots).to(x.dtype)
+        logp = self._answer_log_probs(seq_feats, which)
+        return logp.reshape(n, k * self.slots).to(self._states(out)[0].dtype)
+
+    # -- the rows' own columns at one forward (ViTFront.linear_in_read_gradient) -------------
+    def read_states(self, images: Tensor) -> dict[int | None, Tensor] | None:
+        """The tower states of the clean tiles, when ``images`` are those tiles: the
+        tile-marking VLMs' (:meth:`images`, read at construction) or those :meth:`resolve`
+        read (tiles as rows); ``None`` otherwise (the read-gradient path then runs the
+        tower's forward itself)."""
+        held: list[Tensor] | None = self._clean_states
+        seen: Tensor | None = self._clean_images
+        if self.tiled is not None:
+            held, seen = self._tiled_clean, self.tiled.pixels
+        if held is None or seen is None or not (images is seen or (
+                images.shape == seen.shape and images.dtype == seen.dtype
+                and images.device == seen.device and torch.equal(images, seen))):
+            return None
+        keys: list[int | None] = [None] if self.parts.layers is None else list(self.parts.layers)
+        if len(set(keys)) != len(keys) or len(keys) != len(held):
+            return None
+        return dict(zip(keys, held, strict=True))
+
+    def read_gradients(self, out: Outputs, leaves: Sequence[Tensor],
+                       indices: Sequence[Tensor | None]) -> list[list[Tensor]]:
+        """The gradients of the picked columns w.r.t. the read tower states, from ONE
+        language-model run for all ``indices`` (one backward each) when every index picks
+        each row's own column (what :meth:`index` gives, one slot per index: the whole
+        answer or one answer token): one sequence per row, or with tiles one per prompt
+        with all its tiles from the forward's rows (at the clean tiles the gradient of a
+        tile's own column, whose other tiles are the clean ones, is that prompt's
+        gradient on the tile: ``N`` tiles cost one run, not ``N²`` sequences). Any other
+        index: :meth:`~captum_vit.adapters.scoring.Target.read_gradients` (the columns).
+        """
+        own = self._own_slots(int(leaves[0].shape[0]), indices)
+        if own is None:
+            return super().read_gradients(out, leaves, indices)
+        bases, slots = own
+        if self.tiled is not None:
+            assert isinstance(self.parts, TiledParts)
+            states = self._states(out)
+            if len(states) != len(self._tiled_clean) or any(
+                    s.shape[1:] != c.shape[1:]
+                    for s, c in zip(states, self._tiled_clean, strict=True)):
+                raise ValueError(
+                    f"VLMAnswer read tower states of shape {tuple(states[0].shape[1:])}, but "
+                    f"the tiles' are {tuple(self._tiled_clean[0].shape[1:])}: explain "
+                    "VLMAnswer.tower(model) on target.images(), the tiles the target was "
+                    "made for")
+            logp = self.parts.prompt_log_probs(self.tiled, states, self.input_ids,
+                                               self.attention_mask, self.answer_ids,
+                                               per_token=self.per_token)
+            logp = logp if self.per_token else logp[:, None]
+        else:
+            feats = self._features(out)  # [n, f, D]
+            if self.tiles > 1:  # prompt P: its m rows' features in order
+                m, (n, f, d) = self.tiles, feats.shape
+                which = cast(Tensor, self._image_column)
+                logp = self._answer_log_probs(feats.reshape(n // m, m * f, d), which)
+            else:
+                logp = self._answer_log_probs(feats, bases)
+        grads = []
+        for j, s in enumerate(slots):
+            grads.append(list(torch.autograd.grad(
+                logp[:, s].sum(), list(leaves), retain_graph=j < len(slots) - 1,
+                allow_unused=True, materialize_grads=True)))
+        return grads
+
+    def _own_slots(self, n: int, indices: Sequence[Tensor | None]
+                   ) -> tuple[Tensor, list[int]] | None:
+        """``(bases [n], slots)`` when every index picks one slot of each row's own column
+        (the same base for every index; with tiles the row's own tile), else ``None``."""
+        if self.parts.packed_pixels or not indices or any(i is None for i in indices):
+            return None
+        bases: Tensor | None = None
+        slots = []
+        for index in cast(Sequence[Tensor], indices):
+            index = index.detach().cpu().long()
+            if index.shape != (n,):
+                return None
+            base, slot = index // self.slots, index % self.slots
+            if (slot != slot[0]).any() or (bases is not None and not torch.equal(base, bases)):
+                return None
+            bases = base
+            slots.append(int(slot[0]))
+        assert bases is not None
+        if self.tiled is not None or self.tiles > 1:  # each row is its own tile
+            k = self.prompts if self.tiled is not None else self._bases()
+            if n != k or not torch.equal(bases, torch.arange(n)):
+                return None
+        elif bases.min() < 0 or bases.max() >= self.prompts:
+            return None
+        return bases, slots
 
 
 def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any) -> Tensor:
     r"""One map per answer token: ``method``'s map of ``log p(answer_t | …)`` for every
     ``t`` of a ``VLMAnswer(..., per_token=True)``, stacked ``[B, A, ...]`` (``A`` answer
-    tokens; a shorter answer's padded tokens get zero maps); ``target.labels[i][t]``
-    names them when a tokenizer was given.
+    tokens; a shorter answer's padded tokens get the maps of a zero gradient);
+    ``target.labels[i][t]`` names them when a tokenizer was given.
 
-    One call of ``method.attribute`` per token, each with its own forward and backward
-    (the whole answer's log-probabilities of all tokens come from one language-model run
-    per sequence; the tower's forward is repeated per token). For a method linear in the
-    score (input×gradient, DecompX, CP-LRP, AttnLRP, plain gradients) the token maps sum to
-    the whole answer's map.
+    A method whose map depends on the score only through its gradient at the tower states
+    the answer reads (``method.linear_in_read_gradient``: gradients, input×gradient,
+    DecompX, AttnLRP, CP-LRP, GAE, TokenTM, AttCAT, the Grad-CAMs, ... with
+    ``score="logit"``) runs the language model ONCE: one tower forward (no gradient) to
+    the read states, one language-model forward on them, one backward per token to its
+    gradient ``g^{(t)}``, then per token the method's tower forward and backward on the
+    linear score ``⟨x, g^{(t)}⟩`` (the same map by the chain rule). Any other method (BT,
+    TAM, Chefer'21, LeGrad, the perturbation methods, ``score="probability"``) is called
+    once per token with ``target.token(t)``, each call its own forward and backward of the
+    whole VLM. For a method linear in the score (input×gradient, DecompX, CP-LRP, AttnLRP,
+    plain gradients) the token maps sum to the whole answer's map.
 
     Args:
         method: a captum_vit method on ``VLMAnswer.tower(model)``.
@@ -664,6 +797,20 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     if not isinstance(target, VLMAnswer) or not target.per_token:
         raise TypeError("target must be VLMAnswer(..., per_token=True) for per_token_maps, got "
                         f"{target!r}")
-    maps = [method.attribute(inputs, target=target.token(t), **kwargs)
-            for t in range(target.answer_length)]
+    from captum_vit._base import ViTFront, _BlockGradient, prepare, read_state_gradients
+
+    tokens = range(target.answer_length)
+    if not (isinstance(method, ViTFront) and method._explains_read_gradient(kwargs)
+            and isinstance(inputs, Tensor | tuple)):
+        return torch.stack([method.attribute(inputs, target=target.token(t), **kwargs)
+                            for t in tokens], 1)
+    p = prepare(method.adapter, inputs, target)
+    resolved = cast(VLMAnswer, p.embedding)
+    n = int(p.images.shape[0])
+    keys, grads = read_state_gradients(method.adapter, p, resolved,
+                                       [resolved.token(t).index(n) for t in tokens])
+    attribute = cast(Any, method).attribute  # a Captum Attribution's (ViTFront is its mixin)
+    maps = [attribute(inputs, target=_BlockGradient(dict(zip(keys, g, strict=True)),
+                                                    resolved.rows), **kwargs)
+            for g in grads]
     return torch.stack(maps, 1)
