@@ -471,7 +471,8 @@ def _group_target(target: TargetLike, index: Tensor, total: int, groups: int) ->
     """The target of one group of a processor batch's images (``index``: their positions):
     per-image class indices or vectors are indexed, one for all passes as it is (a vector
     ``[D′]`` too; an :class:`~captum_vit.targets.EmbeddingTarget` has its per-image
-    vectors or indices indexed)."""
+    vectors or indices indexed; a target with ``for_images(index, total)``, e.g.
+    :class:`~captum_vit.targets.VLMAnswer` on Qwen-VL, gives its own restriction)."""
     if target is None or isinstance(target, int | np.integer):
         return target
     if isinstance(target, Tensor) and torch.is_floating_point(target) and target.dim() == 1:
@@ -496,6 +497,9 @@ def _group_target(target: TargetLike, index: Tensor, total: int, groups: int) ->
                                                      | tuple):
         if groups == 1:
             return target
+        select = getattr(target, "for_images", None)
+        if callable(select):  # a target that knows its images (VLMAnswer on Qwen-VL)
+            return cast(TargetLike, select(index, total))
         raise ValueError(f"target is a {type(target).__name__}, and the processor's batch "
                          f"holds images of {groups} different grids, explained one grid at "
                          "a time: give class indices (one per image or one for all), or "
@@ -538,7 +542,8 @@ def attribute_processed(attribute: Callable[..., Any], adapter: ViTAdapter,
         batch (Mapping): the processor's output.
         target (int, list, Tensor, Target, optional): one per image or one for all; a
             :class:`~captum_vit.adapters.scoring.Target` object when the batch holds one
-            grid.
+            grid, or one with ``for_images`` (:meth:`~captum_vit.targets.VLMAnswer.
+            for_images`).
         output (str): ``"pixels"``, ``"grid"``, ``"tokens"`` or ``"inputs"``.
         **kwargs: the method's options.
 

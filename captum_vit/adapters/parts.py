@@ -490,8 +490,9 @@ class BlockParts(AttentionParts):
                 gradient route, :mod:`captum_vit.methods.decompx`); the forward values are
                 unchanged.
             rules (AttentionRules, optional): modified backward rules (LRP,
-                :mod:`captum_vit.adapters.rules`); the forward values are unchanged. Needs
-                ``materialize=True``.
+                :mod:`captum_vit.adapters.rules`); the forward values are unchanged. Rules
+                on the softmax or the mix need ``materialize=True``; those on the
+                projections and the per-head tensors also run with the fused kernel.
             heads (list, optional): receives this call's :class:`Heads` (per-head ``q``,
                 ``k``, ``v``, output and logit bias), from which the probabilities can be
                 recomputed later (:meth:`Heads.probs`) when the fused path kept none.
@@ -500,8 +501,10 @@ class BlockParts(AttentionParts):
             (mix [B, N, H*d], probabilities [B, H, N, N] or ``None``): the head mix
             :math:`\sum_j A^h_{ij} v^h_j` with heads concatenated, before ``W_O``.
         """
-        if rules is not None and not materialize:
-            raise ValueError("attention rules need the explicit path (materialize=True)")
+        if rules is not None and not materialize and (rules.softmax is not None
+                                                      or rules.mix is not None):
+            raise ValueError("attention rules on the softmax or the mix need the explicit "
+                             "path (materialize=True)")
         if self.window is not None:
             return self._windowed(u, materialize, key_mask, positions, detach_qk, rules, heads)
         pool_grid = None

@@ -39,6 +39,7 @@ from captum_vit.adapters.parts import (
     CosineNorm,
     NormParts,
     PoolParts,
+    small_attention,
 )
 
 LRP_METHODS = ("cp", "attnlrp")
@@ -402,8 +403,15 @@ class LRPOps(Ops):
         cp = self.attention_rule == "cp"
         if not cp:
             p = _with_qk_norm_rule(p, "frozen", "AttnLRP")
-        return p.attention(u, materialize=True, positions=self.positions, detach_qk=cp,
-                           rules=self._rules())
+        rules = self._rules()
+        # rules on the projections and heads only (AttnLRP's uniform rule) on a large
+        # attention: the fused kernel's backward is the softmax's true one, and no
+        # [B, H, N, N] is kept (a small one keeps the explicit softmax, faster on the CPU)
+        keys = u.shape[1] if p.window is None else p.window.area
+        fused = (rules is None or (rules.softmax is None and rules.mix is None)) \
+            and not small_attention(keys, p.head_dim)
+        return p.attention(u, materialize=not fused, positions=self.positions,
+                           detach_qk=cp, rules=rules)
 
     def pool_attention(self, x: Any, p: PoolParts) -> tuple[Any, Tensor | None]:
         if self.attention_rule == "cp" and not (self.gamma or self.epsilon):

@@ -35,11 +35,16 @@ states (raster order) put back in merge-group order, the model's own ``merger`` 
 deepstack mergers), then the VLM's own forward with teacher forcing. A prompt may hold
 several images (a processor's output with ``pixel_values`` and ``image_grid_thw``): each
 image is explained in its own slot, the other images of its prompt held at the features
-the model computes for them (a constant).
+the model computes for them (a constant). Images of several sizes are explained one grid
+at a time (``attribute`` on the processor's output groups them by grid): the target for a
+grid's images (:meth:`QwenVLParts.select_images`) keeps the columns of those images only,
+so an image is scored in its own prompt with the prompt's other images, of any size,
+clean.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -50,7 +55,7 @@ from torch import Tensor
 
 from captum_vit.adapters.hf_vlm import VLMParts
 from captum_vit.adapters.layout import merge_order
-from captum_vit.adapters.scoring import Outputs
+from captum_vit.adapters.scoring import Outputs, per_image
 
 SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
              "Qwen3VLForConditionalGeneration")
@@ -229,9 +234,35 @@ class QwenVLParts(VLMParts):
         return [((int(t[1]), int(t[2])), out.pooler_output[i].detach(),
                  [d[i].detach() for d in deep]) for i, t in enumerate(thw.tolist())]
 
+    def select_images(self, target: Any, index: Tensor, total: int) -> Any:
+        """``target`` (bound) for the images ``index`` of a processor's batch of ``total``
+        images (one grid's, :meth:`VLMAnswer.for_images`): the columns of those images
+        only, renumbered, each image still reading its own column; the fixed features of
+        the prompts' other images unchanged (they are the model's own, clean).
+
+        Raises:
+            ValueError: ``target``'s prompts are neither one per image nor one for all.
+        """
+        q: QwenPrompts = target._qwen
+        col = per_image(target._column_of, total, "VLMAnswer's images")[index.cpu()]
+        keep, inverse = torch.unique(col, return_inverse=True)
+        ks = keep.tolist()
+        out = copy.copy(target)
+        out.input_ids, out.attention_mask = q.input_ids[keep], q.attention_mask[keep]
+        out.answer_ids = q.answer_ids[keep]
+        out.prompts = len(ks)
+        out._column_of = inverse
+        out._qwen = QwenPrompts(out.input_ids, out.attention_mask, out.answer_ids,
+                                [q.slot[k] for k in ks], [q.images[k] for k in ks],
+                                [q.runs[k] for k in ks], q.fixed)
+        return out
+
     # -- the score ----------------------------------------------------------------------
     def columns(self, target: Any, out: Outputs) -> Tensor:
-        """``[n, K]``: every forward row's answer log-probability under every column."""
+        """``[n, K]``: every forward row's answer log-probability under every column; with
+        ``per_token=True`` ``[n, K · (1 + A)]``: column ``j``'s slot 0 the whole answer,
+        slot ``1 + t`` answer token ``t`` (0 where ``-100`` pads a shorter answer), all
+        from the same language-model run."""
         q: QwenPrompts = target._qwen
         states = target._states(out)
         x = states[-1]
@@ -276,15 +307,20 @@ class QwenVLParts(VLMParts):
                         for d, f in zip(stacked, d0, strict=True):
                             d.append(f.to(feats.dtype))
                         grids.append([1, *grid])
+        per_token = bool(getattr(target, "per_token", False))
         logp = self._log_probs(seq, am, answer, pooled, stacked,
-                               torch.tensor(grids, device=dev))
-        return logp.reshape(n, k).to(x.dtype)
+                               torch.tensor(grids, device=dev), per_token)
+        if per_token:  # [n·k, A] -> slot 0 the sum, slot 1 + t token t
+            logp = torch.cat([logp.sum(-1, keepdim=True), logp], 1)
+        return logp.reshape(n, -1).to(x.dtype)
 
     def _log_probs(self, seq: Tensor, mask: Tensor, answer: Tensor, pooled: list[Tensor],
-                   deep: list[list[Tensor]], grids: Tensor) -> Tensor:
-        """``Σ_t log p(answer_t | …)`` of every sequence by the VLM's own forward, the
-        image features given (``mm_encoder_outputs``) and the mRoPE positions of the
-        model's own ``get_rope_index``."""
+                   deep: list[list[Tensor]], grids: Tensor, per_token: bool = False
+                   ) -> Tensor:
+        """``Σ_t log p(answer_t | …)`` of every sequence by the VLM's own forward ``[m]``
+        (``per_token``: each token's ``[m, A]``, 0 where not scored), the image features
+        given (``mm_encoder_outputs``) and the mRoPE positions of the model's own
+        ``get_rope_index``."""
         model = self.model
         inner = model.model
         types = (seq == self.image_token_id).int()
@@ -308,7 +344,8 @@ class QwenVLParts(VLMParts):
         logp = logits.log_softmax(-1)
         scored = answer != -100
         picked = logp.gather(-1, answer.clamp_min(0)[..., None].to(logp.device))[..., 0]
-        return (picked * scored.to(logp.device)).sum(-1)
+        tokens = picked * scored.to(logp.device)
+        return tokens if per_token else tokens.sum(-1)
 
 
 def qwen_parts(model: Any) -> QwenVLParts | None:

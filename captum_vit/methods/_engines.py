@@ -115,7 +115,8 @@ class LayerGradients:
 
 
 def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, *,
-                    score: str = "logit", linearize: bool = False) -> LayerGradients:
+                    score: str = "logit", linearize: bool = False,
+                    attention: str = "explicit") -> LayerGradients:
     """One forward and ONE backward giving ``d s_c / d x_l`` at every block input.
 
     Args:
@@ -126,6 +127,11 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
         linearize (bool): linearised backward (LayerNorm variance, q/k and the GELU gate
             detached; :mod:`captum_vit.methods.decompx`). With it, ``ixg()[l]`` is DecompX
             started at block ``l``.
+        attention (str): ``"explicit"`` (default): the trace's records carry the
+            attention probabilities (:meth:`LayerGradients.attention_received`);
+            ``"fused"``: the fused attention kernel, no ``[B, H, N, N]`` probabilities
+            kept for the backward (the same gradients up to rounding; for the maps that
+            read only states and gradients, :meth:`LayerGradients.ixg`).
 
     Returns:
         LayerGradients
@@ -137,11 +143,28 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
         >>> cat = layer_gradients(adapt(model), images, labels).ixg()  # [L+1, B, N]
     """
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
-        tr = adapter.trace(inputs, linearize=linearize, grad=True)
+        tr = adapter.trace(inputs, linearize=linearize, grad=True, attention=attention)
         t = resolve_target(target, tr.require_logits())
         scores = target_scores(tr.require_logits(), t, score, adapter.probability)
         grads = gradients(scores, tr.states)
     return LayerGradients(tr, t, grads, adapter)
+
+
+def states_attention(adapter: ViTAdapter, inputs: Tensor) -> str:
+    """The trace's attention for a map that reads only token states and their gradients:
+    ``"explicit"`` while every block's attention is small
+    (:meth:`~captum_vit.adapters.ViTAdapter.small_attention`: its backward is then faster
+    on the CPU, for little memory), else ``"fused"`` (no ``[B, H, N, N]`` probabilities
+    kept for the backward: a VLM tower at 1,024 patches).
+
+    Args:
+        adapter (ViTAdapter): the model's adapter.
+        inputs (Tensor): the images.
+
+    Returns:
+        str: a ``TraceOptions.attention`` value.
+    """
+    return "explicit" if adapter.small_attention(inputs) else "fused"
 
 
 SITES = ("residual", "norm1")
@@ -191,7 +214,8 @@ def block_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None,
         raise ValueError(f"at='norm1' reads a block's first LayerNorm: layers must be below "
                          f"{adapter.num_blocks}; got {list(layers)}")
     with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, sensitivity_max)
-        tr = adapter.trace(inputs, grad=True)
+        # states and gradients only: a large attention fused, keeping no [B, H, N, N]
+        tr = adapter.trace(inputs, grad=True, attention=states_attention(adapter, inputs))
         t = resolve_target(target, tr.require_logits())
         if at == "norm1":  # BlockRecord.u = LN1(x_l), in the graph of the score
             xs = [tr.blocks[l - tr.start].u for l in layers]
@@ -235,7 +259,9 @@ def per_layer_fast(kind: str, adapter: ViTAdapter, inputs: Tensor, target: Tenso
         >>> from captum_vit.combinators import per_layer_fast
         >>> maps = per_layer_fast("ixg", adapt(model), images, labels)
     """
-    lg = layer_gradients(adapter, inputs, target, score=score, linearize=kind == "decompx")
+    lg = layer_gradients(adapter, inputs, target, score=score, linearize=kind == "decompx",
+                         attention="explicit" if kind == "att_ixg"
+                         else states_attention(adapter, inputs))
     if kind == "att_ixg":
         return lg.att_ixg()
     if kind == "gradient":

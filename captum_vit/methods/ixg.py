@@ -24,6 +24,7 @@ from captum_vit.methods._engines import (
     LayerGradients,
     layer_gradients,
     layer_gradients_each,
+    states_attention,
 )
 from captum_vit.methods._front import ScoredAttribution
 from captum_vit.methods.table import register_method
@@ -57,11 +58,13 @@ class _LayerTerm(GradientRoute, ScoredAttribution):
     def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
                          **_: Any) -> list[Tensor]:
         return [getattr(lg, self.term)()[self.layer]
-                for lg in layer_gradients_each(self.adapter, inputs, targets)]
+                for lg in layer_gradients_each(self.adapter, inputs, targets,
+                                               attention=self._attention(inputs))]
 
     def _token_maps(self, inputs: Tensor, target: Tensor | None, *, score: str = "logit",
                     **_: Any) -> Tensor:
-        grads = layer_gradients(self.adapter, inputs, target, score=score)
+        grads = layer_gradients(self.adapter, inputs, target, score=score,
+                                attention=self._attention(inputs))
         return getattr(grads, self.term)()[self.layer]
 
     # takes this method's own options, not any keyword (PLUSFastPath.plus_maps)
@@ -74,8 +77,15 @@ class _LayerTerm(GradientRoute, ScoredAttribution):
         for l in layers:  # the check the method makes on each (L - l)-block sub-network
             check_layer("layer", self.layer, self.adapter.num_blocks - l,
                         allow_end=self.allow_end)
-        grads = layer_gradients(self.adapter, inputs, target, score=score)
+        grads = layer_gradients(self.adapter, inputs, target, score=score,
+                                attention=self._attention(inputs))
         return getattr(grads, self.term)()[[l + self.layer for l in layers]]
+
+    def _attention(self, inputs: Tensor) -> str:
+        """The trace's attention: the explicit probabilities where the term reads them
+        (AttIxG), else as for any map of states and gradients (token IxG:
+        :func:`~captum_vit.methods._engines.states_attention`)."""
+        return "explicit" if self.term == "att_ixg" else states_attention(self.adapter, inputs)
 
 
 @register_method("token_ixg", kind="gradient")

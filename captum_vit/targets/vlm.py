@@ -108,7 +108,7 @@ class VLMAnswer(Target):
     (:meth:`read_gradients`): the gradient of a tile's own column is that prompt's
     gradient on the tile.
 
-    Per-token maps (``per_token=True``; not yet for Qwen-VL): every answer token ``t`` is
+    Per-token maps (``per_token=True``): every answer token ``t`` is
     a column ``log p(answer_t | prompt, image, answer_<t)`` beside the whole answer's (the
     default column, so ``attribute(images, target=target)`` is the answer's map; with
     tiles, each tile's columns in turn). ``target.token(t)`` selects token ``t``'s column
@@ -117,9 +117,9 @@ class VLMAnswer(Target):
     itself returns one map, of the column the target selects. All token scores come from
     one language-model run; for a method linear in the read gradient
     :func:`per_token_maps` runs the language model once for all tokens (one backward
-    each), then the tower's forward and backward per token; other methods make one
-    ``attribute`` call per token. For a method linear in the score the token maps sum to
-    the answer's map.
+    each), then the tower's forward and backward per token (Qwen-VL: one ``attribute``
+    call per token); other methods make one ``attribute`` call per token. For a method
+    linear in the score the token maps sum to the answer's map.
 
     Prompt layouts (what each processor's chat template writes; pass its ``input_ids``):
 
@@ -183,7 +183,13 @@ class VLMAnswer(Target):
     (``h·w / m²`` for ``h × w`` patches), ``<|vision_end|>``; ``config.image_token_id`` is
     ``<|image_pad|>``. Pass the processor's output as ``input_ids`` when a prompt holds
     several images: each image is then explained in its own slot (one column per image),
-    the other images of its prompt held at the model's own features.
+    the other images of its prompt held at the model's own features. Images of several
+    sizes (in one prompt or across prompts) are one ``attribute`` call on the processor's
+    output: it explains the images of each grid together (:meth:`for_images`), every
+    image in its prompt with the prompt's other images clean, and returns one map per
+    image on its own grid (a list when the grids differ). With
+    ``per_token=True`` every such column has the whole answer's slot and one per answer
+    token, all from one language-model run.
 
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
@@ -337,15 +343,12 @@ class VLMAnswer(Target):
             if self.parts.keep_cls:
                 self.rows = tuple(range(self._tiled_clean[0].shape[1]))
             return
-        if (counts == 0).any() or (counts != counts[0]).any():
+        varies = (counts != counts[0]).any() and not self.parts.packed_pixels  # Qwen: sizes
+        if (counts == 0).any() or varies:
             raise ValueError(f"every prompt must hold the image token "
                              f"(id {self.parts.image_token_id}) once per image feature; "
                              f"got {counts.tolist()} per prompt")
         self.image_tokens = int(counts[0])
-        if per_token is True and self.parts.packed_pixels:
-            raise ValueError(f"per_token=True is not served on {type(model).__name__} yet: "
-                             "explain the whole answer, or one answer token's prefix at a "
-                             "time")
         self._extend(per_token, tokenizer)
         # one column per DISTINCT (prompt, mask, answer): a processor's batch repeats the same
         # question for every image, and each column costs one language-model run per row
@@ -389,6 +392,21 @@ class VLMAnswer(Target):
             base = torch.arange(self._bases()) if self.tiles > 1 else self._column_of
             return per_image(base * self.slots + self._slot, batch, "VLMAnswer's columns")
         return per_image(self._column_of, batch, "VLMAnswer's prompts")
+
+    def for_images(self, index: Tensor, total: int) -> VLMAnswer:
+        """This target for the images ``index`` of a processor's batch of ``total`` images
+        (Qwen-VL: the images of one grid, explained together when ``attribute`` splits a
+        batch of several sizes per grid): only their columns, each image still reading its
+        own; a prompt's other images stay at the model's own features.
+
+        Raises:
+            ValueError: a VLM whose processor output is not split per grid (not Qwen-VL).
+        """
+        select = getattr(self.parts, "select_images", None)
+        if select is None:
+            raise ValueError(f"VLMAnswer on {type(self.parts.model).__name__} explains one "
+                             "grid at a time: give images of one size")
+        return cast(VLMAnswer, select(self, index, total))
 
     def images(self) -> Tensor:
         """The tensor the methods explain on a tiled VLM: the real tiles of every prompt,

@@ -6,12 +6,13 @@ are given, no tokenizer (SPEC_FRONTIER §14)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
-from captum_vit import EmbeddingTarget
+from captum_vit import CPLRP, AttnLRP, DecompX, EmbeddingTarget
 from captum_vit.adapters import Ops, adapt
 from captum_vit.adapters.catalog import example
 from captum_vit.adapters.families.hf_internvl import HFInternVLAdapter, internvl_tower_example
@@ -30,12 +31,15 @@ FAST = {"tis": {"n_masks": 16}, "rise": {"n_masks": 8, "score": "logit"},
 _MODELS: dict[str, nn.Module] = {}
 
 
-def internvl(layer: int = -1) -> nn.Module:
+def internvl(layer: int = -1, rms: bool = False) -> nn.Module:
     """The catalogue's tiny InternVL (a 3-block InternViT tower, 32 px, patch 8, LayerScale;
-    a 2-layer Qwen2): the pixel shuffle makes 4 image features of a tile's 16 patches."""
-    key = f"internvl{layer}"
+    a 2-layer Qwen2): the pixel shuffle makes 4 image features of a tile's 16 patches;
+    ``rms``: InternViT-6B's RMSNorm blocks (``norm_type="rms_norm"``)."""
+    key = f"internvl{layer}{rms}"
     if key not in _MODELS:
-        _MODELS[key] = example("hf_internvl")[1].model(vision_feature_layer=layer)
+        vision = {"norm_type": "rms_norm"} if rms else None
+        _MODELS[key] = _rms_weights(example("hf_internvl")[1].model(
+            vision_feature_layer=layer, vision_overrides=vision))
     return _MODELS[key]
 
 
@@ -98,15 +102,42 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> None:
 
 
 # -- the tower ------------------------------------------------------------------------------
+def rms_tower(qk_norm: bool = False, mean_pooling: bool = True) -> nn.Module:
+    """The example tower with InternViT-6B's RMSNorm blocks (``norm_type="rms_norm"``), its
+    norm weights drawn far from 1."""
+    model = internvl_tower_example(qk_norm, mean_pooling)(norm_type="rms_norm")
+    return _rms_weights(model)
+
+
+def _rms_weights(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "InternVLVisionRMSNorm":
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=g,
+                                                     dtype=m.weight.dtype))
+    return model
+
+
+@pytest.mark.parametrize("norm_type", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
 @pytest.mark.parametrize("mean_pooling", [True, False], ids=["mean", "cls"])
-def test_tower_forward_equals_the_models(qk_norm, mean_pooling):
+def test_tower_forward_equals_the_models(qk_norm, mean_pooling, norm_type):
     """Every block's output is the model's ``hidden_states[l]`` and the embedding the
     patch mean (or the CLS row) of its ``last_hidden_state``, at the configured size and
-    another one (the model's bicubic position interpolation)."""
-    model = internvl_tower_example(qk_norm, mean_pooling)()
+    another one (the model's bicubic position interpolation); with LayerNorm or RMSNorm
+    blocks (InternViT-6B's, computed in float32 as the model does)."""
+    if norm_type == "rms_norm":
+        model = rms_tower(qk_norm, mean_pooling)
+    else:
+        model = internvl_tower_example(qk_norm, mean_pooling)()
     ad = adapt(model)
     assert isinstance(ad, HFInternVLAdapter) and ad.num_prefix == 1 and ad.embedding
+    rms = norm_type == "rms_norm"
+    for b in ad.blocks:
+        for norm in (b.norm1, b.norm2):
+            assert norm.rms == rms
+            assert norm.compute_dtype == (torch.float32 if rms else None)
     for size in ((32, 32), (24, 40)):
         x = images(size=size)
         with torch.no_grad():
@@ -120,10 +151,58 @@ def test_tower_forward_equals_the_models(qk_norm, mean_pooling):
             assert_close_scaled(ad.run(ad.embed(x)), want)
 
 
-def test_rms_norm_towers_are_refused_by_name():
-    model = internvl_tower_example()(norm_type="rms_norm")
-    with pytest.raises(TypeError, match="norm_type='rms_norm'"):
+def test_rms_norm_blocks_round_to_float32_as_the_model():
+    """The parity above is not that of a float64 RMSNorm: the model's float32 rounding is
+    ~1e-8 of the states, far above the 1e-12 the adapter matches."""
+    model = rms_tower()
+    ad = adapt(model)
+    x = images()
+    with torch.no_grad():
+        want = model(pixel_values=x, output_hidden_states=True).hidden_states[1]
+        h = ad.embed(x)
+        exact = dataclasses.replace(ad.blocks[0], norm1=dataclasses.replace(
+            ad.blocks[0].norm1, compute_dtype=None), norm2=dataclasses.replace(
+            ad.blocks[0].norm2, compute_dtype=None))
+        ad.blocks[0], kept = exact, ad.blocks[0]
+        try:
+            off = (ad.block(h, 0, Ops()) - want).abs().max().item()
+        finally:
+            ad.blocks[0] = kept
+        assert_close_scaled(ad.block(h, 0, Ops()), want)
+    assert off > 1e-10 * want.abs().max().item()
+
+
+def test_other_norm_types_are_refused_by_name():
+    model = internvl_tower_example()()
+    model.config.norm_type = "batch_norm"
+    with pytest.raises(TypeError, match="norm_type='batch_norm'"):
         adapt(model)
+
+
+def _embedding_target(model: nn.Module, x: torch.Tensor) -> tuple[EmbeddingTarget, torch.Tensor]:
+    """A dot-product target and its score from the model's own embedding."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(x.shape[0], 32, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        e = model(pixel_values=x).last_hidden_state[:, 1:].mean(1)
+    return EmbeddingTarget(t, index=list(range(x.shape[0])), similarity="dot"), (e * t).sum(-1)
+
+
+def test_rms_norm_tower_decompx_is_complete_and_lrp_conservative():
+    """DecompX's tokens (CLS and patches) plus its bias source equal the score (both
+    routes) through the float32-rounded RMSNorms; CP-LRP's and AttnLRP(attention="cp")'s
+    patch relevance plus DecompX's CLS row and bias source are the score too."""
+    model = rms_tower()
+    x = images(size=(24, 40))
+    spec, score = _embedding_target(model, x)
+    for route in ("explicit", "gradient"):
+        res = DecompX(model, route=route).decompose(x, spec)
+        assert res.tokens.shape == (2, 16)  # CLS + 3 × 5 patches
+        close(res.logit, score, 1e-12)
+        close(res.tokens.sum(-1) + res.bias, score, 1e-10)
+    for method in (CPLRP(model), AttnLRP(model, attention="cp")):
+        patches = method.attribute(x, target=spec, output="tokens")
+        close(patches.sum(-1) + res.tokens[:, 0] + res.bias, score, 1e-10)
 
 
 def dinov2_twin(tower: nn.Module) -> nn.Module:
@@ -189,12 +268,12 @@ def test_every_method_equals_the_dinov2_twin(name):
 
 
 # -- the answers ----------------------------------------------------------------------------
-@pytest.mark.parametrize("layer", [-1, -2])
-def test_internvl_answer_with_tiles_equals_the_models_own_forward(layer):
+@pytest.mark.parametrize(("layer", "rms"), [(-1, False), (-2, False), (-1, True), (-2, True)])
+def test_internvl_answer_with_tiles_equals_the_models_own_forward(layer, rms):
     """Two prompts of 2 tiles each (4 rows of pixel_values): each row's own column is the
     log-probability the model gives its prompt's answer with the prompt's 2 tiles; the
-    feature layer may be an inner block (read there)."""
-    model = internvl(layer)
+    feature layer may be an inner block (read there); LayerNorm or RMSNorm blocks."""
+    model = internvl(layer, rms)
     x = images(4)
     ids = torch.stack([prompt(5, 7), prompt(9, 4)])
     answer = torch.tensor([[11, 12, 13], [21, 22, 23]])
@@ -247,16 +326,18 @@ GEMMA3 = ("rollout", "gae", "token_ixg", "decompx", "attnlrp", "gradcam", "legra
           "vit_cx", "skipplus:decompx", "tis")
 CASES = [(name, "internvl") for name in available_methods(compositions=True, baselines=False)]
 CASES += [(name, "gemma3") for name in GEMMA3]
+CASES += [(name, "internvl_rms") for name in available_methods(compositions=True,
+                                                                 baselines=False)]
 
 
 @pytest.mark.parametrize(("name", "family"), CASES)
 def test_every_method_explains_the_answer_and_leaves_the_vlm_unchanged(name, family):
-    """InternVL with 2 tiles (its final state): every method; Gemma 3 with one image per
-    prompt: one method of each kind."""
-    model = internvl() if family == "internvl" else gemma3()
+    """InternVL with 2 tiles (its final state), with LayerNorm or RMSNorm (InternViT-6B)
+    blocks: every method; Gemma 3 with one image per prompt: one method of each kind."""
+    model = gemma3() if family == "gemma3" else internvl(rms=family == "internvl_rms")
     tower = VLMAnswer.tower(model)
     x = images()
-    target = VLMAnswer(model, prompt(5, 7, tiles=2 if family == "internvl" else 1),
+    target = VLMAnswer(model, prompt(5, 7, tiles=1 if family == "gemma3" else 2),
                        torch.tensor([11, 12]))
     before = snapshot(model)
     method = build_method(name, tower)

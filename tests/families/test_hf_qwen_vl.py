@@ -16,7 +16,8 @@ from captum_vit.adapters.families.hf_qwen_vl import (
 )
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import VLMAnswer
-from tests.helpers import assert_unchanged, snapshot
+from captum_vit.targets.vlm import per_token_maps
+from tests.helpers import assert_close_scaled, assert_unchanged, snapshot
 
 transformers = pytest.importorskip("transformers")
 
@@ -253,6 +254,325 @@ def test_a_processors_batch_of_prompts(cls_name):
                      answer[0])
     assert same.num_columns(0) == 1 and same.index(2).tolist() == [0, 0]
     close(scores(model, x, same)[:, 0], reference(model, x, long, answer[0]), tol=1e-10)
+
+
+# -- images of several sizes in one call ----------------------------------------------------
+def mixed_batch() -> tuple[dict, list[torch.Tensor], torch.Tensor]:
+    """A processor's batch of two prompts: prompt 0 holds image A (16 × 24 px: 4 × 6
+    patches, 6 image tokens) then image B (16 × 16: 4 tokens), prompt 1 image C (16 × 24),
+    padded on the left; the images in order A, B, C."""
+    a, b, c = images(1, (16, 24), seed=3), images(1, (16, 16), seed=4), images(1, (16, 24), 5)
+    rows, thw = zip(*(patchify(x) for x in (a, b, c)), strict=True)
+    p0 = torch.tensor([1, START, *[IMAGE] * 6, END, START, *[IMAGE] * 4, END, 5, 7])
+    p1 = torch.cat([torch.zeros(6, dtype=torch.long), prompt(9, 4)])
+    mask = torch.ones(2, len(p0), dtype=torch.long)
+    mask[1, :6] = 0
+    batch = {"input_ids": torch.stack([p0, p1]), "attention_mask": mask,
+             "pixel_values": torch.cat(rows), "image_grid_thw": torch.cat(thw)}
+    return batch, [a, b, c], torch.tensor([[11, 12], [21, 22]])
+
+
+def own_token_ixg(model, batch: dict, answer: torch.Tensor) -> list[torch.Tensor]:
+    """Token input×gradient at the patch embedding, written from the VLM's own forward:
+    per prompt, the gradient of its answer's log-probability (all its images in the
+    forward) at ``visual.patch_embed``'s output (merge-group order) times that output,
+    summed over the features, back in raster order; one ``[N_i]`` per image."""
+    grids = [tuple(t[1:]) for t in batch["image_grid_thw"].tolist()]
+    starts = [0]
+    for h, w in grids:
+        starts.append(starts[-1] + h * w)
+    out: list[torch.Tensor] = []
+    first = 0
+    for p in range(batch["input_ids"].shape[0]):
+        ids, mask = batch["input_ids"][p], batch["attention_mask"][p]
+        n = int(((ids == IMAGE) & (mask != 0) & (ids.roll(1) != IMAGE)).sum())  # runs
+        imgs = range(first, first + n)
+        first += n
+        seq = torch.cat([ids, answer[p]])[None]
+        am = torch.cat([mask, torch.ones_like(answer[p])])[None]
+        kept: list[torch.Tensor] = []
+        hook = model.model.visual.patch_embed.register_forward_hook(
+            lambda m, i, o, kept=kept: kept.append(o))
+        try:
+            rows = batch["pixel_values"][starts[imgs[0]]:starts[imgs[-1] + 1]]
+            logits = model(input_ids=seq, attention_mask=am, pixel_values=rows,
+                           image_grid_thw=batch["image_grid_thw"][list(imgs)],
+                           mm_token_type_ids=(seq == IMAGE).int(), use_cache=False).logits
+        finally:
+            hook.remove()
+        a = len(answer[p])
+        score = logits[0, -a - 1:-1].log_softmax(-1).gather(-1, answer[p][:, None]).sum()
+        emb = kept[0]
+        ixg = (emb * torch.autograd.grad(score, emb)[0]).sum(-1).detach()
+        for i in imgs:
+            lo = starts[i] - starts[imgs[0]]
+            h, w = grids[i]
+            out.append(raster(ixg[lo:lo + h * w, None], (h, w))[:, 0])
+    return out
+
+
+def _rope_vision_exact(q, k, cos, sin):
+    """The model's ``apply_rotary_pos_emb_vision`` with the queries and keys kept in their
+    dtype (the adapter's, :func:`_rotate_exact`)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import rotate_half
+
+    cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def test_images_of_several_sizes_in_one_call(monkeypatch):
+    """One ``attribute`` call on a processor's batch whose images have two sizes (one
+    prompt holding two sizes, another prompt one): a map per image on its own grid, each
+    image scored in its prompt with the prompt's other image clean; token IxG equals the
+    VLM's own input×gradient written here (≤ 1e-10; both sides' float32 roundings of the
+    RMSNorms and vision RoPE, which round the gradients too, kept in float64), and a
+    prompt's map equals the map of its own one-size call."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    model = exact("Qwen2VLForConditionalGeneration")
+    monkeypatch.setattr(modeling_qwen2_vl, "apply_rotary_pos_emb_vision", _rope_vision_exact)
+    tower = VLMAnswer.tower(model)
+    batch, (a, b, c), answer = mixed_batch()
+    before = snapshot(model)
+    target = VLMAnswer(model, batch, answer)
+    assert target.num_columns(0) == 3 and target.index(3).tolist() == [0, 1, 2]
+    method = exact_tower(build_method("token_ixg", tower))
+    tokens = method.attribute(batch, target=target, output="tokens")
+    want = own_token_ixg(model, batch, answer)
+    assert tokens.shape == (24 + 16 + 24,)
+    close(tokens, torch.cat(want), tol=1e-10)
+    maps = method.attribute(batch, target=target)
+    assert [m.shape for m in maps] == [a.shape, b.shape, c.shape]
+    one = VLMAnswer(model, {k: v[1:] for k, v in batch.items()
+                            if k in ("input_ids", "attention_mask")}, answer[1])
+    for name in ("token_ixg", "decompx", "attnlrp"):
+        m = build_method(name, tower).attribute(batch, target=target)
+        close(m[2], build_method(name, tower).attribute(c, target=one), tol=1e-10)
+    # per-token columns through the same split
+    per = VLMAnswer(model, batch, answer, per_token=True)
+    close(method.attribute(batch, target=per.token(0), output="tokens")
+          + method.attribute(batch, target=per.token(1), output="tokens"), tokens, tol=1e-9)
+    assert_unchanged(model, before)
+
+
+def test_images_of_several_sizes_bad_input():
+    """``image_grid_thw`` that does not match the packed rows is refused naming it; a
+    VLMAnswer of another VLM cannot be split per grid; the model unchanged."""
+    model = model_of("Qwen2VLForConditionalGeneration")
+    tower = VLMAnswer.tower(model)
+    batch, _, answer = mixed_batch()
+    before = snapshot(model)
+    target = VLMAnswer(model, batch, answer)
+    method = build_method("token_ixg", tower)
+    short = dict(batch, pixel_values=batch["pixel_values"][:-4])
+    with pytest.raises(ValueError, match=r"image_grid_thw .* covers 64 patches but "
+                                         r"pixel_values has 60 rows"):
+        method.attribute(short, target=target)
+    with pytest.raises(ValueError, match=r"image_grid_thw .* covers 64 patches but "
+                                         r"pixel_values has 60 rows"):
+        VLMAnswer(model, short, answer)
+    swapped = dict(batch, image_grid_thw=batch["image_grid_thw"][[1, 0, 2]])
+    with pytest.raises(ValueError, match=r"image_grid_thw \[\[1, 4, 4\], \[1, 4, 6\], "
+                                         r"\[1, 4, 6\]\] gives \[4, 6, 6\] image tokens"):
+        VLMAnswer(model, swapped, answer)
+    assert_unchanged(model, before)
+
+
+# -- memory: the fused attention on a large grid ----------------------------------------------
+@pytest.mark.parametrize("name", ["token_ixg", "vanilla_grad", "attnlrp", "hirescam"])
+def test_large_attention_keeps_no_probabilities_and_the_same_maps(name, monkeypatch):
+    """On a grid whose attention is large (more keys than four head widths: a VLM tower at
+    1,024 patches) the maps of states and gradients (token IxG, the gradient, the CAMs'
+    block gradients) and AttnLRP's uniform rule run the fused kernel, which keeps no
+    ``[B, H, N, N]`` probabilities for the backward; the maps equal those of the explicit
+    softmax (≤ 1e-10)."""
+    from captum_vit.adapters import rules
+    from captum_vit.methods import _engines, ixg
+
+    model = model_of("Qwen2VLForConditionalGeneration")
+    tower = VLMAnswer.tower(model)
+    x = images(1, (32, 48))  # 8 × 12 patches: 96 keys per query
+    assert not adapt(tower).small_attention(x)
+    target = VLMAnswer(model, prompt(5, 7, tokens=24), torch.tensor([11, 12]))
+    if name == "vanilla_grad":  # the signed sum is round-off in a pre-LN tower
+        from captum_vit.methods.vanilla import VanillaGrad
+
+        method = VanillaGrad(tower, reduce="l2")
+    else:
+        method = build_method(name, tower)
+    shapes: list[tuple[int, ...]] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        fused = method.attribute(x, target=target, output="tokens")
+    assert shapes and not [s for s in shapes if s[-2:] == (96, 96)]
+    for where in (_engines, ixg):
+        monkeypatch.setattr(where, "states_attention", lambda adapter, inputs: "explicit")
+    monkeypatch.setattr(rules, "small_attention", lambda keys, head_dim: True)
+    explicit = method.attribute(x, target=target, output="tokens")
+    assert_close_scaled(fused, explicit, rel=1e-10)
+    assert (explicit.abs() > 0).any()
+
+
+# -- one map per answer token ----------------------------------------------------------------
+def _exact_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
+                                          self.variance_epsilon))
+
+
+def exact_language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose language model's and merger's RMSNorms compute in
+    float64: Qwen's compute in float32 whatever the input's dtype, so the gradients of the
+    answer's tokens would carry float32 rounding (~1e-7) and their sum would not be the
+    whole answer's gradient to float64 precision. The tower's blocks are as built."""
+    import copy
+    import types
+
+    model = copy.deepcopy(model)
+    for part in (model.model.language_model, model.model.visual.merger):
+        for module in part.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.forward = types.MethodType(_exact_rms_norm, module)
+    return model
+
+
+def _rotate_exact(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The vision RoPE with the queries and keys kept in their dtype (the model rounds them
+    to float32); its float32 tables as the adapter's."""
+    cos, sin = (t.to(h.dtype) for t in self._rope)
+    assert positions is None
+    return h * cos + self._rotate_half(h) * sin
+
+
+def _rotate_windows_exact(self, h: torch.Tensor, positions: torch.Tensor | None
+                          ) -> torch.Tensor:
+    cos, sin = (t.to(h.dtype) for t in self._rope_windows)
+    assert positions is None
+    w = h.reshape(-1, cos.shape[0], *h.shape[1:])
+    cos, sin = cos[None, :, None], sin[None, :, None]
+    return (w * cos + self._rotate_half(w) * sin).reshape(h.shape)
+
+
+def exact_tower(method, x: torch.Tensor | None = None):
+    """``method`` with its adapter's vision RoPE not rounding the queries and keys to
+    float32 and Qwen2.5-VL's block RMSNorms computing in float64, where the model (and the
+    adapter, for parity) compute in float32: a gradient through that rounding is
+    float32-rounded (~1e-8 relative), so the tower is then linear in its backward to
+    float64 precision. Patched on the built adapter (one per model) once it has checked its
+    forward on ``x`` against the model's (``None``: the model's own RoPE is made exact
+    too, :func:`_rope_vision_exact`, and the check runs later)."""
+    import dataclasses
+    import types
+
+    ad = method.adapter
+    if x is not None:
+        ad.self_check(x)
+    exact = {"_rotate": _rotate_exact, "_rotate_windows": _rotate_windows_exact}
+    exact.update({f.__name__: f for f in list(exact.values())})  # already patched
+
+    def norm(n):
+        return dataclasses.replace(n, compute_dtype=None) if n.rms else n
+
+    ad.blocks = [dataclasses.replace(
+        b, rotary=types.MethodType(exact[b.rotary.__func__.__name__], b.rotary.__self__),
+        norm1=norm(b.norm1), norm2=norm(b.norm2)) for b in ad.blocks]
+    return method
+
+
+class Tokens:
+    def decode(self, ids: list[int]) -> str:
+        return f"<{ids[0]}>"
+
+
+_EXACT: dict[str, torch.nn.Module] = {}
+
+
+def exact(cls_name: str) -> torch.nn.Module:
+    if cls_name not in _EXACT:
+        _EXACT[cls_name] = exact_language_model(model_of(cls_name))
+    return _EXACT[cls_name]
+
+
+# the test copies' RMSNorms and vision RoPE compute in float64 (exact_language_model,
+# exact_tower): the model's float32 rounding there would round the gradients too
+PER_TOKEN = [(name, cls) for cls in VLMS for name in ("token_ixg", "decompx", "attnlrp",
+                                                      "cp_lrp")]
+
+
+@pytest.mark.parametrize(("name", "cls_name"), PER_TOKEN)
+def test_per_token_maps_sum_to_the_answers_map(name, cls_name):
+    """For a method linear in the score the maps of the answer's tokens add up to the whole
+    answer's map (float64 ≤ 1e-10); the whole answer is the default column and equals the
+    plain target's; the labels are the tokenizer's."""
+    model = exact(cls_name)
+    tower = VLMAnswer.tower(model)
+    x = images()
+    ids, answer = prompt(5, 7), torch.tensor([11, 12, 13])
+    before = snapshot(model)
+    target = VLMAnswer(model, ids, answer, per_token=True, tokenizer=Tokens())
+    assert target.labels == [["<11>", "<12>", "<13>"]]
+    assert target.num_columns(0) == 4 and target.token(1).index(2).tolist() == [2, 2]
+    method = exact_tower(build_method(name, tower), x)
+    maps = per_token_maps(method, x, target, output="tokens")
+    whole = method.attribute(x, target=VLMAnswer(model, ids, answer), output="tokens")
+    assert maps.shape == (2, 3, *whole.shape[1:])
+    assert (maps.flatten(2).std(2) > 0).all()
+    assert_close_scaled(maps.sum(1), whole, rel=1e-10)
+    assert_close_scaled(method.attribute(x, target=target, output="tokens"), whole, rel=1e-12)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("name", ["token_ixg", "decompx"])
+def test_a_tokens_map_is_the_map_of_that_token_alone(name):
+    """Token ``t``'s map is the map of a VLMAnswer that scores answer token ``t`` alone:
+    the answer's first ``t`` tokens moved into the prompt (teacher forcing gives them as
+    input either way) and the answer ``[answer_t]``."""
+    model = exact("Qwen2VLForConditionalGeneration")
+    x = images()
+    method = exact_tower(build_method(name, VLMAnswer.tower(model)), x)
+    ids, answer = prompt(5, 7), torch.tensor([11, 12, 13])
+    target = VLMAnswer(model, ids, answer, per_token=True)
+    for t in (0, 2):
+        got = method.attribute(x, target=target.token(t), output="tokens")
+        alone = VLMAnswer(model, torch.cat([ids, answer[:t]]), answer[t:t + 1])
+        assert_close_scaled(got, method.attribute(x, target=alone, output="tokens"),
+                            rel=1e-10)
+    with pytest.raises(ValueError, match=r"t must be an answer position in \[0, 3\)"):
+        target.token(3)
+
+
+def test_per_token_columns_with_two_images_per_prompt():
+    """A processor's prompt holding two images and ``per_token=True``: a column per image,
+    each with the whole answer (slot 0) and every token (slot 1 + t), the other image held
+    at the model's features; each image's own columns are the VLM's own log-probabilities
+    of the answer's tokens, and a shorter answer's padded token scores 0."""
+    model = model_of("Qwen2VLForConditionalGeneration")
+    x = images(2)
+    rows, thw = patchify(x)
+    ids = torch.cat([prompt(5), torch.tensor([START, *[IMAGE] * 6, END, 9])])[None]
+    answer = torch.tensor([11, 12, -100])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "pixel_values": rows, "image_grid_thw": thw}
+    target = VLMAnswer(model, batch, answer, per_token=True)
+    assert target.num_columns(0) == 8 and target.index(2).tolist() == [0, 4]
+    assert target.token(1).index(2).tolist() == [2, 6]
+    got = scores(model, x, target)
+    assert got.shape == (2, 8)
+    seq = torch.cat([ids[0], answer[:2]])[None]
+    with torch.no_grad():
+        logits = model(input_ids=seq, pixel_values=rows, image_grid_thw=thw,
+                       mm_token_type_ids=(seq == IMAGE).int(), use_cache=False).logits
+    want = logits[0, -3:-1].log_softmax(-1).gather(-1, answer[:2, None])[:, 0]
+    for i in range(2):
+        close(got[i, 4 * i + 1:4 * i + 3], want, tol=1e-10)
+        close(got[i, 4 * i], want.sum(), tol=1e-10)
+        assert got[i, 4 * i + 3] == 0
+    maps = build_method("token_ixg", VLMAnswer.tower(model)).attribute(
+        batch, target=target.token(0))
+    assert maps.shape == x.shape and torch.isfinite(maps).all()
 
 
 # TIS removes tokens: refused for a target that reads token rows (RISE and ViT-CX mask

@@ -16,8 +16,12 @@ Verified in the installed transformers (5.x, ``models/internvl/modeling_internvl
   queries and keys are RMS-normed over the **whole width** (``InternVLVisionRMSNorm`` of
   ``hidden_size``, computed in float32) *before* they are split into heads: the adapter
   applies the model's own modules to the heads put back side by side
-  (:class:`WidthNorm`). ``norm_type="rms_norm"`` (InternViT-6B) makes every block norm an
-  RMSNorm, which the canonical forward's LayerNorm parts cannot express: refused by name.
+  (:class:`WidthNorm`). ``norm_type="rms_norm"`` (InternViT-6B) makes both norms of every
+  block an ``InternVLVisionRMSNorm`` (``layer_norm_eps``; the input cast to float32,
+  normalised, cast back, times ``weight``): the adapter's block norms are then RMSNorm
+  :class:`~captum_vit.adapters.parts.NormParts` computed in float32 as the model does
+  (:func:`~captum_vit.adapters.parts.rms_norm_parts`). The final ``layernorm`` (only
+  without ``use_mean_pooling``) stays an ``nn.LayerNorm`` under either ``norm_type``.
 - **Output**: ``last_hidden_state = layernorm(encoder output)``, where ``layernorm`` is
   ``nn.Identity`` under ``use_mean_pooling=True`` (the default; the released InternVL
   checkpoints) and a LayerNorm otherwise; ``pooler_output`` is ``None`` (the docstring's
@@ -48,7 +52,7 @@ from captum_vit.adapters.catalog import Example, register_family
 from captum_vit.adapters.families._examples import VLM_IMAGE_ID, library, transformers_model
 from captum_vit.adapters.families._hf import HFPatchGrid, has_config_dropout, is_transformers_model
 from captum_vit.adapters.ops import Ops, patch_projection
-from captum_vit.adapters.parts import BlockParts, HeadParts
+from captum_vit.adapters.parts import BlockParts, HeadParts, NormParts, rms_norm_parts
 from captum_vit.adapters.parts import layer_norm_parts as _norm
 
 CLASSES = ("InternVLVisionModel",)
@@ -82,8 +86,15 @@ class WidthNorm:
         return y.reshape(b, n, heads, d).transpose(1, 2)
 
 
-def _layer(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
-    """The canonical parts of one ``InternVLVisionLayer``."""
+def _block_norm(m: nn.Module, where: str, rms: bool) -> NormParts:
+    """A block norm: ``nn.LayerNorm``, or ``InternVLVisionRMSNorm`` (``rms``; computed in
+    float32 as the model does)."""
+    return rms_norm_parts(m, where, torch.float32) if rms else _norm(m, where)
+
+
+def _layer(layer: ModelTree, num_heads: int, where: str, rms: bool = False) -> BlockParts:
+    """The canonical parts of one ``InternVLVisionLayer`` (``rms``: RMSNorm block norms,
+    ``norm_type="rms_norm"``)."""
     att, mlp = layer.attention, layer.mlp
     q, k, v, o = att.q_proj, att.k_proj, att.v_proj, att.projection_layer
     head_dim = q.weight.shape[0] // num_heads
@@ -92,13 +103,13 @@ def _layer(layer: ModelTree, num_heads: int, where: str) -> BlockParts:
     if not isinstance(att.q_norm, nn.Identity):
         q_norm, k_norm = WidthNorm(att.q_norm), WidthNorm(att.k_norm)
     return BlockParts(
-        norm1=_norm(layer.layernorm_before, f"{where}.layernorm_before"),
+        norm1=_block_norm(layer.layernorm_before, f"{where}.layernorm_before", rms),
         q_weight=q.weight, k_weight=k.weight, v_weight=v.weight,
         q_bias=q.bias, k_bias=k.bias, v_bias=v.bias,
         num_heads=num_heads, head_dim=head_dim, scale=att.scale,
         q_norm=q_norm, k_norm=k_norm,
         proj_weight=o.weight, proj_bias=o.bias, ls1=layer.lambda_1,
-        norm2=_norm(layer.layernorm_after, f"{where}.layernorm_after"),
+        norm2=_block_norm(layer.layernorm_after, f"{where}.layernorm_after", rms),
         fc1_weight=mlp.fc1.weight, fc1_bias=mlp.fc1.bias, act=mlp.activation_fn,
         fc2_weight=mlp.fc2.weight, fc2_bias=mlp.fc2.bias, ls2=layer.lambda_2,
     )
@@ -132,14 +143,17 @@ def internvl_tower_example(qk_norm: bool = False, mean_pooling: bool = True
 
 
 def internvl_vlm_example(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = torch.float64,
-                         num_classes: int = 5, **overrides: Any) -> nn.Module:
+                         num_classes: int = 5, vision_overrides: dict[str, Any] | None = None,
+                         **overrides: Any) -> nn.Module:
     """A tiny ``InternVLForConditionalGeneration``: an InternViT tower (32 px, patch 8,
     LayerScale) and a 2-layer Qwen2 (width 32, vocabulary 300); the pixel shuffle makes 4
-    image features of a tile's 16 patches, at the placeholder :data:`VLM_IMAGE_ID`."""
+    image features of a tile's 16 patches, at the placeholder :data:`VLM_IMAGE_ID`.
+    ``vision_overrides``: overrides of the tower's config (e.g. ``norm_type="rms_norm"``)."""
     transformers = library("transformers")
     vision = dict(model_type="internvl_vision", hidden_size=32, num_hidden_layers=depth,
                   num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8,
                   attention_bias=True)
+    vision = {**vision, **(vision_overrides or {})}
     text = dict(model_type="qwen2", vocab_size=300, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=256)
@@ -152,16 +166,16 @@ def internvl_vlm_example(*, seed: int = 0, depth: int = 3, dtype: torch.dtype = 
 @register_family(
     is_hf_internvl,
     supports="Hugging Face InternVLVisionModel (InternVL's InternViT tower: CLS, LayerScale, "
-             "optional q/k norm)",
+             "optional q/k norm, LayerNorm or RMSNorm blocks)",
     tags=("embedding", "vlm-tower", "variable-size"),
     notes=("`InternVLVisionModel` (the tower of `InternVLForConditionalGeneration`, explained "
            "with `VLMAnswer`: its `vision_feature_layer`, CLS dropped, pixel shuffle, projector, "
            "tiles of a prompt grouped): ✅ with vector targets on the patch mean of "
            "`last_hidden_state` (`use_mean_pooling`, the released models) or its CLS row; "
            "LayerScale, q/k RMSNorm over the whole width (AttnLRP and Chefer'21 refuse it), "
+           "RMSNorm blocks (`norm_type='rms_norm'`, InternViT-6B; in float32 as the model), "
            "any size divisible by the patch (the model's bicubic position interpolation); maps "
-           "equal a `Dinov2Model` twin's with copied weights — not supported: "
-           "`norm_type='rms_norm'` (InternViT-6B)"),
+           "equal a `Dinov2Model` twin's with copied weights"),
     examples={
         "hf_internvl_tower": Example(internvl_tower_example(), (32, 32),
                                      library="transformers", target="embedding"),
@@ -180,7 +194,8 @@ class HFInternVLAdapter(HFPatchGrid):
         model (nn.Module): an ``InternVLVisionModel``.
 
     Raises:
-        TypeError: RMSNorm block norms (``norm_type="rms_norm"``) or an unknown layout.
+        TypeError: a ``norm_type`` other than ``"layer_norm"`` / ``"rms_norm"`` or an
+            unknown layout.
 
     Examples::
 
@@ -198,15 +213,16 @@ class HFInternVLAdapter(HFPatchGrid):
         self.model = model
         name = type(model).__name__
         cfg = model.config
-        if getattr(cfg, "norm_type", "layer_norm") != "layer_norm":
-            raise TypeError(f"{name} has norm_type={cfg.norm_type!r} (InternViT-6B's RMSNorm "
-                            "blocks); captum_vit's canonical forward reads LayerNorm blocks "
-                            "only (InternViT-300M: norm_type='layer_norm')")
+        norm_type = getattr(cfg, "norm_type", "layer_norm")
+        if norm_type not in ("layer_norm", "rms_norm"):
+            raise TypeError(f"{name} has norm_type={norm_type!r}; captum_vit reads the "
+                            "model's 'layer_norm' and 'rms_norm' (InternViT-6B) blocks")
+        self.rms = norm_type == "rms_norm"
         self.layers = model.encoder.layer
         if len(self.layers) == 0:
             raise TypeError(f"{name} has no transformer layers")
         heads = int(cfg.num_attention_heads)
-        self.blocks = [_layer(layer, heads, f"{name}.encoder.layer[{i}]")
+        self.blocks = [_layer(layer, heads, f"{name}.encoder.layer[{i}]", self.rms)
                        for i, layer in enumerate(self.layers)]
         self.in_chans = int(cfg.num_channels)
         self.num_prefix = 1
