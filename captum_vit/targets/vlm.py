@@ -787,7 +787,7 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
         **kwargs: further options of ``method.attribute``.
 
     Returns:
-        Tensor: ``[B, A, *map]``.
+        Tensor: ``[B, A, *map]`` (a 1-tuple of it for tuple ``inputs``, as Captum returns).
 
     Raises:
         TypeError: ``target`` is not a ``per_token=True`` :class:`VLMAnswer`.
@@ -807,8 +807,8 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     tokens = range(target.answer_length)
     if not (isinstance(method, ViTFront) and method._explains_read_gradient(kwargs)
             and isinstance(inputs, Tensor | tuple)):
-        return torch.stack([method.attribute(inputs, target=target.token(t), **kwargs)
-                            for t in tokens], 1)
+        return _stack_tokens([method.attribute(inputs, target=target.token(t), **kwargs)
+                              for t in tokens])
     p = prepare(method.adapter, inputs, target)
     resolved = cast(VLMAnswer, p.embedding)
     n = int(p.images.shape[0])
@@ -817,4 +817,12 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     maps = method._read_gradient_maps(inputs, resolved.rows,
                                       [dict(zip(keys, g, strict=True)) for g in grads],
                                       **kwargs)
-    return torch.stack(maps, 1)
+    return _stack_tokens(maps)
+
+
+def _stack_tokens(maps: Sequence[Any]) -> Any:
+    """The token maps stacked ``[B, A, ...]``; maps of tuple inputs (Captum returns a
+    1-tuple for them) stay a 1-tuple."""
+    if maps and isinstance(maps[0], tuple):
+        return (torch.stack([m[0] for m in maps], 1),)
+    return torch.stack(list(maps), 1)

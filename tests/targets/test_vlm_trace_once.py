@@ -146,6 +146,17 @@ def test_tuple_inputs_and_options_pass_through():
             assert_close_scaled(g[0], w[0], rel=1e-10)
 
 
+def test_per_token_maps_of_tuple_inputs():
+    """``per_token_maps`` of 1-tuple inputs returns a 1-tuple of the stacked maps (the
+    loop and the one-trace path alike), equal to the tensor inputs' maps."""
+    model, x, target, _ = case("llava")
+    tower = VLMAnswer.tower(model)
+    for method in (TokenIxG(tower), loop(TokenIxG(tower)), build_method("gae", tower)):
+        got = per_token_maps(method, (x,), target)
+        assert isinstance(got, tuple) and len(got) == 1
+        assert_close_scaled(got[0], per_token_maps(method, x, target), rel=1e-10)
+
+
 def _grads(method, x, target):
     p = prepare(method.adapter, x, target)
     resolved = p.embedding
