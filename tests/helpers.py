@@ -411,3 +411,27 @@ def assert_unchanged(model: nn.Module, before: dict) -> None:
             assert torch.equal(old, new), f"{key} changed"
         else:
             assert old == new, f"{key} changed: {old} -> {new}"
+
+
+class TokenNames:
+    """A tokenizer stand-in for ``VLMAnswer(..., tokenizer=)``: token ``i`` reads ``<i>``."""
+
+    def decode(self, ids: list[int]) -> str:
+        return f"<{ids[0]}>"
+
+
+def assert_token_maps_sum(model, method, x, ids, answer) -> None:
+    """``per_token_maps`` of ``method`` on a 3-token ``answer`` for two images: labelled by
+    the tokenizer, non-constant, summing to the whole answer's map (float64, ≤ 1e-10), and
+    the default column of the per-token target is the whole answer's map."""
+    from captum_vit.targets import VLMAnswer
+    from captum_vit.targets.vlm import per_token_maps
+
+    target = VLMAnswer(model, ids, answer, per_token=True, tokenizer=TokenNames())
+    assert target.labels == [[f"<{int(t)}>" for t in answer]]
+    maps = per_token_maps(method, x, target, output="tokens")
+    whole = method.attribute(x, target=VLMAnswer(model, ids, answer), output="tokens")
+    assert maps.shape == (2, len(answer), *whole.shape[1:])
+    assert (maps.flatten(2).std(2) > 0).all()
+    assert_close_scaled(maps.sum(1), whole, rel=1e-10)
+    assert_close_scaled(method.attribute(x, target=target, output="tokens"), whole, rel=1e-12)

@@ -19,7 +19,13 @@ from captum_vit.adapters.families.hf_internvl import HFInternVLAdapter, internvl
 from captum_vit.registry import available_methods, build_method
 from captum_vit.targets import VLMAnswer
 from captum_vit.targets.vlm import per_token_maps
-from tests.helpers import assert_close_scaled, assert_unchanged, needs_transformers, snapshot
+from tests.helpers import (
+    assert_close_scaled,
+    assert_token_maps_sum,
+    assert_unchanged,
+    needs_transformers,
+    snapshot,
+)
 
 pytestmark = needs_transformers
 IMAGE = 299  # the image placeholder id
@@ -371,11 +377,6 @@ def exact_language_model(model: nn.Module) -> nn.Module:
     return model
 
 
-class Tokens:
-    def decode(self, ids: list[int]) -> str:
-        return f"<{ids[0]}>"
-
-
 @pytest.mark.parametrize("family", ["llava", "internvl"])
 @pytest.mark.parametrize("name", ["token_ixg", "decompx", "attnlrp", "cp_lrp"])
 def test_per_token_maps_sum_to_the_answers_map(name, family):
@@ -386,15 +387,7 @@ def test_per_token_maps_sum_to_the_answers_map(name, family):
     x = images()
     ids = torch.tensor([1, *[IMAGE] * 16, 5, 7]) if family == "llava" else prompt(5, 7)
     answer = torch.tensor([11, 12, 13])
-    target = VLMAnswer(model, ids, answer, per_token=True, tokenizer=Tokens())
-    assert target.labels == [["<11>", "<12>", "<13>"]]
-    method = build_method(name, tower)
-    maps = per_token_maps(method, x, target, output="tokens")
-    whole = method.attribute(x, target=VLMAnswer(model, ids, answer), output="tokens")
-    assert maps.shape == (2, 3, *whole.shape[1:])
-    assert (maps.flatten(2).std(2) > 0).all()
-    assert_close_scaled(maps.sum(1), whole, rel=1e-10)
-    assert_close_scaled(method.attribute(x, target=target, output="tokens"), whole, rel=1e-12)
+    assert_token_maps_sum(model, build_method(name, tower), x, ids, answer)
 
 
 def test_per_token_columns_are_the_tokens_log_probabilities():

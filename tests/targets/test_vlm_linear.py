@@ -22,7 +22,13 @@ from captum_vit.targets import VLMAnswer
 from captum_vit.targets.vlm import per_token_maps
 from tests.families import test_hf_idefics3 as idefics3
 from tests.families import test_hf_internvl as internvl
-from tests.helpers import assert_close_scaled, assert_unchanged, needs_transformers, snapshot
+from tests.helpers import (
+    TokenNames,
+    assert_close_scaled,
+    assert_unchanged,
+    needs_transformers,
+    snapshot,
+)
 
 pytestmark = needs_transformers
 ANSWER = torch.tensor([11, 12, 13])
@@ -130,7 +136,7 @@ def test_tile_marking_token_maps_sum_to_the_answers_map(name):
     RMSNorms in float64, as in the InternVL test)."""
     model = internvl.exact_language_model(copy.deepcopy(idefics3.model_of()))
     batch = idefics3.processed()
-    target = VLMAnswer(model, batch, ANSWER, per_token=True, tokenizer=internvl.Tokens())
+    target = VLMAnswer(model, batch, ANSWER, per_token=True, tokenizer=TokenNames())
     assert target.labels == [["<11>", "<12>", "<13>"]] * 2
     method = build_method(name, VLMAnswer.tower(model))
     x = target.images()
