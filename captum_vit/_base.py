@@ -676,6 +676,12 @@ class ViTFront:
     the tower and one backward per score (:meth:`_read_gradient_maps`). Default False (one
     ``attribute`` call per score)."""
 
+    sums_block_terms: bool = False
+    """Whether the map sums a term per block below the block the score reads (AttCAT's
+    ``α_l ⊙ cat_l`` over the block inputs): a target reading several blocks then needs
+    one pass per read block (:meth:`_block_sum`), since one pass reading them all would
+    add, for a lower read block, the terms of the blocks above it. Default False."""
+
     def __init__(self, model: nn.Module | ViTAdapter) -> None:
         self.adapter = adapt(model)
         self.model = model
@@ -731,7 +737,8 @@ class ViTFront:
                              f"at the model's output; {type(obj).__name__} reads block "
                              f"outputs {list(layers)}: explain it with the base method "
                              "alone")
-        several = layers is not None and len(layers) > 1
+        several = (layers is not None and len(layers) > 1  # else one pass reads them all
+                   and not self._traces_read_gradient(heads, kwargs, several=True))
         if isinstance(obj, _BlockGradient) and obj.tokens > 1:  # _read_gradient_maps
             patches = self._patches(p, self._each_token(p, obj, heads, kwargs))
         elif obj is not None and (several or self._linearises(obj, kwargs)) and not isinstance(
@@ -762,8 +769,7 @@ class ViTFront:
         """The token maps ``[K·B, N]`` (token-major) of the ``K`` linear scores a stacked
         :class:`_BlockGradient` holds, from :meth:`_token_maps_each` (one trace, one
         backward per score) under that target."""
-        if not (self.traces_read_gradients and heads == "mean"
-                and self._explains_read_gradient(kwargs)):
+        if not self._traces_read_gradient(heads, kwargs, several=len(target.grads) > 1):
             raise ValueError(f"{type(self).__name__} explains one read gradient per call: "
                              "call attribute once per token (per_token_maps does)")
         assert p.target is not None
@@ -805,8 +811,8 @@ class ViTFront:
             list: one ``attribute`` output per gradient set.
         """
         attribute = cast(Any, self).attribute  # a Captum Attribution's (this is its mixin)
-        if not (self.traces_read_gradients and len(grads) > 1
-                and kwargs.get("heads", "mean") == "mean"):
+        if not (len(grads) > 1 and self._traces_read_gradient(
+                kwargs.get("heads", "mean"), kwargs, several=len(grads[0]) > 1)):
             return [attribute(inputs, target=_BlockGradient(g, rows), **kwargs)
                     for g in grads]
         keys = list(grads[0])
@@ -858,6 +864,18 @@ class ViTFront:
         return (self.linear_in_read_gradient and not isinstance(self, PerturbationAttribution)
                 and kwargs.get("score", "logit") == "logit")
 
+    def _traces_read_gradient(self, heads: str, kwargs: Mapping[str, Any],
+                              several: bool = False) -> bool:
+        """Whether this call's map is linear in the gradient ONE backward carries from the
+        score (:attr:`traces_read_gradients`, head mean, :meth:`_explains_read_gradient`).
+        A target reading ``several`` blocks is then explained by one pass, whose backward
+        carries every read block's gradient at once, equal to the sum of the single-block
+        maps :meth:`_block_sum` would add (chain rule) — unless the method sums terms over
+        the blocks below the read block (:attr:`sums_block_terms`)."""
+        return (self.traces_read_gradients and heads == "mean"
+                and self._explains_read_gradient(kwargs)
+                and not (several and self.sums_block_terms))
+
     def _linearises(self, target: Target, kwargs: Mapping[str, Any]) -> bool:
         """Whether this call explains ``target`` through its read gradients
         (``Target.linearises`` and :meth:`_explains_read_gradient`)."""
@@ -876,10 +894,20 @@ class ViTFront:
         method gets ``Σ_l w^{(l)ᵀ} C_l``. The score is explained as it is
         (``score="logit"``: a probability of the sum has no per-block parts). Methods that
         also use the score's value along a path (BT's and TAM's integrated gradients,
-        Chefer'21's relevance, LeGrad's per-layer readouts) see the linearised scores."""
+        Chefer'21's relevance, LeGrad's per-layer readouts) see the linearised scores.
+
+        A method whose map is linear in the gradient its one backward carries
+        (:meth:`_traces_read_gradient`) adds nothing: one pass reads every block's
+        gradient at once (the sum of the single-block maps, by the chain rule), so a
+        target reading four blocks (Qwen3-VL's deepstack) costs one tower pass, not four."""
         if "score" in kwargs:  # the score itself: a probability of a sum has no block parts
             kwargs = {**kwargs, "score": "logit"}
         keys, (grads,) = read_state_gradients(self.adapter, p, target, [p.target])
+        if self._traces_read_gradient(kwargs.get("heads", "mean"), kwargs,
+                                      several=len(keys) > 1):  # one pass
+            return self._attribute(p.images, _BlockGradient(
+                {l: g.detach() for l, g in zip(keys, grads, strict=True)}, target.rows),
+                "tokens", **kwargs)
         total: Tensor | None = None
         for l, g in zip(keys, grads, strict=True):
             part = self._attribute(p.images, _BlockGradient({l: g.detach()}, target.rows),

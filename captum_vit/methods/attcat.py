@@ -46,6 +46,7 @@ class AttCAT(ScoredAttribution):
         return layer_gradients(self.adapter, inputs, target, score=score).att_ixg().sum(0)
 
     traces_read_gradients = True  # terms of one backward: K tokens from one trace
+    sums_block_terms = True  # Σ over the blocks below the read block: one pass per block
 
     def _token_maps_each(self, inputs: Tensor, targets: Sequence[Tensor],
                          **_: Any) -> list[Tensor]:

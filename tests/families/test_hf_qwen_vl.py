@@ -512,6 +512,30 @@ def test_per_token_maps_sum_to_the_answers_map(name, cls_name):
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("name", ["token_ixg", "attnlrp", "decompx", "cp_lrp"])
+def test_qwen3_deepstack_answer_in_one_tower_pass(name):
+    """Qwen3-VL's answer reads two tower blocks (deepstack): a method linear in the gradient
+    its backward carries explains it in ONE tower pass, equal (float64 ≤ 1e-10) to the sum
+    of the single-block maps (``sums_block_terms`` forces that route: a forward to the read
+    states, then one pass per read block)."""
+    model = exact(VLMS[1])
+    x = images()
+    target = VLMAnswer(model, prompt(5, 7), torch.tensor([11, 12]))
+    method = exact_tower(build_method(name, VLMAnswer.tower(model)), x)
+    calls = []
+    hook = model.model.visual.patch_embed.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        got = method.attribute(x, target=target, output="tokens")
+        one = len(calls)
+        method.sums_block_terms = True
+        ref = method.attribute(x, target=target, output="tokens")
+    finally:
+        hook.remove()
+    assert_close_scaled(got, ref, rel=1e-10)
+    reads = 1 + len(model.config.vision_config.deepstack_visual_indexes)
+    assert one == 1 and len(calls) - one == 1 + reads  # the read states' forward + a pass each
+
+
 @pytest.mark.parametrize("name", ["token_ixg", "decompx"])
 def test_a_tokens_map_is_the_map_of_that_token_alone(name):
     """Token ``t``'s map is the map of a VLMAnswer that scores answer token ``t`` alone:
