@@ -738,7 +738,7 @@ class ViTFront:
                              f"outputs {list(layers)}: explain it with the base method "
                              "alone")
         several = (layers is not None and len(layers) > 1  # else one pass reads them all
-                   and not self._traces_read_gradient(heads, kwargs, several=True))
+                   and not self._reads_blocks_in_one_pass(heads, kwargs))
         if isinstance(obj, _BlockGradient) and obj.tokens > 1:  # _read_gradient_maps
             patches = self._patches(p, self._each_token(p, obj, heads, kwargs))
         elif obj is not None and (several or self._linearises(obj, kwargs)) and not isinstance(
@@ -864,17 +864,32 @@ class ViTFront:
         return (self.linear_in_read_gradient and not isinstance(self, PerturbationAttribution)
                 and kwargs.get("score", "logit") == "logit")
 
+    @property
+    def linear_in_backward(self) -> bool:
+        """Whether the map is linear in the gradient ONE backward pass carries from the
+        score (no ReLU, absolute value or norm of it, no second pass): a target reading
+        several blocks is then explained by one pass whose backward carries every read
+        block's gradient at once (:meth:`_reads_blocks_in_one_pass`). Default
+        :attr:`traces_read_gradients`."""
+        return self.traces_read_gradients
+
+    def _reads_blocks_in_one_pass(self, heads: str, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call explains a target reading several blocks in one pass: equal to
+        the sum of the single-block maps :meth:`_block_sum` adds (chain rule), for a map
+        :attr:`linear_in_backward` (head mean, :meth:`_explains_read_gradient`) that does
+        not sum terms over the blocks below the read block (:attr:`sums_block_terms`)."""
+        return (self.linear_in_backward and not self.sums_block_terms and heads == "mean"
+                and self._explains_read_gradient(kwargs))
+
     def _traces_read_gradient(self, heads: str, kwargs: Mapping[str, Any],
                               several: bool = False) -> bool:
-        """Whether this call's map is linear in the gradient ONE backward carries from the
-        score (:attr:`traces_read_gradients`, head mean, :meth:`_explains_read_gradient`).
-        A target reading ``several`` blocks is then explained by one pass, whose backward
-        carries every read block's gradient at once, equal to the sum of the single-block
-        maps :meth:`_block_sum` would add (chain rule) — unless the method sums terms over
-        the blocks below the read block (:attr:`sums_block_terms`)."""
+        """Whether this call's maps of several linear scores come from one trace and one
+        backward per score (:attr:`traces_read_gradients`, head mean,
+        :meth:`_explains_read_gradient`; scores reading ``several`` blocks also
+        :meth:`_reads_blocks_in_one_pass`)."""
         return (self.traces_read_gradients and heads == "mean"
                 and self._explains_read_gradient(kwargs)
-                and not (several and self.sums_block_terms))
+                and (not several or self._reads_blocks_in_one_pass(heads, kwargs)))
 
     def _linearises(self, target: Target, kwargs: Mapping[str, Any]) -> bool:
         """Whether this call explains ``target`` through its read gradients
@@ -897,14 +912,14 @@ class ViTFront:
         Chefer'21's relevance, LeGrad's per-layer readouts) see the linearised scores.
 
         A method whose map is linear in the gradient its one backward carries
-        (:meth:`_traces_read_gradient`) adds nothing: one pass reads every block's
+        (:meth:`_reads_blocks_in_one_pass`) adds nothing: one pass reads every block's
         gradient at once (the sum of the single-block maps, by the chain rule), so a
         target reading four blocks (Qwen3-VL's deepstack) costs one tower pass, not four."""
         if "score" in kwargs:  # the score itself: a probability of a sum has no block parts
             kwargs = {**kwargs, "score": "logit"}
         keys, (grads,) = read_state_gradients(self.adapter, p, target, [p.target])
-        if self._traces_read_gradient(kwargs.get("heads", "mean"), kwargs,
-                                      several=len(keys) > 1):  # one pass
+        if len(keys) > 1 and self._reads_blocks_in_one_pass(kwargs.get("heads", "mean"),
+                                                            kwargs):  # one pass
             return self._attribute(p.images, _BlockGradient(
                 {l: g.detach() for l, g in zip(keys, grads, strict=True)}, target.rows),
                 "tokens", **kwargs)

@@ -95,6 +95,13 @@ class VanillaGrad(PLUSFastPath, ScoredAttribution):
 
     pools_queries = True  # runs through query pooling (Hiera): the forward's own maths
 
+    @property
+    def linear_in_backward(self) -> bool:
+        """``reduce="sum"``: the map is a sum of the backward's gradient (several read
+        blocks in one pass, :meth:`~captum_vit._base.ViTFront._reads_blocks_in_one_pass`);
+        the norms are not linear in it."""
+        return self.reduce == "sum"
+
     def __init__(self, model: nn.Module, layer: int = 0, reduce: str = "sum") -> None:
         self.reduce = check_choice("reduce", reduce, REDUCTIONS)
         super().__init__(model)

@@ -512,7 +512,7 @@ def test_per_token_maps_sum_to_the_answers_map(name, cls_name):
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("name", ["token_ixg", "attnlrp", "decompx", "cp_lrp"])
+@pytest.mark.parametrize("name", ["token_ixg", "attnlrp", "decompx", "cp_lrp", "vanilla_grad"])
 def test_qwen3_deepstack_answer_in_one_tower_pass(name):
     """Qwen3-VL's answer reads two tower blocks (deepstack): a method linear in the gradient
     its backward carries explains it in ONE tower pass, equal (float64 ≤ 1e-10) to the sum
