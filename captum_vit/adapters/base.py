@@ -439,7 +439,7 @@ class ViTAdapter(Readout, abc.ABC):
                                       v(mid), v(f), v(out), heads, shares))
         return out
 
-    def small_attention(self, inputs: Tensor) -> bool:
+    def small_attention(self, inputs: Tensor, *, inclusive: bool = True) -> bool:
         """Whether every block's attention on ``inputs`` is small
         (:func:`~captum_vit.adapters.parts.small_attention`: keys per query, the window's
         area for a windowed block, at most four times the head width): a method that
@@ -449,12 +449,15 @@ class ViTAdapter(Readout, abc.ABC):
 
         Args:
             inputs (Tensor): the images (their layout gives the token count).
+            inclusive (bool, optional): whether an attention at the bound counts as small
+                (:func:`~captum_vit.adapters.parts.small_attention`). Default True.
 
         Returns:
             bool
         """
         n = self.layout(inputs).num_tokens
-        return all(small_attention(n if p.window is None else p.window.area, p.head_dim)
+        return all(small_attention(n if p.window is None else p.window.area, p.head_dim,
+                                   inclusive=inclusive)
                    for p in self.blocks)
 
     def run(self, x: Tensor, start: int = 0, stop: int | None = None,

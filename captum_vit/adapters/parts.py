@@ -185,12 +185,22 @@ windows: 49), and keeping them for the backward is cheaper than the fused kernel
 recomputes them (:func:`small_attention`)."""
 
 
-def small_attention(n_keys: int, head_dim: int) -> bool:
+def small_attention(n_keys: int, head_dim: int, *, inclusive: bool = True) -> bool:
     """Whether an attention with ``n_keys`` keys per query and heads of width ``head_dim``
     is small (:data:`SMALL_ATTENTION_KEYS`): the explicit softmax with its probabilities
     kept for the backward is then faster than the fused kernel on the CPU, for little
-    memory."""
-    return n_keys <= SMALL_ATTENTION_KEYS * head_dim
+    memory. ``inclusive=False``: strictly below the bound, for the maps that need no
+    probabilities (token states and their gradients,
+    :func:`~captum_vit.methods._engines.states_attention`; AttnLRP's uniform rule) and
+    GAE's: at the bound (SigLIP's 256 patches at head width 64, alone or per tile) the
+    fused kernel measured as fast for the first (token IxG 0.70× against 0.73× a
+    forward+backward, AttnLRP 0.71× against 0.73×, SigLIP-B at 256 px, one thread) and
+    GAE 0.77× against 0.70×, for far less memory (a SmolVLM-shaped VLM of four 256-patch
+    tiles: token IxG 413 MB against 674 MB, GAE 371 MB against 640 MB, its SDPA
+    forward+backward 470 MB). TokenTM keeps the bound (its explicit trace is what
+    brought it within 1.2× on SigLIP2 NaFlex at 256 patches)."""
+    return n_keys <= SMALL_ATTENTION_KEYS * head_dim if inclusive else (
+        n_keys < SMALL_ATTENTION_KEYS * head_dim)
 
 
 def _values_only_backward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:

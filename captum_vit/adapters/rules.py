@@ -409,7 +409,7 @@ class LRPOps(Ops):
         # [B, H, N, N] is kept (a small one keeps the explicit softmax, faster on the CPU)
         keys = u.shape[1] if p.window is None else p.window.area
         fused = (rules is None or (rules.softmax is None and rules.mix is None)) \
-            and not small_attention(keys, p.head_dim)
+            and not small_attention(keys, p.head_dim, inclusive=False)
         return p.attention(u, materialize=not fused, positions=self.positions,
                            detach_qk=cp, rules=rules)
 

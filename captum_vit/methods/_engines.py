@@ -152,10 +152,10 @@ def layer_gradients(adapter: ViTAdapter, inputs: Tensor, target: Tensor | None, 
 
 def states_attention(adapter: ViTAdapter, inputs: Tensor) -> str:
     """The trace's attention for a map that reads only token states and their gradients:
-    ``"explicit"`` while every block's attention is small
-    (:meth:`~captum_vit.adapters.ViTAdapter.small_attention`: its backward is then faster
-    on the CPU, for little memory), else ``"fused"`` (no ``[B, H, N, N]`` probabilities
-    kept for the backward: a VLM tower at 1,024 patches).
+    ``"explicit"`` while every block's attention is below the small bound
+    (:meth:`~captum_vit.adapters.ViTAdapter.small_attention` with ``inclusive=False``: its
+    backward is then faster on the CPU, for little memory), else ``"fused"`` (no
+    ``[B, H, N, N]`` probabilities kept for the backward: a VLM tower at 1,024 patches).
 
     Args:
         adapter (ViTAdapter): the model's adapter.
@@ -164,7 +164,7 @@ def states_attention(adapter: ViTAdapter, inputs: Tensor) -> str:
     Returns:
         str: a ``TraceOptions.attention`` value.
     """
-    return "explicit" if adapter.small_attention(inputs) else "fused"
+    return "explicit" if adapter.small_attention(inputs, inclusive=False) else "fused"
 
 
 SITES = ("residual", "norm1")

@@ -26,6 +26,11 @@ def test_small_attention_rule():
     assert parts.small_attention(197, 64)  # ViT-S/B at 224 px
     assert parts.small_attention(49, 32)  # a Swin-T window
     assert not parts.small_attention(785, 64)  # ViT-B at 448 px
+    # at the bound (SigLIP's 256 patches, width 64): small for TokenTM, not for the maps
+    # that need no probabilities and GAE (memory)
+    assert parts.small_attention(256, 64)
+    assert not parts.small_attention(256, 64, inclusive=False)
+    assert parts.small_attention(255, 64, inclusive=False)
     model = make_model("vit")
     ad = adapt(model)
     d = ad.blocks[0].head_dim
@@ -40,7 +45,7 @@ def test_gae_explicit_and_fused_traces_agree(family, heads, monkeypatch):
     x = make_inputs(family, 2)
     maps = {}
     for small in (True, False):
-        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, s=small: s)
+        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, inclusive=True, s=small: s)
         maps[small] = GAE(model).attribute(x, target=TARGET, heads=heads, output="tokens")
     assert maps[True].abs().max() > 0
     assert_close_scaled(maps[True], maps[False], rel=1e-10)
