@@ -387,15 +387,18 @@ def _dense_mixing(model, x):
     return out
 
 
-def test_rollout_dense_reference_through_padded_pooled_windows():
+@pytest.mark.parametrize("build", ["padded", "wide"])
+def test_rollout_dense_reference_through_padded_pooled_windows(build):
     """Rollout as a vector chain through windows padded on the grid, with the queries
     pooled inside them, equals the dense product of ``(Ā_l + R_l) / rowsum`` written here
-    (the embedding's mean readout of the last 2x2 grid)."""
-    model = padded()
-    x = images(size=64)
+    (the embedding's mean readout of the last grid: 2x2; ``wide``: the 32 px model at
+    32x64, another size than its configured one, first grid 8x16, last 1x2)."""
+    model, x = (padded(), images(size=64)) if build == "padded" else (sam2(), images(size=(32, 64)))
     blocks = _dense_mixing(model, x)
+    assert blocks[0][0].shape[-1] == (256 if build == "padded" else 128)
     with torch.no_grad():
-        v = torch.full((2, 4), 0.25, dtype=torch.float64)
+        n = blocks[-1][0].shape[1]  # the last grid's tokens
+        v = torch.full((2, n), 1 / n, dtype=torch.float64)
         for mean, res in reversed(blocks):
             m = mean + res
             v = torch.einsum("bi,bij->bj", v, m / m.sum(-1, keepdim=True))
