@@ -3,11 +3,12 @@ side: :mod:`captum_vit.adapters.families.hf_sam2`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
 from captum_vit.adapters.families.hf_sam2 import (
+    sam2_check_mask_size,
     sam2_mask_logits,
     sam2_model,
     sam2_read_stages,
@@ -53,6 +54,12 @@ class Sam2MaskTarget(SamMaskTarget):
     returns as ``input_points`` / ``input_boxes``, for the resized image). Each image has
     one prompt: points (with labels), a box, or both.
 
+    Images must have the model's configured size (``Sam2Processor``'s resize):
+    ``Sam2Model.forward`` itself draws no mask at another one (it reshapes the FPN levels
+    to the fixed ``backbone_feature_sizes``; the prompt encoder's dense embedding and the
+    decoder's positional embedding keep the configured grid). Embedding targets explain
+    the image encoder at other sizes too (:mod:`captum_vit.adapters.families.hf_sam2`).
+
     Args:
         model (nn.Module): a Hugging Face ``Sam2Model``.
         {prompt_args}
@@ -61,8 +68,8 @@ class Sam2MaskTarget(SamMaskTarget):
         TypeError: ``model`` is not a ``Sam2Model``; prompts or ``mask`` of another type.
         ValueError: no prompt, prompts of the wrong shape, labels that do not match the
             points, a mask out of range, prompts outside the images (``points`` /
-            ``boxes`` named) or an empty mask region (:meth:`resolve`), or encoder states
-            of another model.
+            ``boxes`` named), images of another size than the configured one or an empty
+            mask region (:meth:`resolve`), or encoder states of another model.
 
     Examples::
 
@@ -101,6 +108,19 @@ class Sam2MaskTarget(SamMaskTarget):
     def _own_model(model: nn.Module) -> nn.Module:
         """``model`` if it is a ``Sam2Model`` (:func:`sam2_model`)."""
         return sam2_model(model)
+
+    def resolve(self, adapter: Any, images: Tensor) -> Sam2MaskTarget:
+        """This target with each image's mask region fixed
+        (:meth:`SamMaskTarget.resolve <captum_vit.targets.SamMaskTarget.resolve>`), for
+        images of the ``Sam2Model``'s configured size only.
+
+        Raises:
+            ValueError: as :meth:`SamMaskTarget.resolve`, or images of another size than
+                the configured one (``Sam2Model.forward`` fixes it,
+                :func:`~captum_vit.adapters.families.hf_sam2.sam2_check_mask_size`).
+        """
+        sam2_check_mask_size(self.model, (int(images.shape[-2]), int(images.shape[-1])))
+        return cast(Sam2MaskTarget, super().resolve(adapter, images))
 
     def mask_logits(self, out: Outputs) -> Tensor:
         """Mask :attr:`mask`'s logits ``[n, u, h_m, w_m]`` of every prompt on the stage

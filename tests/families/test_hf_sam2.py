@@ -1,9 +1,11 @@
 """SAM 2's image encoder (Hugging Face ``Sam2Model`` / ``Sam2VisionModel``) and
 :class:`~captum_vit.targets.Sam2MaskTarget`: float64 forward parity with the models' own
 trunk and neck (every stage's states, windows padded on the grid inside a query-pooling
-block as in SAM 2.1-T's stage 3), the mask score against ``Sam2Model``'s own
-``pred_masks``, DecompX complete, every registered method runs or refuses by name (the
-embedding and a mask), clear errors with the model unchanged."""
+block as in SAM 2.1-T's stage 3) at the configured size and at other sizes the encoder
+takes, the mask score against ``Sam2Model``'s own ``pred_masks``, DecompX complete, every
+registered method runs or refuses by name (the embedding at another size, a mask), masks
+refused at other sizes as ``Sam2Model`` itself fails there, clear errors with the model
+unchanged."""
 
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def padded() -> torch.nn.Module:
     return sam2(image_size=64, windows=(4, 2, 6, 1), global_blocks=())
 
 
-def images(n: int = 2, size: int = 32, seed: int = 1) -> torch.Tensor:
+def images(n: int = 2, size: int | tuple[int, int] = 32, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, size, size, generator=g, dtype=torch.float64)
+    hw = (size, size) if isinstance(size, int) else size
+    return torch.randn(n, 3, *hw, generator=g, dtype=torch.float64)
 
 
 def _direct(model, x, mask, multimask_output=True, **prompt):
@@ -61,16 +64,18 @@ def _direct(model, x, mask, multimask_output=True, **prompt):
 
 
 # -- the encoder ----------------------------------------------------------------------------
-@pytest.mark.parametrize("build", ["model", "vision", "padded"])
+@pytest.mark.parametrize("build", ["model", "vision", "padded", "model_64", "vision_32x96"])
 def test_forward_equals_the_models_own_trunk_and_neck(build):
     """Every stage's token states equal the trunk's ``intermediate_hidden_states`` and the
-    output the grid mean of the neck's top level (1e-12, float64)."""
-    if build == "padded":
-        model, x = padded(), images(size=64)
-    else:
-        model, x = sam2(), images()
-        model = model.vision_encoder if build == "vision" else model
+    output the grid mean of the neck's top level (1e-12, float64), at the configured 32 px
+    and at sizes the model's own encoder takes (64 px; 32x96, not square), one adapter
+    for all (its windows and poolings follow the images)."""
+    size = {"padded": 64, "model_64": 64, "vision_32x96": (32, 96)}.get(build, 32)
+    model, x = (padded() if build == "padded" else sam2()), images(size=size)
+    model = model.vision_encoder if build.startswith("vision") else model
     a = adapt(model)
+    if build in ("model_64", "vision_32x96"):  # the configured size first, then this one
+        a.run(a.embed(images()))
     assert type(a).__name__ == "HFSam2Adapter" and a.embedding
     enc = getattr(model, "vision_encoder", model)
     own = enc.backbone(pixel_values=x).intermediate_hidden_states
@@ -89,14 +94,47 @@ def test_forward_equals_the_models_own_trunk_and_neck(build):
 
 
 def test_decompx_is_complete_for_the_embedding():
-    """A vector target on the FPN top level's mean (linear): tokens + bias = score."""
-    for model, x in ((sam2(), images()), (padded(), images(size=64))):
+    """A vector target on the FPN top level's mean (linear): tokens + bias = score, at the
+    configured sizes and at 64x32 (not square, another size than configured)."""
+    for model, x in ((sam2(), images()), (padded(), images(size=64)),
+                     (sam2(), images(size=(64, 32)))):
         t = torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         for route in ("explicit", "gradient"):
             res = DecompX(model, route=route).decompose(x, EmbeddingTarget(t, similarity="dot"))
             ref = adapt(model).model_outputs(x).detach() @ t
+            assert res.tokens.shape[-1] == x.shape[-2] * x.shape[-1] // 16
             torch.testing.assert_close(res.tokens.sum(-1) + res.bias, ref, rtol=0,
                                        atol=1e-10 * ref.abs().max())
+
+
+def test_token_ixg_at_two_sizes_is_autograd_through_the_models_own_encoder():
+    """One method object at 64x32 px, then at the configured 32 px, then at 64x32 again:
+    token Input×Gradient equals autograd of the target through the model's own trunk and
+    neck (``x_0``: the patch embedding hooked as a leaf plus the model's position
+    embedding for that grid), 1e-10."""
+    model = sam2()
+    enc = model.vision_encoder
+    t = torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ixg = build_method("token_ixg", model)
+    seen = {}
+
+    def leaf(module, args, out):
+        seen["p"] = out.detach().requires_grad_()
+        return seen["p"]
+
+    for size in ((64, 32), 32, (64, 32)):
+        x = images(size=size)
+        got = ixg.attribute(x, target=EmbeddingTarget(t, similarity="dot"), output="tokens")
+        hook = enc.backbone.patch_embed.register_forward_hook(leaf)
+        try:
+            fpn, _ = enc.neck(enc.backbone(pixel_values=x).intermediate_hidden_states)
+        finally:
+            hook.remove()
+        (g,) = torch.autograd.grad((fpn[0].mean((-2, -1)) @ t).sum(), seen["p"])
+        x0 = seen["p"] + enc.backbone._get_pos_embed(seen["p"].shape[1:3])
+        ref = (x0 * g).sum(-1).flatten(1).detach()
+        assert got.shape == ref.shape == (2, x.shape[-2] * x.shape[-1] // 16)
+        assert_close_scaled(got, ref, rel=1e-10)
 
 
 # -- Sam2MaskTarget -------------------------------------------------------------------------
@@ -175,11 +213,12 @@ def _expect(name: str, model) -> str | None:
 
 @pytest.mark.parametrize("kind", ["embedding", "mask"])
 def test_every_registered_method_runs_or_refuses_by_name(kind):
-    """Every registered method on the embedding (a vector per image) and on a mask
-    (several stages read): finite, non-constant maps on the first stage's 8x8 grid, or a
-    ValueError naming why; the model unchanged either way."""
+    """Every registered method on the embedding (a vector per image) at 32x64 px, another
+    size than the configured one (the first grid 8x16), and on a mask at the configured
+    32 px (several stages read; the first grid 8x8): finite, non-constant maps on the
+    first stage's grid, or a ValueError naming why; the model unchanged either way."""
     model = sam2()
-    x = images()
+    x = images(size=(32, 64) if kind == "embedding" else 32)
     before = snapshot(model)
     if kind == "embedding":
         target = torch.randn(2, 16, generator=torch.Generator().manual_seed(2),
@@ -199,7 +238,8 @@ def test_every_registered_method_runs_or_refuses_by_name(kind):
                 method.attribute(x, target=target, **FAST.get(name, {}))
             continue
         maps = method.attribute(x, target=target, output="tokens", **FAST.get(name, {}))
-        assert maps.shape == (2, 64) and torch.isfinite(maps).all(), name
+        assert maps.shape == (2, 128 if kind == "embedding" else 64), name
+        assert torch.isfinite(maps).all(), name
         if name != "random":  # (a last grid of 1x1 may leave one image's CAM at zero)
             assert maps.std() > 0, name
         ran.append(name)
@@ -237,11 +277,16 @@ def test_bad_inputs_are_refused_by_name_and_the_model_is_unchanged():
         gae.attribute(x, target=Sam2MaskTarget(model, points=[[40.0, 3.0]]))
     with pytest.raises(ValueError, match=r"boxes reach outside"):
         gae.attribute(x, target=Sam2MaskTarget(model, boxes=[2.0, 3.0, 20.0, -1.0]))
-    for size in (48, 30):  # another size, and one the patches do not tile
-        with pytest.raises(ValueError, match="image_size"):
-            gae.attribute(images(size=size), target=Sam2MaskTarget(model, points=[[3.0, 4.0]]))
-        with pytest.raises(ValueError, match="image_size"):
-            gae.attribute(images(size=size), target=torch.ones(16, dtype=torch.float64))
+    # sizes the encoder does not take: grids that do not halve at every pooling (48 px:
+    # 12, 6, 3), not whole pos_embed_window tiles (40 px: 10 tokens, windows of 4),
+    # sides the patch stride does not divide
+    for size, why in ((48, r"3x3 grid .*halve exactly"), (40, "pos_embed_window"),
+                      (30, "patch stride")):
+        for target in (Sam2MaskTarget(model, points=[[3.0, 4.0]]),
+                       torch.ones(16, dtype=torch.float64)):
+            with pytest.raises(ValueError, match=rf"inputs size \({size}, {size}\).*{why}.*"
+                                                 r"multiple of 32x32 px"):
+                gae.attribute(images(size=size), target=target)
     with pytest.raises(TypeError, match="Sam2Model"):
         Sam2MaskTarget(model.vision_encoder, points=[[3.0, 4.0]])
     with pytest.raises(ValueError, match="prompt"):
@@ -250,6 +295,30 @@ def test_bad_inputs_are_refused_by_name_and_the_model_is_unchanged():
         Sam2MaskTarget(model, points=[[3.0, 4.0]], mask=3)
     with pytest.raises(ValueError, match="same Sam2Model"):
         gae.attribute(x, target=Sam2MaskTarget(sam2(), points=[[3.0, 4.0]]))
+    assert_unchanged(model, before)
+
+
+def test_masks_at_another_size_are_refused_as_the_model_itself_fails_there():
+    """At 64 px the encoder runs (embedding targets, above), but ``Sam2Model.forward``
+    itself fails: it reshapes the FPN levels to the configured ``backbone_feature_sizes``
+    and its prompt encoder's dense embedding and image-wide positional embedding keep the
+    configured grid. ``Sam2MaskTarget`` says so by name; the model unchanged."""
+    model = sam2()
+    x = images(size=64)
+    before = snapshot(model)
+    with pytest.raises(RuntimeError):  # the model's own limit
+        model(pixel_values=x, input_points=POINTS[:, None])
+    with pytest.raises(RuntimeError):  # even given the 64 px image embeddings themselves
+        enc = model.vision_encoder(x)
+        maps = list(enc.fpn_hidden_states)
+        maps[0], maps[1] = model.mask_decoder.conv_s0(maps[0]), model.mask_decoder.conv_s1(maps[1])
+        model(image_embeddings=maps, input_points=POINTS[:, None])
+    assert tuple(model.prompt_encoder.image_embedding_size) == (2, 2)
+    for name in ("gae", "decompx"):
+        with pytest.raises(ValueError, match=r"configured size 32x32, got 64x64: "
+                                             r"Sam2Model.forward .*backbone_feature_sizes"):
+            build_method(name, model).attribute(
+                x, target=Sam2MaskTarget(model, points=POINTS * 2, mask=1))
     assert_unchanged(model, before)
 
 
@@ -318,15 +387,18 @@ def _dense_mixing(model, x):
     return out
 
 
-def test_rollout_dense_reference_through_padded_pooled_windows():
+@pytest.mark.parametrize("build", ["padded", "wide"])
+def test_rollout_dense_reference_through_padded_pooled_windows(build):
     """Rollout as a vector chain through windows padded on the grid, with the queries
     pooled inside them, equals the dense product of ``(Ā_l + R_l) / rowsum`` written here
-    (the embedding's mean readout of the last 2x2 grid)."""
-    model = padded()
-    x = images(size=64)
+    (the embedding's mean readout of the last grid: 2x2; ``wide``: the 32 px model at
+    32x64, another size than its configured one, first grid 8x16, last 1x2)."""
+    model, x = (padded(), images(size=64)) if build == "padded" else (sam2(), images(size=(32, 64)))
     blocks = _dense_mixing(model, x)
+    assert blocks[0][0].shape[-1] == (256 if build == "padded" else 128)
     with torch.no_grad():
-        v = torch.full((2, 4), 0.25, dtype=torch.float64)
+        n = blocks[-1][0].shape[1]  # the last grid's tokens
+        v = torch.full((2, n), 1 / n, dtype=torch.float64)
         for mean, res in reversed(blocks):
             m = mean + res
             v = torch.einsum("bi,bij->bj", v, m / m.sum(-1, keepdim=True))

@@ -43,15 +43,29 @@ is the maximum; DecompX and the LRP rules pass the maximum exactly. Methods that
 carry query pooling refuse by name (tag ``pooling``), true token removal and TIS's token
 subsets too (tag ``windowed``: remove pixels instead).
 
-The image size is the configured one (``backbone_config.image_size``; ``Sam2Model``'s
-decoder reads fixed ``backbone_feature_sizes``). Refused by name: a stage change without
-query pooling (``num_query_pool_stages < stages - 1``), a query stride other than 2×2, a
-neck with lateral kernels other than ``1×1``.
+**Image sizes.** The encoder (trunk and neck) runs at other sizes than the configured
+one (``backbone_config.image_size``), and so does the adapter, its windows and poolings
+read for the images of each call (:meth:`HFSam2Adapter.grid_of`): the sides must be
+multiples of the patch stride (captum_vit's rule: one token per stride), the first grid a
+whole number of ``pos_embed_window`` tiles (the model tiles it over the grid and fails
+otherwise) and every query pooling must halve a grid of even sides, i.e. multiples of
+:attr:`HFSam2Adapter.size_unit` px (32 px for the SAM 2.1 checkpoints and the tiny
+examples); other sizes are refused with a ``ValueError`` naming the rule. Embedding
+targets take any such size on ``Sam2VisionModel`` and ``Sam2Model``. **Masks** only at the
+configured size: ``Sam2Model.forward`` itself fails elsewhere (it reshapes the FPN levels
+to the fixed ``vision_config.backbone_feature_sizes``, and the prompt encoder's dense
+embedding, the decoder's image-wide positional embedding and the prompts' scale are those
+of ``prompt_encoder_config.image_size``), so :class:`~captum_vit.targets.Sam2MaskTarget`
+refuses other sizes saying so (:func:`sam2_check_mask_size`).
+
+Refused by name: a stage change without query pooling (``num_query_pool_stages < stages -
+1``), a query stride other than 2×2, a neck with lateral kernels other than ``1×1``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -150,13 +164,17 @@ def sam2_example(vision: bool = False, **config: Any) -> Callable[..., nn.Module
            "position embedding, 2x2 query pooling at the stage changes, the FPN neck; the "
            "configured image size): ✅ with vector targets on the grid mean of the FPN's top "
            "level, and `Sam2MaskTarget` (a mask of SAM 2's own prompt encoder and mask "
-           "decoder, reading the stages its decoder uses); pooling as in Hiera — refused by "
+           "decoder, reading the stages its decoder uses); other image sizes for the encoder "
+           "(sides multiples of the patch stride, whole pos_embed_window tiles, stage grids "
+           "halving exactly: 32 px for SAM 2.1), masks only at the configured size "
+           "(Sam2Model's own decoder fixes it); pooling as in Hiera — refused by "
            "name: the methods that do not carry query pooling, TIS and true token removal "
-           "(remove pixels), other input sizes, stage changes without pooling"),
+           "(remove pixels), stage changes without pooling"),
     examples={
         # 32 px, four stages (8x8 ... 1x1 grids), windows of 4 and 2 (the pooling blocks'
         # windows pooled inside), one global block; vector targets on its 16-d output
-        # (the embedding suite expects global attention and other sizes: its own tests)
+        # (other sizes: multiples of 32 px; the embedding suite expects global attention:
+        # its own tests)
         "hf_sam2": Example(sam2_example(vision=True), (32, 32), library="transformers",
                            target="embedding", suite=False),
         # a support-matrix column: Sam2Model, vector targets and Sam2MaskTarget's masks
@@ -170,7 +188,9 @@ class HFSam2Adapter(ViTAdapter):
     and the grid mean of the FPN's top level as the output.
 
     Any ``attn_implementation`` in float32 and half precision; a float64 model needs
-    ``"sdpa"`` (the default): the eager path computes its softmax in float32.
+    ``"sdpa"`` (the default): the eager path computes its softmax in float32. Images of
+    any size the encoder takes (:meth:`grid_of`: multiples of :attr:`size_unit` px); the
+    blocks' windows and poolings are read for the images of each call.
 
     Args:
         model (nn.Module): a ``Sam2Model`` or ``Sam2VisionModel``.
@@ -216,8 +236,66 @@ class HFSam2Adapter(ViTAdapter):
         self.in_chans = int(conv.in_channels)
         self.stride = _pair(conv.stride)
         self.image_size = _pair(cfg.image_size)
+        self.window0 = cast(tuple[int, int], tuple(int(s) for s in
+                                                   self.trunk.pos_embed_window.shape[-2:]))
+        """The window position embedding's size (``pos_embed_window``), tiled by the model
+        over the first grid."""
         self.grid0 = _conv_out(self.image_size, conv)
+        """The first stage's grid of the images of the moment (:meth:`check_inputs`,
+        :meth:`layout` and :meth:`embed` set it; the configured size's at first)."""
         self._read_parts()
+
+    @property
+    def size_unit(self) -> tuple[int, int]:
+        """``(u_h, u_w)`` px: the image sides the encoder takes are the multiples of these
+        (the patch stride times the least common multiple of the window position
+        embedding's size and ``2^pools``, every stage grid halving exactly)."""
+        pools = sum(1 for b in self.trunk.blocks if b.query_stride)
+        return cast(tuple[int, int], tuple(
+            self.stride[i] * math.lcm(self.window0[i], 2 ** pools) for i in range(2)))
+
+    def grid_of(self, size: Sequence[int]) -> tuple[int, int]:
+        """The first stage's token grid for images of ``size`` ``(H, W)``.
+
+        The model's own encoder runs at other sizes than the configured one when its
+        first grid is a whole number of ``pos_embed_window`` tiles and each query
+        pooling halves a grid of even sides; captum_vit also takes only sides that are
+        multiples of the patch stride (one token per ``stride`` pixels).
+
+        Raises:
+            ValueError: a size outside these rules, naming the rule and the sizes to use.
+        """
+        h, w = (int(size[0]), int(size[1]))
+        name, unit = type(self.model).__name__, self.size_unit
+        fix = (f"resize the images to a multiple of {unit[0]}x{unit[1]} px (e.g. the "
+               f"configured {self.image_size[0]}x{self.image_size[1]})")
+        if h % self.stride[0] or w % self.stride[1]:
+            raise ValueError(f"inputs size {(h, w)} is not a multiple of {name}'s patch "
+                             f"stride {self.stride}, so its tokens do not tile the images; "
+                             f"{fix}")
+        grid = (h // self.stride[0], w // self.stride[1])
+        if grid[0] % self.window0[0] or grid[1] % self.window0[1]:
+            raise ValueError(
+                f"inputs size {(h, w)} gives a {grid[0]}x{grid[1]} token grid, not a whole "
+                f"number of {name}'s {self.window0[0]}x{self.window0[1]} window position "
+                "embedding (backbone.pos_embed_window, tiled over the grid: the model itself "
+                f"fails there); {fix}")
+        g = grid
+        for i, blk in enumerate(self.trunk.blocks):
+            if blk.query_stride:
+                if min(g) < 2 or g[0] % 2 or g[1] % 2:
+                    raise ValueError(
+                        f"inputs size {(h, w)} gives a {g[0]}x{g[1]} grid at "
+                        f"{self.where}.backbone.blocks[{i}], which pools its queries 2x2: "
+                        f"the stage grids must halve exactly; {fix}")
+                g = (g[0] // 2, g[1] // 2)
+        return grid
+
+    def _use_grid(self, grid: tuple[int, int]) -> None:
+        """Read the blocks' windows and poolings for a first grid of ``grid``."""
+        if grid != self.grid0:
+            self.grid0 = grid
+            self._read_parts()
 
     def _read_parts(self) -> None:
         trunk, where = self.trunk, self.where
@@ -305,11 +383,12 @@ class HFSam2Adapter(ViTAdapter):
 
     def check_inputs(self, inputs: Tensor) -> None:
         super().check_inputs(inputs)
-        self.check_fixed_size(inputs, self.image_size, type(self.model).__name__)
+        self._use_grid(self.grid_of(inputs.shape[-2:]))
 
     def layout(self, inputs: Tensor) -> Layout:
         self.refresh()
         h, w = inputs.shape[-2:]
+        self._use_grid(self.grid_of((h, w)))
         return Layout(num_prefix=0, grid=self.grid0, patch_size=self.stride,
                       readout=self.readout, num_blocks=self.num_blocks,
                       num_heads=self.blocks[0].num_heads, image_size=(int(h), int(w)))
@@ -319,6 +398,7 @@ class HFSam2Adapter(ViTAdapter):
         raster order; with ``ops`` the overlapping patch convolution through
         ``ops.linear`` (:func:`~captum_vit.adapters.families._torch.conv_projection`)."""
         self.refresh()
+        self._use_grid(self.grid_of(inputs.shape[-2:]))
         trunk = self.trunk
         conv = trunk.patch_embed.projection
         if ops is None:
@@ -359,6 +439,38 @@ def sam2_model(model: object) -> nn.Module:
                         "encoder alone (Sam2VisionModel) has no masks: explain its embedding "
                         "with an EmbeddingTarget")
     return model
+
+
+def sam2_check_mask_size(model: nn.Module, size: tuple[int, int]) -> None:
+    """Refuse images of another size than the one a ``Sam2Model`` draws masks for: its
+    prompt encoder's ``image_size`` (the configured size, ``Sam2Processor``'s resize).
+
+    ``Sam2Model.forward`` itself fixes it: it reshapes the FPN levels to the configured
+    ``vision_config.backbone_feature_sizes``, and its prompt encoder builds the dense
+    prompt embedding and the image-wide positional embedding of the mask decoder on the
+    ``image_size // patch_size`` grid and scales the prompts by ``image_size`` (at other
+    sizes the model's own forward raises). Its image encoder alone takes other sizes
+    (:meth:`HFSam2Adapter.grid_of`).
+
+    Raises:
+        ValueError: ``size`` is not the configured one.
+    """
+    pe = cast(ModelTree, model).prompt_encoder
+    want = (int(pe.input_image_size), int(pe.input_image_size))
+    got = (int(size[0]), int(size[1]))
+    if got != want:
+        feats = [list(map(int, f)) for f in cast(ModelTree, model).backbone_feature_sizes]
+        emb = tuple(int(e) for e in pe.image_embedding_size)
+        raise ValueError(
+            f"Sam2MaskTarget: a Sam2Model draws masks only for images of its configured size "
+            f"{want[0]}x{want[1]}, got {got[0]}x{got[1]}: Sam2Model.forward reshapes the FPN "
+            f"levels to the fixed vision_config.backbone_feature_sizes {feats}, and its prompt "
+            "encoder builds the dense prompt embedding and the image-wide positional "
+            f"embedding on the fixed {emb[0]}x{emb[1]} grid (prompt_encoder_config.image_size "
+            "// patch_size) and scales the prompts by that image_size, so the model itself "
+            f"fails on {got[0]}x{got[1]} images; resize the images to {want[0]}x{want[1]} (as "
+            "Sam2Processor does), or explain the image embedding at this size with an "
+            "EmbeddingTarget (the image encoder takes other sizes)")
 
 
 def sam2_read_stages(model: nn.Module) -> tuple[int, ...]:
