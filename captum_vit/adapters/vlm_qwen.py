@@ -263,6 +263,31 @@ class QwenVLParts(VLMParts):
         ``per_token=True`` ``[n, K · (1 + A)]``: column ``j``'s slot 0 the whole answer,
         slot ``1 + t`` answer token ``t`` (0 where ``-100`` pads a shorter answer), all
         from the same language-model run."""
+        n, k = int(target._states(out)[-1].shape[0]), len(target._qwen.slot)
+        pairs = [(i, j) for i in range(n) for j in range(k)]
+        return self._scores(target, out, pairs).reshape(n, -1)
+
+    def own_columns(self, target: Any, out: Outputs, bases: Tensor) -> Tensor:
+        """``[n, slots]``: each forward row's slots (the whole answer; with
+        ``per_token=True`` then each answer token) of its own column ``bases[i]`` only,
+        ``n`` sequences in one language-model run (:meth:`columns` scores every row
+        against every column: ``n · K``); what
+        :meth:`~captum_vit.targets.VLMAnswer.read_gradients` differentiates.
+
+        Raises:
+            ValueError: ``bases`` is not one column per forward row.
+        """
+        n, k = int(target._states(out)[-1].shape[0]), len(target._qwen.slot)
+        own = bases.detach().cpu().long().reshape(-1).tolist()
+        if len(own) != n or any(not 0 <= j < k for j in own):
+            raise ValueError(f"bases must be one column in [0, {k}) per forward row ({n}), "
+                             f"got {own}")
+        return self._scores(target, out, list(enumerate(own)))
+
+    def _scores(self, target: Any, out: Outputs, pairs: list[tuple[int, int]]) -> Tensor:
+        """``[len(pairs), slots]``: forward row ``i`` scored under column ``j`` for each
+        ``(i, j)`` of ``pairs``, one language-model run (the checks and the mergers of
+        :meth:`columns`)."""
         q: QwenPrompts = target._qwen
         states = target._states(out)
         x = states[-1]
@@ -285,34 +310,35 @@ class QwenVLParts(VLMParts):
             merger = tower.deepstack_merger_list[list(tower.config.deepstack_visual_indexes)
                                                  .index(block)]
             deep.append(merger(state[:, order].reshape(n * rows, width)).reshape(n, tokens, -1))
-        k = len(q.slot)
         dev = feats.device
-        seq = torch.cat([q.input_ids, q.answer_ids.clamp_min(0)], 1).to(dev).repeat(n, 1)
-        am = torch.cat([q.attention_mask, torch.ones_like(q.answer_ids)], 1).to(dev).repeat(n, 1)
-        answer = q.answer_ids.to(dev).repeat(n, 1)
+        cols = torch.tensor([j for _, j in pairs], dtype=torch.long)
+        seq = torch.cat([q.input_ids, q.answer_ids.clamp_min(0)], 1)[cols].to(dev)
+        am = torch.cat([q.attention_mask, torch.ones_like(q.answer_ids)], 1)[cols].to(dev)
+        answer = q.answer_ids[cols].to(dev)
         pooled: list[Tensor] = []
         stacked: list[list[Tensor]] = [[] for _ in deep]
         grids: list[list[int]] = []
-        for i in range(n):
-            for j in range(k):
-                for img in q.images[j]:
-                    if img is None:
-                        pooled.append(feats[i])
-                        for d, f in zip(stacked, deep, strict=True):
-                            d.append(f[i])
-                        grids.append([1, gh, gw])
-                    else:
-                        grid, f0, d0 = q.fixed[img]
-                        pooled.append(f0.to(feats.dtype))
-                        for d, f in zip(stacked, d0, strict=True):
-                            d.append(f.to(feats.dtype))
-                        grids.append([1, *grid])
+        for i, j in pairs:
+            for img in q.images[j]:
+                if img is None:
+                    pooled.append(feats[i])
+                    for d, f in zip(stacked, deep, strict=True):
+                        d.append(f[i])
+                    grids.append([1, gh, gw])
+                else:
+                    grid, f0, d0 = q.fixed[img]
+                    pooled.append(f0.to(feats.dtype))
+                    for d, f in zip(stacked, d0, strict=True):
+                        d.append(f.to(feats.dtype))
+                    grids.append([1, *grid])
         per_token = bool(getattr(target, "per_token", False))
         logp = self._log_probs(seq, am, answer, pooled, stacked,
                                torch.tensor(grids, device=dev), per_token)
-        if per_token:  # [n·k, A] -> slot 0 the sum, slot 1 + t token t
+        if per_token:  # [m, A] -> slot 0 the sum, slot 1 + t token t
             logp = torch.cat([logp.sum(-1, keepdim=True), logp], 1)
-        return logp.reshape(n, -1).to(x.dtype)
+        else:
+            logp = logp[:, None]
+        return logp.to(x.dtype)
 
     def _log_probs(self, seq: Tensor, mask: Tensor, answer: Tensor, pooled: list[Tensor],
                    deep: list[list[Tensor]], grids: Tensor, per_token: bool = False

@@ -4,7 +4,7 @@ model side: :mod:`captum_vit.adapters.hf_vlm`)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from captum_vit.adapters.hf_vlm import VLMParts, tower_states
 from captum_vit.adapters.scoring import Outputs, Target, per_image
+from captum_vit.adapters.vlm_qwen import QwenVLParts
 from captum_vit.adapters.vlm_tiles import TiledParts, TileLayout, Tiles, stitch
 from captum_vit.adapters.vlms import vlm_parts
 
@@ -117,9 +118,11 @@ class VLMAnswer(Target):
     itself returns one map, of the column the target selects. All token scores come from
     one language-model run; for a method linear in the read gradient
     :func:`per_token_maps` runs the language model once for all tokens (one backward
-    each), then the tower's forward and backward per token (Qwen-VL: one ``attribute``
-    call per token); other methods make one ``attribute`` call per token. For a method
-    linear in the score the token maps sum to the answer's map.
+    each), then one tower trace and a backward per token (token IxG, AttnLRP, ...:
+    ``traces_read_gradients``) or the tower's forward and backward per token (the others;
+    Qwen-VL's processor output: once per grid of its images); other methods make one
+    ``attribute`` call per token. For a method linear in the score the token maps sum to
+    the answer's map.
 
     Prompt layouts (what each processor's chat template writes; pass its ``input_ids``):
 
@@ -189,7 +192,8 @@ class VLMAnswer(Target):
     image in its prompt with the prompt's other images clean, and returns one map per
     image on its own grid (a list when the grids differ). With
     ``per_token=True`` every such column has the whole answer's slot and one per answer
-    token, all from one language-model run.
+    token, all from one language-model run; :func:`per_token_maps` takes the processor's
+    output too (each image read under its own column only: one sequence per image).
 
     Put the model in ``eval()`` mode (dropout makes the score random); the model is
     never modified.
@@ -715,6 +719,8 @@ class VLMAnswer(Target):
                                                self.attention_mask, self.answer_ids,
                                                per_token=self.per_token)
             logp = logp if self.per_token else logp[:, None]
+        elif isinstance(self.parts, QwenVLParts):  # each row under its own column only
+            logp = self.parts.own_columns(self, out, bases)
         else:
             feats = self._features(out)  # [n, f, D]
             if self.tiles > 1:  # prompt P: its m rows' features in order
@@ -734,7 +740,7 @@ class VLMAnswer(Target):
                    ) -> tuple[Tensor, list[int]] | None:
         """``(bases [n], slots)`` when every index picks one slot of each row's own column
         (the same base for every index; with tiles the row's own tile), else ``None``."""
-        if self.parts.packed_pixels or not indices or any(i is None for i in indices):
+        if not indices or any(i is None for i in indices):
             return None
         bases: Tensor | None = None
         slots = []
@@ -757,7 +763,8 @@ class VLMAnswer(Target):
         return bases, slots
 
 
-def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any) -> Tensor:
+def per_token_maps(method: Any, inputs: Any, target: VLMAnswer, **kwargs: Any
+                   ) -> Tensor | tuple[Tensor, ...] | list[Tensor]:
     r"""One map per answer token: ``method``'s map of ``log p(answer_t | …)`` for every
     ``t`` of a ``VLMAnswer(..., per_token=True)``, stacked ``[B, A, ...]`` (``A`` answer
     tokens; a shorter answer's padded tokens get the maps of a zero gradient);
@@ -780,14 +787,23 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     whole VLM. For a method linear in the score (input×gradient, DecompX, CP-LRP, AttnLRP,
     plain gradients) the token maps sum to the whole answer's map.
 
+    Qwen-VL's processor output (packed ``pixel_values`` and ``image_grid_thw``) is split per
+    grid as ``attribute`` splits it: per grid, the images read under their own columns
+    (:meth:`VLMAnswer.for_images`), one language-model run and the path above; each
+    token's maps come back as ``attribute(batch, target=target.token(t))`` returns them,
+    stacked on dim 1: ``[B, A, ...]`` for one grid, a list of ``[1, A, ...]`` per image for
+    several, ``[ΣN, A]`` for ``output="tokens"``, ``[ΣN, A, D]`` for ``"inputs"``.
+
     Args:
         method: a captum_vit method on ``VLMAnswer.tower(model)``.
-        inputs (Tensor): the images (or tiles) as for ``method.attribute``.
+        inputs (Tensor or Mapping): the images (or tiles) as for ``method.attribute``, or
+            Qwen-VL's processor output.
         target (VLMAnswer): built with ``per_token=True``.
         **kwargs: further options of ``method.attribute``.
 
     Returns:
-        Tensor: ``[B, A, *map]`` (a 1-tuple of it for tuple ``inputs``, as Captum returns).
+        Tensor or list: ``[B, A, *map]`` (a 1-tuple of it for tuple ``inputs``, as Captum
+        returns; a processor's output: above).
 
     Raises:
         TypeError: ``target`` is not a ``per_token=True`` :class:`VLMAnswer`.
@@ -802,11 +818,13 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     if not isinstance(target, VLMAnswer) or not target.per_token:
         raise TypeError("target must be VLMAnswer(..., per_token=True) for per_token_maps, got "
                         f"{target!r}")
-    from captum_vit._base import ViTFront, prepare, read_state_gradients
+    from captum_vit._base import ViTFront, _is_batch, prepare, read_state_gradients
 
     tokens = range(target.answer_length)
-    if not (isinstance(method, ViTFront) and method._explains_read_gradient(kwargs)
-            and isinstance(inputs, Tensor | tuple)):
+    linear = isinstance(method, ViTFront) and method._explains_read_gradient(kwargs)
+    if linear and method.adapter.processor_keys and _is_batch(inputs):
+        return _processed_token_maps(method, inputs, target, kwargs)
+    if not (linear and isinstance(inputs, Tensor | tuple)):
         return _stack_tokens([method.attribute(inputs, target=target.token(t), **kwargs)
                               for t in tokens])
     p = prepare(method.adapter, inputs, target)
@@ -820,9 +838,42 @@ def per_token_maps(method: Any, inputs: Tensor, target: VLMAnswer, **kwargs: Any
     return _stack_tokens(maps)
 
 
+def _processed_token_maps(method: Any, batch: Any, target: VLMAnswer,
+                          kwargs: dict[str, Any]) -> Any:
+    """:func:`per_token_maps` of a processor's output (Qwen-VL's packed ``pixel_values``
+    and ``image_grid_thw``) under a method linear in the read gradient: per grid of the
+    batch (:func:`~captum_vit._base.attribute_processed`'s split, the target restricted to
+    that grid's images by :meth:`VLMAnswer.for_images`), ONE language-model run and the
+    tower's path of :func:`per_token_maps` for all ``A`` tokens; then each token's maps
+    assembled per image as ``attribute(batch, target=target.token(t))`` returns them,
+    stacked on dim 1."""
+    from captum_vit._base import attribute_processed
+
+    options = dict(kwargs)
+    output = options.pop("output", "pixels")
+    grids: list[Any] = []  # per grid, in attribute_processed's order: [b, A, ...]
+
+    def first(images: Tensor, group: Any, out: str, **kw: Any) -> Tensor:
+        grids.append(per_token_maps(method, images, group, output=out, **kw))
+        return cast(Tensor, grids[-1][:, 0])
+
+    def serve(t: int) -> Callable[..., Tensor]:
+        """Token ``t``'s maps of each grid in turn (the split's order, as computed)."""
+        served = iter(grids)
+        return lambda images, group, out, **kw: cast(Tensor, next(served)[:, t])
+
+    maps = [attribute_processed(first, method.adapter, batch, target, output, **options)]
+    maps += [attribute_processed(serve(t), method.adapter, batch, target, output, **options)
+             for t in range(1, target.answer_length)]
+    return _stack_tokens(maps)
+
+
 def _stack_tokens(maps: Sequence[Any]) -> Any:
     """The token maps stacked ``[B, A, ...]``; maps of tuple inputs (Captum returns a
-    1-tuple for them) stay a 1-tuple."""
+    1-tuple for them) stay a 1-tuple; per-image maps of a processor's images of several
+    grids (a list of ``[1, ...]``) stay a list, of ``[1, A, ...]``."""
     if maps and isinstance(maps[0], tuple):
         return (torch.stack([m[0] for m in maps], 1),)
+    if maps and isinstance(maps[0], list):
+        return [torch.stack(list(each), 1) for each in zip(*maps, strict=True)]
     return torch.stack(list(maps), 1)
