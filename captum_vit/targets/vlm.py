@@ -365,8 +365,9 @@ class VLMAnswer(Target):
         self.answer_ids = distinct[:, 2 * t:2 * t + a]
         self.prompts = int(distinct.shape[0])
         # every row is scored in every tile's place, or against every prompt (Qwen-VL's
-        # columns are its adapter's: captum_vit.adapters.vlm_qwen)
-        self.linearises = (self.tiles > 1 or self.prompts > 1) and not self.parts.packed_pixels
+        # columns are its adapter's, captum_vit.adapters.vlm_qwen; its read gradients
+        # score each image in its own prompt only, QwenVLParts.own_columns)
+        self.linearises = self.tiles > 1 or self.prompts > 1
         self.blocks = self.parts.layers
         if self.parts.keep_cls:
             self.rows = tuple(range(self.image_tokens))

@@ -410,7 +410,7 @@ def test_large_attention_keeps_no_probabilities_and_the_same_maps(name, monkeypa
     assert shapes and not [s for s in shapes if s[-2:] == (96, 96)]
     for where in (_engines, ixg):
         monkeypatch.setattr(where, "states_attention", lambda adapter, inputs: "explicit")
-    monkeypatch.setattr(rules, "small_attention", lambda keys, head_dim: True)
+    monkeypatch.setattr(rules, "small_attention", lambda keys, head_dim, **_: True)
     explicit = method.attribute(x, target=target, output="tokens")
     assert_close_scaled(fused, explicit, rel=1e-10)
     assert (explicit.abs() > 0).any()

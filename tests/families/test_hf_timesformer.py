@@ -328,7 +328,7 @@ def test_gae_is_the_dense_chain(attention, monkeypatch):
         m = build_dense(prod, frames, patches).clamp(min=0).mean(1)
         v = v + torch.einsum("bn,bnm->bm", v, m)
     if attention == "fused":
-        monkeypatch.setattr(type(a), "small_attention", lambda self, inputs: False)
+        monkeypatch.setattr(type(a), "small_attention", lambda self, inputs, **_: False)
     got = build_method("gae", model).attribute(x, target=1, output="tokens")
     torch.testing.assert_close(got, v[:, 1:], rtol=1e-10, atol=1e-12)
 

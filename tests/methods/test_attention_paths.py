@@ -45,7 +45,7 @@ def test_gae_explicit_and_fused_traces_agree(family, heads, monkeypatch):
     x = make_inputs(family, 2)
     maps = {}
     for small in (True, False):
-        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, inclusive=True, s=small: s)
+        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, s=small, **_: s)
         maps[small] = GAE(model).attribute(x, target=TARGET, heads=heads, output="tokens")
     assert maps[True].abs().max() > 0
     assert_close_scaled(maps[True], maps[False], rel=1e-10)

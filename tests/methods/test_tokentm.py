@@ -278,7 +278,7 @@ def test_explicit_and_fused_traces_agree(example, variant, monkeypatch):
     model, x = ex.model(), ex.inputs(2)
     maps = {}
     for small in (True, False):
-        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, s=small: s)
+        monkeypatch.setattr(ViTAdapter, "small_attention", lambda self, inputs, s=small, **_: s)
         maps[small] = TokenTM(model, variant=variant).attribute(x, output="tokens")
     assert x.dtype == torch.float64 and maps[True].abs().max() > 0
     assert_close_to_reference(maps[True], maps[False], rel=1e-10)
