@@ -1066,7 +1066,7 @@ def require_timm(minimum: tuple[int, ...], model_name: str, why: str) -> None:
 class _PoolMax2x2(torch.autograd.Function):
     """The 2×2 maximum of :func:`pool_tokens` with ``torch.amax``'s gradient, computed by
     elementwise maxima of the strided children: ``amax`` over the two split grid axes (not
-    adjacent in memory) was ~4× timm's ``max(dim=1)`` of its unrolled layout, forward and
+    adjacent in memory) was ~4× timm's ``amax(dim=1)`` of its unrolled layout, forward and
     backward (Hiera-T, batch 8). Backward: each child equal to the maximum gets the
     gradient divided by how many are, the others none (``amax``'s formula ``g / count ·
     mask``: the same values, ties shared equally)."""

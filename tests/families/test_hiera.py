@@ -89,16 +89,16 @@ def test_query_pool_reference():
 
 
 def test_query_pool_gradient_reference():
-    """The pooling's gradient equals timm's (``view(B, 4, N/4, C).max(dim=1)`` on the
-    unrolled layout, 2x2 phase first) where the maximum is unique, and ``torch.amax``'s
-    sub-gradient (shared equally by the tied children) on exact ties, along any token
-    axis (the queries' ``[B, H, N, d]`` too)."""
+    """The pooling's gradient equals timm's (``view(B, 4, N/4, C).amax(dim=1)`` on the
+    unrolled layout, 2x2 phase first) and, on exact ties, the sub-gradient written here
+    (shared equally by the tied children, as ``amax`` shares it), along any token axis
+    (the queries' ``[B, H, N, d]`` too)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 48, 5, generator=g, dtype=torch.float64, requires_grad=True)
     up = torch.randn(2, 12, 5, generator=g, dtype=torch.float64)
     (ours,) = torch.autograd.grad(pool_tokens(x, (6, 8)), x, up)
     unrolled = x.reshape(2, 3, 2, 4, 2, 5).permute(0, 2, 4, 1, 3, 5).reshape(2, 48, 5)
-    timm = unrolled.view(2, 4, 12, 5).max(dim=1).values
+    timm = unrolled.view(2, 4, 12, 5).amax(dim=1)
     (ref,) = torch.autograd.grad(timm, x, up)
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)
     # ties (1, 2, 3 or 4 maximal children per channel) on the third axis of [B, H, N, d]
