@@ -1073,11 +1073,43 @@ def require_timm(minimum: tuple[int, ...], model_name: str, why: str) -> None:
                         f"(pip install 'timm>={need}')")
 
 
+class _PoolMax2x2(torch.autograd.Function):
+    """The 2×2 maximum of :func:`pool_tokens` with ``torch.amax``'s gradient, computed by
+    elementwise maxima of the strided children: ``amax`` over the two split grid axes (not
+    adjacent in memory) was ~4× timm's ``amax(dim=1)`` of its unrolled layout, forward and
+    backward (Hiera-T, batch 8). Backward: each child equal to the maximum gets the
+    gradient divided by how many are, the others none (``amax``'s formula ``g / count ·
+    mask``: the same values, ties shared equally)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, h: int, w: int, dim: int) -> Tensor:
+        pre, post = x.shape[:dim], x.shape[dim + 1:]
+        xr = x.reshape(*pre, h // 2, 2, w // 2, 2, *post)
+        cols = torch.maximum(xr.select(dim + 3, 0), xr.select(dim + 3, 1))  # [.., h/2, 2, w/2, ..]
+        y = torch.maximum(cols.select(dim + 1, 0), cols.select(dim + 1, 1))  # [.., h/2, w/2, ..]
+        ctx.save_for_backward(x, y)
+        ctx.geometry = (h, w, dim)
+        return y.reshape(*pre, (h // 2) * (w // 2), *post)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
+        x, y = ctx.saved_tensors
+        h, w, dim = ctx.geometry
+        xr = x.reshape(*x.shape[:dim], h // 2, 2, w // 2, 2, *x.shape[dim + 1:])
+        top = xr == y.unsqueeze(dim + 1).unsqueeze(dim + 3)  # the maximal children
+        cols = top.select(dim + 3, 0).to(g.dtype) + top.select(dim + 3, 1)
+        count = cols.select(dim + 1, 0) + cols.select(dim + 1, 1)
+        share = g.reshape(y.shape) / count
+        return (share.unsqueeze(dim + 1).unsqueeze(dim + 3) * top).reshape(x.shape), \
+            None, None, None
+
+
 def pool_tokens(x: Tensor, grid: tuple[int, int], dim: int = -2) -> Tensor:
     """The maximum over each 2×2 group of a grid's tokens: ``x`` ``[..., h w, ...]`` with the
     tokens of the ``(h, w)`` grid (raster order) along ``dim`` gives ``[..., h/2 · w/2,
     ...]`` (raster order of the ``(h/2, w/2)`` grid; ``h`` and ``w`` even). The gradient
-    goes to each channel's maximal child (``torch.amax`` shares it on exact ties).
+    goes to each channel's maximal child, shared equally on exact ties (as ``torch.amax``
+    shares it).
 
     Examples::
 
@@ -1089,9 +1121,7 @@ def pool_tokens(x: Tensor, grid: tuple[int, int], dim: int = -2) -> Tensor:
     if x.shape[dim] != h * w or h % 2 or w % 2:
         raise ValueError(f"query pooling of a {h}x{w} grid needs {h * w} tokens and even "
                          f"sides, got {x.shape[dim]} tokens")
-    shape = (*x.shape[:dim], h // 2, 2, w // 2, 2, *x.shape[dim + 1:])
-    y = x.reshape(shape).amax(dim=(dim + 1, dim + 3))
-    return y.reshape(*x.shape[:dim], (h // 2) * (w // 2), *x.shape[dim + 1:])
+    return _PoolMax2x2.apply(x, h, w, dim)
 
 
 def affine(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

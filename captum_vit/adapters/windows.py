@@ -508,10 +508,20 @@ class QueryPool:
         """Each child's share ``[..., N', 4]`` (children in :attr:`order`) of the channels
         where it is the maximum, ``x`` ``[..., N, C]`` being what is pooled: the
         sub-gradient of the channel-wise maximum averaged over the channels (¼ each to
-        the tied children of a channel). The merge weights of the matrix methods."""
-        kids = x[..., self.children(x.device), :]  # [..., N', 4, C]
-        top = (kids == kids.amax(-2, keepdim=True)).to(x.dtype)
-        return (top / top.sum(-2, keepdim=True)).mean(-1)
+        the tied children of a channel). The merge weights of the matrix methods.
+
+        Read from strided views of the grid (no gathered ``[..., N', 4, C]`` copy)."""
+        h, w = self.grid
+        if x.shape[-2] != h * w:
+            raise ValueError(f"query pooling of a {h}x{w} grid needs {h * w} tokens, got "
+                             f"{x.shape[-2]}")
+        grid = x.reshape(*x.shape[:-2], h // 2, 2, w // 2, 2, x.shape[-1])
+        kids = [grid[..., dh, :, dw, :] for dh, dw in self.order]  # [..., h/2, w/2, C] each
+        top = torch.maximum(torch.maximum(kids[0], kids[1]), torch.maximum(kids[2], kids[3]))
+        hits = [(k == top).to(x.dtype) for k in kids]
+        count = (hits[0] + hits[1]) + (hits[2] + hits[3])
+        out = torch.stack([(t / count).mean(-1) for t in hits], -1)  # [..., h/2, w/2, 4]
+        return out.reshape(*x.shape[:-2], (h // 2) * (w // 2), 4)
 
     def query_window(self, window: Windows) -> Windows:
         """The windows of the pooled queries for key windows ``window`` of the input grid:

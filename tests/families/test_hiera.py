@@ -88,6 +88,34 @@ def test_query_pool_reference():
         QueryPool(grid=(5, 6), weight=pool.weight)
 
 
+def test_query_pool_gradient_reference():
+    """The pooling's gradient equals timm's (``view(B, 4, N/4, C).amax(dim=1)`` on the
+    unrolled layout, 2x2 phase first) and, on exact ties, the sub-gradient written here
+    (shared equally by the tied children, as ``amax`` shares it), along any token axis
+    (the queries' ``[B, H, N, d]`` too)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 48, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(2, 12, 5, generator=g, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(pool_tokens(x, (6, 8)), x, up)
+    unrolled = x.reshape(2, 3, 2, 4, 2, 5).permute(0, 2, 4, 1, 3, 5).reshape(2, 48, 5)
+    timm = unrolled.view(2, 4, 12, 5).amax(dim=1)
+    (ref,) = torch.autograd.grad(timm, x, up)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    # ties (1, 2, 3 or 4 maximal children per channel) on the third axis of [B, H, N, d]
+    t = torch.randint(0, 3, (2, 3, 16, 4), generator=g).double().requires_grad_()
+    up = torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64)
+    pooled = pool_tokens(t, (4, 4), dim=2)
+    (ours,) = torch.autograd.grad(pooled, t, up)
+    kids = t.detach().reshape(2, 3, 2, 2, 2, 2, 4).permute(0, 1, 2, 4, 3, 5, 6)
+    kids = kids.reshape(2, 3, 4, 4, 4)  # [B, H, N', child, d]
+    top = (kids == kids.amax(3, keepdim=True)).double()
+    assert {1.0, 2.0, 3.0, 4.0} <= set(top.sum(3).unique().tolist())
+    torch.testing.assert_close(pooled, kids.amax(3), rtol=0, atol=0)
+    share = (up[:, :, :, None] * top / top.sum(3, keepdim=True)).reshape(2, 3, 2, 2, 2, 2, 4)
+    torch.testing.assert_close(ours, share.permute(0, 1, 2, 4, 3, 5, 6).reshape(2, 3, 16, 4),
+                               rtol=0, atol=1e-15)
+
+
 def test_pooling_block_attention_dense_reference():
     """The pooling block's mask-unit attention against a dense reference written here:
     queries max-pooled on the grid, keys masked to the query's mask unit."""
