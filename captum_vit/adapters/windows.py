@@ -110,11 +110,12 @@ class Windows:
         h, w = self.grid
         hp, wp = self.padded
         pad = (0, 0, 0, wp - w, 0, hp - h)
-        if self.pad_first:
+        padded = hp > h or wp > w  # else no copy (F.pad copies even when it adds nothing)
+        if self.pad_first and padded:
             x = F.pad(x, pad, value=fill)
         if any(self.shift):
             x = torch.roll(x, shifts=(-self.shift[0], -self.shift[1]), dims=(1, 2))
-        if not self.pad_first:
+        if not self.pad_first and padded:
             x = F.pad(x, pad, value=fill)
         b, c = x.shape[0], x.shape[-1]
         mh, mw = self.size
