@@ -32,8 +32,9 @@ class GAE(PLUSFastPath, HeadsAttribution):
     (Eq. 6), the map is the readout row of :math:`R`. No row normalisation.
 
     Gradients of all blocks come from one backward pass of the target score. For a
-    large attention (more keys per query than four times the head width,
-    :func:`~captum_vit.adapters.parts.small_attention`: ViT-B at 448 px) the forward
+    large attention (at least four times the head width in keys per query,
+    :func:`~captum_vit.adapters.parts.small_attention` with ``inclusive=False``: ViT-B at
+    448 px, SigLIP's 256 patches of width 64) the forward
     uses the fused attention kernel and keeps no ``[B, H, N, N]`` tensor for the
     backward; each block's :math:`A_l` and :math:`\nabla A_l = (\nabla o_l) v_l^\top`
     (:math:`o_l = A_l v_l`) are recomputed one block at a time, from the top block down,
