@@ -13,7 +13,8 @@ so a target never touches the model's modules. What each target asks of the meth
   our choice; true token removal (TIS's and the metrics' default) changes the rows such a target
   reads and is refused, with the pixel removal as the fix;
 - a target reading several blocks is explained as the sum of one single-block readout
-  per block, each with the gradient of the score at that block's output.
+  per block, each with the gradient of the score at that block's output (a method linear
+  in its backward's gradient gets that sum from one pass reading every block).
 """
 
 from __future__ import annotations
