@@ -239,8 +239,12 @@ def torchvision_s16(img_size: int = 224) -> torch.nn.Module:
     from torchvision.models import VisionTransformer as TorchvisionViT
 
     torch.manual_seed(0)
-    return TorchvisionViT(image_size=img_size, patch_size=16, num_layers=12, num_heads=6,
-                          hidden_dim=384, mlp_dim=1536, num_classes=1000).eval()
+    model = TorchvisionViT(image_size=img_size, patch_size=16, num_layers=12, num_heads=6,
+                           hidden_dim=384, mlp_dim=1536, num_classes=1000).eval()
+    # torchvision zero-initialises the head, so every map would be exactly zero and each
+    # call would also pay the zero-map check's extra forward+backward (captum_vit warns)
+    torch.nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model
 
 
 def hf_beit_s16(img_size: int = 224) -> torch.nn.Module:

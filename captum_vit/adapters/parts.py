@@ -205,13 +205,48 @@ def small_attention(n_keys: int, head_dim: int, *, inclusive: bool = True) -> bo
 
 def _values_only_backward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> bool:
     """Whether only ``v`` of a fused attention can receive a gradient (``q`` and ``k``
-    detached under grad, DecompX's linearised trace) and the attention is small
-    (:func:`small_attention`), and the logit ``bias`` is a constant: the explicit product
-    with probabilities computed without a graph is then cheaper forward and backward than
-    the fused kernel."""
+    detached under grad, DecompX's linearised trace) and the logit ``bias`` is a constant:
+    the backward is then ``Aᵀ ∂s/∂o`` alone (:meth:`AttentionParts._mix`: a small
+    attention multiplies probabilities computed without a graph, a large one
+    :class:`_ValuesOnlyAttention`), where the fused kernel's backward would recompute
+    ``A`` and also form the gradients of ``q`` and ``k``."""
     return (torch.is_grad_enabled() and v.requires_grad and not q.requires_grad
-            and not k.requires_grad and (bias is None or not bias.requires_grad)
-            and small_attention(k.shape[-2], q.shape[-1]))
+            and not k.requires_grad and (bias is None or not bias.requires_grad))
+
+
+QUERY_CHUNK_BYTES = 64 * 2**20
+"""At most this many bytes of probabilities at once in :class:`_ValuesOnlyAttention`'s
+backward (a chunk of query rows)."""
+
+
+class _ValuesOnlyAttention(torch.autograd.Function):
+    """``A v`` by the fused kernel, ``A = softmax(scale · q kᵀ + bias)`` with ``q``, ``k``
+    and ``bias`` constants: the backward recomputes ``A`` (``probs(q, k, bias)``, the
+    explicit path's own softmax) a chunk of query rows at a time (at most
+    :data:`QUERY_CHUNK_BYTES`) and returns ``∂s/∂v = Aᵀ ∂s/∂o`` only, so no ``[B, H, N,
+    N]`` tensor is kept between the passes (two products backward where the fused
+    kernel's takes four)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, probs):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(q, k, bias)
+        ctx.probs = probs
+        mask = None if bias is None else bias.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, bias = ctx.saved_tensors
+        n = q.shape[-2]
+        per_row = q.shape[:-2].numel() * k.shape[-2] * q.element_size()
+        rows = max(1, QUERY_CHUNK_BYTES // max(1, per_row))
+        dv = None
+        for i in range(0, n, rows):
+            b = bias if bias is None or bias.shape[-2] == 1 else bias[..., i:i + rows, :]
+            a = ctx.probs(q[..., i:i + rows, :], k, b)
+            part = a.transpose(-2, -1) @ grad[..., i:i + rows, :]
+            dv = part if dv is None else dv.add_(part)
+        return None, None, dv, None, None, None
 
 
 class _ScaleGradientRows(torch.autograd.Function):
@@ -231,6 +266,48 @@ class _ScaleGradientRows(torch.autograd.Function):
 def scale_gradient_rows(x: Tensor, scale: Tensor) -> Tensor:
     """``x`` in the forward, the gradient times ``scale`` (broadcast) in the backward."""
     return _ScaleGradientRows.apply(x, scale)
+
+
+class _TrailingRowsLinear(torch.autograd.Function):
+    """``x W^T + b`` in one product; the backward reaches ``x`` through the rows of ``W``
+    from ``start`` on only (the other outputs are detached by the caller)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, start):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(weight)
+        ctx.start = start
+        return affine(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (weight,) = ctx.saved_tensors
+        s = ctx.start
+        return grad[..., s:] @ weight[s:], None, None, None
+
+
+def trailing_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None, start: int
+                         ) -> Tensor:
+    """``affine(x, weight, bias)`` whose outputs before column ``start`` the caller
+    detaches: the same one product forward (so the same values as the model's fused
+    projection), a backward through ``weight[start:]`` only.
+
+    DecompX's linearised attention (``detach_qk``) reads only ``v`` of timm's fused
+    ``qkv``; autograd's own backward of the fused product multiplies the whole ``[N, 3D]``
+    gradient, zeros of ``q`` and ``k`` included, by the ``[3D, D]`` weight (three times
+    the work). Falls back to :func:`affine` when ``weight`` or ``bias`` needs a gradient.
+
+    Examples::
+
+        >>> x, w = torch.randn(2, 5, 4, requires_grad=True), torch.randn(6, 4)
+        >>> y = trailing_rows_linear(x, w, None, 4)
+        >>> y[..., 4:].sum().backward()
+        >>> torch.allclose(x.grad, w[4:].sum(0).expand(2, 5, 4))
+        True
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad) \
+            or not (torch.is_grad_enabled() and x.requires_grad):
+        return affine(x, weight, bias)
+    return _TrailingRowsLinear.apply(x, weight, bias, start)
 
 
 def key_padding_bias(real: Tensor, dtype: torch.dtype) -> Tensor:
@@ -411,7 +488,11 @@ class BlockParts(AttentionParts):
             # one fused matmul, exactly as the model computes it (same rounding forward
             # and backward); the heads then split as in timm's Attention.forward
             b, n, _ = u.shape
-            qkv = linear(u, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim)
+            if detach_qk and linear is affine:  # v's rows alone reach u (backward)
+                qkv = trailing_rows_linear(u, weight, bias, 2 * self.inner_dim)
+            else:
+                qkv = linear(u, weight, bias)
+            qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             q, k = self.q_norm(q), self.k_norm(k)
         else:
@@ -616,9 +697,12 @@ class BlockParts(AttentionParts):
             # probs^T grad; the fused kernel's would recompute the probabilities and
             # form gradients for q and k that nothing asks for
             attn = None
-            with torch.no_grad():
-                probs = self._probs(q, k, bias)
-            mix = probs @ v
+            if small_attention(k.shape[-2], q.shape[-1]):  # keep them: cheaper
+                with torch.no_grad():
+                    probs = self._probs(q, k, bias)
+                mix = probs @ v
+            else:  # recomputed in the backward, as the fused kernel's memory
+                mix = _ValuesOnlyAttention.apply(q, k, v, bias, self.scale, self._probs)
         else:
             attn = None
             mask = None if bias is None else bias.to(q.dtype)

@@ -449,8 +449,11 @@ class DecompX(GradientRoute, PlainAttribution):
                 kept.append(rec.x)
 
         with torch.enable_grad():  # also under Captum's no_grad (NoiseTunnel, ...)
+            # under a class-token readout the last block's FFN runs on the read rows only
+            # (unless the map starts there: it needs every row of that block's input)
+            rows = self.adapter.readout_row_count if s < self.adapter.num_blocks - 1 else None
             tr = self.adapter.trace(images, linearize=True, grad=True, attention="fused",
-                                    on_block=keep)
+                                    on_block=keep, last_rows=rows)
             t = resolve_target(target, tr.require_logits())
             scores = target_scores(tr.require_logits(), t)
             (g,) = gradients(scores, kept, trace=tr)
