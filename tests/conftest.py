@@ -70,6 +70,9 @@ INTEGRATION_SKIP = pytest.mark.skip(
 
 
 def pytest_collection_modifyitems(config, items):
+    # the longest tests first (stable: the others keep their order), so that pytest -n's
+    # workers start on them and share the short ones at the end
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     # The documentation builds (the site, the API pages, the tutorials executed) and the
     # integration runs of whole programs are collected (counted) by every run but run only
     # when selected by marker, in CI's later steps; the README's test command stays within

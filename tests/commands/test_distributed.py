@@ -46,6 +46,7 @@ def test_maps_under_bf16_autocast_are_float32_and_close(bundled):
     assert torch.equal(out.argmax(1), ref.argmax(1))
 
 
+@pytest.mark.long
 def test_evaluate_with_bf16_autocast_matches_float32_loosely(bundled):
     lm, data = bundled
     model = lm.model.float().eval()

@@ -34,6 +34,7 @@ def _read(out: Path) -> dict[str, str]:
     return files
 
 
+@pytest.mark.long
 def test_evaluate_writes_table_csv_json_and_plots(tmp_path):
     out = tmp_path / "a"
     metrics = "perturbation,deletion,insertion,pointing_game,segmentation,sparseness"

@@ -19,6 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.skipif("vit_fmnist_loc" not in zoo.available(), reason="bundled model missing")
+@pytest.mark.long
 def test_explain_with_no_arguments_writes_a_png(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["explain"]) == 0
@@ -162,6 +163,7 @@ def test_torchvision_pretrained_without_the_cached_file_names_the_path(tmp_path,
 
 
 @needs_torchvision
+@pytest.mark.long
 def test_explain_torchvision_pretrained_loads_the_cached_weights(tmp_path, capsys, monkeypatch):
     """A checkpoint in the torch hub cache (where torchvision's downloader puts it; here
     under a TORCH_HOME of the test) is loaded offline, with ImageNet's class names."""

@@ -65,6 +65,7 @@ def _accuracy(zm, test, n: int) -> float:
 
 
 @needs_fashion_mnist
+@pytest.mark.long
 def test_the_default_model_reaches_its_card_accuracy_on_the_whole_test_split(loc_test):
     zm = zoo.load(WHOLE_SPLIT)
     acc = _accuracy(zm, loc_test, len(loc_test["labels"]))
@@ -74,6 +75,7 @@ def test_the_default_model_reaches_its_card_accuracy_on_the_whole_test_split(loc
 
 @needs_fashion_mnist
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.long
 def test_model_reaches_its_learning_curves_last_accuracy_on_the_first_2000_test_images(
         name, loc_test):
     """The saved weights are the last epoch's: their accuracy on the first 2,000 test images

@@ -85,6 +85,7 @@ def test_check_links_needs_a_built_site(tmp_path):
         load("check_links").check_site(tmp_path)
 
 
+@pytest.mark.long
 def test_check_pages_fails_console_errors_missing_headings_and_figures(tmp_path, capsys):
     check_pages = load("check_pages")
     if check_pages.find_browser() is None:

@@ -161,6 +161,7 @@ def test_register_family_refuses_what_it_cannot_file():
         catalog.example("no_such_example")
 
 
+@pytest.mark.long
 def test_importing_the_adapters_imports_no_optional_library():
     """The family files import no optional library at module level (predicates look up
     classes of imported modules; examples import their library when built)."""

@@ -60,6 +60,7 @@ def test_odd_grid_and_swin_model_embedding():
             assert (timm_model(x) - ref).abs().max() <= 1e-12
 
 
+@pytest.mark.long
 def test_same_maps_as_the_timm_twin():
     """Mapped weights (windows that divide the grids, so both libraries compute the same
     function): every method that runs on Swin gives the timm twin's maps."""

@@ -72,6 +72,7 @@ def hf_twin(timm_model: torch.nn.Module, distilled: bool = False) -> torch.nn.Mo
 
 
 @pytest.mark.parametrize("distilled", [False, True])
+@pytest.mark.long
 def test_hf_twin_of_a_timm_model_gets_identical_maps_from_every_method(distilled):
     torch.manual_seed(0)
     timm_model = (VisionTransformerDistilled if distilled else VisionTransformer)(**KW)

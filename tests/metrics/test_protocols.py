@@ -138,6 +138,7 @@ def test_tis_deletion_without_start_point_equals_loops():
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.long
 def test_each_preset_runs_end_to_end_and_writes_the_seed_table(tmp_path, name, capsys):
     out = tmp_path / name
     argv = ["evaluate", "--model", "random:vit_tiny", "--data", "synthetic", "--n", "3",
@@ -217,6 +218,7 @@ def _loader_data(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.long
 def test_each_preset_runs_on_its_seed_data_set_layout(tmp_path, name, capsys):
     data, extra = _loader_data(name, tmp_path)
     out = tmp_path / "out"
